@@ -1,0 +1,9 @@
+"""protrain-fx graph passes. Each pass is a function ``(gm, plan) -> gm`` that rewrites or annotates one FX
+graph and says in its docstring what it inserts and why. ``protrain_fx.backend.PIPELINE`` lists which
+passes run on which stage; they are also usable on their own.
+
+Installed as ``protrain_fx.passes`` (the source folder is the top-level ``passes/``).
+"""
+from .annotate import META_KEY, NodeAnnotation, annotate, annotation_of
+
+__all__ = ["META_KEY", "NodeAnnotation", "annotate", "annotation_of"]

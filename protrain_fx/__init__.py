@@ -1,0 +1,23 @@
+"""protrain-fx: ProTrain (arXiv 2406.08334) as a torch.compile backend.
+
+    model = torch.compile(model, backend="protrain", options={...})
+    print(protrain_fx.get_plan(model).summary())
+
+Importing this package is optional: the ``torch_dynamo_backends`` entry point registers the backend.
+"""
+from .options import OptionNotSupportedYet, Options, OptionsError, ProtrainError, parse_bytes
+from .plan import BlockPlan, ChunkPlan, Plan, get_plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockPlan",
+    "ChunkPlan",
+    "OptionNotSupportedYet",
+    "Options",
+    "OptionsError",
+    "Plan",
+    "ProtrainError",
+    "get_plan",
+    "parse_bytes",
+]

@@ -1,0 +1,80 @@
+"""Every private torch API protrain-fx touches, behind one function each, so a torch change breaks one place.
+
+Checked on torch 2.11 (GPU machine) and 2.13 (CI).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+
+def inductor_decompositions() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def min_cut_partition(joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+
+
+def inductor_joint_passes(joint: fx.GraphModule) -> fx.GraphModule:
+    """Inductor's joint-graph passes: its pattern matcher and the user's ``joint_custom_pre_pass`` /
+    ``joint_custom_post_pass`` (same signature on 2.11 and 2.13)."""
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes
+
+    return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True)
+
+
+def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
+    """Inductor's inner compiler (keywords only: 2.13 added a positional parameter)."""
+    from torch._inductor.compile_fx import compile_fx_inner as inner
+    from torch._inductor.utils import BoxedBool
+
+    kwargs.setdefault("cudagraphs", BoxedBool(False))
+    return inner(gm, example_inputs, **kwargs)
+
+
+def forward_static_input_idxs(num_dynamo_inputs: int, num_fw_inputs: int) -> list[int]:
+    """Which forward-graph inputs have fixed addresses (parameters, buffers), as compile_fx decides it."""
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.fw_metadata is not None:
+        return list(context.fw_metadata.static_input_indices)
+    from torch._inductor.utils import num_fw_fixed_arguments
+
+    return list(range(num_fw_fixed_arguments(num_dynamo_inputs, num_fw_inputs)))
+
+
+def backward_static_input_idxs(bw: fx.GraphModule) -> list[int]:
+    from torch._inductor.utils import count_tangents
+
+    return list(range(count_tangents(bw)))
+
+
+def mutated_input_output_count(is_inference: bool) -> int:
+    """Number of leading forward outputs that are mutated inputs rather than user outputs."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None or context.fw_metadata is None or is_inference:
+        return 0
+    return context.fw_metadata.num_mutated_inp_runtime_indices
+
+
+def current_compile_id() -> tuple[int, int] | None:
+    """(frame_id, frame_compile_id) of the graph dynamo is compiling now."""
+    cid = torch._guards.CompileContext.current_compile_id()
+    if cid is None:
+        return None
+    return getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None)
+
+
+def trace_artifact(name: str, encoding: str, payload_fn) -> None:
+    """One artifact in torch's structured trace (read by tlparse); payload_fn runs only when tracing."""
+    try:
+        from torch._logging import trace_structured
+    except ImportError:  # pragma: no cover - very old torch
+        return
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn)

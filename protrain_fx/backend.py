@@ -1,0 +1,160 @@
+"""The ``protrain`` torch.compile backend.
+
+Pipeline of one dynamo graph::
+
+    dynamo graph ──capture parameter sources, detect blocks, make the Plan──▶ aot_autograd
+      joint graph ──[Inductor joint passes: pattern matcher + user joint_custom_*_pass]──[PIPELINE["joint"]]
+      min-cut partition ──▶ forward graph  ──[PIPELINE["forward"]]──▶ Inductor compile_fx_inner
+                        └─▶ backward graph ──[PIPELINE["backward"]]─▶ Inductor compile_fx_inner
+      (no grad needed)  ──▶ inference graph ─[PIPELINE["inference"]]─▶ Inductor compile_fx_inner
+
+``PIPELINE`` below is the one place that says which passes run on which stage, in order. Each pass is
+``(gm, plan) -> gm``. With ``options={"compiler": "eager"}`` the rewritten graphs run as they are, without
+decompositions or Inductor: bit-exact against eager PyTorch, for debugging and fast property tests.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from protrain_fx.passes.annotate import annotate
+
+from . import _compat
+from .blocks import detect_blocks
+from .dump import GraphDump
+from .graph_inputs import capture_graph_inputs
+from .options import Options, OptionsError
+from .plan import Plan, register_plan
+from .planner import make_plan
+
+Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
+
+# The passes of each stage, in the order they run.
+PIPELINE: dict[str, tuple[Pass, ...]] = {
+    "joint": (annotate,),
+    "forward": (),
+    "backward": (),
+    "inference": (annotate,),
+}
+
+
+def run_passes(stage: str, gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    for p in PIPELINE[stage]:
+        gm = p(gm, plan)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _num_outputs(gm: fx.GraphModule) -> int:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return len(pytree.arg_tree_leaves(*out.args))
+
+
+def _mark_user_visible_outputs(gm: fx.GraphModule, first: int, count: int) -> None:
+    """What compile_fx does before Inductor: outputs the user sees keep eager strides."""
+    from torch._inductor import config
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = pytree.arg_tree_leaves(*out.args)
+    if not config.keep_output_stride:
+        out.meta["user_visible_output_idxs"] = []
+        return
+    out.meta["user_visible_output_idxs"] = [
+        i for i in range(first, min(first + count, len(leaves))) if isinstance(leaves[i], fx.Node)
+    ]
+
+
+class GraphCompiler:
+    """The aot_autograd callbacks for one dynamo graph: partition, then per-stage passes, then the
+    final compiler (Inductor or eager)."""
+
+    def __init__(self, plan: Plan, options: Options, dump: GraphDump, num_dynamo_inputs: int, num_orig_outputs: int):
+        self.plan = plan
+        self.options = options
+        self.dump = dump
+        self.num_dynamo_inputs = num_dynamo_inputs
+        self.num_orig_outputs = num_orig_outputs
+
+    @property
+    def use_inductor(self) -> bool:
+        return self.options.compiler == "inductor"
+
+    def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        if self.use_inductor:
+            joint = _compat.inductor_joint_passes(joint)
+        joint = run_passes("joint", joint, self.plan)
+        self.dump.stage("joint", joint)
+        return _compat.min_cut_partition(joint, joint_inputs, **kwargs)
+
+    def forward(self, gm: fx.GraphModule, example_inputs: Sequence):
+        return self._compile("forward", "fw", gm, example_inputs)
+
+    def backward(self, gm: fx.GraphModule, example_inputs: Sequence):
+        return self._compile("backward", "bw", gm, example_inputs)
+
+    def inference(self, gm: fx.GraphModule, example_inputs: Sequence):
+        return self._compile("inference", "inference", gm, example_inputs)
+
+    def _compile(self, stage: str, dump_name: str, gm: fx.GraphModule, example_inputs: Sequence):
+        if stage == "inference" and self.use_inductor:
+            gm = _compat.inductor_joint_passes(gm)  # as compile_fx does for inference graphs
+        gm = run_passes(stage, gm, self.plan)
+        self.dump.stage(dump_name, gm)
+        self.dump.write_plan()
+        if not self.use_inductor:
+            from functorch.compile import make_boxed_func
+
+            return make_boxed_func(gm.forward)
+        if stage == "backward":
+            from torch._inductor import config
+
+            if config.bw_outputs_user_visible:
+                _mark_user_visible_outputs(gm, 0, _num_outputs(gm))
+            else:
+                _mark_user_visible_outputs(gm, 0, 0)
+            return _compat.compile_fx_inner(
+                gm, example_inputs, is_backward=True, static_input_idxs=_compat.backward_static_input_idxs(gm)
+            )
+        is_inference = stage == "inference"
+        first = _compat.mutated_input_output_count(is_inference)
+        _mark_user_visible_outputs(gm, first, self.num_orig_outputs)
+        return _compat.compile_fx_inner(
+            gm,
+            example_inputs,
+            is_inference=is_inference,
+            static_input_idxs=_compat.forward_static_input_idxs(self.num_dynamo_inputs, len(example_inputs)),
+        )
+
+
+def _graph_name() -> str:
+    cid = _compat.current_compile_id()
+    return "?" if cid is None else f"{cid[0]}/{cid[1]}"
+
+
+def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    """torch.compile backend "protrain" (registered through the ``torch_dynamo_backends`` entry point)."""
+    if mode not in (None, "default"):
+        raise OptionsError(f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead")
+    opts = Options.from_dict(options)
+    graph_inputs, params = capture_graph_inputs(gm, example_inputs)  # before dynamo drops grapharg
+    plan = make_plan(_graph_name(), graph_inputs, detect_blocks(gm), opts)
+    register_plan(plan, [p for p in params if p is not None], options)
+    dump = GraphDump(opts.dump_dir, plan)
+    dump.stage("dynamo", gm)
+    dump.write_plan()
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiler = GraphCompiler(plan, opts, dump, len(example_inputs), _num_outputs(gm))
+    return aot_autograd(
+        fw_compiler=compiler.forward,
+        bw_compiler=compiler.backward,
+        inference_compiler=compiler.inference,
+        partition_fn=compiler.partition,
+        decompositions=_compat.inductor_decompositions() if compiler.use_inductor else {},
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)

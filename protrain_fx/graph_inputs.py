@@ -1,0 +1,109 @@
+"""What each placeholder of a dynamo graph is: a parameter (with its FQN), a buffer, or a user input.
+
+Dynamo deletes ``node.meta["grapharg"]`` once the backend returns, so :func:`capture_graph_inputs` must run
+on entry to the backend. Placeholders come in first-use order, which is the order chunks are packed in.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+# "L['self']", "L['args'][0]", "G['model']": the root of a dynamo source name.
+_ROOT_RE = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")
+# "._modules['blocks']", "._parameters['weight']", ".blocks", "[0]", "['key']"
+_PART_RE = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*|\d+)|\[(\d+)\]|\['([^']+)'\]")
+
+
+def fqn_from_source(name: str) -> str | None:
+    """``L['self']._modules['blocks']._modules['0']._parameters['weight']`` -> ``blocks.0.weight``.
+
+    Also takes the attribute style (``L['self'].blocks[0].weight``) that other torch versions print and the
+    module paths of ``nn_module_stack`` (``L['self'].blocks.0``). Returns None for anything unparseable.
+    """
+    m = _ROOT_RE.match(name)
+    if m is None:
+        return None
+    rest, parts, pos = name[m.end():], [], 0
+    while pos < len(rest):
+        pm = _PART_RE.match(rest, pos)
+        if pm is None:
+            return None
+        parts.append(next(g for g in pm.groups() if g is not None))
+        pos = pm.end()
+    return ".".join(parts)
+
+
+def module_path(stack_entry_path: str) -> str:
+    """A module path from ``nn_module_stack`` (``L['self'].blocks.0``) as a plain FQN (``blocks.0``)."""
+    fqn = fqn_from_source(stack_entry_path)
+    return fqn if fqn is not None else stack_entry_path
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One placeholder of the dynamo graph."""
+
+    index: int  # position among the dynamo graph's placeholders (== joint-graph desc idx)
+    node_name: str
+    kind: str  # "param" | "buffer" | "input"
+    fqn: str | None  # parameter/buffer FQN relative to the compiled module, when known
+    source: str | None
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    nbytes: int
+
+    @property
+    def is_param(self) -> bool:
+        return self.kind == "param"
+
+
+def capture_graph_inputs(gm: fx.GraphModule, example_inputs) -> tuple[list[GraphInput], list[torch.Tensor | None]]:
+    """Describe every placeholder of ``gm`` and return the real parameter objects beside (None elsewhere)."""
+    infos, params = [], []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        ex = example_inputs[i] if i < len(example_inputs) else None
+        ga = node.meta.get("grapharg")
+        src = None
+        if ga is not None and getattr(ga, "source", None) is not None:
+            name = ga.source.name
+            src = name if isinstance(name, str) else name()
+        fqn = fqn_from_source(src) if src else None
+        if isinstance(ex, torch.nn.Parameter):
+            kind = "param"
+        elif src is not None and "_buffers[" in src:
+            kind = "buffer"
+        else:
+            kind = "input"
+        is_tensor = isinstance(ex, torch.Tensor)
+        infos.append(
+            GraphInput(
+                index=i,
+                node_name=node.name,
+                kind=kind,
+                fqn=fqn if kind != "input" else None,
+                source=src,
+                shape=tuple(ex.shape) if is_tensor and not _has_symbolic_shape(ex) else None,
+                dtype=ex.dtype if is_tensor else None,
+                nbytes=ex.numel() * ex.element_size() if is_tensor and not _has_symbolic_shape(ex) else 0,
+            )
+        )
+        params.append(ex if kind == "param" else None)
+    return infos, params
+
+
+def _has_symbolic_shape(t: torch.Tensor) -> bool:
+    return any(not isinstance(s, int) for s in t.shape)
+
+
+def joint_input_index(node: fx.Node, position: int) -> int | None:
+    """Index into the dynamo placeholders of a joint/fw graph placeholder (``meta["desc"]``), falling back
+    to its position for primals when the torch version has no descriptors. Tangents give None."""
+    desc = node.meta.get("desc")
+    if desc is not None:
+        idx = getattr(desc, "idx", None)
+        return idx if type(desc).__name__ == "PlainAOTInput" else None
+    return position if node.name.startswith("primals") else None

@@ -1,0 +1,162 @@
+"""``torch.compile(..., backend="protrain", options={...})`` parsed into a validated :class:`Options`.
+
+Every key is checked: an unknown key is an error that lists the valid ones, a bad value is an error that
+says what was expected, and a key whose feature has not landed yet raises :class:`OptionNotSupportedYet`
+instead of being silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class ProtrainError(RuntimeError):
+    """Base class of the errors protrain-fx raises on bad input."""
+
+
+class OptionsError(ProtrainError, ValueError):
+    """An option is unknown or has a bad value."""
+
+
+class OptionNotSupportedYet(OptionsError):
+    """The option is part of protrain-fx's contract, but its feature has not landed in this version."""
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, *, what: str = "size") -> int:
+    """``24 * 2**30``, ``"24GiB"``, ``"500MB"``, ``"1.5 GiB"`` -> bytes. KB/MB/GB are powers of 10,
+    KiB/MiB/GiB powers of 2."""
+    if isinstance(value, bool):
+        raise OptionsError(f"{what}: expected bytes as an int or a string like '24GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise OptionsError(
+                f"{what}: cannot parse {value!r}; expected an int number of bytes or a number with a unit "
+                f"({', '.join(u for u in ('B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'))}), e.g. '24GiB'"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise OptionsError(f"{what}: expected bytes as an int or a string like '24GiB', got {type(value).__name__}")
+    if n <= 0:
+        raise OptionsError(f"{what}: must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: float | int | None) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+COMPILERS = ("inductor", "eager")
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Options whose feature is not part of this version yet: name -> the feature that will read it.
+NOT_SUPPORTED_YET = {
+    "optimizer": "the CPU-offload optimizer takeover (chunk-based model states)",
+    "memory_budget": "the memory-budgeted placement of chunks",
+    "n_persist": "resident/offloaded chunk placement",
+    "n_buffer": "device chunk buffers for offloaded chunks",
+    "n_swap": "activation swapping of transformer blocks",
+    "n_checkpoint": "activation recomputation of transformer blocks",
+    "param_dtype": "low-precision transfer copies of offloaded chunks",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The validated options of one ``torch.compile(..., backend="protrain")`` call.
+
+    ``None`` means "choose automatically". Sizes are bytes.
+    """
+
+    optimizer: torch.optim.Optimizer | None = None
+    memory_budget: int | None = None
+    chunk_size: int | None = None
+    n_persist: int | None = None
+    n_buffer: int | None = None
+    n_swap: int | None = None
+    n_checkpoint: int | None = None
+    param_dtype: torch.dtype | None = None
+    dump_dir: str | None = None
+    compiler: str = "inductor"
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> "Options":
+        """Validate a user's ``options`` dict. ``PROTRAIN_DUMP_DIR`` in the environment sets ``dump_dir``
+        when the dict does not."""
+        raw = dict(options or {})
+        valid = cls.valid_keys()
+        unknown = sorted(k for k in raw if k not in valid)
+        if unknown:
+            raise OptionsError(
+                f"unknown protrain option(s) {unknown}; valid options are: {', '.join(valid)}"
+            )
+        kw: dict[str, Any] = {}
+        for key in ("chunk_size", "memory_budget"):
+            if raw.get(key) is not None:
+                kw[key] = parse_bytes(raw[key], what=key)
+        for key in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"):
+            v = raw.get(key)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise OptionsError(f"{key}: expected an int >= 0 (or None for automatic), got {v!r}")
+                kw[key] = v
+        if raw.get("optimizer") is not None:
+            if not isinstance(raw["optimizer"], torch.optim.Optimizer):
+                raise OptionsError(
+                    f"optimizer: expected a torch.optim.Optimizer instance, got {type(raw['optimizer']).__name__}"
+                )
+            kw["optimizer"] = raw["optimizer"]
+        if raw.get("param_dtype") is not None:
+            v = raw["param_dtype"]
+            dt = PARAM_DTYPES.get(v) if isinstance(v, str) else v
+            if dt not in PARAM_DTYPES.values():
+                raise OptionsError(
+                    f"param_dtype: expected one of {list(PARAM_DTYPES)} (or the torch dtype), got {v!r}"
+                )
+            kw["param_dtype"] = dt
+        dump_dir = raw.get("dump_dir") or os.environ.get("PROTRAIN_DUMP_DIR") or None
+        if dump_dir is not None:
+            if not isinstance(dump_dir, (str, os.PathLike)):
+                raise OptionsError(f"dump_dir: expected a path, got {type(dump_dir).__name__}")
+            kw["dump_dir"] = os.fspath(dump_dir)
+        compiler = raw.get("compiler", "inductor")
+        if compiler not in COMPILERS:
+            raise OptionsError(f"compiler: expected one of {list(COMPILERS)}, got {compiler!r}")
+        kw["compiler"] = compiler
+        opts = cls(**kw)
+        opts._check_supported()
+        return opts
+
+    def _check_supported(self) -> None:
+        for key, feature in NOT_SUPPORTED_YET.items():
+            if getattr(self, key) is not None:
+                raise OptionNotSupportedYet(
+                    f"option {key!r} is not supported yet: it belongs to {feature}, which has not landed in "
+                    f"this version of protrain-fx. Remove it; see the feature table in README.md."
+                )

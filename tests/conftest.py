@@ -1,0 +1,19 @@
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+warnings.filterwarnings("ignore", message=".*Failed to initialize NumPy.*")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles from scratch and leaves no dynamo state behind."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
