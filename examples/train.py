@@ -119,6 +119,7 @@ def main(argv=None) -> dict:
                   f"lr {sched.get_last_lr()[0]:.2e}  {tok_window / dt:,.0f} tokens/s", flush=True)
             t_window, tok_window = time.perf_counter(), 0
 
+    steady = (time.perf_counter() - t_start - first_step_s) / max(1, args.steps - 1)
     plan = None
     if not args.no_compile:
         import protrain_fx
@@ -127,7 +128,6 @@ def main(argv=None) -> dict:
     with torch.no_grad(), autocast:
         vx, vy = get_batch(val, args.batch, args.seq, torch.Generator().manual_seed(0))
         val_loss = step_model(vx, vy).item()
-    steady = (time.perf_counter() - t_start - first_step_s) / max(1, args.steps - 1)
     head, tail = sum(losses[:10]) / min(10, len(losses)), sum(losses[-10:]) / min(10, len(losses))
     print(f"loss: first 10 steps {head:.4f} -> last 10 steps {tail:.4f}; validation loss {val_loss:.4f}; "
           f"{args.batch * args.seq / steady:,.0f} tokens/s over steps 2..{args.steps}")

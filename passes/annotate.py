@@ -2,8 +2,9 @@
 
 Inserts no nodes. It sets ``node.meta["protrain"]`` to a :class:`NodeAnnotation`:
 
-* ``phase``: "forward" or "backward" (AOTAutograd's partitioner tag; without one, whether the node depends
-  on a tangent),
+* ``phase``: "forward" or "backward": the node's autograd origin (AOTAutograd's partitioner tag; without
+  one, whether the node depends on a tangent). After partitioning a few backward-origin nodes that need only
+  forward values may sit in the forward graph, and recomputed forward nodes in the backward graph,
 * ``block`` / ``block_name``: the transformer block the node computes, from ``nn_module_stack`` (forward)
   or ``fwd_nn_module_stack`` (backward), None for non-block regions (embeddings, head, loss) and for the
   few backward nodes that carry no module metadata,
@@ -57,7 +58,6 @@ def _backward_nodes_by_tangents(gm: fx.GraphModule) -> set[fx.Node]:
 def annotate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Set ``node.meta["protrain"]`` on every node of ``gm`` (see the module docstring)."""
     structure = plan.block_structure
-    block_index = {b.name: i for i, b in enumerate(plan.blocks)}
     tagged = any("partitioner_tag" in n.meta for n in gm.graph.nodes)
     by_tangents = None if tagged else _backward_nodes_by_tangents(gm)
     position = 0
@@ -70,17 +70,17 @@ def annotate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             gi = plan.graph_inputs[idx] if idx is not None and idx < len(plan.graph_inputs) else None
             if gi is None:
                 kind = "tangent" if node.name.startswith("tangents") else "input"
-                node.meta[META_KEY] = NodeAnnotation("backward" if kind == "tangent" else "forward", "non_block", input_kind=kind)
+                phase = "backward" if kind == "tangent" else "forward"
+                node.meta[META_KEY] = NodeAnnotation(phase, "non_block", input_kind=kind)
                 continue
-            fqn = gi.fqn or gi.node_name
-            block_name = plan.param_block.get(fqn) if gi.is_param else None
+            chunk, block = plan.input_param.get(idx, (None, None))
             node.meta[META_KEY] = NodeAnnotation(
                 phase="forward",
-                region="block" if block_name else "non_block",
-                block=block_index.get(block_name) if block_name else None,
-                block_name=block_name,
-                param=fqn if gi.kind != "input" else None,
-                chunk=plan.param_chunk.get(fqn) if gi.is_param else None,
+                region="block" if block is not None else "non_block",
+                block=block,
+                block_name=structure.blocks[block].name if block is not None else None,
+                param=(gi.fqn or gi.node_name) if gi.kind != "input" else None,
+                chunk=chunk,
                 input_kind=gi.kind,
             )
             continue
@@ -88,11 +88,11 @@ def annotate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             phase = "backward" if node.meta.get("partitioner_tag") in _BACKWARD_TAGS else "forward"
         else:
             phase = "backward" if node in by_tangents else "forward"
-        block = structure.block_of_node(node) if structure is not None and node.op == "call_function" else None
+        b = structure.block_of_node(node) if structure is not None and node.op == "call_function" else None
         node.meta[META_KEY] = NodeAnnotation(
             phase=phase,
-            region="block" if block is not None else "non_block",
-            block=block_index.get(block.name) if block is not None else None,
-            block_name=block.name if block is not None else None,
+            region="block" if b is not None else "non_block",
+            block=b.index if b is not None else None,
+            block_name=b.name if b is not None else None,
         )
     return gm

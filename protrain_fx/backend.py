@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 

@@ -58,10 +58,14 @@ class Plan:
     # fqn -> chunk id, fqn -> block name (None: non-block)
     param_chunk: dict[str, int] = field(default_factory=dict)
     param_block: dict[str, str | None] = field(default_factory=dict)
-    # what the passes read: the dynamo graph's placeholders, the detected blocks, the chunk layout
+    # what the passes read (by index, so the display names above may be re-rooted freely): the dynamo
+    # graph's placeholders, placeholder index -> (chunk id, block index or None), the blocks, the layout
+    input_param: dict[int, tuple[int, int | None]] = field(default_factory=dict, repr=False)
     graph_inputs: list = field(default_factory=list, repr=False)
     block_structure: Any = field(default=None, repr=False)
     layout: Any = field(default=None, repr=False)
+    # set by get_plan(module): what was prepended to the traced frame's names to make them module FQNs
+    root_prefix: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,6 +177,35 @@ def _options_of(compiled) -> dict | None:
     return None
 
 
+def _name_from_root(entry: _Entry, module: torch.nn.Module) -> None:
+    """Names in a plan are relative to the module whose forward dynamo traced; after a graph break that
+    can be a submodule (``transformer.h.0`` inside ``lm``). Prefix them so they match ``module``'s names."""
+    plan = entry.plan
+    if plan.root_prefix is not None:
+        return
+    names = {id(p): n for n, p in module.named_parameters()}
+    prefixes = set()
+    for fqn, ref in zip(plan.param_chunk, entry.params):
+        full = names.get(id(ref()))
+        if full is None or not full.endswith(fqn):
+            return
+        prefixes.add(full[: len(full) - len(fqn)])
+    if len(prefixes) != 1:
+        return
+    (prefix,) = prefixes
+    plan.root_prefix = prefix
+    if not prefix:
+        return
+    for c in plan.chunks:
+        c.params = [prefix + p for p in c.params]
+    for b in plan.blocks:
+        b.name = prefix + b.name
+    plan.param_chunk = {prefix + k: v for k, v in plan.param_chunk.items()}
+    plan.param_block = {prefix + k: (None if v is None else prefix + v) for k, v in plan.param_block.items()}
+    if plan.block_container is not None:
+        plan.block_container = prefix + plan.block_container
+
+
 def get_plan(compiled=None) -> Plan:
     """The plan of the most recent graph compiled by backend="protrain" for ``compiled`` (the module
     returned by ``torch.compile`` or the original module). Without an argument: the newest plan of all.
@@ -190,6 +223,7 @@ def get_plan(compiled=None) -> Plan:
         ids = {id(p) for p in module.parameters()}
         mine = [e for e in live if e.param_ids and e.param_ids <= ids]
         if mine:
+            _name_from_root(mine[-1], module)
             return mine[-1].plan
     opts = _options_of(compiled)
     if opts is not None:

@@ -25,10 +25,14 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
         )
         for c in range(layout.n_chunks)
     ]
-    param_block = {}
-    for fqn, _ in params:
-        block = structure.block_of_param(fqn)
-        param_block[fqn] = block.name if block is not None else None
+    param_block, input_param = {}, {}
+    chunk_of = {s.fqn: s.chunk for s in layout.slots}
+    for gi in inputs:
+        if gi.is_param:
+            fqn = gi.fqn or gi.node_name
+            block = structure.block_of_param(fqn)
+            param_block[fqn] = block.name if block is not None else None
+            input_param[gi.index] = (chunk_of[fqn], block.index if block is not None else None)
     notes = []
     if not structure.blocks:
         notes.append(
@@ -48,8 +52,9 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
         graph_name=graph_name,
         block_container=structure.container,
         notes=notes,
-        param_chunk={s.fqn: s.chunk for s in layout.slots},
+        param_chunk=chunk_of,
         param_block=param_block,
+        input_param=input_param,
         graph_inputs=list(inputs),
         block_structure=structure,
         layout=layout,

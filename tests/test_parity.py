@@ -1,14 +1,14 @@
 """backend="protrain" trains exactly like eager PyTorch: losses and parameters after several AdamW steps."""
 import pytest
 import torch
-from helpers import batches, run_parity, train
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from models import build
+from protrain_fx.passes import annotation_of
 
 import protrain_fx
 from protrain_fx import backend
-from protrain_fx.passes import annotation_of
+from protrain_fx.testing import compare_with_eager, random_batches, train_steps
 
 LOSS_REL, PARAM_ABS = 1e-5, 1e-3  # fp32 contract
 
@@ -25,7 +25,7 @@ def small(kind: str, **kw):
 def test_fp32_parity_adamw(kind, compiler):
     model = small(kind)
     assert model.head.weight is model.wte.weight if kind == "gpt" else model.output.weight is model.tok_embeddings.weight
-    r = run_parity(model, batches(4, batch=2, seq=16), {"compiler": compiler})
+    r = compare_with_eager(model, random_batches(4, batch=2, seq=16), {"compiler": compiler})
     assert r.max_loss_rel <= LOSS_REL, (r.losses, r.ref_losses)
     assert r.max_param_abs <= PARAM_ABS
     if compiler == "eager":  # no decompositions, no Inductor: bit-exact
@@ -45,7 +45,7 @@ LR, STEPS = 1e-3, 3
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_bf16_autocast_parity(kind):
-    r = run_parity(small(kind), batches(STEPS, batch=2, seq=16), {}, lr=LR, autocast_dtype=torch.bfloat16)
+    r = compare_with_eager(small(kind), random_batches(STEPS, batch=2, seq=16), {}, lr=LR, autocast_dtype=torch.bfloat16)
     assert r.max_loss_rel <= BF16_LOSS_REL, (r.losses, r.ref_losses)
     assert r.max_param_abs <= 2 * LR * STEPS
 
@@ -53,7 +53,7 @@ def test_bf16_autocast_parity(kind):
 def test_inference_only_call():
     model = small("gpt").eval()
     compiled = torch.compile(model, backend="protrain")
-    x = batches(1, batch=2, seq=16)[0][0]
+    x = random_batches(1, batch=2, seq=16)[0][0]
     with torch.no_grad():
         out = compiled(x)
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
@@ -62,8 +62,8 @@ def test_inference_only_call():
 
 
 def test_new_sequence_length_recompiles_and_stays_correct():
-    data = batches(2, batch=2, seq=16) + batches(2, batch=2, seq=24, seed=1) + batches(1, batch=2, seq=16, seed=2)
-    r = run_parity(small("llama"), data, {})
+    data = random_batches(2, batch=2, seq=16) + random_batches(2, batch=2, seq=24, seed=1) + random_batches(1, batch=2, seq=16, seed=2)
+    r = compare_with_eager(small("llama"), data, {})
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
     assert r.plan.graph_name == "0/1"  # the second shape produced a second graph with its own plan
 
@@ -103,7 +103,7 @@ def test_parity_and_block_ids_over_shapes(monkeypatch, kind, layers, heads, head
     joints: list = []
     with monkeypatch.context() as mp:
         _record_stage(mp, "joint", joints)
-        r = run_parity(model, batches(3, batch, seq), {"compiler": "eager"})
+        r = compare_with_eager(model, random_batches(3, batch, seq), {"compiler": "eager"})
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
     assert [b.name for b in r.plan.blocks] == [f"blocks.{i}" for i in range(layers)]
     (joint, plan), = joints
@@ -138,7 +138,7 @@ def test_model_without_blocks_trains_and_plan_says_so():
             logits = self.out(torch.tanh(self.mix(self.emb(x))))
             return torch.nn.functional.cross_entropy(logits.view(-1, 256), y.view(-1))
 
-    r = run_parity(NoBlocks(), batches(3, batch=2, seq=8), {})
+    r = compare_with_eager(NoBlocks(), random_batches(3, batch=2, seq=8), {})
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
     assert r.plan.blocks == [] and r.plan.to_dict()["blocks"] == []
     assert "no transformer blocks detected" in r.plan.summary()
@@ -147,6 +147,6 @@ def test_model_without_blocks_trains_and_plan_says_so():
 def test_compiled_training_lowers_the_loss():
     model = small("gpt")
     compiled = torch.compile(model, backend="protrain")
-    x, y = batches(1, batch=4, seq=16)[0]
-    losses = train(model, compiled, [(x, y)] * 8, lr=3e-3)
+    x, y = random_batches(1, batch=4, seq=16)[0]
+    losses = train_steps(model, compiled, [(x, y)] * 8, lr=3e-3)
     assert losses[-1] < 0.8 * losses[0]

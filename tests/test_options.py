@@ -1,0 +1,88 @@
+"""Options: parsed, validated, unknown keys listed, unlanded features refused loudly."""
+import pytest
+import torch
+from models import build
+
+import protrain_fx
+from protrain_fx import OptionNotSupportedYet, Options, OptionsError, parse_bytes
+from protrain_fx.options import NOT_SUPPORTED_YET
+from protrain_fx.testing import random_batches
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("24GiB", 24 * 2**30), ("500MB", 500 * 10**6), ("1.5 GiB", int(1.5 * 2**30)), ("64KiB", 65536),
+     ("123", 123), (4096, 4096), ("2gb", 2 * 10**9)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["24 parsecs", "GiB", "-3MB", 0, -1, True, 1.5, "1e9"])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(OptionsError):
+        parse_bytes(bad)
+
+
+def test_defaults_and_supported_keys(tmp_path):
+    o = Options.from_dict({"chunk_size": "1MiB", "dump_dir": str(tmp_path), "compiler": "eager"})
+    assert o.chunk_size == 2**20 and o.dump_dir == str(tmp_path) and o.compiler == "eager"
+    d = Options.from_dict(None)
+    assert d.compiler == "inductor" and d.chunk_size is None and d.n_persist is None
+
+
+def test_unknown_key_lists_valid_ones():
+    with pytest.raises(OptionsError) as e:
+        Options.from_dict({"chunksize": 1})
+    for key in Options.valid_keys():
+        assert key in str(e.value)
+    assert "chunksize" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("optimizer", "adam"), ("n_persist", -1), ("n_buffer", 1.5), ("n_swap", True), ("compiler", "tvm"),
+     ("param_dtype", "int8"), ("memory_budget", "lots"), ("chunk_size", 0), ("dump_dir", 3)],
+)
+def test_bad_values(key, value):
+    with pytest.raises(OptionsError, match=key):
+        Options.from_dict({key: value})
+
+
+@pytest.mark.parametrize("key", sorted(NOT_SUPPORTED_YET))
+def test_unlanded_features_are_refused_not_ignored(key):
+    model = torch.nn.Linear(2, 2)
+    value = {"optimizer": torch.optim.AdamW(model.parameters()), "memory_budget": "24GiB",
+             "param_dtype": "bfloat16"}.get(key, 1)
+    with pytest.raises(OptionNotSupportedYet, match="not supported yet"):
+        Options.from_dict({key: value})
+
+
+def test_env_dump_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROTRAIN_DUMP_DIR", str(tmp_path))
+    assert Options.from_dict({}).dump_dir == str(tmp_path)
+    assert Options.from_dict({"dump_dir": str(tmp_path / "x")}).dump_dir == str(tmp_path / "x")
+
+
+def test_bad_options_fail_the_compile_with_the_message():
+    model = build("gpt", n_layer=1, n_embd=16, n_head=2)
+    x, y = random_batches(1, 1, 4)[0]
+    with pytest.raises(Exception, match="unknown protrain option"):
+        torch.compile(model, backend="protrain", options={"budget": "1GiB"})(x, y)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="not supported yet"):
+        torch.compile(model, backend="protrain", options={"n_swap": 2})(x, y)
+
+
+def test_mode_is_rejected():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(Exception, match="takes no mode"):
+        torch.compile(model, backend="protrain", mode="max-autotune")(torch.randn(1, 2))
+
+
+def test_chunk_size_below_largest_parameter_names_the_minimum():
+    model = build("gpt", n_layer=1, n_embd=16, n_head=2)  # largest: the 256 x 16 fp32 embedding, 16 KiB
+    x, y = random_batches(1, 1, 4)[0]
+    with pytest.raises(Exception, match="smallest chunk_size that works is 16384 B"):
+        torch.compile(model, backend="protrain", options={"chunk_size": "4KiB"})(x, y)
+    assert protrain_fx  # the package imported fine
