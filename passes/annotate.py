@@ -55,11 +55,20 @@ def _backward_nodes_by_tangents(gm: fx.GraphModule) -> set[fx.Node]:
     return backward
 
 
+def node_phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """"forward" or "backward" for every node of a joint (or inference) graph."""
+    tagged = any("partitioner_tag" in n.meta for n in gm.graph.nodes)
+    if tagged:
+        return {n: "backward" if n.meta.get("partitioner_tag") in _BACKWARD_TAGS or n.name.startswith("tangents")
+                else "forward" for n in gm.graph.nodes}
+    backward = _backward_nodes_by_tangents(gm)
+    return {n: "backward" if n in backward else "forward" for n in gm.graph.nodes}
+
+
 def annotate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Set ``node.meta["protrain"]`` on every node of ``gm`` (see the module docstring)."""
     structure = plan.block_structure
-    tagged = any("partitioner_tag" in n.meta for n in gm.graph.nodes)
-    by_tangents = None if tagged else _backward_nodes_by_tangents(gm)
+    phases = node_phases(gm)
     position = 0
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -84,10 +93,7 @@ def annotate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 input_kind=gi.kind,
             )
             continue
-        if tagged:
-            phase = "backward" if node.meta.get("partitioner_tag") in _BACKWARD_TAGS else "forward"
-        else:
-            phase = "backward" if node in by_tangents else "forward"
+        phase = phases[node]
         b = structure.block_of_node(node) if structure is not None and node.op == "call_function" else None
         node.meta[META_KEY] = NodeAnnotation(
             phase=phase,

@@ -5,7 +5,9 @@
 
 Importing this package is optional: the ``torch_dynamo_backends`` entry point registers the backend.
 """
+from .optim import set_grad_accumulation
 from .options import OptionNotSupportedYet, Options, OptionsError, ProtrainError, parse_bytes
+from .param_values import host_init
 from .plan import BlockPlan, ChunkPlan, Plan, get_plan
 
 __version__ = "0.1.0"
@@ -19,5 +21,7 @@ __all__ = [
     "Plan",
     "ProtrainError",
     "get_plan",
+    "host_init",
     "parse_bytes",
+    "set_grad_accumulation",
 ]

@@ -78,3 +78,40 @@ def trace_artifact(name: str, encoding: str, payload_fn) -> None:
     except ImportError:  # pragma: no cover - very old torch
         return
     trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn)
+
+
+def traced_root_object(source_root: str):
+    """The object behind a dynamo source root like ``L['self']`` or ``L['args'][0]`` of the frame being
+    compiled (dynamo's current instruction translator), or None when it cannot be found."""
+    import ast
+    import re
+
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:
+        return None
+    if tx is None:
+        return None
+    m = re.match(r"^([LG])\[(.+?)\]((?:\[[^\]]+\])*)$", source_root)
+    if m is None:
+        return None
+    scope = getattr(tx, "f_locals" if m.group(1) == "L" else "f_globals", None)
+    if scope is None:
+        return None
+    try:
+        obj = scope[ast.literal_eval(m.group(2))]  # a quoted name
+        for key in re.findall(r"\[([^\]]+)\]", m.group(3)):
+            obj = obj[ast.literal_eval(key)]
+    except Exception:
+        return None
+    return obj
+
+
+def real_tensor_mode():
+    """A context where tensors are real even inside a partitioner or compiler callback (which run under
+    aot_autograd's fake mode): for creating runtime state such as chunk stores."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

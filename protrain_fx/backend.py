@@ -20,12 +20,17 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from protrain_fx.passes.annotate import annotate
+from protrain_fx.passes.chunk_gather import chunk_gather
+from protrain_fx.passes.chunk_schedule import chunk_schedule
+from protrain_fx.passes.optimizer_calls import optimizer_calls
+from protrain_fx.passes.recompute import recompute
 
-from . import _compat
+from . import _compat, ops  # noqa: F401  (ops: registers the protrain:: custom ops)
 from .blocks import detect_blocks
 from .dump import GraphDump
 from .graph_inputs import capture_graph_inputs
 from .options import Options, OptionsError
+from .placement import autocast_dtypes, bind_chunks
 from .plan import Plan, register_plan
 from .planner import make_plan
 
@@ -33,10 +38,10 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 # The passes of each stage, in the order they run.
 PIPELINE: dict[str, tuple[Pass, ...]] = {
-    "joint": (annotate,),
-    "forward": (),
-    "backward": (),
-    "inference": (annotate,),
+    "joint": (annotate, chunk_gather, recompute),
+    "forward": (chunk_schedule,),
+    "backward": (optimizer_calls, chunk_schedule),
+    "inference": (annotate, chunk_gather, chunk_schedule),
 }
 
 
@@ -71,12 +76,16 @@ class GraphCompiler:
     """The aot_autograd callbacks for one dynamo graph: partition, then per-stage passes, then the
     final compiler (Inductor or eager)."""
 
-    def __init__(self, plan: Plan, options: Options, dump: GraphDump, num_dynamo_inputs: int, num_orig_outputs: int):
+    def __init__(self, plan: Plan, options: Options, dump: GraphDump, num_dynamo_inputs: int, num_orig_outputs: int,
+                 params: list, root):
         self.plan = plan
         self.options = options
         self.dump = dump
         self.num_dynamo_inputs = num_dynamo_inputs
         self.num_orig_outputs = num_orig_outputs
+        self.params = params  # [(placeholder index, fqn, nn.Parameter)]
+        self.root = root  # the module dynamo traced, for state_dict hooks (None if unknown)
+        self.autocast = autocast_dtypes()  # read now: aot_autograd's callbacks run with autocast off
 
     @property
     def use_inductor(self) -> bool:
@@ -85,6 +94,7 @@ class GraphCompiler:
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         if self.use_inductor:
             joint = _compat.inductor_joint_passes(joint)
+        bind_chunks(self.plan, self.options, self.params, self.root, joint, True, self.autocast)
         joint = run_passes("joint", joint, self.plan)
         self.dump.stage("joint", joint)
         return _compat.min_cut_partition(joint, joint_inputs, **kwargs)
@@ -99,8 +109,10 @@ class GraphCompiler:
         return self._compile("inference", "inference", gm, example_inputs)
 
     def _compile(self, stage: str, dump_name: str, gm: fx.GraphModule, example_inputs: Sequence):
-        if stage == "inference" and self.use_inductor:
-            gm = _compat.inductor_joint_passes(gm)  # as compile_fx does for inference graphs
+        if stage == "inference":
+            if self.use_inductor:
+                gm = _compat.inductor_joint_passes(gm)  # as compile_fx does for inference graphs
+            bind_chunks(self.plan, self.options, self.params, self.root, gm, False, self.autocast)
         gm = run_passes(stage, gm, self.plan)
         self.dump.stage(dump_name, gm)
         self.dump.write_plan()
@@ -129,6 +141,18 @@ class GraphCompiler:
         )
 
 
+def _traced_root(graph_inputs):
+    """The module dynamo is tracing (the root of the parameters' sources), for state_dict hooks."""
+    import re
+
+    for gi in graph_inputs:
+        if gi.is_param and gi.source:
+            m = re.match(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*", gi.source)
+            if m:
+                return _compat.traced_root_object(m.group(0))
+    return None
+
+
 def _graph_name() -> str:
     cid = _compat.current_compile_id()
     return "?" if cid is None else f"{cid[0]}/{cid[1]}"
@@ -148,7 +172,9 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
 
     from torch._dynamo.backends.common import aot_autograd
 
-    compiler = GraphCompiler(plan, opts, dump, len(example_inputs), _num_outputs(gm))
+    params = [(gi.index, gi.fqn or gi.node_name, p) for gi, p in zip(graph_inputs, params) if p is not None]
+    root = _traced_root(graph_inputs)
+    compiler = GraphCompiler(plan, opts, dump, len(example_inputs), _num_outputs(gm), params, root)
     return aot_autograd(
         fw_compiler=compiler.forward,
         bw_compiler=compiler.backward,

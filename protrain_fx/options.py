@@ -73,13 +73,8 @@ PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 # Options whose feature is not part of this version yet: name -> the feature that will read it.
 NOT_SUPPORTED_YET = {
-    "optimizer": "the CPU-offload optimizer takeover (chunk-based model states)",
-    "memory_budget": "the memory-budgeted placement of chunks",
-    "n_persist": "resident/offloaded chunk placement",
-    "n_buffer": "device chunk buffers for offloaded chunks",
     "n_swap": "activation swapping of transformer blocks",
     "n_checkpoint": "activation recomputation of transformer blocks",
-    "param_dtype": "low-precision transfer copies of offloaded chunks",
 }
 
 
@@ -90,7 +85,7 @@ class Options:
     ``None`` means "choose automatically". Sizes are bytes.
     """
 
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: torch.optim.Optimizer | None = None  # compared by identity
     memory_budget: int | None = None
     chunk_size: int | None = None
     n_persist: int | None = None
@@ -127,11 +122,13 @@ class Options:
                     raise OptionsError(f"{key}: expected an int >= 0 (or None for automatic), got {v!r}")
                 kw[key] = v
         if raw.get("optimizer") is not None:
-            if not isinstance(raw["optimizer"], torch.optim.Optimizer):
+            opt = raw["optimizer"]
+            if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
                 raise OptionsError(
-                    f"optimizer: expected a torch.optim.Optimizer instance, got {type(raw['optimizer']).__name__}"
+                    f"optimizer: protrain runs the optimizer of offloaded chunks itself and supports "
+                    f"torch.optim.Adam and torch.optim.AdamW instances, got {type(opt).__name__}"
                 )
-            kw["optimizer"] = raw["optimizer"]
+            kw["optimizer"] = opt
         if raw.get("param_dtype") is not None:
             v = raw["param_dtype"]
             dt = PARAM_DTYPES.get(v) if isinstance(v, str) else v

@@ -66,6 +66,13 @@ class Plan:
     layout: Any = field(default=None, repr=False)
     # set by get_plan(module): what was prepended to the traced frame's names to make them module FQNs
     root_prefix: str | None = None
+    # runtime binding, set when the chunks are placed: placeholder index -> (store id, store entry index)
+    input_entry: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
+    param_dtype: Any = None  # transfer dtype of offloaded chunks
+    n_buffer_given: bool = False  # n_buffer came from the options (too small is an error, not raised)
+    # set by chunk_gather: (store id, chunk) -> [(primal ordinal, store entry index)] of its parameters
+    grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict, repr=False)
+    estimate: dict[str, int] = field(default_factory=dict, repr=False)  # device bytes by component
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -5,10 +5,12 @@ layout is real (it is what the offloading runtime will move) and the knobs the u
 """
 from __future__ import annotations
 
+import torch
+
 from .blocks import BlockStructure
 from .chunk_layout import choose_chunk_size, pack
 from .graph_inputs import GraphInput
-from .options import Options
+from .options import Options, ProtrainError
 from .plan import BlockPlan, ChunkPlan, Plan
 
 
@@ -58,4 +60,62 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
         graph_inputs=list(inputs),
         block_structure=structure,
         layout=layout,
+    )
+
+
+# ------------------------------------------------------------------------------ chunk placement
+# ProTrain's allocator-fragmentation factor (alpha in its peak-memory model): plans keep 10% headroom.
+FRAGMENTATION = 1.10
+ADAM_STATES = 2  # exp_avg, exp_avg_sq
+
+
+def saved_activation_bytes(joint) -> int:
+    """Bytes of forward values that backward nodes read in a joint graph (what a plain partition would save;
+    the min-cut partitioner saves at most this much), parameters and inputs excluded."""
+    from protrain_fx.passes.annotate import node_phases
+
+    phases = node_phases(joint)
+    total = 0
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or phases[node] != "forward":
+            continue
+        if any(phases[u] == "backward" for u in node.users):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape):
+                total += val.numel() * val.element_size()
+    return total
+
+
+def estimate_device_bytes(chunk_bytes: list[int], n_persist: int, n_buffer: int, transfer_elem: int,
+                          master_elem: int, activation_bytes: int, optimizer_states: int) -> dict[str, int]:
+    """Device memory of a placement, by component (before the fragmentation factor)."""
+    resident = sum(chunk_bytes[:n_persist])
+    largest_offloaded = max(chunk_bytes[n_persist:], default=0) // master_elem * transfer_elem
+    return {
+        "resident_params": resident,
+        "resident_grads": resident,
+        "resident_optimizer": resident * optimizer_states,
+        "chunk_buffers": n_buffer * largest_offloaded,
+        "flat_grads": 2 * largest_offloaded if n_persist < len(chunk_bytes) else 0,
+        "activations": activation_bytes,
+    }
+
+
+def choose_n_persist(chunk_bytes: list[int], budget: int, n_buffer: int, transfer_elem: int, master_elem: int,
+                     activation_bytes: int, optimizer_states: int) -> tuple[int, dict[str, int]]:
+    """The most resident chunks whose estimate, times the fragmentation factor, fits ``budget``."""
+    for n in range(len(chunk_bytes), -1, -1):
+        est = estimate_device_bytes(chunk_bytes, n, n_buffer, transfer_elem, master_elem, activation_bytes,
+                                    optimizer_states)
+        if sum(est.values()) * FRAGMENTATION <= budget:
+            return n, est
+    need = int(sum(estimate_device_bytes(chunk_bytes, 0, n_buffer, transfer_elem, master_elem, activation_bytes,
+                                         optimizer_states).values()) * FRAGMENTATION)
+    from .options import format_bytes
+
+    raise ProtrainError(
+        f"memory_budget {format_bytes(budget)} is too small: even with every chunk offloaded this graph needs about "
+        f"{format_bytes(need)} on the device (activations {format_bytes(activation_bytes)}, {n_buffer} chunk "
+        f"buffers, flat gradients, x{FRAGMENTATION} for fragmentation); the smallest budget that would work is "
+        f"{need} bytes ({format_bytes(need)})"
     )

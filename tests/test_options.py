@@ -51,11 +51,17 @@ def test_bad_values(key, value):
 
 @pytest.mark.parametrize("key", sorted(NOT_SUPPORTED_YET))
 def test_unlanded_features_are_refused_not_ignored(key):
-    model = torch.nn.Linear(2, 2)
-    value = {"optimizer": torch.optim.AdamW(model.parameters()), "memory_budget": "24GiB",
-             "param_dtype": "bfloat16"}.get(key, 1)
     with pytest.raises(OptionNotSupportedYet, match="not supported yet"):
-        Options.from_dict({key: value})
+        Options.from_dict({key: 1})
+
+
+def test_chunk_options_parse():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    o = Options.from_dict({"optimizer": opt, "memory_budget": "24GiB", "param_dtype": "bfloat16",
+                           "n_persist": 3, "n_buffer": 2})
+    assert o.optimizer is opt and o.memory_budget == 24 * 2**30 and o.param_dtype == torch.bfloat16
+    assert (o.n_persist, o.n_buffer) == (3, 2)
 
 
 def test_env_dump_dir(monkeypatch, tmp_path):

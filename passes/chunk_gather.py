@@ -1,0 +1,86 @@
+"""chunk_gather: read offloaded parameters from chunks gathered on the device, not from their shells.
+
+Runs on the joint graph (training) and on inference graphs. For every offloaded chunk it inserts, before
+the first node that uses any of the chunk's parameters, one ``protrain::gather`` (the whole chunk, flat, in
+the transfer dtype) and per parameter a ``slice`` + ``view`` back to the parameter's shape. Every use of the
+parameter's placeholder (forward and backward uses alike) then reads that view; when the transfer dtype is
+lower than the parameter dtype an upcast follows, so the graph computes exactly what it did, except that
+casts the graph already had to the transfer dtype (autocast's) read the low-precision view directly.
+
+Why in the joint graph: gradients keep flowing to the parameter placeholders as before (the backward nodes
+are already there), so the optimizer-calls pass can collect them per chunk; and the recompute pass can tag
+the gathers so the partitioner re-gathers in backward instead of keeping every chunk alive.
+
+The pass records, per chunk, which joint output carries each parameter's gradient (``plan.grad_slots``).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from protrain_fx import chunks, ops
+from protrain_fx.graph_inputs import joint_input_index
+from protrain_fx.passes._fx import call, cast_dtype, node_positions
+from protrain_fx.passes.annotate import META_KEY, NodeAnnotation, annotation_of
+from protrain_fx.plan import Plan
+
+
+def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Replace offloaded parameter placeholders by views of gathered chunks (see module docstring)."""
+    if not plan.input_entry:
+        return gm
+    graph = gm.graph
+    pos = node_positions(graph)
+    # (store, chunk) -> [(placeholder, entry index, primal ordinal)]
+    members: dict[tuple[int, int], list[tuple[fx.Node, int, int]]] = defaultdict(list)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    primal_ordinal = 0
+    for position, node in enumerate(placeholders):
+        idx = joint_input_index(node, position)
+        is_primal = not node.name.startswith("tangents")
+        if idx is not None and idx in plan.input_entry:
+            store_id, entry = plan.input_entry[idx]
+            store = chunks.get_store(store_id)
+            if store.is_offloaded(store.entries[entry].chunk):
+                members[(store_id, store.entries[entry].chunk)].append((node, entry, primal_ordinal))
+        primal_ordinal += is_primal
+    if not members:
+        return gm
+    tagged = any("partitioner_tag" in n.meta for n in graph.nodes)
+    grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for (store_id, chunk), params in sorted(members.items(), key=lambda kv: kv[0]):
+        users = [u for ph, _, _ in params for u in ph.users]
+        if not users:
+            continue
+        store = chunks.get_store(store_id)
+        first_user = min(users, key=pos.__getitem__)
+        ann = annotation_of(first_user)
+        meta = {"partitioner_tag": "is_forward"} if tagged else {}
+        with graph.inserting_before(first_user):
+            flat = call(gm, ops.GATHER, ([], store_id, chunk), meta=dict(meta))
+            flat.meta[META_KEY] = NodeAnnotation("forward", ann.region if ann else "non_block",
+                                                 ann.block if ann else None, ann.block_name if ann else None,
+                                                 chunk=chunk)
+            for ph, entry_index, _ in params:
+                e = store.entries[entry_index]
+                sliced = call(gm, torch.ops.aten.slice.Tensor, (flat, 0, e.offset, e.offset + e.numel), meta=dict(meta))
+                low = call(gm, torch.ops.aten.view.default, (sliced, list(e.shape)), meta=dict(meta))
+                value = low
+                if store.param_dtype != ph.meta["val"].dtype:
+                    value = call(gm, torch.ops.prims.convert_element_type.default, (low, ph.meta["val"].dtype),
+                                 meta=dict(meta))
+                for n in (sliced, low, value):
+                    n.meta[META_KEY] = flat.meta[META_KEY]
+                for user in list(ph.users):
+                    if user in (sliced, low, value):
+                        continue
+                    if cast_dtype(user) == store.param_dtype:
+                        user.replace_all_uses_with(low)  # an existing cast to the transfer dtype: read it directly
+                        graph.erase_node(user)
+                    else:
+                        user.replace_input_with(ph, value)
+        grad_slots[(store_id, chunk)] = [(ordinal, entry_index) for _, entry_index, ordinal in params]
+    plan.grad_slots = grad_slots
+    return gm

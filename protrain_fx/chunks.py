@@ -1,0 +1,357 @@
+"""ChunkStore: the runtime owner of parameter values packed in chunks.
+
+Resident chunks (the first ``n_persist`` in first-use order) keep their parameters as ordinary device
+tensors: autograd fills ``param.grad`` and the user's optimizer steps them on the device. Offloaded chunks
+keep, per chunk, an fp32 master copy in (pinned) host memory and a copy in the transfer dtype
+(``param_dtype``; the master itself when that is fp32); their ``nn.Parameter`` objects become *shells*:
+device tensors of the right shape whose storage is freed, so the graphs dynamo traced stay valid and no
+retrace happens. Compiled graphs read offloaded chunks through ``protrain::gather``, which returns a view
+of one of ``n_buffer`` reusable device chunk buffers ("slots"), filled ahead of use by
+``protrain::prefetch`` on a host-to-device stream and handed back by ``protrain::release``. A slot keeps
+its chunk's data after release until it is reused, so backward's first re-gathers (the chunks forward used
+last) often need no copy. Gradients of offloaded chunks arrive flat through ``protrain::chunk_grad``; the
+store copies them to the host on a device-to-host stream and hands them to the attached optimizer.
+
+On a CPU compute device the same code runs with real copies and no streams.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ._weakmap import IdentityWeakMap
+from .chunk_layout import ALIGN_BYTES, ChunkLayout
+from .options import ProtrainError, format_bytes
+
+_STORES: dict[int, "ChunkStore"] = {}
+_STORE_IDS = itertools.count()
+# parameter -> its store (weak: a dead model takes its store with it)
+_PARAM_STORE = IdentityWeakMap()
+
+
+def get_store(store_id: int) -> "ChunkStore":
+    try:
+        return _STORES[store_id]
+    except KeyError:
+        raise ProtrainError(f"protrain chunk store {store_id} no longer exists (its model was freed)") from None
+
+
+def store_of(param: torch.Tensor) -> "ChunkStore | None":
+    return _PARAM_STORE.get(param)
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release a tensor's memory but keep its shape and strides (what dynamo's guards check)."""
+    t.untyped_storage().resize_(0)
+
+
+def device_shell(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    shell = torch.empty(shape, dtype=dtype, device=device)
+    free_storage(shell)
+    return shell
+
+
+def _pinned_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+@dataclass
+class ParamEntry:
+    fqn: str
+    chunk: int
+    offset: int  # element offset in the chunk
+    numel: int
+    shape: torch.Size
+
+
+class ChunkStore:
+    """Parameter values of one set of parameters, chunked; see the module docstring."""
+
+    def __init__(
+        self,
+        params: list[tuple[str, torch.nn.Parameter]],
+        layout: ChunkLayout,
+        n_persist: int,
+        param_dtype: torch.dtype,
+        host_values: dict | None = None,
+    ):
+        if not params:
+            raise ProtrainError("a chunk store needs parameters")
+        first = params[0][1]
+        self.device = first.device
+        self.master_dtype = first.dtype
+        for fqn, p in params:
+            if p.device != self.device or p.dtype != self.master_dtype:
+                raise ProtrainError(
+                    f"protrain-fx needs all parameters of a graph on one device in one dtype; {fqn!r} is "
+                    f"{p.dtype} on {p.device}, {params[0][0]!r} is {self.master_dtype} on {self.device}"
+                )
+        if not self.master_dtype.is_floating_point:
+            raise ProtrainError(f"parameters must be floating point, got {self.master_dtype}")
+        self.id = next(_STORE_IDS)
+        self.param_dtype = param_dtype
+        self.layout = layout
+        self.n_chunks = layout.n_chunks
+        self.n_persist = min(n_persist, self.n_chunks)
+        elem = first.element_size()
+        align_elems = max(1, ALIGN_BYTES // elem)
+        by_fqn = dict(params)
+        params_in_order: list[torch.nn.Parameter] = []
+        self.entries: list[ParamEntry] = []
+        self._entry_of: dict[int, int] = {}  # id(param) -> index in entries
+        for slot in layout.slots:
+            p = by_fqn[slot.fqn]
+            self._entry_of[id(p)] = len(self.entries)
+            params_in_order.append(p)
+            self.entries.append(ParamEntry(slot.fqn, slot.chunk, slot.offset // elem, p.numel(), p.shape))
+        self._chunk_entries: list[list[int]] = [[] for _ in range(self.n_chunks)]
+        for i, e in enumerate(self.entries):
+            self._chunk_entries[e.chunk].append(i)
+        self._chunk_numel = []
+        for c in range(self.n_chunks):
+            end = max(self.entries[i].offset + self.entries[i].numel for i in self._chunk_entries[c])
+            self._chunk_numel.append((end + align_elems - 1) // align_elems * align_elems)
+
+        self.is_cuda = self.device.type == "cuda"
+        pin = self.is_cuda
+        host_values = host_values or {}
+        self.master: dict[int, torch.Tensor] = {}
+        self.transfer: dict[int, torch.Tensor] = {}
+        for c in range(self.n_chunks):
+            members = [params_in_order[i] for i in self._chunk_entries[c]]
+            if c < self.n_persist:  # resident: the parameter is the device tensor
+                for p in members:
+                    if id(p) in host_values:
+                        p.data = host_values[id(p)].to(self.device)
+                continue
+            master = _pinned_empty(self._chunk_numel[c], self.master_dtype, pin)
+            master.zero_()
+            for i in self._chunk_entries[c]:
+                e, p = self.entries[i], params_in_order[i]
+                src = host_values.get(id(p), p.data)
+                master[e.offset:e.offset + e.numel].copy_(src.reshape(-1))
+            self.master[c] = master
+            if param_dtype == self.master_dtype:
+                self.transfer[c] = master
+            else:
+                self.transfer[c] = _pinned_empty(self._chunk_numel[c], param_dtype, pin)
+                self.transfer[c].copy_(master)
+            for p in members:
+                p.data = device_shell(p.shape, p.dtype, self.device)
+        # weak references: the store lives as long as its model does
+        self._params = [weakref.ref(p) for p in params_in_order]
+        for p in params_in_order:
+            _PARAM_STORE[p] = self
+        _STORES[self.id] = self
+        weakref.finalize(params_in_order[0], _STORES.pop, self.id, None)
+
+        # device chunk buffers ("slots"), allocated when the first graph that needs them is compiled
+        self.n_buffer = 0
+        self.slots: list[torch.Tensor] = []
+        self._slot_chunk: list[int | None] = []  # whose data the slot holds
+        self._slot_busy: list[bool] = []  # between prefetch/gather and release
+        self._slot_free_event: list = []  # compute-stream event recorded at release
+        self._slot_ready_event: list = []  # h2d-stream event recorded after the copy
+        self._released_order: list[int] = []  # released slots, least recently released first
+        self._chunk_slot: dict[int, int] = {}
+        self.h2d_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.d2h_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.optimizer = None  # the HybridOptimizer that owns the offloaded chunks' optimizer state
+        self.stats = {"h2d_copies": 0, "h2d_bytes": 0, "slot_hits": 0, "unprefetched_gathers": 0,
+                      "d2h_copies": 0, "d2h_bytes": 0}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------ layout
+    def chunk_numel(self, chunk: int) -> int:
+        return self._chunk_numel[chunk]
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [r() for r in self._params]
+
+    def chunk_entries(self, chunk: int) -> list[tuple[torch.nn.Parameter, ParamEntry]]:
+        return [(self._params[i](), self.entries[i]) for i in self._chunk_entries[chunk]]
+
+    def entry(self, param: torch.Tensor) -> ParamEntry:
+        return self.entries[self._entry_of[id(param)]]
+
+    def is_offloaded(self, chunk: int) -> bool:
+        return chunk >= self.n_persist
+
+    @property
+    def offloaded_chunks(self) -> list[int]:
+        return list(range(self.n_persist, self.n_chunks))
+
+    def param_is_offloaded(self, param: torch.Tensor) -> bool:
+        return self.is_offloaded(self.entry(param).chunk)
+
+    # ------------------------------------------------------------------------------- values
+    def master_view(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master value of an offloaded parameter (a view into host memory)."""
+        e = self.entry(param)
+        return self.master[e.chunk][e.offset:e.offset + e.numel].view(e.shape)
+
+    def read(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter's current value as a plain tensor (host copy for offloaded parameters)."""
+        if not self.param_is_offloaded(param):
+            return param.detach()
+        if self.optimizer is not None:
+            self.optimizer.wait()
+        return self.master_view(param).clone()
+
+    def write(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Set an offloaded parameter's value (load_state_dict)."""
+        if self.optimizer is not None:
+            self.optimizer.wait()
+        e = self.entry(param)
+        if tuple(value.shape) != tuple(e.shape):
+            raise ProtrainError(f"{e.fqn}: shape {tuple(value.shape)} does not match the parameter {tuple(e.shape)}")
+        with torch.no_grad():
+            self.master_view(param).copy_(value)
+            if self.transfer[e.chunk] is not self.master[e.chunk]:
+                self.transfer[e.chunk][e.offset:e.offset + e.numel].copy_(self.master_view(param).reshape(-1))
+        self.invalidate()
+
+    def refresh_transfer(self, chunk: int) -> None:
+        """After the optimizer updated the master: rewrite the transfer-dtype copy."""
+        if self.transfer[chunk] is not self.master[chunk]:
+            self.transfer[chunk].copy_(self.master[chunk])
+
+    # ------------------------------------------------------------------------------ buffers
+    def ensure_buffers(self, n_buffer: int) -> None:
+        """Have at least ``n_buffer`` device chunk buffers (called when a graph is compiled)."""
+        size = max((self._chunk_numel[c] for c in self.offloaded_chunks), default=0)
+        while len(self.slots) < n_buffer:
+            self.slots.append(torch.empty(size, dtype=self.param_dtype, device=self.device))
+            self._slot_chunk.append(None)
+            self._slot_busy.append(False)
+            self._slot_free_event.append(None)
+            self._slot_ready_event.append(None)
+        self.n_buffer = len(self.slots)
+
+    def invalidate(self) -> None:
+        """Forget which chunks the buffers hold (their host values changed)."""
+        for s in range(len(self.slots)):
+            if not self._slot_busy[s]:
+                self._slot_chunk[s] = None
+        self._chunk_slot = {c: s for c, s in self._chunk_slot.items() if self._slot_busy[s]}
+
+    def _free_slot(self, chunk: int) -> int:
+        candidates = [s for s in range(len(self.slots)) if not self._slot_busy[s]]
+        if not candidates:
+            busy = [self._slot_chunk[s] for s in range(len(self.slots))]
+            raise ProtrainError(
+                f"protrain: no free device chunk buffer for chunk {chunk} (all {len(self.slots)} hold chunks "
+                f"{busy} in use); the plan's n_buffer is too small for this graph's schedule"
+            )
+        empty = [s for s in candidates if self._slot_chunk[s] is None]
+        if empty:
+            return empty[0]
+        order = {s: i for i, s in enumerate(self._released_order)}
+        return min(candidates, key=lambda s: order.get(s, -1))
+
+    def prefetch(self, chunk: int) -> None:
+        """Start copying ``chunk`` into a free buffer (no-op when a buffer still holds it)."""
+        if not self.is_offloaded(chunk):
+            return
+        with self._lock:
+            s = self._chunk_slot.get(chunk)
+            if s is not None and self._slot_chunk[s] == chunk:
+                if not self._slot_busy[s]:
+                    self.stats["slot_hits"] += 1
+                self._slot_busy[s] = True
+                self._drop_released(s)
+                return
+            if not self.slots:
+                raise ProtrainError("protrain: chunk buffers were never allocated for this store")
+            s = self._free_slot(chunk)
+            old = self._slot_chunk[s]
+            if old is not None:
+                self._chunk_slot.pop(old, None)
+            self._drop_released(s)
+            n = self._chunk_numel[chunk]
+            dst, src = self.slots[s][:n], self.transfer[chunk]
+            if self.is_cuda:
+                with torch.cuda.stream(self.h2d_stream):
+                    if self._slot_free_event[s] is not None:
+                        self.h2d_stream.wait_event(self._slot_free_event[s])
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self.h2d_stream)
+                self._slot_ready_event[s] = ev
+            else:
+                dst.copy_(src)
+            self.stats["h2d_copies"] += 1
+            self.stats["h2d_bytes"] += n * dst.element_size()
+            self._slot_chunk[s] = chunk
+            self._slot_busy[s] = True
+            self._chunk_slot[chunk] = s
+
+    def _drop_released(self, s: int) -> None:
+        if s in self._released_order:
+            self._released_order.remove(s)
+
+    def gather(self, chunk: int) -> torch.Tensor:
+        """The chunk's parameters on the compute device (flat, transfer dtype)."""
+        s = self._chunk_slot.get(chunk)
+        if s is None or self._slot_chunk[s] != chunk or not self._slot_busy[s]:
+            if s is None or self._slot_chunk[s] != chunk:
+                self.stats["unprefetched_gathers"] += 1
+            self.prefetch(chunk)
+            s = self._chunk_slot[chunk]
+        if self.is_cuda and self._slot_ready_event[s] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._slot_ready_event[s])
+        return self.slots[s][: self._chunk_numel[chunk]]
+
+    def release(self, chunk: int) -> None:
+        """The chunk's buffer may be refilled once the compute queued so far has run."""
+        with self._lock:
+            s = self._chunk_slot.get(chunk)
+            if s is None or not self._slot_busy[s]:
+                return
+            self._slot_busy[s] = False
+            if self.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+                self._slot_free_event[s] = ev
+            self._released_order.append(s)
+
+    # -------------------------------------------------------------------------------- grads
+    def grad_ready(self, chunk: int, flat_grad: torch.Tensor, members: list[int]) -> None:
+        """``flat_grad``: the chunk's gradient in its layout; ``members``: entries that received one."""
+        if self.optimizer is None:
+            raise ProtrainError(
+                "protrain: a backward pass produced gradients for offloaded parameters, but no optimizer was "
+                "given: pass options={'optimizer': opt} to torch.compile so protrain can step them"
+            )
+        self.optimizer.chunk_grad(self, chunk, flat_grad, members)
+
+    def copy_to_host(self, flat_grad: torch.Tensor, dst: torch.Tensor):
+        """Device-to-host copy of a flat gradient on the d2h stream; returns an event (None on CPU)."""
+        n = flat_grad.numel()
+        self.stats["d2h_copies"] += 1
+        self.stats["d2h_bytes"] += n * flat_grad.element_size()
+        if not self.is_cuda:
+            dst[:n].copy_(flat_grad)
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ready)
+            dst[:n].copy_(flat_grad, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h_stream)
+        flat_grad.record_stream(self.d2h_stream)  # its memory is not reused before the copy is done
+        return done
+
+    # ------------------------------------------------------------------------------ report
+    def describe(self) -> str:
+        off = self.offloaded_chunks
+        host = sum(self._chunk_numel[c] for c in off)
+        return (f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident, {len(off)} offloaded "
+                f"({format_bytes(host * torch.tensor([], dtype=self.master_dtype).element_size())} of fp32 master "
+                f"on the host)")

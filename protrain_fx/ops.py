@@ -1,0 +1,97 @@
+"""The ``protrain::`` custom ops the graph passes insert. Each is a thin call into the runtime
+(:mod:`protrain_fx.chunks`), which owns all state; the ops take the store id and chunk id as ints.
+
+Every op takes a list of *tokens*: tensors produced by the nodes it must follow (the passes choose them), so
+the order survives Inductor's scheduling (Inductor reorders independent custom ops; a data dependency it
+cannot break). Every op but ``gather`` returns a 0-element token tensor. Ops without consumers would be dead code, so they are registered as having
+side effects (at import time, before any graph is compiled: Inductor's cache key does not see it).
+
+* ``gather(tokens, store, chunk) -> flat``: the chunk's parameters on the compute device, in the transfer
+  dtype (a view of one of the store's reusable chunk buffers; waits for its prefetch, or loads it now).
+* ``prefetch(tokens, store, chunk) -> token``: start the host-to-device copy into a free chunk buffer.
+* ``release(tokens, store, chunk) -> token``: the chunk's buffer may be reused once the work queued so far
+  on the compute stream is done (a token is the output of the chunk's last use).
+* ``chunk_grad(flat_grad, tokens, store, chunk, members) -> token``: device-to-host copy of the chunk's flat
+  gradient on its own stream, then hand the chunk to the CPU optimizer worker (``members``: the chunk's
+  parameters that have a gradient in this graph).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.fx
+from torch.library import custom_op
+
+from . import chunks
+
+
+def _token(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, device=device)
+
+
+@custom_op("protrain::gather", mutates_args=())
+def gather(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
+    return chunks.get_store(store).gather(chunk)
+
+
+@gather.register_fake
+def _(tokens, store, chunk):
+    s = chunks.get_store(store)
+    return torch.empty(s.chunk_numel(chunk), dtype=s.param_dtype, device=s.device)
+
+
+@custom_op("protrain::prefetch", mutates_args=())
+def prefetch(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
+    s = chunks.get_store(store)
+    s.prefetch(chunk)
+    return _token(s.device)
+
+
+@custom_op("protrain::release", mutates_args=())
+def release(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
+    s = chunks.get_store(store)
+    s.release(chunk)
+    return _token(s.device)
+
+
+@custom_op("protrain::chunk_grad", mutates_args=())
+def chunk_grad(
+    flat_grad: torch.Tensor, tokens: List[torch.Tensor], store: int, chunk: int, members: List[int]
+) -> torch.Tensor:
+    s = chunks.get_store(store)
+    s.grad_ready(chunk, flat_grad, list(members))
+    return _token(s.device)
+
+
+@chunk_grad.register_fake
+def _(flat_grad, tokens, store, chunk, members):
+    return torch.empty(0, device=chunks.get_store(store).device)
+
+
+def _fake_token(tokens, store, chunk):
+    return torch.empty(0, device=chunks.get_store(store).device)
+
+
+for _op in (prefetch, release):
+    _op.register_fake(_fake_token)
+
+GATHER = torch.ops.protrain.gather.default
+PREFETCH = torch.ops.protrain.prefetch.default
+RELEASE = torch.ops.protrain.release.default
+CHUNK_GRAD = torch.ops.protrain.chunk_grad.default
+TOKEN_OPS = (PREFETCH, RELEASE, CHUNK_GRAD)
+ALL_OPS = (GATHER, *TOKEN_OPS)
+
+for _target in TOKEN_OPS:
+    torch.fx.node.has_side_effect(_target)
+
+
+def fake_value(target, args):
+    """The value a protrain op would return, built with the caller's (fake) tensor mode: ops whose only
+    tensor arguments may be empty lists cannot be traced through the fake mode itself."""
+    if target is GATHER:
+        s = chunks.get_store(args[1])
+        return torch.empty(s.chunk_numel(args[2]), dtype=s.param_dtype, device=s.device)
+    store = args[2] if target is CHUNK_GRAD else args[1]
+    return torch.empty(0, device=chunks.get_store(store).device)

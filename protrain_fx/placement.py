@@ -1,0 +1,129 @@
+"""Placement: bind a graph's parameters to chunk stores, deciding which chunks are resident.
+
+Runs once per compiled graph, when its joint graph (or inference graph) exists and before the chunk passes.
+Parameters already owned by a store (an earlier graph of the same model: another shape, an inference
+graph) keep their chunks and placement; the others get a new store. For a new store, ``n_persist`` comes
+from the options, or from ``memory_budget`` (the most resident chunks whose estimated device memory, with
+ProTrain's 10% fragmentation factor, fits), or is "all chunks". The transfer dtype is ``param_dtype``, or
+the autocast dtype the graph is being compiled under, or the parameters' own dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from . import _compat, optim
+from .chunk_layout import pack
+from .chunks import ChunkStore, store_of
+from .options import Options, ProtrainError
+from .param_values import HOST_VALUES, hook_owners_of
+from .plan import ChunkPlan, Plan
+from .planner import ADAM_STATES, choose_n_persist, estimate_device_bytes, saved_activation_bytes
+
+
+def autocast_dtypes() -> dict[str, torch.dtype]:
+    """The autocast dtype of each device type autocast is enabled for, right now. Read it on entry to the
+    backend: aot_autograd's partition and compile callbacks run with autocast turned off."""
+    out = {}
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            out[device_type] = torch.get_autocast_dtype(device_type)
+    return out
+
+
+def transfer_dtype(options: Options, device: torch.device, master_dtype: torch.dtype,
+                   autocast: dict[str, torch.dtype]) -> torch.dtype:
+    if options.param_dtype is not None:
+        return options.param_dtype
+    return autocast.get(device.type, master_dtype)
+
+
+def bind_chunks(plan: Plan, options: Options, params: list[tuple[int, str, torch.nn.Parameter]],
+                root, graph: fx.GraphModule, training: bool, autocast: dict[str, torch.dtype]) -> None:
+    """Create or reuse the stores of ``params`` and record the binding in ``plan`` (see module docstring)."""
+    if not params:
+        return
+    with _compat.real_tensor_mode():
+        _bind(plan, options, params, root, graph, training, autocast)
+
+
+def _bind(plan, options, params, root, graph, training, autocast) -> None:
+    new = [(idx, fqn, p) for idx, fqn, p in params if store_of(p) is None]
+    if new:
+        _new_store(plan, options, new, root, graph, training, autocast)
+    stores = []
+    for idx, fqn, p in params:
+        store = store_of(p)
+        plan.input_entry[idx] = (store.id, store.entries.index(store.entry(p)))
+        if store not in stores:
+            stores.append(store)
+    offloaded = [s for s in stores if s.offloaded_chunks]
+    if offloaded and training:
+        if options.optimizer is None:
+            raise ProtrainError(
+                "protrain: chunks are offloaded to the host (n_persist/memory_budget), so protrain must run their "
+                "optimizer step: pass options={'optimizer': opt} (a torch.optim.Adam or AdamW over the model's "
+                "parameters)"
+            )
+        for s in offloaded:
+            optim.attach(options.optimizer, s)
+    _describe(plan, stores, params, options)
+
+
+def _new_store(plan, options, new, root, graph, training, autocast) -> None:
+    fqns = [(fqn, p) for _, fqn, p in new]
+    device, master = fqns[0][1].device, fqns[0][1].dtype
+    sizes = [(fqn, p.numel() * p.element_size()) for fqn, p in fqns]
+    layout = pack(sizes, plan.chunk_size)
+    param_dtype = transfer_dtype(options, device, master, autocast)
+    chunk_bytes = [layout.used_bytes(c) for c in range(layout.n_chunks)]
+    n_buffer = options.n_buffer if options.n_buffer is not None else 2
+    elem = torch.empty(0, dtype=master).element_size()
+    t_elem = torch.empty(0, dtype=param_dtype).element_size()
+    activations = saved_activation_bytes(graph) if training else 0
+    if options.n_persist is not None:
+        n_persist = min(options.n_persist, layout.n_chunks)
+        plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)
+    elif options.memory_budget is not None:
+        n_persist, plan.estimate = choose_n_persist(chunk_bytes, options.memory_budget, n_buffer, t_elem, elem,
+                                                    activations, ADAM_STATES)
+    else:
+        n_persist = layout.n_chunks
+        plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)
+    host_values = {id(p): HOST_VALUES[p] for _, p in fqns if p in HOST_VALUES}
+    store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values)
+    for _, p in fqns:  # the store owns them now
+        HOST_VALUES.pop(p, None)
+    if store.offloaded_chunks and root is not None and isinstance(root, torch.nn.Module):
+        hook_owners_of(root, [p for _, p in fqns])
+    elif store.offloaded_chunks:
+        plan.notes.append(
+            "could not find the compiled module, so model.state_dict() cannot read offloaded parameters; "
+            "read them with protrain_fx.param_values.value_of(param)"
+        )
+
+
+def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) -> None:
+    """Make the plan's chunk table, knobs and notes reflect the stores the graph runs on."""
+    store = stores[0]
+    plan.param_dtype = store.param_dtype
+    plan.chunk_size = store.layout.chunk_size
+    plan.n_persist = store.n_persist
+    plan.n_buffer = max(store.n_buffer, options.n_buffer if options.n_buffer is not None else 2) \
+        if store.offloaded_chunks else 0
+    plan.n_buffer_given = options.n_buffer is not None
+    plan.chunks = [
+        ChunkPlan(
+            id=c,
+            bytes=store.layout.used_bytes(c),
+            params=[e.fqn for _, e in store.chunk_entries(c)],
+            placement="host" if store.is_offloaded(c) else "device",
+        )
+        for c in range(store.n_chunks)
+    ]
+    plan.param_chunk = {e.fqn: e.chunk for e in store.entries}
+    if len(stores) > 1:
+        plan.notes.append(f"this graph's parameters span {len(stores)} chunk stores; the table shows the first")
+    if store.offloaded_chunks:
+        plan.notes.append(f"offloaded chunks travel as {str(store.param_dtype).replace('torch.', '')}; "
+                          f"{store.describe()}")
