@@ -100,6 +100,9 @@ def run_protrain(args) -> dict:
     step(None)
     h = optim.handle_of(opt)
     store = chunks.store_of(next(model.parameters()))
+    if h is None:
+        raise RuntimeError(f"nothing was offloaded (n_persist {store.n_persist} of {store.n_chunks} chunks): "
+                           "no CPU optimizer to measure; lower the cap or n_persist")
     res = {"system": "protrain", "params": n_params, "cap_gib": args.cap, "batch": args.batch, "seq": SEQ,
            "n_persist": store.n_persist, "n_chunks": store.n_chunks, "n_buffer": store.n_buffer,
            "chunk_size": store.layout.chunk_size, "first_step_s": t_compile}

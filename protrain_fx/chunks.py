@@ -27,6 +27,7 @@ from ._weakmap import IdentityWeakMap
 from .chunk_layout import ALIGN_BYTES, ChunkLayout
 from .options import ProtrainError, format_bytes
 
+N_GRAD_BUFFERS = 2  # device gradient buffers per store
 _STORES: dict[int, "ChunkStore"] = {}
 _STORE_IDS = itertools.count()
 # parameter -> its store (weak: a dead model takes its store with it)
@@ -161,6 +162,10 @@ class ChunkStore:
         self.h2d_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.d2h_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.optimizer = None  # the HybridOptimizer that owns the offloaded chunks' optimizer state
+        # device gradient buffers (allocated at the first backward), reused in rotation once copied out
+        self._grad_bufs: list[torch.Tensor] = []
+        self._grad_buf_done: list = []
+        self._next_grad_buf = 0
         self.stats = {"h2d_copies": 0, "h2d_bytes": 0, "slot_hits": 0, "unprefetched_gathers": 0,
                       "d2h_copies": 0, "d2h_bytes": 0}
         self._lock = threading.Lock()
@@ -321,31 +326,52 @@ class ChunkStore:
             self._released_order.append(s)
 
     # -------------------------------------------------------------------------------- grads
-    def grad_ready(self, chunk: int, flat_grad: torch.Tensor, members: list[int]) -> None:
-        """``flat_grad``: the chunk's gradient in its layout; ``members``: entries that received one."""
+    def grad_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
+        """Pack the chunk's parameter gradients (store entries ``members``) into a device gradient buffer in
+        the chunk layout and transfer dtype, and hand it to the optimizer, which copies it to the host."""
         if self.optimizer is None:
             raise ProtrainError(
                 "protrain: a backward pass produced gradients for offloaded parameters, but no optimizer was "
                 "given: pass options={'optimizer': opt} to torch.compile so protrain can step them"
             )
-        self.optimizer.chunk_grad(self, chunk, flat_grad, members)
+        n = self._chunk_numel[chunk]
+        if not self._grad_bufs:
+            size = max(self._chunk_numel[c] for c in self.offloaded_chunks)
+            with torch.no_grad():
+                self._grad_bufs = [torch.empty(size, dtype=self.param_dtype, device=self.device)
+                                   for _ in range(N_GRAD_BUFFERS)]
+            self._grad_buf_done = [None] * N_GRAD_BUFFERS
+        k = self._next_grad_buf
+        self._next_grad_buf = (k + 1) % len(self._grad_bufs)
+        buf = self._grad_bufs[k][:n]
+        if self.is_cuda and self._grad_buf_done[k] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._grad_buf_done[k])  # its last copy is done
+        with torch.no_grad():
+            if len(members) < len(self._chunk_entries[chunk]):
+                buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
+            views = []
+            for i in members:
+                e = self.entries[i]
+                views.append(buf[e.offset:e.offset + e.numel].view(e.shape))
+            torch._foreach_copy_(views, [g.detach() for g in grads])
+        self._grad_buf_done[k] = self.optimizer.chunk_grad(self, chunk, buf, members)
 
-    def copy_to_host(self, flat_grad: torch.Tensor, dst: torch.Tensor):
-        """Device-to-host copy of a flat gradient on the d2h stream; returns an event (None on CPU)."""
-        n = flat_grad.numel()
+    def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):
+        """Device-to-host copy of one of the store's device gradient buffers on the d2h stream; returns the
+        event that marks it done (None on CPU, where the copy is synchronous)."""
+        n = flat.numel()
         self.stats["d2h_copies"] += 1
-        self.stats["d2h_bytes"] += n * flat_grad.element_size()
+        self.stats["d2h_bytes"] += n * flat.element_size()
         if not self.is_cuda:
-            dst[:n].copy_(flat_grad)
+            dst[:n].copy_(flat)
             return None
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(ready)
-            dst[:n].copy_(flat_grad, non_blocking=True)
+            dst[:n].copy_(flat, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.d2h_stream)
-        flat_grad.record_stream(self.d2h_stream)  # its memory is not reused before the copy is done
         return done
 
     # ------------------------------------------------------------------------------ report

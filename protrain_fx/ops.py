@@ -11,9 +11,10 @@ side effects (at import time, before any graph is compiled: Inductor's cache key
 * ``prefetch(tokens, store, chunk) -> token``: start the host-to-device copy into a free chunk buffer.
 * ``release(tokens, store, chunk) -> token``: the chunk's buffer may be reused once the work queued so far
   on the compute stream is done (a token is the output of the chunk's last use).
-* ``chunk_grad(flat_grad, tokens, store, chunk, members) -> token``: device-to-host copy of the chunk's flat
-  gradient on its own stream, then hand the chunk to the CPU optimizer worker (``members``: the chunk's
-  parameters that have a gradient in this graph).
+* ``chunk_grad(grads, tokens, store, chunk, members) -> token``: pack the gradients of the chunk's parameters
+  (``members``: their store entries) into one of the store's device gradient buffers, copy it to the host on
+  its own stream, and hand the chunk to the CPU optimizer worker. The store owns that buffer: a buffer of
+  the graph's would be reused by Inductor while the copy is still reading it.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 import torch.fx
 from torch.library import custom_op
 
-from . import chunks
+from . import _compat, chunks
 
 
 def _token(device: torch.device) -> torch.Tensor:
@@ -57,15 +58,15 @@ def release(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
 
 @custom_op("protrain::chunk_grad", mutates_args=())
 def chunk_grad(
-    flat_grad: torch.Tensor, tokens: List[torch.Tensor], store: int, chunk: int, members: List[int]
+    grads: List[torch.Tensor], tokens: List[torch.Tensor], store: int, chunk: int, members: List[int]
 ) -> torch.Tensor:
     s = chunks.get_store(store)
-    s.grad_ready(chunk, flat_grad, list(members))
+    s.grad_ready(chunk, grads, list(members))
     return _token(s.device)
 
 
 @chunk_grad.register_fake
-def _(flat_grad, tokens, store, chunk, members):
+def _(grads, tokens, store, chunk, members):
     return torch.empty(0, device=chunks.get_store(store).device)
 
 
@@ -85,6 +86,7 @@ ALL_OPS = (GATHER, *TOKEN_OPS)
 
 for _target in TOKEN_OPS:
     torch.fx.node.has_side_effect(_target)
+_compat.lower_without_buffer_reuse(GATHER)
 
 
 def fake_value(target, args):

@@ -180,7 +180,9 @@ class HybridOptimizer:
         st.steps[i] = torch.tensor(float(step), dtype=torch.float32)
 
     # ----------------------------------------------------------------- gradients (graph side)
-    def chunk_grad(self, store: ChunkStore, chunk: int, flat_grad: torch.Tensor, members_with_grad: list[int]) -> None:
+    def chunk_grad(self, store: ChunkStore, chunk: int, flat_grad: torch.Tensor, members_with_grad: list[int]):
+        """Copy a chunk's flat device gradient to the host and queue its accumulation (and step); returns
+        the event that marks the device buffer free again (None on CPU)."""
         st = self.states[(store.id, chunk)]
         if st.stepped_this_cycle:
             raise ProtrainError(
@@ -203,6 +205,7 @@ class HybridOptimizer:
             st.stepped_this_cycle = True
             st.acc_fresh = True  # the step consumes the accumulated gradient
         self._futures.append(self._executor.submit(self._work, st, dst, mode, event, flat_grad.numel(), step_now))
+        return event
 
     def _take_staging(self) -> torch.Tensor:
         while not self._staging_free:
