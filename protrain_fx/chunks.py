@@ -17,6 +17,7 @@ On a CPU compute device the same code runs with real copies and no streams.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from .chunk_layout import ALIGN_BYTES, ChunkLayout
 from .options import ProtrainError, format_bytes
 
 N_GRAD_BUFFERS = 2  # device gradient buffers per store
+# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no overlap)
+DEBUG_SYNC = os.environ.get("PROTRAIN_DEBUG_SYNC") == "1"
 _STORES: dict[int, "ChunkStore"] = {}
 _STORE_IDS = itertools.count()
 # parameter -> its store (weak: a dead model takes its store with it)
@@ -263,6 +266,8 @@ class ChunkStore:
         """Start copying ``chunk`` into a free buffer (no-op when a buffer still holds it)."""
         if not self.is_offloaded(chunk):
             return
+        if DEBUG_SYNC and self.is_cuda:
+            torch.cuda.synchronize()
         with self._lock:
             s = self._chunk_slot.get(chunk)
             if s is not None and self._slot_chunk[s] == chunk:
@@ -310,10 +315,14 @@ class ChunkStore:
             s = self._chunk_slot[chunk]
         if self.is_cuda and self._slot_ready_event[s] is not None:
             torch.cuda.current_stream(self.device).wait_event(self._slot_ready_event[s])
+        if DEBUG_SYNC and self.is_cuda:
+            torch.cuda.synchronize()
         return self.slots[s][: self._chunk_numel[chunk]]
 
     def release(self, chunk: int) -> None:
         """The chunk's buffer may be refilled once the compute queued so far has run."""
+        if DEBUG_SYNC and self.is_cuda:
+            torch.cuda.synchronize()
         with self._lock:
             s = self._chunk_slot.get(chunk)
             if s is None or not self._slot_busy[s]:
