@@ -71,6 +71,10 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 if store.param_dtype != ph.meta["val"].dtype:
                     value = call(gm, torch.ops.prims.convert_element_type.default, (low, ph.meta["val"].dtype),
                                  meta=dict(meta))
+                elif len(e.shape) <= 1:
+                    # vectors (biases, norm weights) get a buffer of their own: Inductor's CUDA addmm/bias
+                    # path read 1-D views at an offset into the chunk wrongly (seen on torch 2.11, H200)
+                    value = call(gm, torch.ops.aten.clone.default, (low,), meta=dict(meta))
                 for n in (sliced, low, value):
                     n.meta[META_KEY] = flat.meta[META_KEY]
                 for user in list(ph.users):

@@ -3,7 +3,7 @@
 Runs on the backward graph. The backward graph returns one gradient per forward input; for the parameters
 of an offloaded chunk (``plan.grad_slots``) it inserts, right after the last of them is computed,
 ``protrain::chunk_grad(grads)``, which packs them into the chunk's device gradient buffer in the chunk
-layout and transfer dtype, copies that to the host on its own stream and queues the chunk's CPU AdamW step.
+layout (master dtype), copies that to the host on its own stream and queues the chunk's CPU AdamW step.
 The graph then returns ``None`` for those parameters: their gradients live on the host, and autograd leaves
 ``param.grad`` alone.
 """

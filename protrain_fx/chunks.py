@@ -337,7 +337,8 @@ class ChunkStore:
     # -------------------------------------------------------------------------------- grads
     def grad_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
         """Pack the chunk's parameter gradients (store entries ``members``) into a device gradient buffer in
-        the chunk layout and transfer dtype, and hand it to the optimizer, which copies it to the host."""
+        the chunk layout and master dtype (fp32: the host adds nothing but the optimizer step), and hand it
+        to the optimizer, which copies it to the host."""
         if self.optimizer is None:
             raise ProtrainError(
                 "protrain: a backward pass produced gradients for offloaded parameters, but no optimizer was "
@@ -346,8 +347,8 @@ class ChunkStore:
         n = self._chunk_numel[chunk]
         if not self._grad_bufs:
             size = max(self._chunk_numel[c] for c in self.offloaded_chunks)
-            with torch.no_grad():
-                self._grad_bufs = [torch.empty(size, dtype=self.param_dtype, device=self.device)
+            with torch.no_grad():  # in the master dtype: copied straight into the host accumulator
+                self._grad_bufs = [torch.empty(size, dtype=self.master_dtype, device=self.device)
                                    for _ in range(N_GRAD_BUFFERS)]
             self._grad_buf_done = [None] * N_GRAD_BUFFERS
         k = self._next_grad_buf

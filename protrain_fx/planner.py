@@ -96,7 +96,7 @@ def estimate_device_bytes(chunk_bytes: list[int], n_persist: int, n_buffer: int,
         "resident_grads": resident,
         "resident_optimizer": resident * optimizer_states,
         "chunk_buffers": n_buffer * largest_offloaded,
-        "flat_grads": 2 * largest_offloaded if n_persist < len(chunk_bytes) else 0,
+        "grad_buffers": 2 * max(chunk_bytes[n_persist:], default=0),  # device gradient buffers, master dtype
         "activations": activation_bytes,
     }
 
@@ -116,6 +116,6 @@ def choose_n_persist(chunk_bytes: list[int], budget: int, n_buffer: int, transfe
     raise ProtrainError(
         f"memory_budget {format_bytes(budget)} is too small: even with every chunk offloaded this graph needs about "
         f"{format_bytes(need)} on the device (activations {format_bytes(activation_bytes)}, {n_buffer} chunk "
-        f"buffers, flat gradients, x{FRAGMENTATION} for fragmentation); the smallest budget that would work is "
+        f"buffers, gradient buffers, x{FRAGMENTATION} for fragmentation); the smallest budget that would work is "
         f"{need} bytes ({format_bytes(need)})"
     )
