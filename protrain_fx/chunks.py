@@ -187,6 +187,9 @@ class ChunkStore:
     def entry(self, param: torch.Tensor) -> ParamEntry:
         return self.entries[self._entry_of[id(param)]]
 
+    def entry_index(self, param: torch.Tensor) -> int:
+        return self._entry_of[id(param)]
+
     def is_offloaded(self, chunk: int) -> bool:
         return chunk >= self.n_persist
 

@@ -143,7 +143,7 @@ class HybridOptimizer:
             for p, e in store.chunk_entries(c):
                 gi = group_of_param.get(id(p))
                 if gi is not None:
-                    i = store.entries.index(e)
+                    i = store.entry_index(p)
                     members.append(i)
                     group_of[i] = gi
 
@@ -306,13 +306,7 @@ class HybridOptimizer:
         """Host gradient views (fp32) of the offloaded parameters among ``params`` that have a gradient."""
         self.wait()
         out = []
-        for p in params:
-            store = store_of(p)
-            if store is None or store.optimizer is not self or not store.param_is_offloaded(p):
-                continue
-            e = store.entry(p)
-            st = self.states[(store.id, e.chunk)]
-            i = store.entries.index(e)
+        for _, st, i, e in self._offloaded(params):
             if st.stepped_this_cycle:
                 raise ProtrainError(
                     "protrain: gradient clipping was called after the optimizer already stepped offloaded chunks "
@@ -324,23 +318,25 @@ class HybridOptimizer:
         return out
 
     # ---------------------------------------------------------------------- state dicts
-    def _index_of_params(self) -> dict[int, torch.Tensor]:
-        idx, out = 0, {}
-        for g in self.opt.param_groups:
-            for p in g["params"]:
-                out[idx] = p
-                idx += 1
-        return out
-
-    def _state_dict_post(self, sd: dict) -> dict:
-        self.wait()
-        for idx, p in self._index_of_params().items():
+    def _offloaded(self, params):
+        """(parameter, its chunk's state, store entry index, entry) for the offloaded ones among ``params``
+        that this optimizer steps."""
+        for p in params:
             store = store_of(p)
             if store is None or store.optimizer is not self or not store.param_is_offloaded(p):
                 continue
             e = store.entry(p)
-            st = self.states[(store.id, e.chunk)]
-            i = store.entries.index(e)
+            yield p, self.states[(store.id, e.chunk)], store.entry_index(p), e
+
+    def _indexed_params(self) -> list[torch.Tensor]:
+        """Parameters in torch's state_dict index order (param groups in order)."""
+        return [p for g in self.opt.param_groups for p in g["params"]]
+
+    def _state_dict_post(self, sd: dict) -> dict:
+        self.wait()
+        index = {id(p): k for k, p in enumerate(self._indexed_params())}
+        for p, st, i, e in self._offloaded(self._indexed_params()):
+            idx = index[id(p)]
             if i not in st.steps:
                 continue  # never stepped: torch has no state for it either
             sl = slice(e.offset, e.offset + e.numel)
@@ -361,13 +357,9 @@ class HybridOptimizer:
         sd = dict(sd)
         state = dict(sd["state"])
         loaded: set[tuple[int, int]] = set()
-        for idx, p in self._index_of_params().items():
-            store = store_of(p)
-            if store is None or store.optimizer is not self or not store.param_is_offloaded(p):
-                continue
-            e = store.entry(p)
-            st = self.states[(store.id, e.chunk)]
-            i = store.entries.index(e)
+        index = {id(p): k for k, p in enumerate(self._indexed_params())}
+        for p, st, i, _ in self._offloaded(self._indexed_params()):
+            idx = index[id(p)]
             saved = state.pop(idx, state.pop(str(idx), None))
             if saved is not None:
                 self._import_state(st, i, saved)

@@ -54,7 +54,7 @@ def _bind(plan, options, params, root, graph, training, autocast) -> None:
     stores = []
     for idx, fqn, p in params:
         store = store_of(p)
-        plan.input_entry[idx] = (store.id, store.entries.index(store.entry(p)))
+        plan.input_entry[idx] = (store.id, store.entry_index(p))
         if store not in stores:
             stores.append(store)
     offloaded = [s for s in stores if s.offloaded_chunks]
