@@ -95,6 +95,7 @@ class Timers:
     deferred_step_s: float = 0.0  # CPU steps run inside opt.step()
     in_backward_steps: int = 0
     deferred_steps: int = 0
+    whole_chunk_steps: int = 0  # chunk steps done as one fused call over the flat chunk
 
 
 class HybridOptimizer:
@@ -239,24 +240,37 @@ class HybridOptimizer:
 
     # -------------------------------------------------------------------------------- step
     def _step_chunk(self, st: ChunkOptState) -> None:
+        """AdamW on the chunk's master copy. When every parameter of the chunk is in one param group, has a
+        gradient and has taken the same number of steps (the usual case), one fused call runs over the
+        whole flat chunk (padding included, which nothing reads): much faster on the CPU than a list of
+        small tensors. Otherwise one call per param group over the parameters that have a gradient."""
         store = st.store
         master = store.master[st.chunk]
         by_group: dict[int, list[int]] = {}
         for i in st.members:
             if i in st.has_grad:
                 by_group.setdefault(st.group_of[i], []).append(i)
+        step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in st.members}
+        whole = (len(by_group) == 1 and len(st.members) == len(store.chunk_entries(st.chunk))
+                 and len(next(iter(by_group.values()), [])) == len(st.members) and len(step_counts) == 1)
         for gi, idxs in by_group.items():
+            if whole:
+                step = torch.tensor(step_counts.pop(), dtype=torch.float32)
+                params, grads, m, v = [master], [st.grad_acc], [st.exp_avg], [st.exp_avg_sq]
+                vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
+                steps = [step]
+            else:
+                params, grads, m, v, vmax, steps = [], [], [], [], [], []
+                for i in idxs:
+                    _, sl = self._views(st, i)
+                    params.append(master[sl])
+                    grads.append(st.grad_acc[sl])
+                    m.append(st.exp_avg[sl])
+                    v.append(st.exp_avg_sq[sl])
+                    if st.max_exp_avg_sq is not None:
+                        vmax.append(st.max_exp_avg_sq[sl])
+                    steps.append(st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32)))
             g = self.opt.param_groups[gi]
-            params, grads, m, v, vmax, steps = [], [], [], [], [], []
-            for i in idxs:
-                _, sl = self._views(st, i)
-                params.append(master[sl])
-                grads.append(st.grad_acc[sl])
-                m.append(st.exp_avg[sl])
-                v.append(st.exp_avg_sq[sl])
-                if st.max_exp_avg_sq is not None:
-                    vmax.append(st.max_exp_avg_sq[sl])
-                steps.append(st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32)))
             beta1, beta2 = g["betas"]
             lr = g["lr"]
             _adam(
@@ -266,6 +280,10 @@ class HybridOptimizer:
                 maximize=bool(g.get("maximize", False)),
                 decoupled=g.get("decoupled_weight_decay", self.decoupled),
             )
+            if whole:  # every parameter took this step
+                for i in idxs:
+                    st.steps[i] = step.clone()
+                self.timers.whole_chunk_steps += 1
         store.refresh_transfer(st.chunk)
         st.has_grad.clear()
 

@@ -54,7 +54,9 @@ def test_offloaded_chunks_match_eager(compiler, n_persist):
     # offloaded parameters are empty device shells; their values live on the host
     shell = store.params[-1]
     assert shell.untyped_storage().nbytes() == 0 and shell.shape == r.ref.ln_f.bias.shape
-    assert optim.handle_of(r.opt).timers.in_backward_steps > 0  # steps 2.. overlapped backward
+    timers = optim.handle_of(r.opt).timers
+    assert timers.in_backward_steps > 0  # steps 2.. overlapped backward
+    assert timers.whole_chunk_steps == timers.in_backward_steps + timers.deferred_steps  # one group: flat steps
 
 
 # n_buffer=1 cannot work when two chunks are needed at once (a Linear whose weight and bias sit in different
@@ -95,6 +97,7 @@ def test_two_param_groups_lr_scheduler_and_tied_embeddings():
     assert_parity(r)
     assert [g["lr"] for g in r.opt.param_groups] == [g["lr"] for g in r.ref_opt.param_groups]
     assert math.isclose(r.opt.param_groups[0]["lr"], 3e-3 * 0.5**5)
+    assert optim.handle_of(r.opt).timers.whole_chunk_steps == 0  # chunks mix the two groups: per-group steps
     # the tied weight is one parameter, stored once, in an offloaded chunk
     sd = r.model.state_dict()
     assert torch.equal(sd["wte.weight"], sd["head.weight"])
