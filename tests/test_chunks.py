@@ -97,7 +97,8 @@ def test_two_param_groups_lr_scheduler_and_tied_embeddings():
     assert_parity(r)
     assert [g["lr"] for g in r.opt.param_groups] == [g["lr"] for g in r.ref_opt.param_groups]
     assert math.isclose(r.opt.param_groups[0]["lr"], 3e-3 * 0.5**5)
-    assert optim.handle_of(r.opt).timers.whole_chunk_steps == 0  # chunks mix the two groups: per-group steps
+    t = optim.handle_of(r.opt).timers
+    assert t.whole_chunk_steps < t.in_backward_steps + t.deferred_steps  # chunks that mix groups: per-group steps
     # the tied weight is one parameter, stored once, in an offloaded chunk
     sd = r.model.state_dict()
     assert torch.equal(sd["wte.weight"], sd["head.weight"])
