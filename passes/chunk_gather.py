@@ -6,6 +6,8 @@ the transfer dtype) and per parameter a ``slice`` + ``view`` back to the paramet
 parameter's placeholder (forward and backward uses alike) then reads that view; when the transfer dtype is
 lower than the parameter dtype an upcast follows, so the graph computes exactly what it did, except that
 casts the graph already had to the transfer dtype (autocast's) read the low-precision view directly.
+1-D parameters (biases, norm weights) in the parameter dtype come from ``protrain::vectors`` as tensors of
+their own instead (see protrain_fx.ops).
 
 Why in the joint graph: gradients keep flowing to the parameter placeholders as before (the backward nodes
 are already there), so the optimizer-calls pass can collect them per chunk; and the recompute pass can tag
@@ -15,6 +17,7 @@ The pass records, per chunk, which joint output carries each parameter's gradien
 """
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 
 import torch
@@ -63,24 +66,40 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             flat.meta[META_KEY] = NodeAnnotation("forward", ann.region if ann else "non_block",
                                                  ann.block if ann else None, ann.block_name if ann else None,
                                                  chunk=chunk)
+            vector_params = [(ph, i) for ph, i, _ in params
+                             if len(store.entries[i].shape) <= 1 and store.param_dtype == ph.meta["val"].dtype]
+            vector_of = {}
+            if vector_params:
+                es = [store.entries[i] for _, i in vector_params]
+                vecs = call(gm, ops.VECTORS, (flat, [e.offset for e in es], [e.numel for e in es]), meta=dict(meta))
+                vecs.meta[META_KEY] = flat.meta[META_KEY]
+                for k, (ph, i) in enumerate(vector_params):
+                    item = graph.call_function(operator.getitem, (vecs, k))
+                    item.meta.update(meta)
+                    item.meta["val"] = vecs.meta["val"][k]
+                    item.meta[META_KEY] = flat.meta[META_KEY]
+                    vector_of[ph] = call(gm, torch.ops.aten.view.default, (item, list(store.entries[i].shape)),
+                                         meta=dict(meta))
+                    vector_of[ph].meta[META_KEY] = flat.meta[META_KEY]
             for ph, entry_index, _ in params:
                 e = store.entries[entry_index]
-                sliced = call(gm, torch.ops.aten.slice.Tensor, (flat, 0, e.offset, e.offset + e.numel), meta=dict(meta))
-                low = call(gm, torch.ops.aten.view.default, (sliced, list(e.shape)), meta=dict(meta))
-                value = low
-                if store.param_dtype != ph.meta["val"].dtype:
-                    value = call(gm, torch.ops.prims.convert_element_type.default, (low, ph.meta["val"].dtype),
-                                 meta=dict(meta))
-                elif len(e.shape) <= 1:
-                    # vectors (biases, norm weights) get a buffer of their own: Inductor's CUDA addmm/bias
-                    # path read 1-D views at an offset into the chunk wrongly (seen on torch 2.11, H200)
-                    value = call(gm, torch.ops.aten.clone.default, (low,), meta=dict(meta))
-                for n in (sliced, low, value):
+                if ph in vector_of:
+                    new_nodes, value, low = (vector_of[ph],), vector_of[ph], None
+                else:
+                    sliced = call(gm, torch.ops.aten.slice.Tensor, (flat, 0, e.offset, e.offset + e.numel),
+                                  meta=dict(meta))
+                    low = call(gm, torch.ops.aten.view.default, (sliced, list(e.shape)), meta=dict(meta))
+                    value = low
+                    if store.param_dtype != ph.meta["val"].dtype:
+                        value = call(gm, torch.ops.prims.convert_element_type.default,
+                                     (low, ph.meta["val"].dtype), meta=dict(meta))
+                    new_nodes = (sliced, low, value)
+                for n in new_nodes:
                     n.meta[META_KEY] = flat.meta[META_KEY]
                 for user in list(ph.users):
-                    if user in (sliced, low, value):
+                    if user in new_nodes:
                         continue
-                    if cast_dtype(user) == store.param_dtype:
+                    if low is not None and cast_dtype(user) == store.param_dtype:
                         user.replace_all_uses_with(low)  # an existing cast to the transfer dtype: read it directly
                         graph.erase_node(user)
                     else:

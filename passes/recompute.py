@@ -1,12 +1,14 @@
 """recompute: tag the nodes the partitioner must recompute in backward instead of saving.
 
-Tags every ``protrain::gather`` and everything that only views or casts its output (the per-parameter
-slices, views and upcasts) with ``CheckpointPolicy.MUST_RECOMPUTE``. Untagged, the partitioner saves the
+Tags every ``protrain::gather`` and everything that only views, casts or copies out its parameters (the
+per-parameter slices, views, upcasts and ``protrain::vectors``) with ``CheckpointPolicy.MUST_RECOMPUTE``. Untagged, the partitioner saves the
 gathered chunk from forward to backward, which keeps every offloaded chunk alive on the device; tagged,
 backward re-gathers each chunk just before its first backward use (the chunk-schedule pass then prefetches
 it). A saved view of a chunk buffer would also be wrong: the buffer is reused for other chunks.
 """
 from __future__ import annotations
+
+import operator
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -31,6 +33,7 @@ def recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         node.meta["ac_graph_id"] = AC_GRAPH_ID
         for user in node.users:
-            if user.op == "call_function" and (is_view_op(user.target) or cast_dtype(user) is not None):
+            if user.op == "call_function" and (is_view_op(user.target) or cast_dtype(user) is not None
+                                               or user.target in (ops.VECTORS, operator.getitem)):
                 stack.append(user)
     return gm

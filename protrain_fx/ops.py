@@ -8,6 +8,9 @@ side effects (at import time, before any graph is compiled: Inductor's cache key
 
 * ``gather(tokens, store, chunk) -> flat``: the chunk's parameters on the compute device, in the transfer
   dtype (a view of one of the store's reusable chunk buffers; waits for its prefetch, or loads it now).
+* ``vectors(flat, offsets, numels) -> [tensor]``: copies of the chunk's 1-D parameters (biases, norm weights)
+  as tensors of their own. Read as views at an offset into the gathered chunk, Inductor's CUDA code got a
+  bias wrong (GPT-style model, torch 2.11, H200); Inductor removes a plain ``clone`` as a no-op.
 * ``prefetch(tokens, store, chunk) -> token``: start the host-to-device copy into a free chunk buffer.
 * ``release(tokens, store, chunk) -> token``: the chunk's buffer may be reused once the work queued so far
   on the compute stream is done (a token is the output of the chunk's last use).
@@ -40,6 +43,16 @@ def gather(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
 def _(tokens, store, chunk):
     s = chunks.get_store(store)
     return torch.empty(s.chunk_numel(chunk), dtype=s.param_dtype, device=s.device)
+
+
+@custom_op("protrain::vectors", mutates_args=())
+def vectors(flat: torch.Tensor, offsets: List[int], numels: List[int]) -> List[torch.Tensor]:
+    return [flat[o:o + n].clone() for o, n in zip(offsets, numels)]
+
+
+@vectors.register_fake
+def _(flat, offsets, numels):
+    return [flat.new_empty(n) for n in numels]
 
 
 @custom_op("protrain::prefetch", mutates_args=())
@@ -78,6 +91,7 @@ for _op in (prefetch, release):
     _op.register_fake(_fake_token)
 
 GATHER = torch.ops.protrain.gather.default
+VECTORS = torch.ops.protrain.vectors.default
 PREFETCH = torch.ops.protrain.prefetch.default
 RELEASE = torch.ops.protrain.release.default
 CHUNK_GRAD = torch.ops.protrain.chunk_grad.default
