@@ -22,11 +22,11 @@ from collections import defaultdict
 
 import torch
 import torch.fx as fx
+from protrain_fx.passes._fx import call, cast_dtype, node_positions
+from protrain_fx.passes.annotate import META_KEY, NodeAnnotation, annotation_of
 
 from protrain_fx import chunks, ops
 from protrain_fx.graph_inputs import joint_input_index
-from protrain_fx.passes._fx import call, cast_dtype, node_positions
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation, annotation_of
 from protrain_fx.plan import Plan
 
 

@@ -20,11 +20,11 @@ last). The pass also computes how many chunks are in use at once; ``n_buffer`` b
 from __future__ import annotations
 
 import torch.fx as fx
+from protrain_fx.passes._fx import alias_closure, call, node_positions, token_node
+from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
 
 from protrain_fx import _compat, chunks, ops
 from protrain_fx.options import OptionsError
-from protrain_fx.passes._fx import alias_closure, call, node_positions, token_node
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
 from protrain_fx.plan import Plan
 
 

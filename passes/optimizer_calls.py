@@ -10,10 +10,10 @@ The graph then returns ``None`` for those parameters: their gradients live on th
 from __future__ import annotations
 
 import torch.fx as fx
-
-from protrain_fx import ops
 from protrain_fx.passes._fx import call, node_positions, output_node
 from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
+
+from protrain_fx import ops
 from protrain_fx.plan import Plan
 
 

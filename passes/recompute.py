@@ -1,28 +1,43 @@
 """recompute: tag the nodes the partitioner must recompute in backward instead of saving.
 
-Tags every ``protrain::gather`` and everything that only views, casts or copies out its parameters (the
-per-parameter slices, views, upcasts and ``protrain::vectors``) with ``CheckpointPolicy.MUST_RECOMPUTE``. Untagged, the partitioner saves the
-gathered chunk from forward to backward, which keeps every offloaded chunk alive on the device; tagged,
-backward re-gathers each chunk just before its first backward use (the chunk-schedule pass then prefetches
-it). A saved view of a chunk buffer would also be wrong: the buffer is reused for other chunks.
+* Every ``protrain::gather`` and everything that only views, casts or copies out its parameters (slices,
+  views, upcasts, ``protrain::vectors``). Untagged, the partitioner saves the gathered chunk from forward to
+  backward, keeping every offloaded chunk alive on the device; tagged, backward re-gathers each chunk just
+  before its first backward use (chunk_schedule prefetches it). A saved view of a chunk buffer would also be
+  wrong: the buffer is reused for other chunks.
+* Every forward node of the blocks whose policy is "recompute", one ``ac_graph_id`` per block: the
+  semantics of ``torch.utils.checkpoint`` per block. The partitioner saves what each block needs from
+  outside (its input, which the previous block's region must save: the partitioner stashes a tagged node
+  used by a later region) and recomputes the rest in backward. Random ops are recomputed too: the
+  partitioner threads their RNG state from forward to backward, so dropout masks equal forward's.
 """
 from __future__ import annotations
 
 import operator
 
 import torch.fx as fx
+from protrain_fx.passes._fx import cast_dtype, is_view_op
+from protrain_fx.passes.annotate import annotation_of
 from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx import ops
-from protrain_fx.passes._fx import cast_dtype, is_view_op
 from protrain_fx.plan import Plan
 
-# one id for all: recompute regions are not split at gather boundaries
+# Gathers share one id above every block's: the partitioner turns a tagged node into MUST_SAVE when a
+# tagged user has a *larger* id, which must never happen to a gathered view (block ids are 0..n-1).
 AC_GRAPH_ID = 100_000
 
 
 def recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Tag gathers and their views/casts MUST_RECOMPUTE (see module docstring)."""
+    """Tag gathers (and their views/casts) and checkpointed blocks MUST_RECOMPUTE (see module docstring)."""
+    checkpointed = {i for i, b in enumerate(plan.blocks) if b.policy == "recompute"}
+    if checkpointed:
+        for node in gm.graph.nodes:
+            ann = annotation_of(node)
+            if (node.op == "call_function" and ann is not None and ann.phase == "forward"
+                    and ann.block in checkpointed and ann.chunk is None):
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                node.meta["ac_graph_id"] = ann.block
     stack = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.GATHER]
     seen = set()
     while stack:

@@ -6,7 +6,7 @@
 Importing this package is optional: the ``torch_dynamo_backends`` entry point registers the backend.
 """
 from .optim import set_grad_accumulation
-from .options import OptionNotSupportedYet, Options, OptionsError, ProtrainError, parse_bytes
+from .options import Options, OptionsError, ProtrainError, parse_bytes
 from .param_values import host_init
 from .plan import BlockPlan, ChunkPlan, Plan, get_plan
 
@@ -15,7 +15,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockPlan",
     "ChunkPlan",
-    "OptionNotSupportedYet",
     "Options",
     "OptionsError",
     "Plan",

@@ -24,6 +24,7 @@ from protrain_fx.passes.chunk_gather import chunk_gather
 from protrain_fx.passes.chunk_schedule import chunk_schedule
 from protrain_fx.passes.optimizer_calls import optimizer_calls
 from protrain_fx.passes.recompute import recompute
+from protrain_fx.passes.swap import swap_offload, swap_reload
 
 from . import _compat, ops  # noqa: F401  (ops: registers the protrain:: custom ops)
 from .blocks import detect_blocks
@@ -39,8 +40,8 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 # The passes of each stage, in the order they run.
 PIPELINE: dict[str, tuple[Pass, ...]] = {
     "joint": (annotate, chunk_gather, recompute),
-    "forward": (chunk_schedule,),
-    "backward": (optimizer_calls, chunk_schedule),
+    "forward": (swap_offload, chunk_schedule),
+    "backward": (swap_reload, optimizer_calls, chunk_schedule),
     "inference": (annotate, chunk_gather, chunk_schedule),
 }
 
@@ -97,7 +98,11 @@ class GraphCompiler:
         bind_chunks(self.plan, self.options, self.params, self.root, joint, True, self.autocast)
         joint = run_passes("joint", joint, self.plan)
         self.dump.stage("joint", joint)
-        return _compat.min_cut_partition(joint, joint_inputs, **kwargs)
+        fw, bw = _compat.min_cut_partition(joint, joint_inputs, **kwargs)
+        # backward's leading placeholders are the values forward saves for it, in forward's output order
+        self.plan.saved_names = [n.name for n in bw.graph.nodes if n.op == "placeholder"
+                                 and not n.name.startswith(("tangents", "bwd_seed", "bwd_base_offset"))]
+        return fw, bw
 
     def forward(self, gm: fx.GraphModule, example_inputs: Sequence):
         return self._compile("forward", "fw", gm, example_inputs)

@@ -6,7 +6,8 @@
         fw.py, bw.py      forward and backward graphs after protrain's passes, before Inductor
         inference.py      (inference-only graphs) the graph after protrain's passes
         plan.json         Plan.to_dict()
-        annotations.tsv   one row per node of each stage: block, chunk, phase, sizes, profile columns
+        annotations.tsv   one row per node of each stage: phase, block and its activation policy, whether the
+                          partitioner must recompute it, chunk, parameter, output bytes, profile columns
 
 The code is snapshotted when the stage is handed to Inductor, which later mutates the same graph objects.
 Every artifact also goes to torch's structured trace (``TORCH_TRACE=/tmp/trace``), where tlparse shows it.
@@ -28,7 +29,7 @@ from .plan import Plan
 _GRAPH_SEQ = itertools.count()
 
 TSV_COLUMNS = (
-    "stage", "node", "op", "target", "phase", "region", "block", "chunk", "param",
+    "stage", "node", "op", "target", "phase", "region", "block", "policy", "recompute", "chunk", "param",
     "out_bytes", "time_us", "mem_delta_bytes", "peak_bytes",
 )
 
@@ -80,10 +81,16 @@ class GraphDump:
         ann = annotation_of(node)
         target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
         prof = node.meta.get("protrain_profile") or {}
+        policy = ""
+        if ann is not None and ann.phase:
+            policy = self.plan.blocks[ann.block].policy if ann.block is not None and ann.block < len(self.plan.blocks) \
+                else "keep"
+        recompute = "must" if str(node.meta.get("recompute", "")).endswith("MUST_RECOMPUTE") else ""
         return (
             stage, node.name, node.op, str(target),
             ann.phase if ann else "", ann.region if ann else "",
-            ann.block_name or "" if ann else "", "" if ann is None or ann.chunk is None else str(ann.chunk),
+            ann.block_name or "" if ann else "", policy, recompute,
+            "" if ann is None or ann.chunk is None else str(ann.chunk),
             ann.param or "" if ann else "", _out_bytes(node),
             *(str(prof[k]) if k in prof else "" for k in ("time_us", "mem_delta_bytes", "peak_bytes")),
         )

@@ -11,6 +11,10 @@ side effects (at import time, before any graph is compiled: Inductor's cache key
 * ``vectors(flat, offsets, numels) -> [tensor]``: copies of the chunk's 1-D parameters (biases, norm weights)
   as tensors of their own. Read as views at an offset into the gathered chunk, Inductor's CUDA code got a
   bias wrong (GPT-style model, torch 2.11, H200); Inductor removes a plain ``clone`` as a no-op.
+* ``offload(x, tokens, pool, key) -> host``: device-to-host copy of a saved activation of a swap block into its
+  region of a pinned pool (:mod:`protrain_fx.swap_pool`); forward returns the host view instead of ``x``.
+* ``reload_start(host, tokens, pool, key) -> token`` / ``reload_take(host, tokens, pool, key) -> x``: copy it
+  back to the device one block ahead of use, and hand it to backward once the copy is done.
 * ``prefetch(tokens, store, chunk) -> token``: start the host-to-device copy into a free chunk buffer.
 * ``release(tokens, store, chunk) -> token``: the chunk's buffer may be reused once the work queued so far
   on the compute stream is done (a token is the output of the chunk's last use).
@@ -27,7 +31,7 @@ import torch
 import torch.fx
 from torch.library import custom_op
 
-from . import _compat, chunks
+from . import _compat, chunks, swap_pool
 
 
 def _token(device: torch.device) -> torch.Tensor:
@@ -53,6 +57,38 @@ def vectors(flat: torch.Tensor, offsets: List[int], numels: List[int]) -> List[t
 @vectors.register_fake
 def _(flat, offsets, numels):
     return [flat.new_empty(n) for n in numels]
+
+
+@custom_op("protrain::offload", mutates_args=())
+def offload(x: torch.Tensor, tokens: List[torch.Tensor], pool: int, key: int) -> torch.Tensor:
+    return swap_pool.get_pool(pool).offload(x, key)
+
+
+@offload.register_fake
+def _(x, tokens, pool, key):
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+@custom_op("protrain::reload_start", mutates_args=())
+def reload_start(host: torch.Tensor, tokens: List[torch.Tensor], pool: int, key: int) -> torch.Tensor:
+    p = swap_pool.get_pool(pool)
+    p.reload_start(host, key)
+    return _token(p.device)
+
+
+@reload_start.register_fake
+def _(host, tokens, pool, key):
+    return torch.empty(0, device=swap_pool.get_pool(pool).device)
+
+
+@custom_op("protrain::reload_take", mutates_args=())
+def reload_take(host: torch.Tensor, tokens: List[torch.Tensor], pool: int, key: int) -> torch.Tensor:
+    return swap_pool.get_pool(pool).reload_take(key)
+
+
+@reload_take.register_fake
+def _(host, tokens, pool, key):
+    return torch.empty(host.shape, dtype=host.dtype, device=swap_pool.get_pool(pool).device)
 
 
 @custom_op("protrain::prefetch", mutates_args=())
@@ -92,15 +128,20 @@ for _op in (prefetch, release):
 
 GATHER = torch.ops.protrain.gather.default
 VECTORS = torch.ops.protrain.vectors.default
+OFFLOAD = torch.ops.protrain.offload.default
+RELOAD_START = torch.ops.protrain.reload_start.default
+RELOAD_TAKE = torch.ops.protrain.reload_take.default
 PREFETCH = torch.ops.protrain.prefetch.default
 RELEASE = torch.ops.protrain.release.default
 CHUNK_GRAD = torch.ops.protrain.chunk_grad.default
-TOKEN_OPS = (PREFETCH, RELEASE, CHUNK_GRAD)
+TOKEN_OPS = (PREFETCH, RELEASE, CHUNK_GRAD, RELOAD_START)
 ALL_OPS = (GATHER, *TOKEN_OPS)
 
 for _target in TOKEN_OPS:
     torch.fx.node.has_side_effect(_target)
+torch.fx.node.has_side_effect(OFFLOAD)
 _compat.lower_without_buffer_reuse(GATHER)
+_compat.lower_without_buffer_reuse(OFFLOAD)  # its output is a view of the pinned pool
 
 
 def fake_value(target, args):
@@ -109,5 +150,7 @@ def fake_value(target, args):
     if target is GATHER:
         s = chunks.get_store(args[1])
         return torch.empty(s.chunk_numel(args[2]), dtype=s.param_dtype, device=s.device)
+    if target is RELOAD_START:
+        return torch.empty(0, device=swap_pool.get_pool(args[2]).device)
     store = args[2] if target is CHUNK_GRAD else args[1]
     return torch.empty(0, device=chunks.get_store(store).device)

@@ -1,8 +1,7 @@
 """``torch.compile(..., backend="protrain", options={...})`` parsed into a validated :class:`Options`.
 
-Every key is checked: an unknown key is an error that lists the valid ones, a bad value is an error that
-says what was expected, and a key whose feature has not landed yet raises :class:`OptionNotSupportedYet`
-instead of being silently ignored.
+Every key is checked: an unknown key is an error that lists the valid ones, and a bad value is an error that
+says what was expected.
 """
 from __future__ import annotations
 
@@ -21,10 +20,6 @@ class ProtrainError(RuntimeError):
 
 class OptionsError(ProtrainError, ValueError):
     """An option is unknown or has a bad value."""
-
-
-class OptionNotSupportedYet(OptionsError):
-    """The option is part of protrain-fx's contract, but its feature has not landed in this version."""
 
 
 _UNITS = {
@@ -72,10 +67,6 @@ COMPILERS = ("inductor", "eager")
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Options whose feature is not part of this version yet: name -> the feature that will read it.
-NOT_SUPPORTED_YET = {
-    "n_swap": "activation swapping of transformer blocks",
-    "n_checkpoint": "activation recomputation of transformer blocks",
-}
 
 
 @dataclass(frozen=True)
@@ -146,14 +137,4 @@ class Options:
         if compiler not in COMPILERS:
             raise OptionsError(f"compiler: expected one of {list(COMPILERS)}, got {compiler!r}")
         kw["compiler"] = compiler
-        opts = cls(**kw)
-        opts._check_supported()
-        return opts
-
-    def _check_supported(self) -> None:
-        for key, feature in NOT_SUPPORTED_YET.items():
-            if getattr(self, key) is not None:
-                raise OptionNotSupportedYet(
-                    f"option {key!r} is not supported yet: it belongs to {feature}, which has not landed in "
-                    f"this version of protrain-fx. Remove it; see the feature table in README.md."
-                )
+        return cls(**kw)

@@ -73,6 +73,11 @@ class Plan:
     # set by chunk_gather: (store id, chunk) -> [(primal ordinal, store entry index)] of its parameters
     grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict, repr=False)
     estimate: dict[str, int] = field(default_factory=dict, repr=False)  # device bytes by component
+    # set at partition: names of the forward values saved for backward (in order); set by swap_offload:
+    # saved value name -> (pool key, block), and the pool's id
+    saved_names: list[str] = field(default_factory=list, repr=False)
+    swapped: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    swap_pool: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {

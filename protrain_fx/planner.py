@@ -14,6 +14,30 @@ from .options import Options, ProtrainError
 from .plan import BlockPlan, ChunkPlan, Plan
 
 
+def block_policy(index: int, n_swap: int, n_checkpoint: int) -> str:
+    """ProTrain's interleaved layout: the first n_swap blocks swap (their copies have the most later compute
+    to hide behind), the next n_checkpoint recompute, the rest keep their activations."""
+    if index < n_swap:
+        return "swap"
+    if index < n_swap + n_checkpoint:
+        return "recompute"
+    return "keep"
+
+
+def block_knobs(options: Options, n_blocks: int, notes: list[str]) -> tuple[int, int]:
+    n_swap, n_checkpoint = options.n_swap or 0, options.n_checkpoint or 0
+    if n_swap + n_checkpoint > n_blocks:
+        if n_blocks == 0:
+            raise ProtrainError(
+                f"n_swap={n_swap} / n_checkpoint={n_checkpoint} need transformer blocks, and none were detected in "
+                "this graph (see the plan summary); drop those options"
+            )
+        raise ProtrainError(
+            f"n_swap + n_checkpoint = {n_swap + n_checkpoint} exceeds the {n_blocks} transformer blocks detected"
+        )
+    return n_swap, n_checkpoint
+
+
 def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructure, options: Options) -> Plan:
     params = [(gi.fqn or gi.node_name, gi.nbytes) for gi in inputs if gi.is_param]
     chunk_size = options.chunk_size or choose_chunk_size(params)
@@ -43,14 +67,15 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
         )
     if not params:
         notes.append("this graph uses no parameters (nothing to chunk)")
+    n_swap, n_checkpoint = block_knobs(options, len(structure.blocks), notes)
     return Plan(
         chunk_size=chunk_size,
         n_persist=len(chunks),
         n_buffer=0,
-        n_swap=0,
-        n_checkpoint=0,
+        n_swap=n_swap,
+        n_checkpoint=n_checkpoint,
         chunks=chunks,
-        blocks=[BlockPlan(b.name, "keep") for b in structure.blocks],
+        blocks=[BlockPlan(b.name, block_policy(i, n_swap, n_checkpoint)) for i, b in enumerate(structure.blocks)],
         graph_name=graph_name,
         block_container=structure.container,
         notes=notes,

@@ -4,8 +4,7 @@ import torch
 from models import build
 
 import protrain_fx
-from protrain_fx import OptionNotSupportedYet, Options, OptionsError, parse_bytes
-from protrain_fx.options import NOT_SUPPORTED_YET
+from protrain_fx import Options, OptionsError, parse_bytes
 from protrain_fx.testing import random_batches
 
 
@@ -49,19 +48,13 @@ def test_bad_values(key, value):
         Options.from_dict({key: value})
 
 
-@pytest.mark.parametrize("key", sorted(NOT_SUPPORTED_YET))
-def test_unlanded_features_are_refused_not_ignored(key):
-    with pytest.raises(OptionNotSupportedYet, match="not supported yet"):
-        Options.from_dict({key: 1})
-
-
 def test_chunk_options_parse():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     o = Options.from_dict({"optimizer": opt, "memory_budget": "24GiB", "param_dtype": "bfloat16",
-                           "n_persist": 3, "n_buffer": 2})
+                           "n_persist": 3, "n_buffer": 2, "n_swap": 1, "n_checkpoint": 2})
     assert o.optimizer is opt and o.memory_budget == 24 * 2**30 and o.param_dtype == torch.bfloat16
-    assert (o.n_persist, o.n_buffer) == (3, 2)
+    assert (o.n_persist, o.n_buffer, o.n_swap, o.n_checkpoint) == (3, 2, 1, 2)
 
 
 def test_env_dump_dir(monkeypatch, tmp_path):
@@ -76,8 +69,8 @@ def test_bad_options_fail_the_compile_with_the_message():
     with pytest.raises(Exception, match="unknown protrain option"):
         torch.compile(model, backend="protrain", options={"budget": "1GiB"})(x, y)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="not supported yet"):
-        torch.compile(model, backend="protrain", options={"n_swap": 2})(x, y)
+    with pytest.raises(Exception, match="n_swap: expected an int"):
+        torch.compile(model, backend="protrain", options={"n_swap": "all"})(x, y)
 
 
 def test_mode_is_rejected():

@@ -1,0 +1,143 @@
+"""Block-wise activation management: keep, swap or recompute each block, interleaved, against eager."""
+import copy
+import csv
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from models import build
+
+from protrain_fx import backend, ops, swap_pool
+from protrain_fx.testing import compare_with_eager, random_batches, train_steps
+
+LOSS_REL, PARAM_ABS = 1e-5, 1e-3
+
+
+def model(kind, dropout=0.0):
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=32, dropout=dropout)
+    return build("llama", n_layer=4, dim=32, n_head=2, n_kv_head=1, ffn_dim=64, max_seq_len=32)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["gpt", "llama"]), n_swap=st.integers(0, 4), n_checkpoint=st.integers(0, 4))
+def test_every_swap_checkpoint_combination_matches_eager(kind, n_swap, n_checkpoint):
+    torch._dynamo.reset()
+    options = {"compiler": "eager", "n_swap": n_swap, "n_checkpoint": n_checkpoint}
+    if n_swap + n_checkpoint > 4:
+        with pytest.raises(Exception, match="exceeds the 4 transformer blocks"):
+            compare_with_eager(model(kind), random_batches(1, 2, 12), options)
+        return
+    r = compare_with_eager(model(kind), random_batches(3, 2, 12), options)
+    assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
+    expect = ["swap"] * n_swap + ["recompute"] * n_checkpoint + ["keep"] * (4 - n_swap - n_checkpoint)
+    assert [b["policy"] for b in r.plan.to_dict()["blocks"]] == expect
+    assert (r.plan.to_dict()["n_swap"], r.plan.to_dict()["n_checkpoint"]) == (n_swap, n_checkpoint)
+    assert bool(r.plan.swapped) == (n_swap > 0)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_dropout_matches_eager_checkpoint(compiler):
+    """Recomputed blocks see the same dropout masks as forward, as torch.utils.checkpoint does."""
+    base = model("gpt", dropout=0.1)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    for i in (1, 2):  # the eager reference checkpoints the same blocks
+        blk = ref.blocks[i]
+        blk.forward = lambda *a, _f=blk.forward: torch.utils.checkpoint.checkpoint(_f, *a, use_reentrant=False)
+    data = random_batches(3, 2, 16)
+    # Inductor's own RNG differs from eager's; fallback_random makes it draw the same numbers
+    with torch._inductor.config.patch(fallback_random=True):
+        compiled = torch.compile(mine, backend="protrain", options={"compiler": compiler, "n_swap": 1, "n_checkpoint": 2})
+        torch.manual_seed(1)
+        losses = train_steps(mine, compiled, data)
+    torch.manual_seed(1)
+    ref_losses = train_steps(ref, ref, data)
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= LOSS_REL
+    assert max((p - q).abs().max().item() for p, q in zip(mine.parameters(), ref.parameters())) <= PARAM_ABS
+    no_dropout = train_steps(copy.deepcopy(model("gpt")), copy.deepcopy(model("gpt")), data[:1])
+    assert abs(no_dropout[0] - ref_losses[0]) > 1e-4  # dropout really was active
+
+
+def test_inductor_swap_and_recompute_with_offloaded_chunks():
+    r = compare_with_eager(model("llama"), random_batches(3, 2, 16),
+                           {"n_swap": 1, "n_checkpoint": 2, "n_persist": 1, "chunk_size": "40KB"},
+                           give_optimizer=True)
+    assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
+    pool = swap_pool.get_pool(r.plan.swap_pool)
+    assert pool.stats["offloaded_bytes"] == pool.stats["reloaded_bytes"] > 0
+
+
+def _saved_bytes(monkeypatch, options):
+    """Bytes the forward graph returns for backward: (on the compute device, in host memory)."""
+    torch._dynamo.reset()
+    seen = []
+
+    def record(gm, plan):  # runs after the forward passes: sees what forward really returns
+        seen.append((gm, plan))
+        return gm
+
+    with monkeypatch.context() as mp:
+        mp.setitem(backend.PIPELINE, "forward", backend.PIPELINE["forward"] + (record,))
+        m = model("llama")
+        compiled = torch.compile(m, backend="protrain", options={"compiler": "eager", **options})
+        compiled(*random_batches(1, 4, 32)[0]).backward()
+    (gm, plan), = seen
+    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    saved = outputs[len(outputs) - len(plan.saved_names):]
+    device = host = 0
+    for node in saved:
+        val = node.meta.get("val") if node is not None else None
+        if node is None or node.op == "placeholder" or not isinstance(val, torch.Tensor):
+            continue
+        nbytes = val.numel() * val.element_size()
+        if node.target is ops.OFFLOAD:
+            host += nbytes
+        else:
+            device += nbytes
+    return device, host
+
+
+def test_recompute_and_swap_shrink_what_forward_keeps(monkeypatch):
+    """All-recompute saves much less on the device than all-keep; all-swap moves the block activations to
+    host memory. (The GPU benchmark measures the memory itself.)"""
+    keep, keep_host = _saved_bytes(monkeypatch, {})
+    recompute, _ = _saved_bytes(monkeypatch, {"n_checkpoint": 4})
+    swap_device, swap_host = _saved_bytes(monkeypatch, {"n_swap": 4})
+    assert keep_host == 0 and keep > 0
+    assert recompute < 0.3 * keep, (recompute, keep)
+    assert swap_device < 0.3 * keep and swap_host > 0.7 * keep, (swap_device, swap_host, keep)
+
+
+def test_no_blocks_with_checkpoint_is_a_clear_error():
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+            self.b = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))).sum()
+
+    with pytest.raises(Exception, match="none were detected"):
+        torch.compile(Plain(), backend="protrain", options={"n_checkpoint": 1})(torch.randn(2, 8))
+
+
+def test_dumps_show_swap_and_recompute(tmp_path):
+    m = model("gpt")
+    compiled = torch.compile(m, backend="protrain", options={"compiler": "eager", "n_swap": 1, "n_checkpoint": 1,
+                                                              "dump_dir": str(tmp_path)})
+    train_steps(m, compiled, random_batches(1, 2, 8))
+    (folder,) = tmp_path.iterdir()
+    assert "protrain.offload" in (folder / "fw.py").read_text()
+    bw = (folder / "bw.py").read_text()
+    assert "protrain.reload_start" in bw and "protrain.reload_take" in bw
+    with open(folder / "annotations.tsv") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    policies = {(r["block"], r["policy"]) for r in rows if r["stage"] == "joint" and r["block"]}
+    assert {("blocks.0", "swap"), ("blocks.1", "recompute"), ("blocks.2", "keep")} <= policies
+    # the recomputed block's forward nodes reappear in bw, tagged
+    assert any(r["stage"] == "bw" and r["block"] == "blocks.1" and r["recompute"] == "must" and r["phase"] == "forward"
+               for r in rows)
