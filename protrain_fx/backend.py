@@ -95,7 +95,11 @@ class GraphCompiler:
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         if self.use_inductor:
             joint = _compat.inductor_joint_passes(joint)
-        bind_chunks(self.plan, self.options, self.params, self.root, joint, True, self.autocast)
+        # with a memory budget to meet, partition a copy first: the activations it saves size the placement
+        probe = None
+        if self.options.memory_budget is not None and self.options.n_persist is None:
+            probe = lambda g: _compat.min_cut_partition(g, joint_inputs, **kwargs)  # noqa: E731
+        bind_chunks(self.plan, self.options, self.params, self.root, joint, True, self.autocast, probe)
         joint = run_passes("joint", joint, self.plan)
         self.dump.stage("joint", joint)
         fw, bw = _compat.min_cut_partition(joint, joint_inputs, **kwargs)

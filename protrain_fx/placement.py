@@ -39,18 +39,19 @@ def transfer_dtype(options: Options, device: torch.device, master_dtype: torch.d
 
 
 def bind_chunks(plan: Plan, options: Options, params: list[tuple[int, str, torch.nn.Parameter]],
-                root, graph: fx.GraphModule, training: bool, autocast: dict[str, torch.dtype]) -> None:
+                root, graph: fx.GraphModule, training: bool, autocast: dict[str, torch.dtype],
+                partition=None) -> None:
     """Create or reuse the stores of ``params`` and record the binding in ``plan`` (see module docstring)."""
     if not params:
         return
     with _compat.real_tensor_mode():
-        _bind(plan, options, params, root, graph, training, autocast)
+        _bind(plan, options, params, root, graph, training, autocast, partition)
 
 
-def _bind(plan, options, params, root, graph, training, autocast) -> None:
+def _bind(plan, options, params, root, graph, training, autocast, partition) -> None:
     new = [(idx, fqn, p) for idx, fqn, p in params if store_of(p) is None]
     if new:
-        _new_store(plan, options, new, root, graph, training, autocast)
+        _new_store(plan, options, new, root, graph, training, autocast, partition)
     stores = []
     for idx, fqn, p in params:
         store = store_of(p)
@@ -70,7 +71,7 @@ def _bind(plan, options, params, root, graph, training, autocast) -> None:
     _describe(plan, stores, params, options)
 
 
-def _new_store(plan, options, new, root, graph, training, autocast) -> None:
+def _new_store(plan, options, new, root, graph, training, autocast, partition) -> None:
     fqns = [(fqn, p) for _, fqn, p in new]
     device, master = fqns[0][1].device, fqns[0][1].dtype
     sizes = [(fqn, p.numel() * p.element_size()) for fqn, p in fqns]
@@ -80,7 +81,7 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     n_buffer = options.n_buffer if options.n_buffer is not None else 2
     elem = torch.empty(0, dtype=master).element_size()
     t_elem = torch.empty(0, dtype=param_dtype).element_size()
-    activations = saved_activation_bytes(graph) if training else 0
+    activations = saved_activation_bytes(graph, partition) if training else 0
     if options.n_persist is not None:
         n_persist = min(options.n_persist, layout.n_chunks)
         plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)

@@ -94,21 +94,39 @@ FRAGMENTATION = 1.10
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 
 
-def saved_activation_bytes(joint) -> int:
-    """Bytes of forward values that backward nodes read in a joint graph (what a plain partition would save;
-    the min-cut partitioner saves at most this much), parameters and inputs excluded."""
+def saved_activation_bytes(joint, partition=None) -> int:
+    """Device bytes forward keeps for backward in a joint graph (parameters and inputs excluded).
+
+    With ``partition`` (a callable running the partitioner on a copy of ``joint``): what the partitioner
+    really saves. Without: every forward value a backward node reads (what a plain partition would save,
+    an upper bound of the min-cut's choice)."""
+    if partition is not None:
+        fw, bw = partition(_copy_graph_module(joint))
+        n_saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
+        outputs = list(next(n for n in fw.graph.nodes if n.op == "output").args[0])
+        return sum(_tensor_bytes(n) for n in outputs[len(outputs) - n_saved:]
+                   if isinstance(n, torch.fx.Node) and n.op != "placeholder")
     from protrain_fx.passes.annotate import node_phases
 
     phases = node_phases(joint)
-    total = 0
-    for node in joint.graph.nodes:
-        if node.op != "call_function" or phases[node] != "forward":
-            continue
-        if any(phases[u] == "backward" for u in node.users):
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape):
-                total += val.numel() * val.element_size()
-    return total
+    return sum(_tensor_bytes(node) for node in joint.graph.nodes
+               if node.op == "call_function" and phases[node] == "forward"
+               and any(phases[u] == "backward" for u in node.users))
+
+
+def _tensor_bytes(node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape):
+        return val.numel() * val.element_size()
+    return 0
+
+
+def _copy_graph_module(gm):
+    """A copy of ``gm`` whose nodes have their own (shallow-copied) meta dicts: the partitioner writes tags."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
 
 
 def estimate_device_bytes(chunk_bytes: list[int], n_persist: int, n_buffer: int, transfer_elem: int,
