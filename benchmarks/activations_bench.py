@@ -178,6 +178,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "activations_h200"))
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--only", default="", help="comma-separated layout names to run (default: all)")
     ap.add_argument("--one", action="store_true", help="internal: run one layout")
     ap.add_argument("--name", default="")
     ap.add_argument("--n-swap", type=int, default=0)
@@ -195,7 +196,10 @@ def main() -> None:
         return
     n_layer = (TINY if args.tiny else ANCHOR)["n_layer"]
     rows = []
+    wanted = {w.strip() for w in args.only.split(",") if w.strip()}
     for name, n_swap, n_ckpt in layouts(n_layer):
+        if wanted and name not in wanted:
+            continue
         argv = [sys.executable, __file__, "--one", "--name", name, "--n-swap", str(n_swap), "--n-checkpoint",
                 str(n_ckpt), "--device", args.device, "--batch", str(args.batch), "--steps", str(args.steps)]
         if args.tiny:
