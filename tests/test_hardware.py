@@ -1,0 +1,177 @@
+"""Hardware profile (protrain_fx/hardware.py) on the CPU: measurement, the on-disk cache, live memory."""
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from protrain_fx import hardware
+from protrain_fx.hardware import HardwareProfile, current_memory, hardware_profile
+
+RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "cpu_adam_params_per_s",
+         "gpu_adam_params_per_s")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(hardware.ENV_REFRESH, raising=False)
+    monkeypatch.delenv(hardware.ENV_CACHE_DIR, raising=False)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One real measurement for the module (about half a second on a 2-core box)."""
+    folder = str(tmp_path_factory.mktemp("hw"))
+    return hardware_profile("cpu", cache_dir=folder), folder
+
+
+@pytest.fixture
+def counting_measure(monkeypatch, measured):
+    """Replace the measurement by a fast one that counts its calls."""
+    calls = []
+
+    def fake(device=None):
+        calls.append(device)
+        return dataclasses.replace(measured[0], cpu_adam_params_per_s=1e9 + len(calls))
+
+    monkeypatch.setattr(hardware, "measure_hardware", fake)
+    return calls
+
+
+def test_profile_on_cpu_is_positive_and_finite(measured):
+    p, folder = measured
+    assert p.device == "cpu"
+    for name in RATES:
+        v = getattr(p, name)
+        assert isinstance(v, float) and math.isfinite(v) and v > 0, (name, v)
+    assert p.gpu_adam_params_per_s == p.cpu_adam_params_per_s  # the CPU is the device
+    assert 0 < p.device_free_bytes <= p.device_total_bytes
+    assert 0 < p.host_available_bytes <= p.host_total_bytes
+    assert p.pinned_limit_bytes is None or p.pinned_limit_bytes > 0
+    assert p.cpu_cores >= 1 and p.cpu_threads >= 1 and p.copy_bytes > 0 and p.cpu_adam_numel > 0
+    assert 0 < p.measure_seconds < 15  # about 0.6 s on a 2-core box; generous for a loaded CI runner
+    assert p.measured_at
+    # stored as JSON with a schema, and round-trips exactly
+    (path,) = [f for f in os.listdir(folder) if f.endswith(".json")]
+    with open(os.path.join(folder, path)) as f:
+        data = json.load(f)
+    assert data["schema"] == hardware.SCHEMA_VERSION
+    assert HardwareProfile.from_dict(data) == p
+    assert HardwareProfile.from_dict(p.to_dict()) == p
+    assert not [f for f in os.listdir(folder) if f.endswith(".tmp")]  # atomic write left nothing behind
+
+
+def test_key_names_device_and_torch_version(measured):
+    p, _ = measured
+    assert torch.__version__ in p.key and p.torch_version == torch.__version__
+    assert p.device_name and p.device_name in p.key
+    assert p.key == hardware.profile_key("cpu")
+    assert f"cores={p.cpu_cores}" in p.key and f"threads={torch.get_num_threads()}" in p.key
+
+
+def test_cache_hit_does_not_measure(measured, monkeypatch):
+    p, folder = measured
+
+    def boom(device=None):
+        raise AssertionError("measured although a valid cache file exists")
+
+    monkeypatch.setattr(hardware, "measure_hardware", boom)
+    again = hardware_profile("cpu", cache_dir=folder)
+    assert again == p
+    assert hardware_profile(None, cache_dir=folder) == p  # no CUDA here: None means the CPU
+
+
+def test_refresh_measures_again(tmp_path, counting_measure, monkeypatch):
+    first = hardware_profile("cpu", cache_dir=str(tmp_path))
+    assert len(counting_measure) == 1
+    assert hardware_profile("cpu", cache_dir=str(tmp_path)) == first
+    assert len(counting_measure) == 1
+    second = hardware_profile("cpu", cache_dir=str(tmp_path), refresh=True)
+    assert len(counting_measure) == 2 and second != first
+    assert hardware_profile("cpu", cache_dir=str(tmp_path)) == second  # the refreshed one was stored
+    monkeypatch.setenv(hardware.ENV_REFRESH, "1")
+    hardware_profile("cpu", cache_dir=str(tmp_path))
+    assert len(counting_measure) == 3
+    monkeypatch.setenv(hardware.ENV_REFRESH, "0")
+    hardware_profile("cpu", cache_dir=str(tmp_path))
+    assert len(counting_measure) == 3
+
+
+@pytest.mark.parametrize("content", [
+    "{not json",
+    b"\xff\xfe\x00garbage",
+    "[]",
+    '{"schema": 0}',
+    "OLD_SCHEMA",
+    "MISSING_FIELD",
+    "WRONG_TYPE",
+    "NEGATIVE_RATE",
+    "OTHER_KEY",
+    "",
+])
+def test_corrupt_or_stale_cache_is_measured_again(tmp_path, counting_measure, measured, content):
+    path = hardware.cache_path(hardware.profile_key("cpu"), str(tmp_path))
+    good = measured[0].to_dict()
+    if content == "OLD_SCHEMA":
+        content = json.dumps({**good, "schema": hardware.SCHEMA_VERSION - 1})
+    elif content == "MISSING_FIELD":
+        content = json.dumps({k: v for k, v in good.items() if k != "h2d_bytes_per_s"})
+    elif content == "WRONG_TYPE":
+        content = json.dumps({**good, "device_total_bytes": "lots"})
+    elif content == "NEGATIVE_RATE":
+        content = json.dumps({**good, "d2h_bytes_per_s": -1.0})
+    elif content == "OTHER_KEY":
+        content = json.dumps({**good, "key": "device=cuda:Some GPU|torch=0.0"})
+    os.makedirs(tmp_path, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(content if isinstance(content, bytes) else content.encode())
+    p = hardware_profile("cpu", cache_dir=str(tmp_path))
+    assert len(counting_measure) == 1
+    with open(path) as f:
+        assert HardwareProfile.from_dict(json.load(f)) == p  # overwritten with a valid profile
+
+
+def test_env_cache_dir_and_unwritable_dir(tmp_path, counting_measure, monkeypatch):
+    monkeypatch.setenv(hardware.ENV_CACHE_DIR, str(tmp_path / "root"))
+    hardware_profile("cpu")
+    assert [f for f in os.listdir(tmp_path / "root" / "hardware") if f.endswith(".json")]
+    # a cache "folder" that is a file: the profile is still returned, just not cached
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    p = hardware_profile("cpu", cache_dir=str(blocker))
+    assert p.cpu_adam_params_per_s > 0 and len(counting_measure) == 2
+
+
+def test_from_dict_ignores_unknown_and_needs_required(measured):
+    d = measured[0].to_dict()
+    assert HardwareProfile.from_dict({**d, "future_field": 1}) == measured[0]
+    with pytest.raises(ValueError):
+        HardwareProfile.from_dict({k: v for k, v in d.items() if k != "key"})
+    # extras have defaults: a synthetic profile (for cost-model tests) needs only the documented fields
+    extras = {f.name for f in dataclasses.fields(HardwareProfile) if f.default is not dataclasses.MISSING}
+    minimal = {k: v for k, v in d.items() if k not in extras}
+    assert HardwareProfile.from_dict(minimal).h2d_bytes_per_s == measured[0].h2d_bytes_per_s
+
+
+def test_current_memory_is_live_and_sane():
+    free, total, host_available, host_total = current_memory("cpu")
+    assert all(isinstance(x, int) for x in (free, total, host_available, host_total))
+    assert 0 < host_available <= host_total and (free, total) == (host_available, host_total)
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            mem_total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+        assert host_total <= mem_total
+    big = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB touched: live numbers see it
+    after = current_memory("cpu")[2]
+    del big
+    assert after < host_available + (64 << 20)
+
+
+def test_unsupported_devices():
+    with pytest.raises(hardware.ProtrainError):
+        hardware.resolve_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(hardware.ProtrainError):
+            hardware.resolve_device("cuda")
