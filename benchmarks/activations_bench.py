@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -27,6 +26,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
+from gpu_turns import measure_turn, run_batch  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
 
 ANCHOR = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=1024, tie_embeddings=False)
@@ -76,6 +77,9 @@ def run_one(args) -> dict:
         if cuda:
             ev[1].record()
         t1 = time.perf_counter()
+        if timing is not None and cuda:  # what forward holds for backward (swapped blocks: once copied out)
+            torch.cuda.synchronize()
+            timing.setdefault("after_fwd_bytes", []).append(torch.cuda.memory_allocated())
         loss.backward()
         if cuda:
             ev[2].record()
@@ -93,26 +97,45 @@ def run_one(args) -> dict:
 
     step()
     step()
-    base = torch.cuda.memory_allocated() if cuda else 0
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    timing: dict = {}
-    for _ in range(args.steps):
-        loss = step(timing)
+    with measure_turn():
+        step()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        timing: dict = {}
+        for _ in range(args.steps):
+            loss = step(timing)
+        # on the GPU the steps above synchronize after forward for the memory reading; the step time comes
+        # from further steps without that synchronize
+        plain: dict = {}
+        for _ in range(args.steps if cuda else 0):
+            _timed_plain(step, plain)
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     med = {k: sorted(v)[len(v) // 2] for k, v in timing.items()}
+    if cuda:
+        med["step_ms"] = sorted(plain["step_ms"])[len(plain["step_ms"]) // 2]
+    after_fwd = med.pop("after_fwd_bytes", base)
     plan = get_plan(compiled)
     per_block = _saved_per_block(saved[0], plan) if saved else {}
     res = {"layout": args.name, "n_swap": args.n_swap, "n_checkpoint": args.n_checkpoint, "batch": args.batch,
            "seq": seq, "params": sum(p.numel() for p in model.parameters()), **med,
            "tokens_per_s": args.batch * seq / (med["step_ms"] / 1e3), "peak_gib": peak / 2**30,
-           "activation_gib": (peak - base) / 2**30, "states_gib": base / 2**30, "loss": float(loss),
+           "activation_gib": (after_fwd - base) / 2**30, "peak_over_states_gib": (peak - base) / 2**30,
+           "states_gib": base / 2**30, "loss": float(loss),
            "policies": [b.policy for b in plan.blocks], "saved_per_block": per_block}
     if plan.swap_pool is not None:
         pool = swap_pool.get_pool(plan.swap_pool)
         res["swapped_bytes_per_step"] = pool.nbytes
         res.update(_copy_bandwidth(pool, device))
     return res
+
+
+def _timed_plain(step, plain: dict) -> None:
+    """One step timed with nothing but a synchronize at its end."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(None)
+    plain.setdefault("step_ms", []).append((time.perf_counter() - t0) * 1e3)
 
 
 def _saved_per_block(gm, plan) -> dict:
@@ -144,12 +167,20 @@ def _copy_bandwidth(pool, device) -> dict:
                      ("h2d_gb_s", lambda: dev.copy_(pool.buffer, non_blocking=True))):
         fn()
         torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out[name] = n / a.elapsed_time(b) / 1e6
+        times = []
+        for _ in range(3):  # median of three: one copy can be slow
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        out[name] = n / sorted(times)[1] / 1e6
     return out
+
+
+def _mean_block(row: dict) -> dict:
+    blocks = [v for k, v in row["saved_per_block"].items() if k != "non-block"]
+    return {w: sum(b[w] for b in blocks) / max(1, len(blocks)) for w in ("device", "host")}
 
 
 def swap_bound(row: dict, keep: dict, n_layer: int) -> dict:
@@ -170,6 +201,15 @@ def swap_bound(row: dict, keep: dict, n_layer: int) -> dict:
             "hidden": exposed_fwd + exposed_bwd == 0.0}
 
 
+def _error_text(e: BaseException) -> str:
+    """The start of the exception (dispatcher errors put the operator first and a long key list after) and
+    the innermost frames of its traceback."""
+    import traceback
+
+    frames = "".join(traceback.format_tb(e.__traceback__)[-3:])
+    return f"{type(e).__name__}: {str(e)[:1200]}\n{frames[-1500:]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -177,7 +217,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "activations_h200"))
-    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--timeout", type=int, default=420, help="seconds per batch of layouts")
+    ap.add_argument("--parallel", type=int, default=4, help="layouts compiled side by side (device memory!)")
     ap.add_argument("--only", default="", help="comma-separated layout names to run (default: all)")
     ap.add_argument("--one", action="store_true", help="internal: run one layout")
     ap.add_argument("--name", default="")
@@ -191,26 +232,25 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-            res = {"layout": args.name, "error": f"{type(e).__name__}: {e}"[-1500:]}
+            res = {"layout": args.name, "error": _error_text(e)}
         print("RESULT " + json.dumps(res), flush=True)
         return
     n_layer = (TINY if args.tiny else ANCHOR)["n_layer"]
-    rows = []
     wanted = {w.strip() for w in args.only.split(",") if w.strip()}
-    for name, n_swap, n_ckpt in layouts(n_layer):
-        if wanted and name not in wanted:
-            continue
-        argv = [sys.executable, __file__, "--one", "--name", name, "--n-swap", str(n_swap), "--n-checkpoint",
-                str(n_ckpt), "--device", args.device, "--batch", str(args.batch), "--steps", str(args.steps)]
-        if args.tiny:
-            argv.append("--tiny")
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-        row = json.loads(line[7:]) if line else {"layout": name, "error": (p.stderr or p.stdout)[-1500:]}
-        rows.append(row)
-        print(row.get("layout"), {k: row[k] for k in ("step_ms", "peak_gib", "activation_gib") if k in row}
-              or row.get("error", "")[-300:], flush=True)
+    todo = [(name, n_swap, n_ckpt) for name, n_swap, n_ckpt in layouts(n_layer) if not wanted or name in wanted]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    rows = []
+    for b in range(0, len(todo), args.parallel):  # each batch compiles side by side, then times one at a time
+        batch = todo[b:b + args.parallel]
+        argvs = [[sys.executable, __file__, "--one", "--name", name, "--n-swap", str(n_swap), "--n-checkpoint",
+                  str(n_ckpt), "--device", args.device, "--batch", str(args.batch), "--steps", str(args.steps)]
+                 + (["--tiny"] if args.tiny else []) for name, n_swap, n_ckpt in batch]
+        for (name, _, _), (code, so, se) in zip(batch, run_batch(argvs, env, args.timeout)):
+            line = next((l for l in so.splitlines() if l.startswith("RESULT ")), None)
+            row = json.loads(line[7:]) if line else {"layout": name, "error": f"exit {code}: " + (se or so)[-1500:]}
+            rows.append(row)
+            print(row.get("layout"), {k: row[k] for k in ("step_ms", "peak_gib", "activation_gib") if k in row}
+                  or row.get("error", "")[:600], flush=True)
     keep = next((r for r in rows if r.get("layout") == "all-keep" and "error" not in r), None)
     if keep is not None:
         for r in rows:
@@ -231,7 +271,7 @@ def markdown(out: dict, keep: dict | None) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in out["rows"]:
         if "error" in r:
-            lines.append(f"| {r['layout']} | error: {r['error'][-150:].replace('|', '/')} | | | | | |")
+            lines.append(f"| {r['layout']} | error: {r['error'][:150].replace('|', '/').replace(chr(10), ' ')} | | | | | |")
             continue
         rel = f"{100 * (1 - r['activation_gib'] / keep['activation_gib']):.0f}% less" if keep and keep["activation_gib"] else "-"
         lines.append(f"| {r['layout']} | {r['step_ms']:.0f} | {r['fwd_ms']:.0f} | {r['bwd_ms']:.0f} | {r['peak_gib']:.1f} | "
@@ -245,6 +285,21 @@ def markdown(out: dict, keep: dict | None) -> str:
             b = r["swap_bound"]
             lines.append(f"| {r['n_swap']} | {r['swapped_bytes_per_step'] / 2**20:.0f} | {b['copy_ms']:.1f} | "
                          f"{b['bound_increase_ms']:.1f} | {b['measured_increase_ms']:.1f} |")
+    by_name = {r["layout"]: r for r in out["rows"] if "error" not in r}
+    if keep and keep.get("saved_per_block"):
+        n = len([k for k in keep["saved_per_block"] if k != "non-block"])
+        kb = _mean_block(keep)
+        lines += ["", f"What each policy costs and saves per block (means over the {n} blocks; time = (layout step - "
+                  "all-keep step) / blocks):", "",
+                  "| policy | device MiB kept for backward per block | host MiB per block | device MiB freed vs keep | "
+                  "ms per block |", "|---|---|---|---|---|"]
+        for pol, name in (("keep", "all-keep"), ("recompute", "all-recompute"), ("swap", "all-swap")):
+            r = by_name.get(name)
+            if r is None or not r.get("saved_per_block"):
+                continue
+            b = _mean_block(r)
+            lines.append(f"| {pol} | {b['device'] / 2**20:.1f} | {b['host'] / 2**20:.1f} | "
+                         f"{(kb['device'] - b['device']) / 2**20:.1f} | {(r['step_ms'] - keep['step_ms']) / n:.2f} |")
     if keep and keep.get("saved_per_block"):
         lines += ["", "Bytes forward keeps for backward per block (MiB), by policy:", "",
                   "| layout | block 0 device | block 0 host | last block device |", "|---|---|---|---|"]

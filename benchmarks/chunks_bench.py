@@ -1,12 +1,12 @@
 """Chunk-based model states on the GPU: parity, throughput against FSDP2 CPU offload, and where the time goes.
 
-    python benchmarks/chunks_bench.py all --cap 24 --batch 8 --persist budget,budget-2 --with-parity
+    python benchmarks/chunks_bench.py all --cap 24 --batch 8 --persist 4,5 --with-parity
     python benchmarks/chunks_bench.py parity --out parity.json       # CUDA parity with offloaded chunks
     python benchmarks/chunks_bench.py protrain --cap 24 --batch 8 --budget 24   # one run, prints RESULT {json}
     python benchmarks/chunks_bench.py fsdp2 --cap 24 --batch 8
 
-``all`` runs every system in its own subprocess, in one invocation, and writes ``<out>.json`` and
-``<out>.md``. The model is examples/models.GPT configured like ../shared/ANCHORS.md's GPT (d 2048, 24 layers,
+``all`` runs every system in its own subprocess, in one invocation (compiling side by side, timed one at a
+time: benchmarks/gpu_turns.py), and writes ``<out>.json`` and ``<out>.md``. The model is examples/models.GPT configured like ../shared/ANCHORS.md's GPT (d 2048, 24 layers,
 16 heads, vocab 50304, untied head: 1.42 B parameters), batch x 1024 tokens, bf16 autocast, AdamW.
 
 A protrain run measures, per step, with CUDA events around forward and backward and host timers around
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -30,7 +29,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
 from models import GPT, GPTConfig, build  # noqa: E402
+from gpu_turns import measure_turn, run_batch  # noqa: E402
 
 SEQ = 1024
 ANCHOR = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=SEQ, tie_embeddings=False)
@@ -55,7 +56,7 @@ def batch(args, vocab):
 # --------------------------------------------------------------------------------------- protrain
 def run_protrain(args) -> dict:
     import protrain_fx
-    from protrain_fx import chunks, optim
+    from protrain_fx import chunks, cpu_adam, optim
 
     cap_memory(args.cap)
     cfg = anchor_config(args)
@@ -105,7 +106,24 @@ def run_protrain(args) -> dict:
                            "no CPU optimizer to measure; lower the cap or n_persist")
     res = {"system": "protrain", "params": n_params, "cap_gib": args.cap, "batch": args.batch, "seq": SEQ,
            "n_persist": store.n_persist, "n_chunks": store.n_chunks, "n_buffer": store.n_buffer,
-           "chunk_size": store.layout.chunk_size, "first_step_s": t_compile}
+           "chunk_size": store.layout.chunk_size, "first_step_s": t_compile,
+           "cpu_adam": "one-pass kernel" if cpu_adam.available() else f"torch fused + copy ({cpu_adam.build_error()})"}
+    with measure_turn():
+        phases = measure_phases(args, step, h, store)
+        transfers = transfer_alone(store, phases["overlap"])
+    res["phases"] = phases
+    o = phases["overlap"]
+    res["tokens_per_s"] = args.batch * SEQ / (o["step_ms"] / 1e3)
+    res["peak_gib"] = max(phases["alone"]["peak_gib"], o["peak_gib"])
+    res["peak_reserved_gib"] = max(phases["alone"]["peak_reserved_gib"], o["peak_reserved_gib"])
+    derive(res)
+    res.update(transfers)
+    return res
+
+
+def measure_phases(args, step, h, store) -> dict:
+    from protrain_fx import optim
+
     phases = {}
     for phase, overlap in (("alone", False), ("overlap", True)):
         h.overlap = overlap
@@ -123,21 +141,18 @@ def run_protrain(args) -> dict:
             cpu_optim_deferred_ms=t.deferred_step_s / n * 1e3,
             cpu_worker_busy_ms=t.worker_busy_s / n * 1e3,
             cpu_worker_step_ms=t.worker_step_s / n * 1e3,
+            one_pass_steps=t.one_pass_steps / n,
+            whole_chunk_steps=t.whole_chunk_steps / n,
             step_wait_ms=t.step_wait_s / n * 1e3,
             in_backward_steps=t.in_backward_steps / n,
             h2d_bytes_per_step={k: (store.stats[k] - stats0[k]) / n for k in ("h2d_bytes", "h2d_copies", "slot_hits")},
             d2h_bytes_per_step=(store.stats["d2h_bytes"] - stats0["d2h_bytes"]) / n,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+            peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
             loss=float(loss),
         )
         phases[phase] = med
-    res["phases"] = phases
-    o = phases["overlap"]
-    res["tokens_per_s"] = args.batch * SEQ / (o["step_ms"] / 1e3)
-    res["peak_gib"] = max(phases["alone"]["peak_gib"], o["peak_gib"])
-    derive(res)
-    res.update(transfer_alone(store, o))
-    return res
+    return phases
 
 
 def transfer_alone(store, overlap_phase) -> dict:
@@ -203,16 +218,22 @@ def run_fsdp2(args) -> dict:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
+    with measure_turn():
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            loss = step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    dt = sorted(times)[len(times) // 2]
     dist.destroy_process_group()
-    return {"system": "fsdp2_cpu_offload", "params": n_params, "cap_gib": args.cap, "batch": args.batch, "seq": SEQ,
+    return {"system": "fsdp2_cpu_offload", "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "params": n_params, "cap_gib": args.cap, "batch": args.batch, "seq": SEQ,
             "step_ms": dt * 1e3, "tokens_per_s": args.batch * SEQ / dt,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "loss": float(loss)}
 
 
 # ----------------------------------------------------------------------------------------- parity
@@ -246,40 +267,41 @@ def run_parity(args) -> dict:
 
 # ------------------------------------------------------------------------------------------- all
 def run_all(args) -> dict:
+    """Every system in its own subprocess, all started together (they compile side by side) and timed one
+    at a time (benchmarks/gpu_turns.py)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
+               NVSHMEM_DISABLE_NVLS="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     common = ["--cap", str(args.cap), "--batch", str(args.batch), "--layers", str(args.layers),
               "--width", str(args.width), "--steps", str(args.steps), "--n-buffer", str(args.n_buffer)]
     runs = [["parity"]] if args.with_parity else []
-    for spec in args.persist:
+    for spec in args.persist:  # "5" or "5/torch" (the CPU step with torch's fused Adam + copy, for comparison)
+        spec, _, adam = spec.partition("/")
+        extra = ["--cpu-adam", adam] if adam else []
         if spec == "budget":  # the planner's choice; a few GiB kept back for transients it does not model yet
-            runs.append(["protrain", *common, "--budget", str(max(1.0, args.cap - args.reserve))])
-        elif spec.startswith("budget-"):  # fewer resident chunks than the planner's choice
-            runs.append(["protrain", *common, "--n-persist", "budget-" + spec.split("-")[1]])
+            runs.append(["protrain", *common, *extra, "--budget", str(max(1.0, args.cap - args.reserve))])
         else:
-            runs.append(["protrain", *common, "--n-persist", spec])
-    runs.append(["fsdp2", *common])
+            runs.append(["protrain", *common, *extra, "--n-persist", spec])
+    t0 = time.perf_counter()
+    done = run_batch([[sys.executable, __file__, *argv] for argv in runs], env, args.timeout)
+    # FSDP2 runs alone afterwards (nothing else alive on the machine), with the default CUDA allocator and
+    # with expandable segments; the table shows both
+    for conf in ("", "expandable_segments:True"):
+        runs.append(["fsdp2", *common])
+        e = dict(env, PYTORCH_CUDA_ALLOC_CONF=conf)
+        done += run_batch([[sys.executable, __file__, *runs[-1]]], e, args.timeout)
+    wall = time.perf_counter() - t0
     results = []
-    for argv in runs:
-        if "--n-persist" in argv and argv[argv.index("--n-persist") + 1].startswith("budget-"):
-            chosen = next((r["n_persist"] for r in results if r.get("system") == "protrain" and "n_persist" in r), None)
-            i = argv.index("--n-persist") + 1
-            if chosen is None:
-                continue
-            argv[i] = str(max(0, chosen - int(argv[i].split("-")[1])))
-        t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, __file__, *argv], env=env, capture_output=True, text=True,
-                           timeout=args.timeout)
-        line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+    for argv, (code, so, se) in zip(runs, done):
+        line = next((l for l in so.splitlines() if l.startswith("RESULT ")), None)
         if line is None:
-            res = {"system": argv[0], "argv": argv, "error": (p.stderr or p.stdout)[-1500:]}
+            res = {"system": argv[0], "argv": argv, "error": f"exit {code}: " + (se or so)[-1500:]}
         else:
             res = json.loads(line[len("RESULT "):])
-        res["wall_s"] = time.perf_counter() - t0
+        res["argv"] = argv
         results.append(res)
         print(summary_line(res), flush=True)
     out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "argv": sys.argv[1:], "results": results}
+           "argv": sys.argv[1:], "wall_s": wall, "results": results}
     with open(args.out + ".json", "w") as f:
         json.dump(out, f, indent=2)
     with open(args.out + ".md", "w") as f:
@@ -293,7 +315,11 @@ def derive(r: dict) -> dict:
     cpu_alone = a["cpu_optim_deferred_ms"]
     r["overlap_bound_ms"] = a["fwd_ms"] + max(a["bwd_ms"], cpu_alone)
     r["overlap_ratio"] = o["step_ms"] / r["overlap_bound_ms"]
-    r["cpu_optim_hidden_fraction"] = max(0.0, 1 - o["step_wait_ms"] / cpu_alone) if cpu_alone else None
+    # what overlapping saved: the same step with the CPU optimizer deferred minus the overlapped one, as a
+    # share of what could be hidden at most (the shorter of backward and the CPU optimizer)
+    r["cpu_optim_hidden_ms"] = a["step_ms"] - o["step_ms"]
+    hideable = min(a["bwd_ms"], cpu_alone)
+    r["cpu_optim_hidden_fraction"] = max(0.0, r["cpu_optim_hidden_ms"] / hideable) if hideable else None
     return r
 
 
@@ -310,26 +336,30 @@ def markdown(out: dict) -> str:
     lines = [f"# Chunk-based model states on {out['device']} (torch {out['torch']}, {out['date']})", "",
              f"Command: `python benchmarks/chunks_bench.py {' '.join(out['argv'])}`", ""]
     rows = [r for r in out["results"] if r.get("system") not in ("parity",)]
-    lines += ["| system | params | cap GiB | batch | n_persist / chunks | tokens/s | step ms | peak GiB |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| system | params | cap GiB | batch | n_persist / chunks | tokens/s | step ms | peak GiB | peak reserved GiB |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['system']} | | | | | error: {r['error'][-120:].replace('|', '/')} | | |")
+            lines.append(f"| {r['system']} | | | | | error: {r['error'][:120].replace('|', '/').replace(chr(10), ' ')} | | | |")
             continue
         step = r["phases"]["overlap"]["step_ms"] if "phases" in r else r["step_ms"]
         persist = f"{r['n_persist']} / {r['n_chunks']}" if "n_persist" in r else "-"
-        lines.append(f"| {r['system']} | {r['params'] / 1e9:.2f} B | {r['cap_gib']} | {r['batch']} | {persist} | "
-                     f"{r['tokens_per_s']:,.0f} | {step:.0f} | {r['peak_gib']:.1f} |")
+        system = r["system"] + (f" ({r['alloc_conf']})" if r.get("alloc_conf") else "")
+        lines.append(f"| {system} | {r['params'] / 1e9:.2f} B | {r['cap_gib']} | {r['batch']} | {persist} | "
+                     f"{r['tokens_per_s']:,.0f} | {step:.0f} | {r['peak_gib']:.1f} | {r.get('peak_reserved_gib', 0):.1f} |")
     pt = [r for r in rows if r.get("system") == "protrain" and "phases" in r]
     if pt:
         lines += ["", "Per step (medians; ms). alone = CPU optimizer deferred to opt.step(); overlap = normal mode.", "",
-                  "| n_persist | fwd alone | bwd alone | CPU optim alone | fwd+max(bwd,CPU) | step (overlap) | ratio | "
-                  "opt.step() wait | CPU hidden | H2D alone | D2H alone |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| n_persist | CPU Adam | fwd alone | bwd alone | CPU optim alone | fwd+max(bwd,CPU) | step (overlap) | ratio | "
+                  "step (deferred) | hidden ms | hidden / min(bwd,CPU) | H2D alone | D2H alone |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in pt:
             a, o = r["phases"]["alone"], r["phases"]["overlap"]
-            lines.append(f"| {r['n_persist']} | {a['fwd_ms']:.0f} | {a['bwd_ms']:.0f} | {a['cpu_optim_deferred_ms']:.0f} | "
+            adam = "one pass" if r.get("cpu_adam", "").startswith("one-pass") else "torch + copy"
+            lines.append(f"| {r['n_persist']} | {adam} | {a['fwd_ms']:.0f} | {a['bwd_ms']:.0f} | {a['cpu_optim_deferred_ms']:.0f} | "
                          f"{r['overlap_bound_ms']:.0f} | {o['step_ms']:.0f} | {r['overlap_ratio']:.2f} | "
-                         f"{o['step_wait_ms']:.0f} | {100 * (r['cpu_optim_hidden_fraction'] or 0):.0f}% | "
+                         f"{a['step_ms']:.0f} | {r['cpu_optim_hidden_ms']:.0f} | "
+                         f"{100 * (r['cpu_optim_hidden_fraction'] or 0):.0f}% | "
                          f"{r['h2d_ms_alone']:.0f} | {r['d2h_ms_alone']:.0f} |")
     par = next((r for r in out["results"] if r.get("system") == "parity" and "rows" in r), None)
     if par:
@@ -340,6 +370,15 @@ def markdown(out: dict) -> str:
             lines.append(f"| {x['model']} | {x['dtype']} | {x['n_persist']} / {x['n_chunks']} | {x['max_loss_rel']:.2e} | "
                          f"{x['max_param_abs']:.2e} | {x['max_param_update']:.2e} |")
     return "\n".join(lines) + "\n"
+
+
+def _error_text(e: BaseException) -> str:
+    """The start of the exception (dispatcher errors put the operator first and a long key list after) and
+    the innermost frames of its traceback."""
+    import traceback
+
+    frames = "".join(traceback.format_tb(e.__traceback__)[-3:])
+    return f"{type(e).__name__}: {str(e)[:1200]}\n{frames[-1500:]}"
 
 
 def main() -> None:
@@ -355,6 +394,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.0, help="memory_budget in GiB (chooses n_persist)")
     ap.add_argument("--persist", default="budget", help="for 'all': comma list of n_persist values or 'budget'")
     ap.add_argument("--with-parity", action="store_true")
+    ap.add_argument("--cpu-adam", default="", help="'torch': torch's fused CPU Adam + a copy instead of the one-pass kernel")
     ap.add_argument("--reserve", type=float, default=3.0, help="GiB kept out of the budget for untracked transients")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "chunks_h200"))
@@ -374,13 +414,15 @@ def main() -> None:
         with open(args.out + ".md", "w") as f:
             f.write(markdown(out))
         return
+    if args.cpu_adam:
+        os.environ["PROTRAIN_CPU_ADAM"] = args.cpu_adam
     try:
         res = {"protrain": run_protrain, "fsdp2": run_fsdp2, "parity": run_parity}[args.mode](args)
     except Exception as e:  # the row shows the error instead of going missing
         import traceback
 
         traceback.print_exc()
-        res = {"system": args.mode, "error": f"{type(e).__name__}: {e}"[-1500:]}
+        res = {"system": args.mode, "error": _error_text(e)}
     if args.mode == "parity" and args.out.endswith(".json"):
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

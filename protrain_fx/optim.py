@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu_adam
 from .chunks import ChunkStore, store_of
 from .options import ProtrainError
 
@@ -96,6 +97,7 @@ class Timers:
     in_backward_steps: int = 0
     deferred_steps: int = 0
     whole_chunk_steps: int = 0  # chunk steps done as one fused call over the flat chunk
+    one_pass_steps: int = 0  # of which with protrain_fx.cpu_adam (Adam and the bf16 transfer copy in one pass)
 
 
 class HybridOptimizer:
@@ -253,6 +255,7 @@ class HybridOptimizer:
         step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in st.members}
         whole = (len(by_group) == 1 and len(st.members) == len(store.chunk_entries(st.chunk))
                  and len(next(iter(by_group.values()), [])) == len(st.members) and len(step_counts) == 1)
+        refreshed = False
         for gi, idxs in by_group.items():
             if whole:
                 step = torch.tensor(step_counts.pop(), dtype=torch.float32)
@@ -273,6 +276,12 @@ class HybridOptimizer:
             g = self.opt.param_groups[gi]
             beta1, beta2 = g["betas"]
             lr = g["lr"]
+            if whole and self._one_pass_step(st, step, g):
+                refreshed = True
+                for i in idxs:
+                    st.steps[i] = step.clone()
+                self.timers.whole_chunk_steps += 1
+                continue
             _adam(
                 params, grads, m, v, vmax, steps,
                 amsgrad=bool(g.get("amsgrad", False)), beta1=beta1, beta2=beta2,
@@ -284,8 +293,29 @@ class HybridOptimizer:
                 for i in idxs:
                     st.steps[i] = step.clone()
                 self.timers.whole_chunk_steps += 1
-        store.refresh_transfer(st.chunk)
+        if not refreshed:
+            store.refresh_transfer(st.chunk)
         st.has_grad.clear()
+
+    def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict) -> bool:
+        """The whole-chunk step with protrain_fx.cpu_adam's kernel, which also writes the bf16 transfer copy
+        (one pass over the chunk instead of two). False where it does not apply (then torch's fused Adam)."""
+        store = st.store
+        master, transfer = store.master[st.chunk], store.transfer[st.chunk]
+        if (st.max_exp_avg_sq is not None or g.get("amsgrad") or master.dtype != torch.float32
+                or master.device.type != "cpu" or transfer is not master and transfer.dtype != torch.bfloat16
+                or not cpu_adam.available()):
+            return False
+        step += 1  # torch counts the step before using it
+        lr = g["lr"]
+        beta1, beta2 = g["betas"]
+        cpu_adam.adam_step(
+            master, st.grad_acc, st.exp_avg, st.exp_avg_sq, None if transfer is master else transfer, float(step),
+            lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
+            weight_decay=float(g["weight_decay"]), decoupled=bool(g.get("decoupled_weight_decay", self.decoupled)),
+            maximize=bool(g.get("maximize", False)))
+        self.timers.one_pass_steps += 1
+        return True
 
     def _before_step(self) -> None:
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from models import build
 
 import protrain_fx
-from protrain_fx import chunks, optim
+from protrain_fx import chunks, cpu_adam, optim
 from protrain_fx.options import OptionsError, ProtrainError
 from protrain_fx.testing import compare_with_eager, make_adamw, random_batches, train_steps
 
@@ -57,6 +57,8 @@ def test_offloaded_chunks_match_eager(compiler, n_persist):
     timers = optim.handle_of(r.opt).timers
     assert timers.in_backward_steps > 0  # steps 2.. overlapped backward
     assert timers.whole_chunk_steps == timers.in_backward_steps + timers.deferred_steps  # one group: flat steps
+    if cpu_adam.available():  # and those ran the one-pass kernel (fp32 here: no separate transfer copy)
+        assert timers.one_pass_steps == timers.whole_chunk_steps
 
 
 # n_buffer=1 cannot work when two chunks are needed at once (a Linear whose weight and bias sit in different
@@ -222,7 +224,12 @@ def test_bf16_transfer_copies():
     the bf16 one from test_parity.py."""
     r = compare_with_eager(gpt(), random_batches(3, 2, 16), {"compiler": "eager", "n_persist": 1},
                            give_optimizer=True, autocast_dtype=torch.bfloat16)
-    assert store_of_model(r.model).param_dtype == torch.bfloat16
+    store = store_of_model(r.model)
+    assert store.param_dtype == torch.bfloat16
+    if cpu_adam.available():  # the kernel wrote the bf16 copies: they equal the masters rounded
+        assert optim.handle_of(r.opt).timers.one_pass_steps > 0
+    for c in store.offloaded_chunks:
+        assert torch.equal(store.transfer[c], store.master[c].to(torch.bfloat16))
     assert r.max_loss_rel <= 2 * 2**-8, (r.losses, r.ref_losses)
     assert r.max_param_abs <= 2 * 1e-3 * 3
 
