@@ -1,0 +1,126 @@
+"""Share the GPU machine between benchmark subprocesses: build and compile side by side, measure alone.
+
+Building a model and compiling it takes a minute or more of host time per system; the timed steps take
+seconds, and the machine is lent by the minute. benchmarks/run.py therefore runs up to ``--jobs`` systems at
+once, under two rules:
+
+* Admission (parent side, :class:`Slots`): a child starts when fewer than ``jobs`` run and its claimed device
+  and host memory fit next to those already running; the first waiting claim in priority order that fits
+  goes first. An exclusive claim runs with no other child, and nothing overtakes it. A claim larger than the
+  whole machine is admitted alone (the claim is an estimate; the child finds out).
+* Timing (child side, a file lock named by ``$PROTRAIN_BENCH_LOCK``): a child holds the lock *shared* from
+  start-up (taken before ``import torch``) through building, compiling and warming up, and *exclusive* for
+  its timed steps (:func:`measuring`). An exclusive lock is granted only when nobody holds it in either mode,
+  so no timed step overlaps another system's compilation, warm-up or timed steps; children waiting for their
+  turn are blocked in ``flock`` and use no CPU or GPU time (they do keep their memory, which admission has
+  accounted for). The parent takes the lock shared while it installs the peers' wheels.
+
+Without ``$PROTRAIN_BENCH_LOCK`` (a child run by hand, ``--jobs 1``) the child functions do nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+import threading
+
+LOCK_ENV = "PROTRAIN_BENCH_LOCK"
+_fd: int | None = None  # this child's handle on the lock
+
+
+def start_busy() -> None:
+    """Child start-up: take the lock shared (blocks while another child measures)."""
+    global _fd
+    path = os.environ.get(LOCK_ENV)
+    if not path or _fd is not None:
+        return
+    _fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(_fd, fcntl.LOCK_SH)
+
+
+@contextlib.contextmanager
+def measuring():
+    """Inside: nobody else holds the lock (no other child builds, compiles, warms up or measures)."""
+    if _fd is None:
+        yield
+        return
+    fcntl.flock(_fd, fcntl.LOCK_EX)  # converting drops the shared lock first, so two converters cannot deadlock
+    try:
+        yield
+    finally:
+        fcntl.flock(_fd, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def busy(path: str | None):
+    """Parent side: hold the lock shared (no child measures meanwhile)."""
+    if not path:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+class Claim:
+    """One admitted child: ``shared`` becomes True once any other child ran at the same time."""
+
+    def __init__(self, device_gib: float, host_gib: float, exclusive: bool):
+        self.device_gib, self.host_gib, self.exclusive = device_gib, host_gib, exclusive
+        self.shared = False
+
+
+class Slots:
+    """Admission of children by count and claimed memory (see the module docstring)."""
+
+    def __init__(self, jobs: int, device_gib: float, host_gib: float):
+        self.jobs, self.device_gib, self.host_gib = max(1, jobs), device_gib, host_gib
+        self._cv = threading.Condition()
+        self._running: list[Claim] = []
+        self._waiting: list[tuple[float, int, Claim]] = []  # (priority, ticket, claim), kept sorted
+        self._tickets = itertools.count()
+
+    def _fits(self, c: Claim) -> bool:
+        run = self._running
+        if not run:
+            return True
+        if c.exclusive or any(r.exclusive for r in run) or len(run) >= self.jobs:
+            return False
+        return (sum(r.device_gib for r in run) + c.device_gib <= self.device_gib
+                and sum(r.host_gib for r in run) + c.host_gib <= self.host_gib)
+
+    def _admissible(self, c: Claim) -> bool:
+        """The first waiting claim, in priority order, that fits now; a waiting exclusive claim goes first."""
+        exclusive = next((w for _, _, w in self._waiting if w.exclusive), None)
+        if exclusive is not None:
+            return exclusive is c and not self._running
+        return next((w for _, _, w in self._waiting if self._fits(w)), None) is c
+
+    @contextlib.contextmanager
+    def claim(self, device_gib: float = 0.0, host_gib: float = 0.0, exclusive: bool = False, priority: float = 0):
+        """Wait for admission (lower ``priority`` first, then first come), hold it inside. A smaller claim
+        may overtake one that does not fit yet; nothing overtakes an exclusive claim."""
+        c = Claim(device_gib, host_gib, exclusive)
+        with self._cv:
+            entry = (priority, next(self._tickets), c)
+            self._waiting.append(entry)
+            self._waiting.sort(key=lambda e: e[:2])
+            while not self._admissible(c):
+                self._cv.wait()
+            self._waiting.remove(entry)
+            if self._running:
+                c.shared = True
+                for r in self._running:
+                    r.shared = True
+            self._running.append(c)
+            self._cv.notify_all()
+        try:
+            yield c
+        finally:
+            with self._cv:
+                self._running.remove(c)
+                self._cv.notify_all()
