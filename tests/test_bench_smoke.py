@@ -1,0 +1,319 @@
+"""benchmarks/run.py: the CPU smoke mode writes a row for every system and the three files; the GPU path's
+parent logic (guards, admission, reruns, wheels, deadline) with the children faked; a failing, crashing or
+hanging child becomes a row with its error; the size search, --merge, and benchmarks/timeshare.py."""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH)
+import run  # noqa: E402
+import timeshare  # noqa: E402
+
+H200_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+            "{free} is free. Including non-PyTorch memory, this process has 23.10 GiB memory in use.")
+
+
+def test_smoke_writes_a_row_per_system_and_the_files(tmp_path):
+    out = tmp_path / "smoke"
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "run.py"), "--smoke", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    assert set(rows) == set(run.SYSTEMS) and len(data["rows"]) == len(run.SYSTEMS), p.stdout
+    for name, r in rows.items():
+        assert set(run.ROW_KEYS) <= set(r), name
+        ok = r["error"] is None and r["tokens_per_s"] and r["tokens_per_s"] > 0
+        assert ok or (isinstance(r["error"], str) and r["error"]), (name, r)
+    for name in ("protrain", "eager", "compile", "compile_ac"):  # these run on the CPU
+        assert rows[name]["error"] is None, (name, rows[name]["error"], p.stdout[-2000:])
+        assert rows[name]["tflops"] > 0 and rows[name]["step_ms"] > 0
+    for name in ("fsdp2_offload", "ds_zero2_offload", "ds_zero3_offload", "torchao_offload"):
+        assert "needs CUDA" in rows[name]["error"]
+    assert rows["compile"]["ratio_to_ceiling"] == pytest.approx(1.0)
+    assert rows["protrain"]["n_chunks"] >= 1  # its plan made it into the row
+    for ext in (".json", ".md"):
+        assert (tmp_path / ("smoke" + ext)).stat().st_size > 0, ext
+    md = (tmp_path / "smoke.md").read_text()
+    assert all(f"| smoke | {name} |" in md for name in run.SYSTEMS)
+    try:
+        import matplotlib  # noqa: F401 - the `bench` extra, which scripts/bootstrap.sh installs
+    except ImportError:
+        assert "matplotlib" in data["plot_error"]
+    else:
+        assert "plot_error" not in data
+        assert (tmp_path / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("code, expect", [
+    ("print('RESULT ' + '{\"tokens_per_s\": 5.0}')", None),
+    ("import sys; print('noise'); sys.exit(3)", "exited with code 3"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL"),
+    ("import time; time.sleep(30)", "timed out after 2 s"),
+])
+def test_a_failing_child_becomes_an_error(code, expect):
+    res = run.run_child([sys.executable, "-c", code], dict(os.environ), timeout=2)
+    if expect is None:
+        assert res == {"tokens_per_s": 5.0}
+    else:
+        assert expect in res["error"]
+
+
+# ----------------------------------------------------------------------------- the GPU path, children faked
+def _gpu_ctx(argv=(), total=139.8, host=120.0):
+    args = run.parse_args(["--device", "cuda", *argv])
+    return run.Ctx(args, total, host)
+
+
+def test_predicted_failures_are_rows_not_runs():
+    ctx = _gpu_ctx()
+    sc = run.scenarios(ctx.args)["llama-cap40"]
+    expect = {"compile": "OOM (predicted", "eager": "OOM (predicted", "compile_ac": "OOM (predicted",
+              "torchao_offload": "OOM (predicted", "ds_zero2_offload": None, "ds_zero3_offload": None,
+              "fsdp2_offload": None, "protrain": None}
+    for system, want in expect.items():
+        row = run.base_row("llama-cap40", system, sc)
+        got = run.predicted_failure(system, row, ctx)
+        assert (got is None) if want is None else got.startswith(want), (system, got)
+    row = run.base_row("llama-cap40", "ds_zero3_offload", sc)
+    small_host = _gpu_ctx(host=50.0)
+    assert run.predicted_failure("ds_zero3_offload", row, small_host).startswith("host OOM (predicted")
+    assert run.short_error(run.predicted_failure("ds_zero3_offload", row, small_host)) == "host OOM*"
+    assert run.predicted_failure("ds_zero3_offload", row, _gpu_ctx(["--no-predict"], host=50.0)) is None
+    cpu = run.Ctx(run.parse_args(["--device", "cpu"]), 0.0, 20.0)
+    assert "needs CUDA" in run.predicted_failure("fsdp2_offload", row, cpu)
+
+
+def test_own_limit_hit_reads_torch_oom_messages():
+    assert run.own_limit_hit(H200_OOM.format(free="80.00 GiB"))  # the process's cap stopped it
+    assert not run.own_limit_hit(H200_OOM.format(free="1.50 GiB"))  # the device was full
+    assert not run.own_limit_hit(H200_OOM.format(free="512.00 MiB"))
+    assert not run.own_limit_hit("OOM: something else ran out of memory")
+    assert run.memory_failure("killed by SIGKILL (the host's OOM killer?)") and not run.memory_failure("boom")
+
+
+def test_gpu_run_with_children_faked(tmp_path, monkeypatch):
+    """One GPU-style run of gpt1.4b, gpt1.4b-cap24 and llama-cap40, all systems, --jobs 3: every row is there;
+    predicted OOMs never start; wheels reach only the peers' children; a soft-capped OOM runs again alone; an
+    OOM at the system's own cap does not."""
+    calls, lock = [], threading.Lock()
+    concurrency = {"now": 0, "max": 0}
+
+    def fake_run_child(argv, env, timeout, ctx=None):
+        system, spec = argv[argv.index("--one") + 1], json.loads(argv[argv.index("--spec") + 1])
+        with lock:
+            calls.append((system, spec, env))
+            concurrency["now"] += 1
+            concurrency["max"] = max(concurrency["max"], concurrency["now"])
+        time.sleep(0.05)
+        with lock:
+            concurrency["now"] -= 1
+        assert spec["device"] == "cuda" and spec["steps"] == 4 and spec["warmup"] == 3 and spec["settle"]
+        assert env[timeshare.LOCK_ENV] == ctx.lock_path and env["NCCL_NVLS_ENABLE"] == "0"
+        assert ("/fake/site" in env.get("PYTHONPATH", "")) == run.SYSTEMS[system].wheels, system
+        if system == "eager" and not spec["cap_gib"] and spec["soft_cap_gib"]:
+            return {"error": "OOM: " + H200_OOM.format(free="40.00 GiB")}  # its soft cap: run again alone
+        if system == "compile_ac" and not spec["cap_gib"] and spec["soft_cap_gib"]:  # slowed by its soft cap
+            return {"params": 123, "tokens_per_s": 1.0, "alloc_retries": 3, "step_ms": 8.0}
+        if system in ("compile", "eager") and spec["cap_gib"]:
+            return {"error": "OOM: " + H200_OOM.format(free="90.00 GiB")}  # its own cap: a true OOM
+        return {"params": 123, "tokens_per_s": 1000.0 + len(system), "peak_gib": 20.0, "step_ms": 8.0,
+                "step_ms_min": 7.0, "step_ms_max": 9.0}
+
+    monkeypatch.setattr(run, "run_child", fake_run_child)
+    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(run, "meminfo_gib", lambda key: 120.0)
+    monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: log.update(status="fake") or "/fake/site")
+    out = tmp_path / "gpu"
+    run.main(["--device", "cuda", "--jobs", "3", "--scenarios", "gpt1.4b,gpt1.4b-cap24,llama-cap40",
+              "--out", str(out)])
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    rows = {(r["scenario"], r["system"]): r for r in data["rows"]}
+    assert len(rows) == len(data["rows"]) == 3 * len(run.SYSTEMS)
+    assert data["peer_install"] == {"status": "fake"} and data["device"] == "NVIDIA H200"
+    started = [(s, spec["cap_gib"], spec["cfg"].get("dim")) for s, spec, _ in calls]
+    for system in ("compile", "eager", "compile_ac", "torchao_offload"):  # predicted at 40 GiB
+        assert rows[("llama-cap40", system)]["error"].startswith("OOM (predicted"), system
+        assert (system, 40.0, 4096) not in started
+    eager = rows[("gpt1.4b", "eager")]
+    assert eager["error"] is None and "soft" not in eager["first_try_error"] and "capped at" in eager["first_try_error"]
+    assert eager["ran_alone"] is True
+    assert [s.get("soft_cap_gib") for sys_, s, _ in calls if sys_ == "eager" and not s["cap_gib"]][-1] is None
+    ac = rows[("gpt1.4b", "compile_ac")]
+    assert ac["tokens_per_s"] == 1010.0 and "retry 3 times" in ac["first_try_error"]
+    capped = rows[("gpt1.4b-cap24", "compile")]
+    assert capped["error"].startswith("OOM") and "first_try_error" not in capped
+    assert rows[("gpt1.4b", "protrain")]["ratio_to_ceiling"] == pytest.approx(1008 / 1007)
+    assert concurrency["max"] >= 2  # children did share the machine
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| llama-cap40 | torchao_offload |" in md and "ran again alone" in md
+
+
+def test_deadline_and_interrupt_rows():
+    sc = dict(kind="gpt", cfg=run.TINY_GPT, batch=2, seq=32, cap_gib=0.0, systems=tuple(run.SYSTEMS))
+    ctx = run.Ctx(run.parse_args(["--device", "cpu", "--deadline", "10"]), 0.0, 20.0)
+    ctx.deadline_at = time.monotonic() - 1
+    row = run.run_job("s", "eager", sc, ctx)
+    assert row["error"].startswith("not run:") and run.short_error(row["error"]) == "deadline"
+    assert row["params"] > 0 and row["tokens_per_s"] is None
+    ctx = run.Ctx(run.parse_args(["--device", "cpu"]), 0.0, 20.0)
+    ctx.stopping = True
+    assert run.short_error(run.run_job("s", "eager", sc, ctx)["error"]) == "stopped"
+
+
+@pytest.mark.parametrize("refine, largest, first_fail, tried", [
+    (0, 8, 16, [2, 4, 8, 16]),
+    (2, 12, 14, [2, 4, 8, 16, 12, 14]),
+])
+def test_size_search_doubles_until_the_first_failure(monkeypatch, refine, largest, first_fail, tried):
+    calls = []
+
+    def fake_run_job(scenario, system, sc, ctx, priority=0):  # trains up to 12 layers, fails above
+        n = sc["cfg"]["n_layer"]
+        calls.append(n)
+        row = run.base_row(scenario, system, sc)
+        if n <= 12:
+            row.update(tokens_per_s=100.0 / n, peak_gib=float(n))
+        else:
+            row["error"] = f"OOM: CUDA out of memory at {n} layers"
+        return row
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    args = run.parse_args(["--device", "cpu", "--search-width", "64", "--search-start", "2",
+                           "--search-refine", str(refine)])
+    sc = run.scenarios(args)["maxmodel"]
+    row = run.search("eager", sc, SimpleNamespace(args=args), lambda r, what: None)
+    assert calls == tried
+    assert row["error"] is None and row["model"] == f"GPT d64 L{largest} v50304"
+    assert row["first_failure"]["layers"] == first_fail and "OOM" in row["first_failure"]["error"]
+    assert [a["layers"] for a in row["search"]] == sorted(tried)
+
+
+def test_size_search_stopped_by_the_deadline_is_not_a_failure(monkeypatch):
+    def fake_run_job(scenario, system, sc, ctx, priority=0):
+        row = run.base_row(scenario, system, sc)
+        if sc["cfg"]["n_layer"] <= 4:
+            row.update(tokens_per_s=1.0)
+        else:
+            row["error"] = "not run: the run's --deadline (10 s) was reached"
+        return row
+
+    monkeypatch.setattr(run, "run_job", fake_run_job)
+    args = run.parse_args(["--device", "cpu", "--search-width", "64", "--search-start", "2"])
+    row = run.search("eager", run.scenarios(args)["maxmodel"], SimpleNamespace(args=args), lambda r, what: None)
+    assert row["error"] is None and row["first_failure"] is None and row["search_stopped"] == "deadline or interrupt"
+    assert row["model"] == "GPT d64 L4 v50304"
+
+
+def test_merge_recomputes_ratios(tmp_path):
+    def row(scenario, system, tps, cap=0.0):
+        r = dict.fromkeys(run.ROW_KEYS)
+        r.update(scenario=scenario, system=system, model="GPT d64 L2 v256", params=10**6, cap_gib=cap, batch=2,
+                 seq=32, tokens_per_s=tps, tflops=None if tps is None else tps * 1e-9, peak_gib=1.0)
+        if tps is None:
+            r["error"] = "OOM: out of memory"
+        return r
+
+    meta = dict(date="d", device="cpu", torch="t", argv=[], host="h", ac_budget=0.5, budget_reserve_gib=3.0,
+                warmup=1, steps=1, jobs=1, llama="l", search={})
+    (tmp_path / "a.json").write_text(json.dumps(dict(meta, rows=[row("s", "compile", 200.0),
+                                                                 row("s-cap", "eager", 1.0, cap=24.0)])))
+    (tmp_path / "b.json").write_text(json.dumps(dict(meta, rows=[row("s-cap", "protrain", 50.0, cap=24.0),
+                                                                 row("s-cap", "eager", None, cap=24.0)])))
+    late = row("s", "compile", None)
+    late["error"] = "not run: the run's --deadline (500 s) was reached"
+    (tmp_path / "c.json").write_text(json.dumps(dict(meta, rows=[late])))  # never replaces a measured row
+    run.merge(SimpleNamespace(merge=[str(tmp_path / n) for n in ("a.json", "b.json", "c.json")],
+                              out=str(tmp_path / "merged")))
+    data = json.loads((tmp_path / "merged.json").read_text())
+    rows = {r["system"]: r for r in data["rows"]}
+    assert len(data["rows"]) == 3 and len(data["merged_from"]) == 3
+    assert rows["protrain"]["ratio_to_ceiling"] == pytest.approx(0.25)
+    assert rows["eager"]["ratio_to_ceiling"] is None and "OOM" in rows["eager"]["error"]  # the later file wins
+    assert "| s-cap | eager |" in (tmp_path / "merged.md").read_text()
+    assert (tmp_path / "merged.png").stat().st_size > 0 or data.get("plot_error")
+
+
+# -------------------------------------------------------------------------------------------- timeshare
+def test_measuring_waits_for_every_busy_holder(tmp_path, monkeypatch):
+    path = str(tmp_path / "lock")
+    monkeypatch.setenv(timeshare.LOCK_ENV, path)
+    monkeypatch.setattr(timeshare, "_fd", None)
+    other = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_SH)  # another child, compiling
+    timeshare.start_busy()
+    entered = threading.Event()
+
+    def measure():
+        with timeshare.measuring():
+            entered.set()
+            probe = os.open(path, os.O_RDWR)  # nobody may take it, even shared, while we measure
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            os.close(probe)
+
+    t = threading.Thread(target=measure)
+    t.start()
+    assert not entered.wait(0.3)  # still waiting for the other child
+    os.close(other)
+    t.join(5)
+    assert entered.is_set()
+    os.close(timeshare._fd)
+
+
+def test_slots_admit_by_count_and_memory_and_keep_exclusive_alone():
+    slots = timeshare.Slots(jobs=2, device_gib=100.0, host_gib=100.0)
+    log, lock = [], threading.Lock()
+
+    def job(name, dev, host=0.0, exclusive=False, priority=0, hold=0.15):
+        with slots.claim(dev, host, exclusive, priority):
+            with lock:
+                log.append(("in", name, time.monotonic()))
+            time.sleep(hold)
+            with lock:
+                log.append(("out", name, time.monotonic()))
+
+    threads = [threading.Thread(target=job, args=a, kwargs=k) for a, k in [
+        (("a", 60.0), {"priority": 0}), (("b", 60.0), {"priority": 1}),  # b waits for a: 120 > 100 GiB
+        (("c", 30.0), {"priority": 2}),  # c fits next to a: overtakes b
+        (("x", 1.0), {"exclusive": True, "priority": 3, "hold": 0.05}),
+    ]]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join(5)
+    order = [n for kind, n, _ in log if kind == "in"]
+    assert order.index("c") < order.index("b")
+    spans = {n: [t for kind, m, t in log if m == n] for n in "abcx"}
+    for n in "abc":  # the exclusive one overlapped nobody
+        assert spans[n][1] <= spans["x"][0] or spans[n][0] >= spans["x"][1], (n, spans)
+    assert spans["a"][1] <= spans["b"][0] or spans["b"][1] <= spans["a"][0]
+
+
+@pytest.mark.parametrize("kind, cfg", [
+    ("gpt", dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=32, tie_embeddings=False)),
+    ("gpt", dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=32)),
+    ("llama", dict(n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=128, vocab_size=256, max_seq_len=32,
+                   tie_embeddings=False)),
+])
+def test_skipping_the_default_init_leaves_nothing_uninitialized(kind, cfg):
+    """peers._build skips torch's default Linear/Embedding init: the models' own init must overwrite it all."""
+    import peers
+    import torch
+
+    with peers._own_init_only(fill=float("nan")):
+        m = peers.build(kind, **cfg)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert torch.nn.Linear.reset_parameters is not None and torch.isfinite(torch.nn.Linear(2, 2).weight).all()
