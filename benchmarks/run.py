@@ -62,6 +62,7 @@ if __name__ == "__main__" and "--one" in sys.argv:  # a child: queue for the sha
 import argparse  # noqa: E402
 import concurrent.futures  # noqa: E402
 import glob  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
@@ -850,12 +851,14 @@ def parse_args(argv=None):
     ap.add_argument("--search-steps", type=int, default=2)
     ap.add_argument("--search-warmup", type=int, default=1)
     ap.add_argument("--search-refine", type=int, default=0, help="bisection steps after the first failure")
+    ap.add_argument("--dry-run", action="store_true", help="print what would run, with its memory claims, and what "
+                    "would not (predicted failures); run nothing. Without a GPU it assumes an H200 (139.8 GiB)")
     ap.add_argument("--merge", nargs="+", default=None, help="JSON files of earlier runs to combine into --out")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.device is None:
-        args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+        args.device = "cpu" if args.smoke or not (torch.cuda.is_available() or args.dry_run) else "cuda"
     if args.steps is None:
         args.steps = 1 if args.smoke else 4
     if args.warmup is None:
@@ -865,6 +868,29 @@ def parse_args(argv=None):
     if args.out is None:
         args.out = "/tmp/protrain_smoke" if args.smoke else os.path.join(HERE, "results", "suite")
     return args
+
+
+def dry_run(names: list[str], systems: list[str], all_sc: dict, ctx: Ctx, device: str) -> None:
+    """What a run would start, and with which claims; what it would not start, and why. Nothing runs."""
+    args = ctx.args
+    host = f"{ctx.host_avail_gib:.0f} GiB" if ctx.host_avail_gib else "unchecked"
+    print(f"dry run: {device} ({ctx.device_total_gib:.1f} GiB), host memory {host}, --jobs {args.jobs}")
+    for name in names:
+        sc = all_sc[name]
+        for system in systems:
+            if system not in sc["systems"]:
+                continue
+            cfgs = [sc["cfg"]] if name != "maxmodel" else [
+                search_cfg(args, n) for n in itertools.takewhile(lambda n: n <= args.search_max_layers,
+                                                                 (args.search_start * 2**i for i in range(20)))]
+            for cfg in cfgs:
+                s = dict(sc, cfg=cfg)
+                row = base_row(name, system, s)
+                why = predicted_failure(system, row, ctx)
+                dev, hostc, soft = claims(system, row, s, ctx)
+                what = f"NOT RUN: {why}" if why else (f"claims {dev:.0f} GiB device, {hostc:.0f} GiB host"
+                                                     + (f", soft cap {soft:.0f} GiB" if soft else ""))
+                print(f"  {name:14s} {system:17s} {row['model']:32s} {_params(row['params']):>9s}  {what}")
 
 
 def not_run(row: dict) -> bool:
@@ -903,10 +929,18 @@ def main(argv=None) -> None:
     if unknown:
         raise SystemExit(f"unknown scenario/system {unknown}; scenarios: {', '.join(all_sc)}; "
                          f"systems: {', '.join(SYSTEMS)}")
-    device, total = gpu_info() if args.device == "cuda" else (f"CPU ({platform.machine()})", 0.0)
+    if args.device != "cuda":
+        device, total = f"CPU ({platform.machine()})", 0.0
+    elif args.dry_run and not torch.cuda.is_available():
+        device, total = "an assumed H200 (--dry-run without a GPU)", 139.8
+    else:
+        device, total = gpu_info()
     avail = meminfo_gib("MemAvailable")
     host = avail if args.host_gib is None else (args.host_gib or None)
     ctx = Ctx(args, total, host)
+    if args.dry_run:
+        dry_run(names, systems, all_sc, ctx, device)
+        return
     peer_install: dict = {}
     todo = [(n, s) for n in names for s in systems if s in all_sc[n]["systems"]]
     if args.device == "cuda" and any(SYSTEMS[s].wheels for _, s in todo):

@@ -317,3 +317,11 @@ def test_skipping_the_default_init_leaves_nothing_uninitialized(kind, cfg):
         m = peers.build(kind, **cfg)
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert torch.nn.Linear.reset_parameters is not None and torch.isfinite(torch.nn.Linear(2, 2).weight).all()
+
+
+def test_dry_run_lists_jobs_and_predicted_failures(capsys):
+    run.main(["--dry-run", "--host-gib", "118", "--scenarios", "llama-cap40,maxmodel",
+              "--systems", "compile,fsdp2_offload"])
+    out = capsys.readouterr().out
+    assert "llama-cap40    compile" in out and "NOT RUN: OOM (predicted" in out
+    assert "maxmodel       fsdp2_offload     GPT d4096 L32" in out and "host OOM (predicted" in out
