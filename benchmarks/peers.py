@@ -157,10 +157,10 @@ def protrain(spec, x, y):
             plan = protrain_fx.get_plan(compiled)
         except Exception as e:  # noqa: BLE001 - informational column only
             return dict(out, plan_error=repr(e)[:300])
-        offloaded = [c for c in plan.chunks[plan.n_persist:]]
+        host = [c for c in plan.chunks if c.placement != "device"]
         out.update(n_persist=plan.n_persist, n_chunks=len(plan.chunks), chunk_size=plan.chunk_size,
                    n_buffer=plan.n_buffer, n_swap=plan.n_swap, n_checkpoint=plan.n_checkpoint,
-                   offloaded_chunks=len(offloaded))
+                   offloaded_chunks=len(host), offloaded_gib=sum(c.bytes for c in host) / 2**30)
         return out
 
     return _plain_step(compiled, opt, spec, x, y), _n_params(model), extra

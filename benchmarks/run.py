@@ -576,7 +576,7 @@ def _notes(r: dict) -> str:
     bits = []
     if r.get("n_chunks"):
         bits.append(f"plan: {r['n_persist']}/{r['n_chunks']} chunks resident, chunk {r['chunk_size'] / 2**20:.0f} MiB, "
-                    f"n_buffer {r['n_buffer']}")
+                    f"n_buffer {r['n_buffer']}, {r.get('offloaded_gib') or 0:.2f} GiB of fp32 parameters on the host")
     if r.get("first_try_error"):
         bits.append("ran again alone: " + _err(r["first_try_error"], 120))
     if r.get("deepspeed"):
@@ -636,11 +636,11 @@ def markdown(out: dict) -> str:
               "- ratio to ceiling = tokens/s over the torch.compile (Inductor) uncapped row of the same model, batch "
               "and seq (empty when that row is absent or failed).",
               f"- TFLOP/s = tokens/s x {FLOPS_FORMULA}.",
-              "- protrain: the automatic plan, `options=" + json.dumps(out.get("protrain_options_shown", {})) +
-              "` plus the optimizer (memory_budget: the cap, or the device's memory when uncapped, less "
-              f"{out['budget_reserve_gib']:g} GiB); model built under `protrain_fx.host_init`. Until the plan "
-              "search lands, memory_budget picks the resident chunks from an estimate; activations are kept (no "
-              "automatic swap/recompute yet).",
+              "- protrain: `options=" + json.dumps(out.get("protrain_options_shown", {})) + "` plus the "
+              "optimizer (memory_budget: the cap, or the device's memory when uncapped, less "
+              f"{out['budget_reserve_gib']:g} GiB; the automatic plan unless other options fix knobs); model "
+              "built under `protrain_fx.host_init`. Until the plan search lands, memory_budget picks the resident "
+              "chunks from an estimate; activations are kept (no automatic swap/recompute yet).",
               "- compile_ac: torch.compile with `torch._functorch.config.activation_memory_budget = "
               f"{out['ac_budget']:g}`.",
               *(["- LLaMA scenarios: " + out["llama"] + "."] if any(r["scenario"].startswith("llama") for r in rows)
