@@ -40,7 +40,8 @@ states alone over the cap or the host's memory, by the lower bounds in peers.py)
 ``(predicted, not run)`` (--no-predict runs them).
 
 Side by side (--jobs, default 3 on CUDA): systems build, compile and warm up concurrently, admitted by claimed
-device and host memory, but a timed step never overlaps anything (benchmarks/timeshare.py). An uncapped
+device and host memory, but a timed step never overlaps anything, and the systems that keep model states in
+host memory are alive one at a time (benchmarks/timeshare.py). An uncapped
 system sharing the device is capped at its claim; one that fails for memory next to others (or under that
 claim), or whose allocator had to free its cache to retry under it, runs again alone. --jobs 1: one at a time.
 
@@ -91,6 +92,7 @@ ROW_KEYS = ("scenario", "system", "model", "params", "cap_gib", "batch", "seq", 
             "peak_gib", "ratio_to_ceiling", "error")
 CONTEXT_GIB = 1.5  # device memory of one process outside PyTorch's allocator (CUDA context, NCCL, cuBLAS)
 HOST_MARGIN_GIB = 8.0  # host memory admission keeps free
+HEAVY_HOST_GIB = 10.0  # a child claiming more host memory than this is host-heavy: one at a time (timeshare.py)
 SEQ = 1024
 GPT_1_4B = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=SEQ, tie_embeddings=False)
 TINY_GPT = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=32, tie_embeddings=False)
@@ -252,7 +254,7 @@ class Ctx:
         self.t_start = time.monotonic()
         self.deadline_at = self.t_start + args.deadline if args.deadline else None
         cap_host = (host_avail_gib - HOST_MARGIN_GIB) if host_avail_gib else float("inf")
-        self.slots = timeshare.Slots(args.jobs, device_total_gib or float("inf"), cap_host)
+        self.slots = timeshare.Slots(args.jobs, device_total_gib or float("inf"), cap_host, HEAVY_HOST_GIB)
         self.lock_path = None
         if args.jobs > 1:
             self.lock_path = os.path.join(tempfile.mkdtemp(prefix="protrain_bench_"), "turns.lock")
@@ -311,7 +313,9 @@ def claims(system: str, row: dict, sc: dict, ctx: Ctx) -> tuple[float, float, fl
     host = peers.HOST_OVERHEAD_GIB
     if ctx.args.device != "cuda":
         return 0.0, host + 16 * n / 2**30, None
-    host += peers.HOST_BYTES_PER_PARAM.get(system, 0) * n / 2**30  # as if everything were offloaded
+    # as if everything were offloaded, except uncapped protrain, which offloads only what the device cannot hold
+    offloaded = offloaded_params(system, row, ctx) if system == "protrain" and not row["cap_gib"] else n
+    host += peers.HOST_BYTES_PER_PARAM.get(system, 0) * offloaded / 2**30
     if row["cap_gib"]:
         return row["cap_gib"] + CONTEXT_GIB, host, None
     est = (peers.DEVICE_BYTES_ESTIMATE.get(system, 16) * n / 2**30
@@ -656,7 +660,9 @@ def markdown(out: dict) -> str:
     if out.get("jobs", 1) > 1:
         lines.append(f"- Up to {out['jobs']} systems built and compiled side by side (--jobs); timed steps never "
                      "overlapped anything (benchmarks/timeshare.py): each system measured with no other one building, "
-                     "compiling or measuring. One untimed step after the wait re-fills the allocator's cache. An "
+                     "compiling or measuring, and no two systems holding model states in host memory alive at once "
+                     "(an offloading system is never measured next to another one's pinned memory). One untimed "
+                     "step after the wait re-fills the allocator's cache. An "
                      "uncapped system sharing the device was capped at its memory claim; one that failed for memory "
                      "next to others or under that claim, or whose allocator had to retry under it, ran again alone "
                      "(`ran again alone` in the details).")
@@ -889,6 +895,7 @@ def dry_run(names: list[str], systems: list[str], all_sc: dict, ctx: Ctx, device
                 why = predicted_failure(system, row, ctx)
                 dev, hostc, soft = claims(system, row, s, ctx)
                 what = f"NOT RUN: {why}" if why else (f"claims {dev:.0f} GiB device, {hostc:.0f} GiB host"
+                                                     + (" (host-heavy)" if hostc > HEAVY_HOST_GIB else "")
                                                      + (f", soft cap {soft:.0f} GiB" if soft else ""))
                 print(f"  {name:14s} {system:17s} {row['model']:32s} {_params(row['params']):>9s}  {what}")
 

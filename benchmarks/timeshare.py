@@ -7,7 +7,10 @@ once, under two rules:
 * Admission (parent side, :class:`Slots`): a child starts when fewer than ``jobs`` run and its claimed device
   and host memory fit next to those already running; the first waiting claim in priority order that fits
   goes first. An exclusive claim runs with no other child, and nothing overtakes it. A claim larger than the
-  whole machine is admitted alone (the claim is an estimate; the child finds out).
+  whole machine is admitted alone (the claim is an estimate; the child finds out). At most one *host-heavy*
+  child (host claim over ``heavy_host_gib``: the systems that keep model states in host memory) is alive at a
+  time: on the H200 an FSDP2 CPU-offload step timed next to idle processes holding ~60 GB of pinned memory
+  ran 3.4x slower (benchmarks/README.md), so an offloading system is never measured next to another one.
 * Timing (child side, a file lock named by ``$PROTRAIN_BENCH_LOCK``): a child holds the lock *shared* from
   start-up (taken before ``import torch``) through building, compiling and warming up, and *exclusive* for
   its timed steps (:func:`measuring`). An exclusive lock is granted only when nobody holds it in either mode,
@@ -69,16 +72,17 @@ def busy(path: str | None):
 class Claim:
     """One admitted child: ``shared`` becomes True once any other child ran at the same time."""
 
-    def __init__(self, device_gib: float, host_gib: float, exclusive: bool):
-        self.device_gib, self.host_gib, self.exclusive = device_gib, host_gib, exclusive
+    def __init__(self, device_gib: float, host_gib: float, exclusive: bool, heavy: bool = False):
+        self.device_gib, self.host_gib, self.exclusive, self.heavy = device_gib, host_gib, exclusive, heavy
         self.shared = False
 
 
 class Slots:
     """Admission of children by count and claimed memory (see the module docstring)."""
 
-    def __init__(self, jobs: int, device_gib: float, host_gib: float):
+    def __init__(self, jobs: int, device_gib: float, host_gib: float, heavy_host_gib: float = float("inf")):
         self.jobs, self.device_gib, self.host_gib = max(1, jobs), device_gib, host_gib
+        self.heavy_host_gib = heavy_host_gib
         self._cv = threading.Condition()
         self._running: list[Claim] = []
         self._waiting: list[tuple[float, int, Claim]] = []  # (priority, ticket, claim), kept sorted
@@ -89,6 +93,8 @@ class Slots:
         if not run:
             return True
         if c.exclusive or any(r.exclusive for r in run) or len(run) >= self.jobs:
+            return False
+        if c.heavy and any(r.heavy for r in run):
             return False
         return (sum(r.device_gib for r in run) + c.device_gib <= self.device_gib
                 and sum(r.host_gib for r in run) + c.host_gib <= self.host_gib)
@@ -104,7 +110,7 @@ class Slots:
     def claim(self, device_gib: float = 0.0, host_gib: float = 0.0, exclusive: bool = False, priority: float = 0):
         """Wait for admission (lower ``priority`` first, then first come), hold it inside. A smaller claim
         may overtake one that does not fit yet; nothing overtakes an exclusive claim."""
-        c = Claim(device_gib, host_gib, exclusive)
+        c = Claim(device_gib, host_gib, exclusive, heavy=host_gib > self.heavy_host_gib)
         with self._cv:
             entry = (priority, next(self._tickets), c)
             self._waiting.append(entry)

@@ -325,3 +325,26 @@ def test_dry_run_lists_jobs_and_predicted_failures(capsys):
     out = capsys.readouterr().out
     assert "llama-cap40    compile" in out and "NOT RUN: OOM (predicted" in out
     assert "maxmodel       fsdp2_offload     GPT d4096 L32" in out and "host OOM (predicted" in out
+
+
+def test_slots_keep_host_heavy_children_apart():
+    """Two children holding model states in host memory are never alive together; a light one may join one."""
+    slots = timeshare.Slots(jobs=3, device_gib=100.0, host_gib=100.0, heavy_host_gib=10.0)
+    spans, lock = {}, threading.Lock()
+
+    def job(name, host):
+        with slots.claim(1.0, host):
+            t0 = time.monotonic()
+            time.sleep(0.15)
+            with lock:
+                spans[name] = (t0, time.monotonic())
+
+    threads = [threading.Thread(target=job, args=a) for a in (("h1", 20.0), ("h2", 20.0), ("light", 4.0))]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join(5)
+    (a0, a1), (b0, b1), (l0, l1) = spans["h1"], spans["h2"], spans["light"]
+    assert a1 <= b0 or b1 <= a0  # the heavy ones one after the other
+    assert l0 < a1 and a0 < l1  # the light one next to the first heavy one
