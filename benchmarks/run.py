@@ -425,7 +425,7 @@ def run_job(scenario: str, system: str, sc: dict, ctx: Ctx, priority: float = 0)
         if _remaining(ctx) < 30:
             row["error"] = f"not run: the run's --deadline ({args.deadline:g} s) was reached"
             break
-        with ctx.slots.claim(dev, host, exclusive=alone, priority=priority) as claim:
+        with ctx.slots.claim(dev, host, exclusive=alone, priority=priority, label=f"{system}@{row['model']}") as claim:
             left = _remaining(ctx)
             if ctx.stopping:
                 row["error"] = "stopped: the suite was interrupted before this system ran"
@@ -436,7 +436,7 @@ def run_job(scenario: str, system: str, sc: dict, ctx: Ctx, priority: float = 0)
             soft_cap = None if alone else soft
             timeout = min(args.timeout, left - 5)
             res = run_child(child_argv(system, sc, ctx, soft_cap), child_env(system, ctx), timeout, ctx)
-            shared = claim.shared
+            shared, neighbours = claim.shared, sorted(claim.neighbours)
         if timeout < args.timeout and (res.get("error") or "").startswith("timed out"):
             res["error"] = (f"not run to the end: the run's --deadline ({args.deadline:g} s) stopped it after "
                             f"{timeout:.0f} s; {res['error']}")
@@ -449,6 +449,7 @@ def run_job(scenario: str, system: str, sc: dict, ctx: Ctx, priority: float = 0)
             res.pop("params", None)
         row.update(res)
         row["ran_alone"] = not shared
+        row["alive_next_to_it"] = neighbours  # other children alive at some point of its run (never measuring)
         break
     row["wall_s"] = round(time.monotonic() - t0, 1)
     if row["tokens_per_s"]:
@@ -665,7 +666,9 @@ def markdown(out: dict) -> str:
                      "step after the wait re-fills the allocator's cache. An "
                      "uncapped system sharing the device was capped at its memory claim; one that failed for memory "
                      "next to others or under that claim, or whose allocator had to retry under it, ran again alone "
-                     "(`ran again alone` in the details).")
+                     "(`ran again alone` in the details). A system kept on the device may have been timed while one "
+                     "offloading system idled next to it (`alive_next_to_it` in the JSON); `--jobs 1` times every "
+                     "system with nothing else alive.")
     if out.get("plot_error"):
         lines.append(f"- The chart was not drawn: {out['plot_error']}")
     if out.get("merged_from"):

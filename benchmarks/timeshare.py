@@ -70,11 +70,16 @@ def busy(path: str | None):
 
 
 class Claim:
-    """One admitted child: ``shared`` becomes True once any other child ran at the same time."""
+    """One admitted child: ``neighbours`` collects the labels of the children alive at the same time."""
 
-    def __init__(self, device_gib: float, host_gib: float, exclusive: bool, heavy: bool = False):
+    def __init__(self, device_gib: float, host_gib: float, exclusive: bool, heavy: bool = False, label: str = ""):
         self.device_gib, self.host_gib, self.exclusive, self.heavy = device_gib, host_gib, exclusive, heavy
-        self.shared = False
+        self.label = label
+        self.neighbours: set[str] = set()
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.neighbours)
 
 
 class Slots:
@@ -107,10 +112,11 @@ class Slots:
         return next((w for _, _, w in self._waiting if self._fits(w)), None) is c
 
     @contextlib.contextmanager
-    def claim(self, device_gib: float = 0.0, host_gib: float = 0.0, exclusive: bool = False, priority: float = 0):
+    def claim(self, device_gib: float = 0.0, host_gib: float = 0.0, exclusive: bool = False, priority: float = 0,
+              label: str = ""):
         """Wait for admission (lower ``priority`` first, then first come), hold it inside. A smaller claim
         may overtake one that does not fit yet; nothing overtakes an exclusive claim."""
-        c = Claim(device_gib, host_gib, exclusive, heavy=host_gib > self.heavy_host_gib)
+        c = Claim(device_gib, host_gib, exclusive, heavy=host_gib > self.heavy_host_gib, label=label)
         with self._cv:
             entry = (priority, next(self._tickets), c)
             self._waiting.append(entry)
@@ -118,10 +124,9 @@ class Slots:
             while not self._admissible(c):
                 self._cv.wait()
             self._waiting.remove(entry)
-            if self._running:
-                c.shared = True
-                for r in self._running:
-                    r.shared = True
+            for r in self._running:
+                r.neighbours.add(c.label or "?")
+                c.neighbours.add(r.label or "?")
             self._running.append(c)
             self._cv.notify_all()
         try:

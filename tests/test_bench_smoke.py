@@ -156,6 +156,11 @@ def test_gpu_run_with_children_faked(tmp_path, monkeypatch):
     assert capped["error"].startswith("OOM") and "first_try_error" not in capped
     assert rows[("gpt1.4b", "protrain")]["ratio_to_ceiling"] == pytest.approx(1008 / 1007)
     assert concurrency["max"] >= 2  # children did share the machine
+    assert any(r.get("alive_next_to_it") for r in data["rows"])
+    for r in data["rows"]:  # never two offloading systems alive together
+        heavy = {"fsdp2_offload", "ds_zero2_offload", "ds_zero3_offload", "torchao_offload"}
+        if r["system"] in heavy:
+            assert not {n.split("@")[0] for n in r.get("alive_next_to_it") or []} & heavy, r
     md = (tmp_path / "gpu.md").read_text()
     assert "| llama-cap40 | torchao_offload |" in md and "ran again alone" in md
 
