@@ -1,8 +1,8 @@
 """swap_offload / swap_reload: keep the saved activations of "swap" blocks in pinned host memory between
 forward and backward.
 
-``swap_offload`` (forward graph): every tensor the forward saves for backward that a swap block produced
-(on the compute device, static shape) gets ``protrain::offload`` right after its producer: a device-to-host
+``swap_offload`` (forward graph): every floating-point tensor the forward saves for backward that a swap
+block produced (on the compute device, static shape; a host scalar saved beside CUDA work stays) gets ``protrain::offload`` right after its producer: a device-to-host
 copy into its region of the graph's pinned pool, started as soon as the value exists. The forward returns
 the host copy instead, so the device tensor's memory is released after its last forward use and the copy.
 
@@ -37,6 +37,10 @@ def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     out = output_node(gm)
     outputs = list(out.args[0])
     first_saved = len(outputs) - len(plan.saved_names)
+    saved_vals = [x.meta.get("val") for x in outputs[first_saved:] if isinstance(x, fx.Node)]
+    devices = {v.device for v in saved_vals if isinstance(v, torch.Tensor)}
+    # the compute device; host tensors that forward saves (CPU scalars next to CUDA work) stay where they are
+    compute = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     pool = None
     for k in range(first_saved, len(outputs)):
         x = outputs[k]
@@ -47,6 +51,8 @@ def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             continue
         if not val.is_floating_point() or not all(isinstance(s, int) for s in val.shape):
             continue  # masks and RNG states stay (small); symbolic shapes cannot be pooled ahead
+        if val.device != compute:
+            continue
         if pool is None:
             with _compat.real_tensor_mode():
                 pool = swap_pool.SwapPool(val.device)
