@@ -107,7 +107,8 @@ def run_protrain(args) -> dict:
     res = {"system": "protrain", "params": n_params, "cap_gib": args.cap, "batch": args.batch, "seq": SEQ,
            "n_persist": store.n_persist, "n_chunks": store.n_chunks, "n_buffer": store.n_buffer,
            "chunk_size": store.layout.chunk_size, "first_step_s": t_compile,
-           "cpu_adam": "one-pass kernel" if cpu_adam.available() else f"torch fused + copy ({cpu_adam.build_error()})"}
+           "cpu_adam": "one-pass kernel" if cpu_adam.available() else f"torch fused + copy ({cpu_adam.build_error()})",
+           "async_step": optim.handle_of(opt).async_step if optim.handle_of(opt) else None}
     with measure_turn():
         phases = measure_phases(args, step, h, store)
         transfers = transfer_alone(store, phases["overlap"])
@@ -142,6 +143,8 @@ def measure_phases(args, step, h, store) -> dict:
             cpu_worker_busy_ms=t.worker_busy_s / n * 1e3,
             cpu_worker_step_ms=t.worker_step_s / n * 1e3,
             one_pass_steps=t.one_pass_steps / n,
+            async_steps=t.async_steps / n,
+            forward_wait_ms=t.forward_wait_s / n * 1e3,
             whole_chunk_steps=t.whole_chunk_steps / n,
             step_wait_ms=t.step_wait_s / n * 1e3,
             in_backward_steps=t.in_backward_steps / n,
@@ -274,9 +277,10 @@ def run_all(args) -> dict:
     common = ["--cap", str(args.cap), "--batch", str(args.batch), "--layers", str(args.layers),
               "--width", str(args.width), "--steps", str(args.steps), "--n-buffer", str(args.n_buffer)]
     runs = [["parity"]] if args.with_parity else []
-    for spec in args.persist:  # "5" or "5/torch" (the CPU step with torch's fused Adam + copy, for comparison)
-        spec, _, adam = spec.partition("/")
-        extra = ["--cpu-adam", adam] if adam else []
+    for spec in args.persist:  # "5", or with a variant for comparison: "5/torch" (torch's fused CPU Adam + a
+        # copy instead of the one-pass kernel), "5/sync" (opt.step() waits for every CPU step)
+        spec, _, variant = spec.partition("/")
+        extra = ["--variant", variant] if variant else []
         if spec == "budget":  # the planner's choice; a few GiB kept back for transients it does not model yet
             runs.append(["protrain", *common, *extra, "--budget", str(max(1.0, args.cap - args.reserve))])
         else:
@@ -285,7 +289,8 @@ def run_all(args) -> dict:
     done = run_batch([[sys.executable, __file__, *argv] for argv in runs], env, args.timeout)
     # FSDP2 runs alone afterwards (nothing else alive on the machine), with the default CUDA allocator and
     # with expandable segments; the table shows both
-    for conf in ("", "expandable_segments:True"):
+    for conf in args.fsdp2_allocs.split(","):
+        conf = "" if conf == "default" else conf
         runs.append(["fsdp2", *common])
         e = dict(env, PYTORCH_CUDA_ALLOC_CONF=conf)
         done += run_batch([[sys.executable, __file__, *runs[-1]]], e, args.timeout)
@@ -356,6 +361,7 @@ def markdown(out: dict) -> str:
         for r in pt:
             a, o = r["phases"]["alone"], r["phases"]["overlap"]
             adam = "one pass" if r.get("cpu_adam", "").startswith("one-pass") else "torch + copy"
+            adam += "" if r.get("async_step", False) else ", sync step"
             lines.append(f"| {r['n_persist']} | {adam} | {a['fwd_ms']:.0f} | {a['bwd_ms']:.0f} | {a['cpu_optim_deferred_ms']:.0f} | "
                          f"{r['overlap_bound_ms']:.0f} | {o['step_ms']:.0f} | {r['overlap_ratio']:.2f} | "
                          f"{a['step_ms']:.0f} | {r['cpu_optim_hidden_ms']:.0f} | "
@@ -394,7 +400,10 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.0, help="memory_budget in GiB (chooses n_persist)")
     ap.add_argument("--persist", default="budget", help="for 'all': comma list of n_persist values or 'budget'")
     ap.add_argument("--with-parity", action="store_true")
-    ap.add_argument("--cpu-adam", default="", help="'torch': torch's fused CPU Adam + a copy instead of the one-pass kernel")
+    ap.add_argument("--variant", default="", help="'torch': torch's fused CPU Adam + a copy instead of the one-pass "
+                    "kernel; 'sync': opt.step() waits for every CPU step")
+    ap.add_argument("--fsdp2-allocs", default="default,expandable_segments:True",
+                    help="for 'all': FSDP2 runs, one per PYTORCH_CUDA_ALLOC_CONF ('default': unset)")
     ap.add_argument("--reserve", type=float, default=3.0, help="GiB kept out of the budget for untracked transients")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "chunks_h200"))
@@ -414,8 +423,12 @@ def main() -> None:
         with open(args.out + ".md", "w") as f:
             f.write(markdown(out))
         return
-    if args.cpu_adam:
-        os.environ["PROTRAIN_CPU_ADAM"] = args.cpu_adam
+    if args.variant == "torch":
+        os.environ["PROTRAIN_CPU_ADAM"] = "torch"
+    elif args.variant == "sync":
+        os.environ["PROTRAIN_ASYNC_STEP"] = "0"
+    elif args.variant:
+        raise SystemExit(f"unknown variant {args.variant!r}")
     try:
         res = {"protrain": run_protrain, "fsdp2": run_fsdp2, "parity": run_parity}[args.mode](args)
     except Exception as e:  # the row shows the error instead of going missing

@@ -271,6 +271,8 @@ class ChunkStore:
             return
         if DEBUG_SYNC and self.is_cuda:
             torch.cuda.synchronize()
+        if self.optimizer is not None:  # the chunk's CPU step may still be running after opt.step()
+            self.optimizer.wait_chunk(self.id, chunk)
         with self._lock:
             s = self._chunk_slot.get(chunk)
             if s is not None and self._slot_chunk[s] == chunk:

@@ -48,7 +48,7 @@ _SOURCE = r"""
     p[i] = pi;
 
 #define ADAM_LOOP(L2, OUT)                                                \
-    _Pragma("omp parallel for simd num_threads(nthreads) schedule(static)") \
+    _Pragma("omp parallel for simd num_threads(nthreads) schedule(dynamic, 16384)") \
     for (int64_t i = 0; i < n; i++) {                                     \
       ADAM_BODY(L2)                                                       \
       if (OUT) out[i] = to_bf16(pi);                                      \

@@ -22,6 +22,7 @@ Offloaded gradients are consumed by the step that uses them (``opt.zero_grad()``
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -98,6 +99,8 @@ class Timers:
     deferred_steps: int = 0
     whole_chunk_steps: int = 0  # chunk steps done as one fused call over the flat chunk
     one_pass_steps: int = 0  # of which with protrain_fx.cpu_adam (Adam and the bf16 transfer copy in one pass)
+    async_steps: int = 0  # opt.step() calls that left in-backward CPU steps running behind the next forward
+    forward_wait_s: float = 0.0  # gathers (or gradients) waiting for such a step
 
 
 class HybridOptimizer:
@@ -120,6 +123,10 @@ class HybridOptimizer:
         self.timers = Timers()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
         self._futures: deque[Future] = deque()
+        # (store id, chunk) -> the in-backward step still running after opt.step() returned; the next read of
+        # the chunk's host values (its gather in the next forward, its next gradient) waits for it
+        self._pending: dict[tuple[int, int], Future] = {}
+        self.async_step = os.environ.get("PROTRAIN_ASYNC_STEP", "1") != "0"
         self._staging: list[torch.Tensor] = []
         self._staging_free: list[torch.Tensor] = []
         self._lock = threading.Lock()
@@ -187,6 +194,7 @@ class HybridOptimizer:
         """Copy a chunk's flat device gradient to the host and queue its accumulation (and step); returns
         the event that marks the device buffer free again (None on CPU)."""
         st = self.states[(store.id, chunk)]
+        self.wait_chunk(store.id, chunk)  # last cycle's step reads the accumulator this copy overwrites
         if st.stepped_this_cycle:
             raise ProtrainError(
                 f"protrain: another backward pass before opt.step(), but chunk {chunk} was already stepped "
@@ -207,7 +215,13 @@ class HybridOptimizer:
         if step_now:
             st.stepped_this_cycle = True
             st.acc_fresh = True  # the step consumes the accumulated gradient
-        self._futures.append(self._executor.submit(self._work, st, dst, mode, event, flat_grad.numel(), step_now))
+        # the step's hyperparameters are taken now, during this backward (the step may run after opt.step()
+        # has returned and a scheduler has moved on)
+        groups = self._group_snapshot(st) if step_now else None
+        fut = self._executor.submit(self._work, st, dst, mode, event, flat_grad.numel(), groups)
+        self._futures.append(fut)
+        if step_now:
+            self._pending[(store.id, chunk)] = fut
         return event
 
     def _take_staging(self) -> torch.Tensor:
@@ -216,7 +230,12 @@ class HybridOptimizer:
         with self._lock:
             return self._staging_free.pop()
 
-    def _work(self, st: ChunkOptState, src: torch.Tensor, mode: str, event, n: int, step_now: bool) -> None:
+    def _group_snapshot(self, st: ChunkOptState) -> dict[int, dict]:
+        return {gi: {k: v for k, v in self.opt.param_groups[gi].items() if k != "params"}
+                for gi in set(st.group_of.values())}
+
+    def _work(self, st: ChunkOptState, src: torch.Tensor, mode: str, event, n: int, groups: dict | None) -> None:
+        step_now = groups is not None
         t0 = time.perf_counter()
         if event is not None:
             event.synchronize()
@@ -230,7 +249,7 @@ class HybridOptimizer:
                 self._staging_free.append(src)
         if step_now:
             t1 = time.perf_counter()
-            self._step_chunk(st)
+            self._step_chunk(st, groups)
             self.timers.worker_step_s += time.perf_counter() - t1
             self.timers.in_backward_steps += 1
         self.timers.worker_busy_s += time.perf_counter() - t0
@@ -239,9 +258,27 @@ class HybridOptimizer:
         """Block until the worker has finished everything handed to it."""
         while self._futures:
             self._futures.popleft().result()
+        self._pending.clear()
+
+    def wait_chunk(self, store_id: int, chunk: int) -> None:
+        """Block until the chunk's pending step (if any) is done: before its host values are read."""
+        fut = self._pending.pop((store_id, chunk), None)
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()
+            self.timers.forward_wait_s += time.perf_counter() - t0
+
+    def _wait_unless_pending_step(self) -> None:
+        """Wait for the worker's gradient accumulations, not for steps left running by opt.step()."""
+        pending = set(map(id, self._pending.values()))
+        for fut in list(self._futures):
+            if id(fut) not in pending:
+                fut.result()
+        while self._futures and self._futures[0].done():
+            self._futures.popleft().result()
 
     # -------------------------------------------------------------------------------- step
-    def _step_chunk(self, st: ChunkOptState) -> None:
+    def _step_chunk(self, st: ChunkOptState, groups: dict | None = None) -> None:
         """AdamW on the chunk's master copy. When every parameter of the chunk is in one param group, has a
         gradient and has taken the same number of steps (the usual case), one fused call runs over the
         whole flat chunk (padding included, which nothing reads): much faster on the CPU than a list of
@@ -273,7 +310,7 @@ class HybridOptimizer:
                     if st.max_exp_avg_sq is not None:
                         vmax.append(st.max_exp_avg_sq[sl])
                     steps.append(st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32)))
-            g = self.opt.param_groups[gi]
+            g = groups[gi] if groups is not None else self.opt.param_groups[gi]
             beta1, beta2 = g["betas"]
             lr = g["lr"]
             if whole and self._one_pass_step(st, step, g):
@@ -319,7 +356,14 @@ class HybridOptimizer:
 
     def _before_step(self) -> None:
         t0 = time.perf_counter()
-        self.wait()
+        deferred = any(st.grads_this_cycle and not st.stepped_this_cycle for st in self.states.values())
+        if deferred or not self.async_step:
+            self.wait()
+        else:
+            # every chunk with gradients was stepped inside backward: let those steps finish behind the next
+            # forward (each gather waits for its own chunk) instead of here
+            self._wait_unless_pending_step()
+            self.timers.async_steps += 1
         t1 = time.perf_counter()
         self.timers.step_wait_s += t1 - t0
         for st in self.states.values():
@@ -335,16 +379,17 @@ class HybridOptimizer:
                 st.learned_k = st.grads_this_cycle
             st.grads_this_cycle = 0
             st.stepped_this_cycle = False
-            st.has_grad.clear()
+            if (st.store.id, st.chunk) not in self._pending:  # a running step clears it itself
+                st.has_grad.clear()
         for store in self.stores:
             store.invalidate()
         self.cycles += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.wait()
+        self._wait_unless_pending_step()
         self._orig_zero_grad(set_to_none=set_to_none)
         for st in self.states.values():
-            if not st.stepped_this_cycle:
+            if not st.stepped_this_cycle and (st.store.id, st.chunk) not in self._pending:
                 st.acc_fresh = True
                 st.grads_this_cycle = 0
                 st.has_grad.clear()

@@ -56,6 +56,7 @@ def test_offloaded_chunks_match_eager(compiler, n_persist):
     assert shell.untyped_storage().nbytes() == 0 and shell.shape == r.ref.ln_f.bias.shape
     timers = optim.handle_of(r.opt).timers
     assert timers.in_backward_steps > 0  # steps 2.. overlapped backward
+    assert timers.async_steps > 0  # ... and opt.step() left them to finish behind the next forward
     assert timers.whole_chunk_steps == timers.in_backward_steps + timers.deferred_steps  # one group: flat steps
     if cpu_adam.available():  # and those ran the one-pass kernel (fp32 here: no separate transfer copy)
         assert timers.one_pass_steps == timers.whole_chunk_steps
@@ -297,3 +298,24 @@ def test_budget_placement_sizes_activations_by_a_probe_partition():
         estimates.append(protrain_fx.get_plan(compiled).estimate["activations"])
     probe, upper = estimates
     assert 0 < probe < upper
+
+
+def test_state_read_right_after_an_asynchronous_step_waits_for_it():
+    """opt.step() returns while offloaded chunks are still stepping; anything that reads their values
+    (model.state_dict(), the optimizer's state_dict) waits for those steps."""
+    torch.manual_seed(0)
+    model = gpt()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "n_persist": 0,
+                                                                 "optimizer": (opt := make_adamw(model, lr=1e-2))})
+    ref_opt = make_adamw(ref, lr=1e-2)
+    for x, y in random_batches(3, 2, 16):
+        for m, o in ((compiled, opt), (ref, ref_opt)):
+            m(x, y).backward()
+            o.step()
+            o.zero_grad()
+        h = optim.handle_of(opt)
+        sd, ref_sd = model.state_dict(), ref.state_dict()  # right after the step
+        for k in ref_sd:
+            torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-4)  # a missed step: ~lr = 1e-2
+    assert h.timers.async_steps >= 1
