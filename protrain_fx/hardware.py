@@ -8,10 +8,11 @@ Measured (quickly: about 0.6 s on a 2-core CPU box; meant to stay under ~3 s on 
   use), one warm-up, the median of a few timed repetitions, timed with CUDA events on two dedicated streams
   so the duplex copies really run concurrently (each on its own copy engine). On a CPU device the same copies are
   real host memcpys (duplex: two threads).
-- **AdamW throughput** in parameters per second: torch's fused AdamW (``torch.optim.adam.adam(...,
-  fused=True, decoupled_weight_decay=True)``, the function ``optim.py`` calls) over one flat fp32 tensor with
-  fp32 gradients and moments, on the CPU (what offloaded chunks pay, timed with ``perf_counter``) and on the
-  device (what resident chunks pay, timed with events; on a CPU device the CPU number).
+- **AdamW throughput** in parameters per second over one flat fp32 tensor with fp32 gradients and moments:
+  on the CPU the step ``optim.py`` runs for an offloaded chunk (``cpu_adam``'s one pass that also writes the
+  bf16 transfer copy, or torch's fused AdamW and a copy where the kernel does not build; timed with
+  ``perf_counter``), on the device torch's fused AdamW (``torch.optim.adam.adam(..., fused=True)``, what
+  resident chunks pay, timed with events; on a CPU device the CPU number).
 - **memory**: device total and free (``torch.cuda.mem_get_info``, cross-checked against pynvml when it
   loads), host total and available (``/proc/meminfo`` ``MemAvailable``, capped by the process's cgroup
   memory limit), and ``RLIMIT_MEMLOCK``.
@@ -53,7 +54,7 @@ from .options import ProtrainError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the CPU rate is that of the step optim.py runs (one-pass kernel or torch + copy)
 MiB = 1 << 20
 
 # measurement sizes (scaled down when memory is short)
@@ -110,6 +111,7 @@ class HardwareProfile:
     cpu_adam_numel: int = 0
     gpu_adam_numel: int = 0
     measure_seconds: float = 0.0
+    cpu_adam_kind: str = ""  # which CPU step cpu_adam_params_per_s timed
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -306,6 +308,7 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
         nvml_free_bytes=nvml_free,
         copy_bytes=copy_bytes,
         cpu_adam_numel=cpu_numel,
+        cpu_adam_kind=cpu_adam_kind(),
         gpu_adam_numel=cpu_numel if gpu_numel is None else gpu_numel,
         measure_seconds=round(time.perf_counter() - t0, 3),
     )
@@ -411,16 +414,36 @@ def _adam_step(tensors) -> None:
          amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
 
 
+def cpu_adam_kind() -> str:
+    from . import cpu_adam
+
+    return "one-pass kernel + bf16 copy" if cpu_adam.available() else "torch fused + bf16 copy"
+
+
 def _measure_cpu_adam(numel: int) -> float:
+    """The CPU step of an offloaded chunk as optim.py runs it: AdamW over the flat chunk and its bf16
+    transfer copy (protrain_fx.cpu_adam's one pass where it builds, else torch's fused Adam then a copy)."""
+    from . import cpu_adam
+
     tensors = _adam_tensors(numel, "cpu")
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    if cpu_adam.available():
+        def step():
+            (p,), (g,), (m,), (v,), _ = tensors
+            cpu_adam.adam_step(p, g, m, v, out, 1.0, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                               decoupled=True, maximize=False)
+    else:
+        def step():
+            _adam_step(tensors)
+            out.copy_(tensors[0][0])
     t0 = time.perf_counter()
-    _adam_step(tensors)  # warm-up
+    step()  # warm-up
     warm = time.perf_counter() - t0
     reps = max(3, min(10, int(CPU_ADAM_TARGET_S / max(warm, 1e-6))))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        _adam_step(tensors)
+        step()
         times.append(time.perf_counter() - t0)
     return numel / max(statistics.median(times), 1e-9)
 
