@@ -22,12 +22,16 @@ import os
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timeshare  # noqa: E402
+
+timeshare.start_busy()  # a child of a side-by-side run: hold the lock shared until its timed part
+
+import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
-from gpu_turns import measure_turn, run_batch  # noqa: E402
 from models import GPT, GPTConfig  # noqa: E402
 
 ANCHOR = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=1024, tie_embeddings=False)
@@ -97,7 +101,7 @@ def run_one(args) -> dict:
 
     step()
     step()
-    with measure_turn():
+    with timeshare.measuring():
         step()
         base = torch.cuda.memory_allocated() if cuda else 0
         if cuda:
@@ -152,7 +156,7 @@ def _saved_per_block(gm, plan) -> dict:
         ann = annotation_of(node)
         name = ann.block_name if ann is not None and ann.block_name else "non-block"
         where = "host" if node.target is ops.OFFLOAD else "device"
-        out.setdefault(name, {"device": 0, "host": 0})[where] += val.numel() * val.element_size()
+        out.setdefault(name, {"device": 0, "host": 0})[where] += int(val.numel()) * val.element_size()  # SymInt: its hint
     return out
 
 
@@ -296,7 +300,7 @@ def main() -> None:
         argvs = [[sys.executable, __file__, "--one", "--name", name, "--n-swap", str(n_swap), "--n-checkpoint",
                   str(n_ckpt), "--device", args.device, "--batch", str(args.batch), "--steps", str(args.steps)]
                  + (["--tiny"] if args.tiny else []) for name, n_swap, n_ckpt in batch]
-        for (name, _, _), (code, so, se) in zip(batch, run_batch(argvs, env, args.timeout)):
+        for (name, _, _), (code, so, se) in zip(batch, timeshare.run_together(argvs, env, args.timeout)):
             line = next((l for l in so.splitlines() if l.startswith("RESULT ")), None)
             row = json.loads(line[7:]) if line else {"layout": name, "error": f"exit {code}: " + (se or so)[-1500:]}
             rows.append(row)

@@ -6,7 +6,7 @@
     python benchmarks/chunks_bench.py fsdp2 --cap 24 --batch 8
 
 ``all`` runs every system in its own subprocess, in one invocation (compiling side by side, timed one at a
-time: benchmarks/gpu_turns.py), and writes ``<out>.json`` and ``<out>.md``. The model is examples/models.GPT configured like ../shared/ANCHORS.md's GPT (d 2048, 24 layers,
+time: benchmarks/timeshare.py), and writes ``<out>.json`` and ``<out>.md``. The model is examples/models.GPT configured like ../shared/ANCHORS.md's GPT (d 2048, 24 layers,
 16 heads, vocab 50304, untied head: 1.42 B parameters), batch x 1024 tokens, bf16 autocast, AdamW.
 
 A protrain run measures, per step, with CUDA events around forward and backward and host timers around
@@ -25,13 +25,17 @@ import os
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timeshare  # noqa: E402
+
+timeshare.start_busy()  # a child of a side-by-side run: hold the lock shared until its timed part
+
+import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
 from models import GPT, GPTConfig, build  # noqa: E402
-from gpu_turns import measure_turn, run_batch  # noqa: E402
 
 SEQ = 1024
 ANCHOR = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=SEQ, tie_embeddings=False)
@@ -109,7 +113,7 @@ def run_protrain(args) -> dict:
            "chunk_size": store.layout.chunk_size, "first_step_s": t_compile,
            "cpu_adam": "one-pass kernel" if cpu_adam.available() else f"torch fused + copy ({cpu_adam.build_error()})",
            "async_step": optim.handle_of(opt).async_step if optim.handle_of(opt) else None}
-    with measure_turn():
+    with timeshare.measuring():
         phases = measure_phases(args, step, h, store)
         transfers = transfer_alone(store, phases["overlap"])
     res["phases"] = phases
@@ -221,7 +225,7 @@ def run_fsdp2(args) -> dict:
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    with measure_turn():
+    with timeshare.measuring():
         step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -271,7 +275,7 @@ def run_parity(args) -> dict:
 # ------------------------------------------------------------------------------------------- all
 def run_all(args) -> dict:
     """Every system in its own subprocess, all started together (they compile side by side) and timed one
-    at a time (benchmarks/gpu_turns.py)."""
+    at a time (benchmarks/timeshare.py)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                NVSHMEM_DISABLE_NVLS="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     common = ["--cap", str(args.cap), "--batch", str(args.batch), "--layers", str(args.layers),
@@ -286,14 +290,14 @@ def run_all(args) -> dict:
         else:
             runs.append(["protrain", *common, *extra, "--n-persist", spec])
     t0 = time.perf_counter()
-    done = run_batch([[sys.executable, __file__, *argv] for argv in runs], env, args.timeout)
+    done = timeshare.run_together([[sys.executable, __file__, *argv] for argv in runs], env, args.timeout)
     # FSDP2 runs alone afterwards (nothing else alive on the machine), with the default CUDA allocator and
     # with expandable segments; the table shows both
     for conf in args.fsdp2_allocs.split(","):
         conf = "" if conf == "default" else conf
         runs.append(["fsdp2", *common])
         e = dict(env, PYTORCH_CUDA_ALLOC_CONF=conf)
-        done += run_batch([[sys.executable, __file__, *runs[-1]]], e, args.timeout)
+        done += timeshare.run_together([[sys.executable, __file__, *runs[-1]]], e, args.timeout)
     wall = time.perf_counter() - t0
     results = []
     for argv, (code, so, se) in zip(runs, done):

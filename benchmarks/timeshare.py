@@ -19,6 +19,9 @@ once, under two rules:
   accounted for). The parent takes the lock shared while it installs the peers' wheels.
 
 Without ``$PROTRAIN_BENCH_LOCK`` (a child run by hand, ``--jobs 1``) the child functions do nothing.
+
+:func:`run_together` is the parent side for a fixed batch without admission (chunks_bench.py and
+activations_bench.py start all their configurations at once and size the batch themselves).
 """
 from __future__ import annotations
 
@@ -26,7 +29,10 @@ import contextlib
 import fcntl
 import itertools
 import os
+import subprocess
+import tempfile
 import threading
+import time
 
 LOCK_ENV = "PROTRAIN_BENCH_LOCK"
 _fd: int | None = None  # this child's handle on the lock
@@ -135,3 +141,39 @@ class Slots:
             with self._cv:
                 self._running.remove(c)
                 self._cv.notify_all()
+
+
+def run_together(argvs: list[list[str]], env: dict, timeout: float) -> list[tuple[int, str, str]]:
+    """Parent side for a fixed batch: start every command at once with the lock named in their environment
+    (they compile side by side and time one at a time, see :func:`measuring`); returns (returncode, stdout,
+    stderr) of each, in order. A child still running at ``timeout`` is killed."""
+    with tempfile.TemporaryDirectory(prefix="timeshare_") as d:
+        procs = []
+        for i, argv in enumerate(argvs):
+            out = open(os.path.join(d, f"out_{i}"), "w+")
+            err = open(os.path.join(d, f"err_{i}"), "w+")
+            e = dict(env, **{LOCK_ENV: os.path.join(d, "lock")})
+            procs.append((subprocess.Popen(argv, stdout=out, stderr=err, env=e, text=True), out, err))
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = [None] * len(procs)
+        while any(c is None for c in codes):
+            for i, (p, _, _) in enumerate(procs):
+                if codes[i] is None:
+                    if p.poll() is not None:
+                        codes[i] = p.returncode
+                    elif time.monotonic() > deadline:
+                        p.kill()
+                        p.wait()
+                        codes[i] = -9
+            time.sleep(0.2)
+        results = []
+        for code, (_, out, err) in zip(codes, procs):
+            out.seek(0)
+            err.seek(0)
+            so, se = out.read(), err.read()
+            out.close()
+            err.close()
+            if code == -9:
+                se += f"\nkilled after {timeout:.0f} s"
+            results.append((code, so, se))
+        return results
