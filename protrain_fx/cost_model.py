@@ -1,0 +1,270 @@
+"""ProTrain's cost model: predicted iteration time and peak device memory of a plan, from a graph profile
+and a hardware profile.
+
+Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
+
+    T = T_fwd + max(T_bwd + T_gpu_optim, T_first_grad + T_cpu_optim)
+
+* ``T_fwd``: per chunk in forward order, its compute, or for an offloaded chunk ``max(compute, h2d)`` (the
+  gather is prefetched one chunk ahead; with one buffer there is no prefetch and the two add up).
+* ``T_bwd``: per chunk in reverse, its backward compute plus the recompute of its checkpointed blocks, or
+  for an offloaded chunk the max of that and its traffic: the re-gather (none for the chunks the last
+  ``n_buffer`` forward gathers left in their buffers) and the fp32 gradient going down, at the duplex rate
+  when both run. Swap adds what physics forces: the swapped bytes' copy down and up beyond the compute that
+  can hide it (everything between block 0's forward and block 0's backward), measured to hold on the H200.
+* ``T_cpu_optim``: offloaded parameters over the CPU Adam rate, times the slowdown measured when it runs
+  next to backward's copies (:data:`CPU_CONTENTION`); it starts once the first offloaded gradient is on the
+  host (``T_first_grad``). ``T_gpu_optim``: resident parameters over the device Adam rate.
+
+Peak (bytes): resident chunks with their two Adam moments, the chunk buffers and the two gradient buffers,
+and the larger end of backward: at its start the activations each block's policy keeps (keep: what forward
+saves; recompute: its input; swap: what stays on the device), the compute-dtype copies of resident
+parameters that autocast made, and the largest transient of backward (the non-block working set such as
+logits, a recomputed block's activations, the swap reload window of two blocks); at its end the resident
+gradients. Times the allocator factor (:data:`FRAGMENTATION` unless calibrated).
+
+Everything is arranged so that one (chunk size, n_buffer, n_swap, n_checkpoint) costs O(chunks + blocks)
+and each n_persist after that O(1) (prefix sums): the search evaluates every plan exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+FRAGMENTATION = 1.10  # ProTrain's allocator factor; calibrated per machine when measurements exist
+CPU_CONTENTION = 1.12  # CPU Adam inside backward vs alone (H200 host: 1.10-1.15, benchmarks/results/chunks_h200.md)
+ADAM_STATES = 2
+GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (chunks.py)
+STAGING = 4  # pinned staging buffers of the CPU optimizer (optim.py)
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    fwd_s: float  # forward compute
+    bwd_s: float  # backward compute (without recomputation)
+    keep_bytes: int  # device bytes forward keeps for backward when the block keeps its activations
+    input_bytes: int  # ... when it recomputes (what the partitioner stashes: its input)
+    swap_resident_bytes: int = 0  # ... when it swaps (what cannot be swapped: masks, host scalars)
+    recompute_s: float | None = None  # what recomputing it in backward costs (default: fwd_s)
+
+    @property
+    def recompute_cost_s(self) -> float:
+        return self.fwd_s if self.recompute_s is None else self.recompute_s
+
+
+@dataclass(frozen=True)
+class ChunkProfile:
+    numel: int  # parameters (padding included: the whole chunk moves)
+    fwd_s: float  # forward compute from this chunk's gather to the next chunk's
+    bwd_s: float  # backward compute of the same stretch
+    blocks: tuple[int, ...] = ()  # blocks whose compute falls in that stretch (their recompute lands here)
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    """What the cost model needs of one graph for one chunk size."""
+
+    chunk_size: int
+    chunks: tuple[ChunkProfile, ...]
+    blocks: tuple[BlockProfile, ...]
+    nonblock_fwd_s: float = 0.0
+    nonblock_bwd_s: float = 0.0
+    nonblock_saved_bytes: int = 0
+    transient_bytes: int = 0  # largest working set of backward outside saved activations (logits, loss)
+    master_elem: int = 4
+    transfer_elem: int = 2
+    # forward saves a compute-dtype copy of resident parameters that autocast casts (offloaded chunks arrive
+    # in that dtype and are re-gathered in backward instead): bytes per resident parameter element
+    resident_cast_elem: int = 0
+    fragmentation: float = FRAGMENTATION  # reserved / allocated; calibrate from measurements where known
+
+
+@dataclass(frozen=True)
+class Hardware:
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    duplex_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    gpu_adam_params_per_s: float
+
+    @classmethod
+    def of(cls, profile) -> "Hardware":
+        """From a :class:`protrain_fx.hardware.HardwareProfile`."""
+        return cls(profile.h2d_bytes_per_s, profile.d2h_bytes_per_s, profile.duplex_bytes_per_s,
+                   profile.cpu_adam_params_per_s, profile.gpu_adam_params_per_s)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    chunk_size: int
+    n_persist: int
+    n_buffer: int
+    n_swap: int
+    n_checkpoint: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    knobs: Knobs
+    time_s: float
+    peak_bytes: int
+    host_bytes: int  # pinned host memory the plan allocates
+    breakdown: dict = field(default_factory=dict, compare=False)
+
+
+def policy(index: int, n_swap: int, n_checkpoint: int) -> str:
+    if index < n_swap:
+        return "swap"
+    if index < n_swap + n_checkpoint:
+        return "recompute"
+    return "keep"
+
+
+class _ProfileArrays:
+    """What LayoutCosts needs of a (profile, hardware, n_buffer) whatever the activation knobs: built once."""
+
+    def __init__(self, prof: GraphProfile, hw: Hardware, n_buffer: int):
+        blocks, chunks = prof.blocks, prof.chunks
+        n = len(chunks)
+        me, te = prof.master_elem, prof.transfer_elem
+        self.block_chunks = [0] * len(blocks)  # a block spread over several chunks recomputes once, split
+        for ch in chunks:
+            for b in ch.blocks:
+                self.block_chunks[b] += 1
+        self.fwd_res, self.fwd_off, self.comm = [0.0], [0.0], []
+        for c, ch in enumerate(chunks):
+            h2d = ch.numel * te / hw.h2d_bytes_per_s
+            f = ch.fwd_s
+            self.fwd_res.append(self.fwd_res[-1] + f)
+            self.fwd_off.append(self.fwd_off[-1] + (max(f, h2d) if n_buffer >= 2 else f + h2d))
+            up = 0 if c >= n - n_buffer else ch.numel * te  # the last n_buffer chunks stay in their buffers
+            down = ch.numel * me
+            self.comm.append(max(up / hw.h2d_bytes_per_s, down / hw.d2h_bytes_per_s,
+                                 (up + down) / hw.duplex_bytes_per_s))
+        self.numel, self.resident_bytes = [0], [0]
+        for ch in chunks:
+            self.numel.append(self.numel[-1] + ch.numel)
+            self.resident_bytes.append(self.resident_bytes[-1] + ch.numel * me)
+        self.largest_offloaded = [0] * (n + 1)
+        for c in range(n - 1, -1, -1):
+            self.largest_offloaded[c] = max(self.largest_offloaded[c + 1], chunks[c].numel)
+        last = chunks[-1] if chunks else None
+        self.first_grad_s = (last.bwd_s + last.numel * me / hw.d2h_bytes_per_s) if last else 0.0
+        compute = sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
+        self.swap_window_s = compute - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
+        # by block: prefix sums of what each policy keeps on the device and of the swappable bytes
+        self.keep, self.inp, self.swap_res, self.swappable = [0], [0], [0], [0]
+        for blk in blocks:
+            self.keep.append(self.keep[-1] + blk.keep_bytes)
+            self.inp.append(self.inp[-1] + blk.input_bytes)
+            self.swap_res.append(self.swap_res[-1] + blk.swap_resident_bytes)
+            self.swappable.append(self.swappable[-1] + blk.keep_bytes - blk.swap_resident_bytes)
+
+
+class LayoutCosts:
+    """Every cost of one (profile, n_buffer, n_swap, n_checkpoint) that does not depend on n_persist, and
+    prefix sums to price each n_persist in O(1)."""
+
+    def __init__(self, prof: GraphProfile, hw: Hardware, n_buffer: int, n_swap: int, n_checkpoint: int,
+                 arrays: _ProfileArrays | None = None):
+        self.prof, self.hw = prof, hw
+        self.n_buffer, self.n_swap, self.n_checkpoint = n_buffer, n_swap, n_checkpoint
+        blocks, chunks = prof.blocks, prof.chunks
+        n_blocks = len(blocks)
+        if n_swap + n_checkpoint > n_blocks:
+            raise ValueError(f"n_swap + n_checkpoint = {n_swap + n_checkpoint} > {n_blocks} blocks")
+        A = arrays or _ProfileArrays(prof, hw, n_buffer)
+        self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
+        self.numel, self.resident_bytes, self.largest_offloaded = A.numel, A.resident_bytes, A.largest_offloaded
+        self.first_grad_s, self.swap_window_s = A.first_grad_s, A.swap_window_s
+        first_rc, end_rc = n_swap, n_swap + n_checkpoint
+        # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
+        bwd_res, bwd_off = [0.0], [0.0]
+        for c, ch in enumerate(chunks):
+            b = ch.bwd_s
+            for i in ch.blocks:
+                if first_rc <= i < end_rc:
+                    b += blocks[i].recompute_cost_s / A.block_chunks[i]
+            bwd_res.append(bwd_res[-1] + b)
+            bwd_off.append(bwd_off[-1] + max(b, A.comm[c]))
+        self.bwd_res, self.bwd_off = bwd_res, bwd_off
+        # ---- swap and memory that do not depend on n_persist
+        self.swap_fraction = n_swap / n_blocks if n_blocks else 0.0
+        self.swapped_bytes = A.swappable[n_swap]
+        self.activation_bytes = (prof.nonblock_saved_bytes + A.swap_res[n_swap] + (A.inp[end_rc] - A.inp[first_rc])
+                                 + (A.keep[n_blocks] - A.keep[end_rc]))
+        swap_window = sum(sorted((blocks[i].keep_bytes for i in range(n_swap)), reverse=True)[:2]) if n_swap else 0
+        recompute_peak = max((blocks[i].keep_bytes for i in range(first_rc, end_rc)), default=0)
+        # the cast copies are saved by blocks that keep (recompute redoes the cast, swap moves it to the host)
+        self.keep_fraction = (n_blocks - n_swap - n_checkpoint) / n_blocks if n_blocks else 1.0
+        self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window)
+
+    # ------------------------------------------------------------------------------ per n_persist
+    def peak_bytes(self, n_persist: int) -> int:
+        """Resident parameters and moments, the chunk and gradient buffers, and the larger of the two ends of
+        backward: at its start every saved activation (plus the cast copies of resident parameters) and
+        the transient; at its end the resident gradients (activations freed block by block as gradients
+        appear, so in between the sum stays under the larger end)."""
+        prof = self.prof
+        states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)  # params, moments
+        grads = self.resident_bytes[n_persist]
+        casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
+        big = self.largest_offloaded[n_persist]
+        buffers = self.n_buffer * big * prof.transfer_elem + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
+        live = max(self.activation_bytes + casts + self.transient_bytes, grads)
+        return int(math.ceil((states + buffers + live) * prof.fragmentation))
+
+    def host_bytes(self, n_persist: int) -> int:
+        prof = self.prof
+        offloaded = self.numel[-1] - self.numel[n_persist]
+        big = self.largest_offloaded[n_persist]
+        # fp32 master, gradient accumulator and two moments, the transfer copy; staging; the swap pool
+        per_param = prof.master_elem * (2 + ADAM_STATES) + (prof.transfer_elem if prof.transfer_elem != prof.master_elem else 0)
+        return offloaded * per_param + (STAGING * big * prof.transfer_elem if big else 0) + self.swapped_total(n_persist)
+
+    def swapped_total(self, n_persist: int) -> int:
+        """Swapped activations plus the cast copies of resident parameters that swap blocks save."""
+        casts = int(self.numel[n_persist] * self.prof.resident_cast_elem * self.swap_fraction)
+        return self.swapped_bytes + casts if self.swapped_bytes else 0
+
+    def swap_exposed_s(self, n_persist: int) -> float:
+        """The swapped bytes' copy down and up beyond the compute between block 0's forward and backward."""
+        nbytes = self.swapped_total(n_persist)
+        if not nbytes:
+            return 0.0
+        copy = nbytes / self.hw.d2h_bytes_per_s + nbytes / self.hw.h2d_bytes_per_s
+        return max(0.0, copy - self.swap_window_s)
+
+    def time_s(self, n_persist: int, detail: bool = False):
+        n = len(self.prof.chunks)
+        prof, hw = self.prof, self.hw
+        t_fwd = self.fwd_res[n_persist] + (self.fwd_off[n] - self.fwd_off[n_persist]) + prof.nonblock_fwd_s
+        swap_exposed = self.swap_exposed_s(n_persist)
+        t_bwd = (self.bwd_res[n_persist] + (self.bwd_off[n] - self.bwd_off[n_persist]) + prof.nonblock_bwd_s
+                 + swap_exposed)
+        resident = self.numel[n_persist]
+        offloaded = self.numel[n] - resident
+        t_gpu = resident / hw.gpu_adam_params_per_s
+        t_cpu = offloaded / hw.cpu_adam_params_per_s * CPU_CONTENTION if offloaded else 0.0
+        t_first = self.first_grad_s if offloaded else 0.0
+        t = t_fwd + max(t_bwd + t_gpu, t_first + t_cpu)
+        if not detail:
+            return t
+        return t, {"fwd_s": t_fwd, "bwd_s": t_bwd, "gpu_optim_s": t_gpu, "cpu_optim_s": t_cpu,
+                   "first_grad_s": t_first, "swap_exposed_s": swap_exposed}
+
+    def predict(self, n_persist: int) -> Prediction:
+        t, parts = self.time_s(n_persist, detail=True)
+        parts.update(activation_bytes=self.activation_bytes, transient_bytes=self.transient_bytes,
+                     swapped_bytes=self.swapped_total(n_persist))
+        knobs = Knobs(self.prof.chunk_size, n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
+        return Prediction(knobs, t, self.peak_bytes(n_persist), self.host_bytes(n_persist), parts)
+
+
+def predict(prof: GraphProfile, hw: Hardware, knobs: Knobs) -> Prediction:
+    """The predicted time, peak and pinned host bytes of one plan."""
+    if knobs.chunk_size != prof.chunk_size:
+        raise ValueError(f"profile is for chunk size {prof.chunk_size}, knobs ask {knobs.chunk_size}")
+    if not 0 <= knobs.n_persist <= len(prof.chunks):
+        raise ValueError(f"n_persist {knobs.n_persist} outside 0..{len(prof.chunks)}")
+    return LayoutCosts(prof, hw, knobs.n_buffer, knobs.n_swap, knobs.n_checkpoint).predict(knobs.n_persist)

@@ -1,0 +1,144 @@
+"""Plan search: the fastest (chunk_size, n_persist, n_buffer, n_swap, n_checkpoint) whose predicted peak fits
+the device budget and whose pinned host memory fits the host, by the cost model in cost_model.py.
+
+Exhaustive and exact: every chunk size profiled, every n_buffer candidate, every (n_swap, n_checkpoint)
+with n_swap + n_checkpoint <= blocks, and every n_persist. The layout-dependent costs are built once per
+(chunk size, n_buffer, n_swap, n_checkpoint) and each n_persist is then priced in O(1). Knobs given by the
+user are fixed and only the others are searched. Ties go to the smaller peak, then to the first found.
+
+When nothing fits, :class:`NoPlanFits` names the smallest budget that would work (the least predicted peak
+over every plan the fixed knobs allow), or the host memory the smallest pinned footprint needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost_model import GraphProfile, Hardware, LayoutCosts, Prediction, _ProfileArrays
+from .options import ProtrainError, format_bytes
+
+
+class NoPlanFits(ProtrainError):
+    def __init__(self, message: str, min_device_bytes: int | None = None, min_host_bytes: int | None = None):
+        super().__init__(message)
+        self.min_device_bytes = min_device_bytes
+        self.min_host_bytes = min_host_bytes
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Prediction
+    evaluated: int  # plans priced
+    seconds: float
+
+
+def n_buffer_candidates(prof: GraphProfile, n_buffer: int | None, min_n_buffer: int = 1) -> list[int]:
+    if n_buffer is not None:
+        return [n_buffer]
+    return [b for b in (1, 2, 3) if b >= min_n_buffer] or [min_n_buffer]
+
+
+def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_budget: int | None = None, *,
+           n_persist: int | None = None, n_buffer: int | None = None, n_swap: int | None = None,
+           n_checkpoint: int | None = None, min_n_buffer: int = 1) -> SearchResult:
+    """The fastest plan that fits; the profiles are one per candidate chunk size (one if the size is given)."""
+    import time
+
+    t0 = time.perf_counter()
+    best: Prediction | None = None
+    best_key = None
+    evaluated = 0
+    min_peak, min_host = None, None
+    for prof in profiles:
+        n_blocks, n_chunks = len(prof.blocks), len(prof.chunks)
+        if n_persist is not None and n_persist > n_chunks:
+            continue
+        lower = _LowerBound(prof, hw)
+        swaps = [n_swap] if n_swap is not None else range(n_blocks + 1)
+        for nb in n_buffer_candidates(prof, n_buffer, min_n_buffer):
+            arrays = _ProfileArrays(prof, hw, nb)
+            for s in swaps:
+                if s > n_blocks:
+                    continue
+                ckpts = [n_checkpoint] if n_checkpoint is not None else range(n_blocks - s + 1)
+                for k in ckpts:
+                    if s + k > n_blocks:
+                        continue
+                    if best_key is not None and lower.time_s(s, k) > best_key[0] and min_peak is not None \
+                            and min_peak <= device_budget:
+                        continue  # no n_persist of this layout can beat the best plan found
+                    lc = LayoutCosts(prof, hw, nb, s, k, arrays)
+                    persists = [n_persist] if n_persist is not None else range(n_chunks + 1)
+                    for p in persists:
+                        peak = lc.peak_bytes(p)
+                        host = lc.host_bytes(p)
+                        if min_peak is None or peak < min_peak:
+                            min_peak = peak
+                        if peak > device_budget:
+                            continue
+                        if min_host is None or host < min_host:  # among the plans that fit the device
+                            min_host = host
+                        if host_budget is not None and host > host_budget:
+                            continue
+                        evaluated += 1
+                        t = lc.time_s(p)
+                        key = (t, peak)
+                        if best_key is None or key < best_key:
+                            best_key, best = key, lc.predict(p)
+    if best is None:
+        if min_peak is None:
+            raise NoPlanFits("no plan satisfies the given knobs (n_persist larger than the chunks, or n_swap + "
+                             "n_checkpoint larger than the blocks)")
+        if min_peak > device_budget:
+            raise NoPlanFits(
+                f"memory budget {format_bytes(device_budget)} is too small: the smallest plan (everything "
+                f"offloaded, activations swapped or recomputed as far as the knobs allow) needs "
+                f"{format_bytes(min_peak)} on the device; the smallest budget that would work is {min_peak} bytes "
+                f"({format_bytes(min_peak)})", min_device_bytes=min_peak, min_host_bytes=min_host)
+        raise NoPlanFits(
+            f"host memory {format_bytes(host_budget)} is too small for the pinned buffers of any plan that fits "
+            f"the device budget: the smallest needs {format_bytes(min_host)} of pinned host memory; free host "
+            "memory or give a larger memory_budget (more resident chunks need less host memory)",
+            min_device_bytes=min_peak, min_host_bytes=min_host)
+    return SearchResult(best, evaluated, time.perf_counter() - t0)
+
+
+class _LowerBound:
+    """A time no plan of a (n_swap, n_checkpoint) layout can beat, in O(1): all compute, the recompute of its
+    checkpointed blocks, and the swap copy it cannot hide even with no cast copies among the swapped bytes."""
+
+    def __init__(self, prof: GraphProfile, hw: Hardware):
+        self.hw = hw
+        blocks = prof.blocks
+        self.compute = (sum(c.fwd_s + c.bwd_s for c in prof.chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s)
+        self.window = self.compute - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
+        self.recompute = [0.0]
+        self.swap = [0]
+        for b in blocks:
+            self.recompute.append(self.recompute[-1] + b.recompute_cost_s)
+            self.swap.append(self.swap[-1] + b.keep_bytes - b.swap_resident_bytes)
+
+    def time_s(self, n_swap: int, n_checkpoint: int) -> float:
+        nbytes = self.swap[n_swap]
+        copy = nbytes / self.hw.d2h_bytes_per_s + nbytes / self.hw.h2d_bytes_per_s
+        exposed = max(0.0, copy - self.window) if nbytes else 0.0
+        return self.compute + self.recompute[n_swap + n_checkpoint] - self.recompute[n_swap] + exposed
+
+
+def brute_force(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_budget: int | None = None,
+                n_buffers=(1, 2, 3)) -> Prediction | None:
+    """Every plan priced from scratch with cost_model.predict (for tests)."""
+    from .cost_model import Knobs, predict
+
+    best, best_key = None, None
+    for prof in profiles:
+        for nb in n_buffers:
+            for s in range(len(prof.blocks) + 1):
+                for k in range(len(prof.blocks) - s + 1):
+                    for p in range(len(prof.chunks) + 1):
+                        pred = predict(prof, hw, Knobs(prof.chunk_size, p, nb, s, k))
+                        if pred.peak_bytes > device_budget or (host_budget is not None and pred.host_bytes > host_budget):
+                            continue
+                        key = (pred.time_s, pred.peak_bytes)
+                        if best_key is None or key < best_key:
+                            best, best_key = pred, key
+    return best

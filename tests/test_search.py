@@ -1,0 +1,118 @@
+"""cost_model + search: the search is exact (matches brute force), its plan fits, and no fit is a clear error."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protrain_fx.cost_model import BlockProfile, ChunkProfile, GraphProfile, Hardware, Knobs, predict
+from protrain_fx.search import NoPlanFits, brute_force, search
+
+HW = Hardware(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=90e9, cpu_adam_params_per_s=4e9,
+              gpu_adam_params_per_s=120e9)
+MiB = 2**20
+
+
+@st.composite
+def profiles(draw):
+    n_blocks = draw(st.integers(0, 4))
+    blocks = tuple(
+        BlockProfile(fwd_s=draw(st.floats(1e-4, 5e-3)), bwd_s=draw(st.floats(2e-4, 1e-2)),
+                     keep_bytes=(k := draw(st.integers(1, 600)) * MiB), input_bytes=draw(st.integers(0, k // MiB)) * MiB,
+                     swap_resident_bytes=draw(st.integers(0, 2)) * MiB)
+        for _ in range(n_blocks))
+    out = []
+    for chunk_size in draw(st.lists(st.sampled_from([64, 128, 256]), min_size=1, max_size=2, unique=True)):
+        n_chunks = draw(st.integers(1, 4))
+        chunks = tuple(
+            ChunkProfile(numel=draw(st.integers(1, chunk_size)) * MiB // 4, fwd_s=draw(st.floats(0, 5e-3)),
+                         bwd_s=draw(st.floats(0, 1e-2)),
+                         blocks=tuple(b for b in range(n_blocks) if b % n_chunks == c))
+            for c in range(n_chunks))
+        out.append(GraphProfile(chunk_size=chunk_size * MiB, chunks=chunks, blocks=blocks,
+                                nonblock_fwd_s=draw(st.floats(0, 2e-3)), nonblock_bwd_s=draw(st.floats(0, 4e-3)),
+                                nonblock_saved_bytes=draw(st.integers(0, 100)) * MiB,
+                                transient_bytes=draw(st.integers(0, 500)) * MiB))
+    return out
+
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(profs=profiles(), budget_mib=st.integers(100, 12000), host_gib=st.one_of(st.none(), st.integers(1, 40)))
+def test_search_matches_brute_force_and_fits(profs, budget_mib, host_gib):
+    budget = budget_mib * MiB
+    host = None if host_gib is None else host_gib * 2**30
+    expected = brute_force(profs, HW, budget, host)
+    if expected is None:
+        with pytest.raises(NoPlanFits):
+            search(profs, HW, budget, host)
+        return
+    got = search(profs, HW, budget, host).best
+    assert got.knobs == expected.knobs
+    assert got.time_s == pytest.approx(expected.time_s, rel=1e-12)
+    assert got.peak_bytes <= budget  # the chosen plan's predicted peak always fits
+    assert host is None or got.host_bytes <= host
+
+
+@SETTINGS
+@given(profs=profiles(), budget_mib=st.integers(100, 6000), extra_mib=st.integers(1, 6000))
+def test_more_memory_is_never_slower(profs, budget_mib, extra_mib):
+    try:
+        small = search(profs, HW, budget_mib * MiB).best
+    except NoPlanFits:
+        return
+    large = search(profs, HW, (budget_mib + extra_mib) * MiB).best
+    assert large.time_s <= small.time_s
+
+
+@SETTINGS
+@given(profs=profiles())
+def test_one_byte_budget_names_the_smallest_budget_that_works(profs):
+    with pytest.raises(NoPlanFits, match="smallest budget that would work") as e:
+        search(profs, HW, 1)
+    need = e.value.min_device_bytes
+    assert need > 1
+    assert search(profs, HW, need).best.peak_bytes == need  # exactly that budget is enough
+    with pytest.raises(NoPlanFits):
+        search(profs, HW, need - 1)
+
+
+def test_host_memory_too_small_names_what_is_needed():
+    prof = GraphProfile(chunk_size=256 * MiB, blocks=(BlockProfile(1e-3, 2e-3, 100 * MiB, 10 * MiB),) * 2,
+                        chunks=tuple(ChunkProfile(64 * MiB, 1e-3, 2e-3, (i,)) for i in range(2)))
+    # a device budget that forces offloading, and no host memory for it
+    only_offloaded = predict(prof, HW, Knobs(prof.chunk_size, 0, 1, 0, 2)).peak_bytes
+    with pytest.raises(NoPlanFits, match="pinned host memory") as e:
+        search([prof], HW, only_offloaded, host_budget=1)
+    assert e.value.min_host_bytes > 1
+
+
+def test_given_knobs_are_honoured():
+    prof = GraphProfile(chunk_size=256 * MiB, blocks=(BlockProfile(1e-3, 2e-3, 100 * MiB, 10 * MiB),) * 4,
+                        chunks=tuple(ChunkProfile(32 * MiB, 2e-3, 4e-3, (i,)) for i in range(4)))
+    free = search([prof], HW, 100 * 2**30).best
+    everything_resident = predict(prof, HW, Knobs(prof.chunk_size, 4, 1, 0, 0))
+    assert free.time_s <= everything_resident.time_s
+    fixed = search([prof], HW, 100 * 2**30, n_persist=1, n_checkpoint=2, n_buffer=3).best.knobs
+    assert (fixed.n_persist, fixed.n_checkpoint, fixed.n_buffer) == (1, 2, 3)
+
+
+def test_prediction_terms():
+    """Hand-checkable numbers: one block per chunk, two chunks, the second offloaded."""
+    blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
+    ch = ChunkProfile(numel=50 * 10**6, fwd_s=0.010, bwd_s=0.020)
+    prof = GraphProfile(chunk_size=256 * MiB, blocks=(blk, blk), transient_bytes=0,
+                        chunks=(ChunkProfile(ch.numel, ch.fwd_s, ch.bwd_s, (0,)), ChunkProfile(ch.numel, ch.fwd_s, ch.bwd_s, (1,))))
+    p = predict(prof, HW, Knobs(prof.chunk_size, 1, 2, 0, 1))  # block 0 recomputes, block 1 keeps
+    h2d = 50e6 * 2 / 50e9  # 2 ms, hidden behind 10 ms of compute
+    assert p.breakdown["fwd_s"] == pytest.approx(0.010 + max(0.010, h2d))
+    # chunk 0 resident: its backward plus block 0's recompute; chunk 1 (offloaded, left in a buffer by forward:
+    # no re-gather) backward against its 200 MB fp32 gradient going down (4 ms)
+    assert p.breakdown["bwd_s"] == pytest.approx((0.020 + 0.010) + max(0.020, 50e6 * 4 / 50e9))
+    assert p.breakdown["cpu_optim_s"] == pytest.approx(50e6 / 4e9 * 1.12)
+    assert p.breakdown["activation_bytes"] == 10 * MiB + 100 * MiB
+    assert p.breakdown["transient_bytes"] == 100 * MiB  # block 0's activations come back during its recompute
+    states = 50e6 * 4 * 3  # params, two moments
+    buffers = 2 * 50e6 * 2 + 2 * 50e6 * 4  # two bf16 chunk buffers, two fp32 gradient buffers
+    live = max(110 * MiB + 100 * MiB, 50e6 * 4)  # backward's start (activations, transient) or end (gradients)
+    assert p.peak_bytes == pytest.approx((states + buffers + live) * 1.10, abs=1)
