@@ -252,15 +252,6 @@ def merge(paths: list[str], out_path: str) -> None:
         f.write(markdown(out, keep))
 
 
-def _error_text(e: BaseException) -> str:
-    """The start of the exception (dispatcher errors put the operator first and a long key list after) and
-    the innermost frames of its traceback."""
-    import traceback
-
-    frames = "".join(traceback.format_tb(e.__traceback__)[-3:])
-    return f"{type(e).__name__}: {str(e)[:1200]}\n{frames[-1500:]}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -287,7 +278,7 @@ def main() -> None:
             import traceback
 
             traceback.print_exc()
-            res = {"layout": args.name, "error": _error_text(e)}
+            res = {"layout": args.name, "error": timeshare.error_text(e)}
         print("RESULT " + json.dumps(res), flush=True)
         return
     n_layer = (TINY if args.tiny else ANCHOR)["n_layer"]

@@ -382,15 +382,6 @@ def markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _error_text(e: BaseException) -> str:
-    """The start of the exception (dispatcher errors put the operator first and a long key list after) and
-    the innermost frames of its traceback."""
-    import traceback
-
-    frames = "".join(traceback.format_tb(e.__traceback__)[-3:])
-    return f"{type(e).__name__}: {str(e)[:1200]}\n{frames[-1500:]}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=("all", "protrain", "fsdp2", "parity", "rederive"))
@@ -439,7 +430,7 @@ def main() -> None:
         import traceback
 
         traceback.print_exc()
-        res = {"system": args.mode, "error": _error_text(e)}
+        res = {"system": args.mode, "error": timeshare.error_text(e)}
     if args.mode == "parity" and args.out.endswith(".json"):
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

@@ -61,6 +61,15 @@ def measuring():
         fcntl.flock(_fd, fcntl.LOCK_UN)
 
 
+def error_text(e: BaseException) -> str:
+    """What a failing child reports in its row: the start of the exception (dispatcher errors put the
+    operator first and a long key list after) and the innermost frames of its traceback."""
+    import traceback
+
+    frames = "".join(traceback.format_tb(e.__traceback__)[-3:])
+    return f"{type(e).__name__}: {str(e)[:1200]}\n{frames[-1500:]}"
+
+
 @contextlib.contextmanager
 def busy(path: str | None):
     """Parent side: hold the lock shared (no child measures meanwhile)."""
