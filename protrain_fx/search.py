@@ -63,9 +63,9 @@ def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_
                 for k in ckpts:
                     if s + k > n_blocks:
                         continue
-                    if best_key is not None and lower.time_s(s, k) > best_key[0] and min_peak is not None \
-                            and min_peak <= device_budget:
-                        continue  # no n_persist of this layout can beat the best plan found
+                    if best_key is not None and lower.time_s(s, k) > best_key[0] * (1 + 1e-9):
+                        continue  # no n_persist of this layout can beat (or tie) the best plan found; the
+                        # margin keeps a rounding difference between the two sums from dropping a tie
                     lc = LayoutCosts(prof, hw, nb, s, k, arrays)
                     persists = [n_persist] if n_persist is not None else range(n_chunks + 1)
                     for p in persists:
