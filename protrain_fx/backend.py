@@ -8,6 +8,7 @@ Pipeline of one dynamo graph::
                         └─▶ backward graph ──[PIPELINE["backward"]]─▶ Inductor compile_fx_inner
       (no grad needed)  ──▶ inference graph ─[PIPELINE["inference"]]─▶ Inductor compile_fx_inner
 
+The dynamo graph itself goes through ``PIPELINE["dynamo"]`` first (block profiling marks, when asked for).
 ``PIPELINE`` below is the one place that says which passes run on which stage, in order. Each pass is
 ``(gm, plan) -> gm``. With ``options={"compiler": "eager"}`` the rewritten graphs run as they are, without
 decompositions or Inductor: bit-exact against eager PyTorch, for debugging and fast property tests.
@@ -20,6 +21,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from protrain_fx.passes.annotate import annotate
+from protrain_fx.passes.block_marks import block_marks
 from protrain_fx.passes.chunk_gather import chunk_gather
 from protrain_fx.passes.chunk_schedule import chunk_schedule
 from protrain_fx.passes.optimizer_calls import optimizer_calls
@@ -39,6 +41,7 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
 # The passes of each stage, in the order they run.
 PIPELINE: dict[str, tuple[Pass, ...]] = {
+    "dynamo": (block_marks,),
     "joint": (annotate, chunk_gather, recompute),
     "forward": (swap_offload, chunk_schedule),
     "backward": (swap_reload, optimizer_calls, chunk_schedule),
@@ -176,6 +179,7 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
     plan = make_plan(_graph_name(), graph_inputs, detect_blocks(gm), opts)
     register_plan(plan, [p for p in params if p is not None], options)
     dump = GraphDump(opts.dump_dir, plan)
+    gm = run_passes("dynamo", gm, plan)
     dump.stage("dynamo", gm)
     dump.write_plan()
 

@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch.library import custom_op
 
-from . import _compat, chunks, swap_pool
+from . import _compat, block_timer, chunks, swap_pool
 
 
 def _token(device: torch.device) -> torch.Tensor:
@@ -154,3 +154,32 @@ def fake_value(target, args):
         return torch.empty(0, device=swap_pool.get_pool(args[2]).device)
     store = args[2] if target is CHUNK_GRAD else args[1]
     return torch.empty(0, device=chunks.get_store(store).device)
+
+
+# ------------------------------------------------------------------------------------ block profiling
+_BACKWARD_OF = {block_timer.FWD_EXIT: block_timer.BWD_ENTER, block_timer.FWD_ENTER: block_timer.BWD_EXIT}
+
+
+@custom_op("protrain::mark", mutates_args=())
+def mark(x: torch.Tensor, block: int, where: int) -> torch.Tensor:
+    """Identity (a copy, so that what follows depends on it) that records a block boundary; its gradient
+    records the matching backward boundary (passes/block_marks.py)."""
+    block_timer.RECORDER.record(block, where, x.device)
+    return x.clone()
+
+
+@mark.register_fake
+def _(x, block, where):
+    return torch.empty_like(x)
+
+
+def _mark_setup(ctx, inputs, output):
+    ctx.block, ctx.where = inputs[1], inputs[2]
+
+
+def _mark_backward(ctx, grad):
+    return torch.ops.protrain.mark(grad, ctx.block, _BACKWARD_OF[ctx.where]), None, None
+
+
+mark.register_autograd(_mark_backward, setup_context=_mark_setup)
+MARK = torch.ops.protrain.mark.default

@@ -78,6 +78,7 @@ class Plan:
     saved_names: list[str] = field(default_factory=list, repr=False)
     swapped: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     swap_pool: int | None = None
+    profile_blocks: bool = False  # passes/block_marks.py wraps blocks in timing marks (PROTRAIN_PROFILE_BLOCKS=1)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -5,6 +5,8 @@ layout is real (it is what the offloading runtime will move) and the knobs the u
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .blocks import BlockStructure
@@ -85,6 +87,7 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
         graph_inputs=list(inputs),
         block_structure=structure,
         layout=layout,
+        profile_blocks=os.environ.get("PROTRAIN_PROFILE_BLOCKS", "0") == "1",
     )
 
 

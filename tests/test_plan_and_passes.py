@@ -53,7 +53,7 @@ def test_get_plan_finds_the_models_plan():
 
 
 def test_pipeline_is_declared_in_one_place():
-    assert set(backend.PIPELINE) == {"joint", "forward", "backward", "inference"}
+    assert set(backend.PIPELINE) == {"dynamo", "joint", "forward", "backward", "inference"}
     assert backend.PIPELINE["joint"][0] is annotate
     for passes in backend.PIPELINE.values():
         for p in passes:
