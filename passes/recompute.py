@@ -28,16 +28,21 @@ from protrain_fx.plan import Plan
 AC_GRAPH_ID = 100_000
 
 
+def tag_blocks_for_recompute(gm: fx.GraphModule, blocks) -> None:
+    """Tag the forward nodes of ``blocks`` (indices) MUST_RECOMPUTE, one ``ac_graph_id`` per block."""
+    for node in gm.graph.nodes:
+        ann = annotation_of(node)
+        if (node.op == "call_function" and ann is not None and ann.phase == "forward"
+                and ann.block in blocks and ann.chunk is None):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = ann.block
+
+
 def recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Tag gathers (and their views/casts) and checkpointed blocks MUST_RECOMPUTE (see module docstring)."""
     checkpointed = {i for i, b in enumerate(plan.blocks) if b.policy == "recompute"}
     if checkpointed:
-        for node in gm.graph.nodes:
-            ann = annotation_of(node)
-            if (node.op == "call_function" and ann is not None and ann.phase == "forward"
-                    and ann.block in checkpointed and ann.chunk is None):
-                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                node.meta["ac_graph_id"] = ann.block
+        tag_blocks_for_recompute(gm, checkpointed)
     stack = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.GATHER]
     seen = set()
     while stack:

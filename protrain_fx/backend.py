@@ -35,7 +35,7 @@ from .graph_inputs import capture_graph_inputs
 from .options import Options, OptionsError
 from .placement import autocast_dtypes, bind_chunks
 from .plan import Plan, register_plan
-from .planner import make_plan
+from .planner import make_plan, saved_names
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
@@ -106,9 +106,7 @@ class GraphCompiler:
         joint = run_passes("joint", joint, self.plan)
         self.dump.stage("joint", joint)
         fw, bw = _compat.min_cut_partition(joint, joint_inputs, **kwargs)
-        # backward's leading placeholders are the values forward saves for it, in forward's output order
-        self.plan.saved_names = [n.name for n in bw.graph.nodes if n.op == "placeholder"
-                                 and not n.name.startswith(("tangents", "bwd_seed", "bwd_base_offset"))]
+        self.plan.saved_names = saved_names(bw)
         return fw, bw
 
     def forward(self, gm: fx.GraphModule, example_inputs: Sequence):

@@ -105,16 +105,26 @@ def saved_activation_bytes(joint, partition=None) -> int:
     an upper bound of the min-cut's choice)."""
     if partition is not None:
         fw, bw = partition(_copy_graph_module(joint))
-        n_saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents"))
-        outputs = list(next(n for n in fw.graph.nodes if n.op == "output").args[0])
-        return sum(_tensor_bytes(n) for n in outputs[len(outputs) - n_saved:]
-                   if isinstance(n, torch.fx.Node) and n.op != "placeholder")
+        return sum(_tensor_bytes(n) for n in saved_values(fw, bw) if n.op != "placeholder")
     from protrain_fx.passes.annotate import node_phases
 
     phases = node_phases(joint)
     return sum(_tensor_bytes(node) for node in joint.graph.nodes
                if node.op == "call_function" and phases[node] == "forward"
                and any(phases[u] == "backward" for u in node.users))
+
+
+def saved_names(bw) -> list[str]:
+    """Backward's leading placeholders: the values forward saves for it, in forward's output order (tangents
+    and the RNG seed/offset inputs excluded)."""
+    return [n.name for n in bw.graph.nodes if n.op == "placeholder"
+            and not n.name.startswith(("tangents", "bwd_seed", "bwd_base_offset"))]
+
+
+def saved_values(fw, bw) -> list:
+    """The forward graph's output nodes that backward receives as saved values."""
+    outputs = list(next(n for n in fw.graph.nodes if n.op == "output").args[0])
+    return [n for n in outputs[len(outputs) - len(saved_names(bw)):] if isinstance(n, torch.fx.Node)]
 
 
 def _tensor_bytes(node) -> int:

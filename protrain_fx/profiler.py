@@ -15,10 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy
 
 from .passes.annotate import annotation_of
-from .planner import _copy_graph_module, _tensor_bytes
+from .passes.recompute import tag_blocks_for_recompute
+from .planner import _copy_graph_module, _tensor_bytes, saved_values
+
+
+def _saved(fw: fx.GraphModule, bw: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in saved_values(fw, bw) if n.op != "placeholder"]
 
 
 @dataclass
@@ -29,13 +33,6 @@ class SavedBytes:
     recompute: list[int] = field(default_factory=list)  # every block recomputes (what it restarts from)
     nonblock_keep: int = 0
     nonblock_recompute: int = 0
-
-
-def _saved(fw: fx.GraphModule, bw: fx.GraphModule) -> list[fx.Node]:
-    n_saved = sum(1 for n in bw.graph.nodes if n.op == "placeholder"
-                  and not n.name.startswith(("tangents", "bwd_seed", "bwd_base_offset")))
-    outputs = list(next(n for n in fw.graph.nodes if n.op == "output").args[0])
-    return [n for n in outputs[len(outputs) - n_saved:] if isinstance(n, fx.Node) and n.op != "placeholder"]
 
 
 def _attribute(nodes: list[fx.Node], n_blocks: int, restart: bool) -> tuple[list[int], int]:
@@ -64,12 +61,7 @@ def saved_bytes_by_block(joint: fx.GraphModule, n_blocks: int, partition) -> Sav
     fw, bw = partition(_copy_graph_module(joint))
     keep, nonblock_keep = _attribute(_saved(fw, bw), n_blocks, restart=False)
     tagged = _copy_graph_module(joint)
-    for node in tagged.graph.nodes:
-        ann = annotation_of(node)
-        if node.op == "call_function" and ann is not None and ann.phase == "forward" and ann.block is not None \
-                and ann.chunk is None:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            node.meta["ac_graph_id"] = ann.block
+    tag_blocks_for_recompute(tagged, set(range(n_blocks)))
     fw, bw = partition(tagged)
     recompute, nonblock_recompute = _attribute(_saved(fw, bw), n_blocks, restart=True)
     return SavedBytes(keep, recompute, nonblock_keep, nonblock_recompute)
