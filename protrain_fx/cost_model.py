@@ -112,14 +112,6 @@ class Prediction:
     breakdown: dict = field(default_factory=dict, compare=False)
 
 
-def policy(index: int, n_swap: int, n_checkpoint: int) -> str:
-    if index < n_swap:
-        return "swap"
-    if index < n_swap + n_checkpoint:
-        return "recompute"
-    return "keep"
-
-
 class _ProfileArrays:
     """What LayoutCosts needs of a (profile, hardware, n_buffer) whatever the activation knobs: built once."""
 
@@ -150,15 +142,25 @@ class _ProfileArrays:
             self.largest_offloaded[c] = max(self.largest_offloaded[c + 1], chunks[c].numel)
         last = chunks[-1] if chunks else None
         self.first_grad_s = (last.bwd_s + last.numel * me / hw.d2h_bytes_per_s) if last else 0.0
-        compute = sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
-        self.swap_window_s = compute - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
-        # by block: prefix sums of what each policy keeps on the device and of the swappable bytes
-        self.keep, self.inp, self.swap_res, self.swappable = [0], [0], [0], [0]
+        self.hw = hw
+        self.compute_s = sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
+        self.swap_window_s = self.compute_s - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
+        # by block: prefix sums of what each policy keeps on the device, of the swappable bytes, of recompute
+        self.keep, self.inp, self.swap_res, self.swappable, self.recompute = [0], [0], [0], [0], [0.0]
         for blk in blocks:
             self.keep.append(self.keep[-1] + blk.keep_bytes)
             self.inp.append(self.inp[-1] + blk.input_bytes)
             self.swap_res.append(self.swap_res[-1] + blk.swap_resident_bytes)
             self.swappable.append(self.swappable[-1] + blk.keep_bytes - blk.swap_resident_bytes)
+            self.recompute.append(self.recompute[-1] + blk.recompute_cost_s)
+
+    def lower_bound_s(self, n_swap: int, n_checkpoint: int) -> float:
+        """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): all compute, the recompute of its
+        checkpointed blocks, and the swap copy it cannot hide even with no cast copies among the bytes."""
+        nbytes = self.swappable[n_swap]
+        copy = nbytes / self.hw.d2h_bytes_per_s + nbytes / self.hw.h2d_bytes_per_s
+        exposed = max(0.0, copy - self.swap_window_s) if nbytes else 0.0
+        return self.compute_s + self.recompute[n_swap + n_checkpoint] - self.recompute[n_swap] + exposed
 
 
 class LayoutCosts:

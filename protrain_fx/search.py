@@ -31,7 +31,7 @@ class SearchResult:
     seconds: float
 
 
-def n_buffer_candidates(prof: GraphProfile, n_buffer: int | None, min_n_buffer: int = 1) -> list[int]:
+def n_buffer_candidates(n_buffer: int | None, min_n_buffer: int = 1) -> list[int]:
     if n_buffer is not None:
         return [n_buffer]
     return [b for b in (1, 2, 3) if b >= min_n_buffer] or [min_n_buffer]
@@ -52,9 +52,8 @@ def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_
         n_blocks, n_chunks = len(prof.blocks), len(prof.chunks)
         if n_persist is not None and n_persist > n_chunks:
             continue
-        lower = _LowerBound(prof, hw)
         swaps = [n_swap] if n_swap is not None else range(n_blocks + 1)
-        for nb in n_buffer_candidates(prof, n_buffer, min_n_buffer):
+        for nb in n_buffer_candidates(n_buffer, min_n_buffer):
             arrays = _ProfileArrays(prof, hw, nb)
             for s in swaps:
                 if s > n_blocks:
@@ -63,7 +62,7 @@ def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_
                 for k in ckpts:
                     if s + k > n_blocks:
                         continue
-                    if best_key is not None and lower.time_s(s, k) > best_key[0] * (1 + 1e-9):
+                    if best_key is not None and arrays.lower_bound_s(s, k) > best_key[0] * (1 + 1e-9):
                         continue  # no n_persist of this layout can beat (or tie) the best plan found; the
                         # margin keeps a rounding difference between the two sums from dropping a tie
                     lc = LayoutCosts(prof, hw, nb, s, k, arrays)
@@ -100,28 +99,6 @@ def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_
             "memory or give a larger memory_budget (more resident chunks need less host memory)",
             min_device_bytes=min_peak, min_host_bytes=min_host)
     return SearchResult(best, evaluated, time.perf_counter() - t0)
-
-
-class _LowerBound:
-    """A time no plan of a (n_swap, n_checkpoint) layout can beat, in O(1): all compute, the recompute of its
-    checkpointed blocks, and the swap copy it cannot hide even with no cast copies among the swapped bytes."""
-
-    def __init__(self, prof: GraphProfile, hw: Hardware):
-        self.hw = hw
-        blocks = prof.blocks
-        self.compute = (sum(c.fwd_s + c.bwd_s for c in prof.chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s)
-        self.window = self.compute - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
-        self.recompute = [0.0]
-        self.swap = [0]
-        for b in blocks:
-            self.recompute.append(self.recompute[-1] + b.recompute_cost_s)
-            self.swap.append(self.swap[-1] + b.keep_bytes - b.swap_resident_bytes)
-
-    def time_s(self, n_swap: int, n_checkpoint: int) -> float:
-        nbytes = self.swap[n_swap]
-        copy = nbytes / self.hw.d2h_bytes_per_s + nbytes / self.hw.h2d_bytes_per_s
-        exposed = max(0.0, copy - self.window) if nbytes else 0.0
-        return self.compute + self.recompute[n_swap + n_checkpoint] - self.recompute[n_swap] + exposed
 
 
 def brute_force(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_budget: int | None = None,
