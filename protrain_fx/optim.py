@@ -279,27 +279,34 @@ class HybridOptimizer:
 
     # -------------------------------------------------------------------------------- step
     def _step_chunk(self, st: ChunkOptState, groups: dict | None = None) -> None:
-        """AdamW on the chunk's master copy. When every parameter of the chunk is in one param group, has a
-        gradient and has taken the same number of steps (the usual case), one fused call runs over the
-        whole flat chunk (padding included, which nothing reads): much faster on the CPU than a list of
-        small tensors. Otherwise one call per param group over the parameters that have a gradient."""
+        """AdamW on the chunk's master copy, with the hyperparameters of ``groups`` (a snapshot) or, without,
+        of the user's param groups now. When every parameter of the chunk is in one param group, has a
+        gradient and has taken the same number of steps (the usual case), one call runs over the whole flat
+        chunk (padding included, which nothing reads), with cpu_adam's one-pass kernel where it applies:
+        much faster on the CPU than a list of small tensors. Otherwise one call per param group over the
+        parameters that have a gradient."""
         store = st.store
         master = store.master[st.chunk]
         by_group: dict[int, list[int]] = {}
         for i in st.members:
             if i in st.has_grad:
                 by_group.setdefault(st.group_of[i], []).append(i)
+        group = (lambda gi: groups[gi]) if groups is not None else (lambda gi: self.opt.param_groups[gi])
         step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in st.members}
         whole = (len(by_group) == 1 and len(st.members) == len(store.chunk_entries(st.chunk))
                  and len(next(iter(by_group.values()), [])) == len(st.members) and len(step_counts) == 1)
-        refreshed = False
-        for gi, idxs in by_group.items():
-            if whole:
-                step = torch.tensor(step_counts.pop(), dtype=torch.float32)
-                params, grads, m, v = [master], [st.grad_acc], [st.exp_avg], [st.exp_avg_sq]
+        if whole:
+            (gi, idxs), = by_group.items()
+            step = torch.tensor(step_counts.pop(), dtype=torch.float32)
+            if not self._one_pass_step(st, step, group(gi)):  # it writes the transfer copy itself
                 vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
-                steps = [step]
-            else:
+                self._adam(group(gi), [master], [st.grad_acc], [st.exp_avg], [st.exp_avg_sq], vmax, [step])
+                store.refresh_transfer(st.chunk)
+            for i in idxs:  # every parameter took this step
+                st.steps[i] = step.clone()
+            self.timers.whole_chunk_steps += 1
+        else:
+            for gi, idxs in by_group.items():
                 params, grads, m, v, vmax, steps = [], [], [], [], [], []
                 for i in idxs:
                     _, sl = self._views(st, i)
@@ -310,33 +317,25 @@ class HybridOptimizer:
                     if st.max_exp_avg_sq is not None:
                         vmax.append(st.max_exp_avg_sq[sl])
                     steps.append(st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32)))
-            g = groups[gi] if groups is not None else self.opt.param_groups[gi]
-            beta1, beta2 = g["betas"]
-            lr = g["lr"]
-            if whole and self._one_pass_step(st, step, g):
-                refreshed = True
-                for i in idxs:
-                    st.steps[i] = step.clone()
-                self.timers.whole_chunk_steps += 1
-                continue
-            _adam(
-                params, grads, m, v, vmax, steps,
-                amsgrad=bool(g.get("amsgrad", False)), beta1=beta1, beta2=beta2,
-                lr=float(lr) if torch.is_tensor(lr) else lr, weight_decay=g["weight_decay"], eps=g["eps"],
-                maximize=bool(g.get("maximize", False)),
-                decoupled=g.get("decoupled_weight_decay", self.decoupled),
-            )
-            if whole:  # every parameter took this step
-                for i in idxs:
-                    st.steps[i] = step.clone()
-                self.timers.whole_chunk_steps += 1
-        if not refreshed:
+                self._adam(group(gi), params, grads, m, v, vmax, steps)
             store.refresh_transfer(st.chunk)
         st.has_grad.clear()
 
+    def _adam(self, g: dict, params, grads, m, v, vmax, steps) -> None:
+        """torch's fused CPU Adam/AdamW over lists of host tensors, with param group ``g``'s settings."""
+        from torch.optim.adam import adam
+
+        beta1, beta2 = g["betas"]
+        lr = g["lr"]
+        adam(params, grads, m, v, vmax, steps, foreach=False, fused=True,
+             decoupled_weight_decay=g.get("decoupled_weight_decay", self.decoupled),
+             amsgrad=bool(g.get("amsgrad", False)), beta1=beta1, beta2=beta2,
+             lr=float(lr) if torch.is_tensor(lr) else lr, weight_decay=g["weight_decay"], eps=g["eps"],
+             maximize=bool(g.get("maximize", False)))
+
     def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict) -> bool:
         """The whole-chunk step with protrain_fx.cpu_adam's kernel, which also writes the bf16 transfer copy
-        (one pass over the chunk instead of two). False where it does not apply (then torch's fused Adam)."""
+        (one pass over the chunk instead of two); it advances ``step``. False where it does not apply."""
         store = st.store
         master, transfer = store.master[st.chunk], store.transfer[st.chunk]
         if (st.max_exp_avg_sq is not None or g.get("amsgrad") or master.dtype != torch.float32
@@ -344,11 +343,10 @@ class HybridOptimizer:
                 or not cpu_adam.available()):
             return False
         step += 1  # torch counts the step before using it
-        lr = g["lr"]
         beta1, beta2 = g["betas"]
         cpu_adam.adam_step(
             master, st.grad_acc, st.exp_avg, st.exp_avg_sq, None if transfer is master else transfer, float(step),
-            lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
+            lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
             weight_decay=float(g["weight_decay"]), decoupled=bool(g.get("decoupled_weight_decay", self.decoupled)),
             maximize=bool(g.get("maximize", False)))
         self.timers.one_pass_steps += 1
@@ -468,14 +466,6 @@ class HybridOptimizer:
                     st.steps.pop(i, None)
         sd["state"] = state
         return sd
-
-
-def _adam(params, grads, m, v, vmax, steps, *, amsgrad, beta1, beta2, lr, weight_decay, eps, maximize, decoupled):
-    """Fused CPU Adam/AdamW on lists of host tensors (torch 2.11 and 2.13)."""
-    from torch.optim.adam import adam
-
-    adam(params, grads, m, v, vmax, steps, foreach=False, fused=True, decoupled_weight_decay=decoupled,
-         amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
 
 
 # ------------------------------------------------------------------------------- clipping hook
