@@ -4,7 +4,7 @@ The CPU step of an offloaded chunk is memory-bound: torch's fused CPU Adam reads
 both moments and writes parameter and moments (28 bytes per parameter), then refreshing the bf16 copy that
 the next host-to-device transfer sends is a second pass (6 more bytes, and another sweep through DRAM). This
 kernel does both in one pass (30 bytes). It is a few lines of C, built with the system C compiler at first
-use (``cc -O3 -fopenmp``, cached under ``$PROTRAIN_CACHE_DIR`` or ``~/.cache/protrain_fx``) and called
+use (``cc -O3 -fopenmp``, cached under ``hardware.cache_root()/kernels``) and called
 through ctypes, which releases the GIL, so the worker thread runs it while Python goes on.
 
 It follows torch's fused CPU Adam (``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``) operation by operation
@@ -80,8 +80,9 @@ _build_error: str | None = None
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("PROTRAIN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "protrain_fx")
-    return os.path.join(root, "kernels")
+    from .hardware import cache_root
+
+    return os.path.join(cache_root(), "kernels")
 
 
 def _cpu_flags() -> str:
@@ -127,6 +128,8 @@ def available() -> bool:
     global _lib, _tried, _build_error
     if os.environ.get("PROTRAIN_CPU_ADAM", "").lower() == "torch":
         return False
+    if _tried:  # decided (built or not): no lock on the per-chunk path
+        return _lib is not None
     with _lock:
         if not _tried:
             _tried = True

@@ -240,12 +240,17 @@ def profile_key(device: str | torch.device | None = None) -> str:
             f"|cpu={_cpu_model()}|cores={_usable_cores()}|threads={torch.get_num_threads()}")
 
 
-def cache_dir_default() -> str:
+def cache_root() -> str:
+    """Where protrain keeps what it measures or builds per machine (this profile, the CPU Adam kernel)."""
     root = os.environ.get(ENV_CACHE_DIR)
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(xdg, "protrain_fx")
-    return os.path.join(root, "hardware")
+    return root
+
+
+def cache_dir_default() -> str:
+    return os.path.join(cache_root(), "hardware")
 
 
 def cache_path(key: str, cache_dir: str | None = None) -> str:
