@@ -196,32 +196,16 @@ def transfer_alone(store, overlap_phase) -> dict:
 
 # ------------------------------------------------------------------------------------------ fsdp2
 def run_fsdp2(args) -> dict:
+    """FSDP2 CPUOffloadPolicy with fused CPU AdamW, set up as the benchmark suite does (peers.fsdp2_offload)."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    import peers
 
     cap_memory(args.cap)
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                 ("LOCAL_RANK", "0")):
-        os.environ.setdefault(k, v)
-    dist.init_process_group("nccl", rank=0, world_size=1)
     cfg = anchor_config(args)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**cfg))
-    n_params = sum(p.numel() for p in model.parameters())
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for blk in model.blocks:
-        fully_shard(blk, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=mp)
-    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # fused CPU AdamW
     x, y = batch(args, cfg["vocab_size"])
-
-    def step():
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    spec = {"kind": "gpt", "cfg": cfg, "device": "cuda", "batch": args.batch, "seq": SEQ, "cap_gib": args.cap}
+    step, n_params, _ = peers.fsdp2_offload(spec, x, y)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
