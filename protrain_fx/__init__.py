@@ -5,6 +5,7 @@
 
 Importing this package is optional: the ``torch_dynamo_backends`` entry point registers the backend.
 """
+from .memory_plot import plot_memory
 from .optim import set_grad_accumulation
 from .options import Options, OptionsError, ProtrainError, parse_bytes
 from .param_values import host_init
@@ -22,5 +23,6 @@ __all__ = [
     "get_plan",
     "host_init",
     "parse_bytes",
+    "plot_memory",
     "set_grad_accumulation",
 ]
