@@ -38,6 +38,14 @@ def tag_blocks_for_recompute(gm: fx.GraphModule, blocks) -> None:
             node.meta["ac_graph_id"] = ann.block
 
 
+def untag_blocks(gm: fx.GraphModule) -> None:
+    """Drop the block recompute tags (gathers keep theirs): the joint graph as if every block kept."""
+    for node in gm.graph.nodes:
+        if node.meta.get("ac_graph_id") is not None and node.meta["ac_graph_id"] != AC_GRAPH_ID:
+            node.meta.pop("recompute", None)
+            node.meta.pop("ac_graph_id", None)
+
+
 def recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Tag gathers (and their views/casts) and checkpointed blocks MUST_RECOMPUTE (see module docstring)."""
     checkpointed = {i for i, b in enumerate(plan.blocks) if b.policy == "recompute"}

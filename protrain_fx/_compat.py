@@ -131,3 +131,15 @@ def lower_without_buffer_reuse(op) -> None:
         out = fallback(*args, **kwargs)
         V.graph.never_reuse_buffers.add(out.get_name())
         return out
+
+
+def eager_backward_compile():
+    """Compile the backward graph with the forward instead of at the first backward call (which, inside a
+    dynamo compile, would record compile metrics twice). A no-op where torch has no such switch."""
+    import contextlib
+
+    from torch._functorch import config
+
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)

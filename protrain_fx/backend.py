@@ -28,7 +28,7 @@ from protrain_fx.passes.optimizer_calls import optimizer_calls
 from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.swap import swap_offload, swap_reload
 
-from . import _compat, ops  # noqa: F401  (ops: registers the protrain:: custom ops)
+from . import _compat, autoplan, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
 from .blocks import detect_blocks
 from .dump import GraphDump
 from .graph_inputs import capture_graph_inputs
@@ -36,6 +36,7 @@ from .options import Options, OptionsError
 from .placement import autocast_dtypes, bind_chunks
 from .plan import Plan, register_plan
 from .planner import make_plan, saved_names
+from .step_meter import StepMeter
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 
@@ -98,14 +99,16 @@ class GraphCompiler:
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         if self.use_inductor:
             joint = _compat.inductor_joint_passes(joint)
-        # with a memory budget to meet, partition a copy first: the activations it saves size the placement
-        probe = None
-        if self.options.memory_budget is not None and self.options.n_persist is None:
-            probe = lambda g: _compat.min_cut_partition(g, joint_inputs, **kwargs)  # noqa: E731
-        bind_chunks(self.plan, self.options, self.params, self.root, joint, True, self.autocast, probe)
+        bind_chunks(self.plan, self.options, self.params, self.root, joint, True, self.autocast)
         joint = run_passes("joint", joint, self.plan)
         self.dump.stage("joint", joint)
+        if self.plan.profiling:
+            saved = profiler.saved_bytes_by_block(
+                joint, len(self.plan.blocks), lambda g: _compat.min_cut_partition(g, joint_inputs, **kwargs))
         fw, bw = _compat.min_cut_partition(joint, joint_inputs, **kwargs)
+        if self.plan.profiling:
+            self.plan.static_profile = profiler.StaticProfile(
+                saved, profiler.recomputed_share(fw, bw, len(self.plan.blocks)))
         self.plan.saved_names = saved_names(bw)
         return fw, bw
 
@@ -168,14 +171,8 @@ def _graph_name() -> str:
     return "?" if cid is None else f"{cid[0]}/{cid[1]}"
 
 
-def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
-    """torch.compile backend "protrain" (registered through the ``torch_dynamo_backends`` entry point)."""
-    if mode not in (None, "default"):
-        raise OptionsError(f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead")
-    opts = Options.from_dict(options)
-    graph_inputs, params = capture_graph_inputs(gm, example_inputs)  # before dynamo drops grapharg
-    plan = make_plan(_graph_name(), graph_inputs, detect_blocks(gm), opts)
-    register_plan(plan, [p for p in params if p is not None], options)
+def _compile_plan(gm: fx.GraphModule, example_inputs, graph_inputs, params, plan: Plan, opts: Options):
+    """Run the dynamo-stage passes and hand the graph to aot_autograd with this plan's callbacks."""
     dump = GraphDump(opts.dump_dir, plan)
     gm = run_passes("dynamo", gm, plan)
     dump.stage("dynamo", gm)
@@ -183,9 +180,9 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
 
     from torch._dynamo.backends.common import aot_autograd
 
-    params = [(gi.index, gi.fqn or gi.node_name, p) for gi, p in zip(graph_inputs, params) if p is not None]
+    bound = [(gi.index, gi.fqn or gi.node_name, p) for gi, p in zip(graph_inputs, params) if p is not None]
     root = _traced_root(graph_inputs)
-    compiler = GraphCompiler(plan, opts, dump, len(example_inputs), _num_outputs(gm), params, root)
+    compiler = GraphCompiler(plan, opts, dump, len(example_inputs), _num_outputs(gm), bound, root)
     return aot_autograd(
         fw_compiler=compiler.forward,
         bw_compiler=compiler.backward,
@@ -194,3 +191,35 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
         decompositions=_compat.inductor_decompositions() if compiler.use_inductor else {},
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+
+
+def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    """torch.compile backend "protrain" (registered through the ``torch_dynamo_backends`` entry point)."""
+    if mode not in (None, "default"):
+        raise OptionsError(f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead")
+    opts = Options.from_dict(options)
+    graph_inputs, params = capture_graph_inputs(gm, example_inputs)  # before dynamo drops grapharg
+    structure = detect_blocks(gm)
+    live = [p for p in params if p is not None]
+    device = live[0].device if live else None
+    choice = None
+    if autoplan.wanted(opts, params, device):
+        def compile_profiling(copy: fx.GraphModule, frugal: Options):
+            plan = make_plan(_graph_name(), graph_inputs, structure, frugal)
+            plan.profiling = plan.profile_blocks = True
+            with _compat.eager_backward_compile():  # the profiler runs backward inside this compile
+                return _compile_plan(copy, example_inputs, graph_inputs, params, plan, frugal), plan
+
+        choice = autoplan.choose(gm, example_inputs, graph_inputs, params, structure, opts, compile_profiling)
+        searched_n_buffer = opts.n_buffer is None
+        opts = choice.options
+    plan = make_plan(_graph_name(), graph_inputs, structure, opts)
+    plan.n_buffer_searched = choice is not None and searched_n_buffer
+    register_plan(plan, live, options)
+    if choice is None:
+        return _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
+    plan.predicted = choice.predicted
+    plan.notes += choice.notes
+    compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
+    path = choice.cache_path
+    return StepMeter(plan, device, lambda p: autoplan.save_plan(path, p)).wrap(compiled)

@@ -1,10 +1,12 @@
-"""Runtime side of the block profiler: what ``protrain::mark`` records at each block boundary.
+"""Runtime side of the block profiler: what ``protrain::mark`` and the profiled step record, in stream order.
 
-A mark records, in the order the device runs them, a timing point (a CUDA event on the current stream, or
-``perf_counter`` on the CPU), the bytes allocated and the peak since the previous mark (the peak counter is
-reset at every mark, so each interval's transient peak is its own). ``where``: 0 forward enters the block,
-1 forward leaves it, 2 backward enters it (its output's gradient arrives), 3 backward leaves it.
-:func:`block_timings` turns the records of one step into per-block times and peaks.
+A mark records a timing point (a CUDA event on the current stream, or ``perf_counter`` on the CPU), the
+bytes allocated, and the peak since the previous mark (the peak counter is reset at every mark, so each
+interval's transient peak is its own). ``where`` for a block: 0 forward enters it, 1 forward leaves it, 2
+backward enters it (its output's gradient arrives), 3 backward leaves it. Block -1 holds the step's own
+marks (:data:`STEP_START`, :data:`FWD_END`, :data:`STEP_END`) and the brackets of every chunk copy the
+profiled step makes on the compute stream (:data:`COPY_START`, :data:`COPY_END`): copies are serialized with
+compute there, and :func:`block_timings` subtracts them, so the times are those of the compiled kernels.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 FWD_ENTER, FWD_EXIT, BWD_ENTER, BWD_EXIT = range(4)
+STEP_START, FWD_END, STEP_END, COPY_START, COPY_END = range(10, 15)
+STEP = -1  # the block index of step and copy marks
 
 
 @dataclass
@@ -52,9 +56,24 @@ def _ms(a, b) -> float:
     return a.elapsed_time(b)
 
 
+def _interval_ms(marks: list[Mark], first: int, last: int) -> float:
+    """Milliseconds from mark ``first`` to mark ``last`` less the chunk copies bracketed in between."""
+    total = _ms(marks[first].point, marks[last].point)
+    start = None
+    for m in marks[first + 1:last]:
+        if m.block == STEP and m.where == COPY_START:
+            start = m
+        elif m.block == STEP and m.where == COPY_END and start is not None:
+            total -= _ms(start.point, m.point)
+            start = None
+    return max(total, 0.0)
+
+
 def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]]:
-    """Per block: forward and backward milliseconds (first enter to last leave, in that phase) and the peak
-    allocation inside each (after synchronizing the device when the points are CUDA events)."""
+    """Per block: forward and backward milliseconds (first enter to last leave, in that phase, less chunk
+    copies) and the peak allocation inside each (after synchronizing the device when the points are CUDA
+    events). With the step's marks present, block -1 holds the whole forward and backward ("fwd_ms",
+    "bwd_ms"), the step's peak ("peak_bytes") and what was allocated at its start ("start_allocated")."""
     marks = RECORDER.marks if marks is None else marks
     if any(not isinstance(m.point, float) for m in marks):
         torch.cuda.synchronize()
@@ -62,7 +81,7 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
     for phase, (enter, leave) in (("fwd", (FWD_ENTER, FWD_EXIT)), ("bwd", (BWD_ENTER, BWD_EXIT))):
         by_block: dict[int, list[int]] = {}
         for i, m in enumerate(marks):
-            if m.where in (enter, leave):
+            if m.block != STEP and m.where in (enter, leave):
                 by_block.setdefault(m.block, []).append(i)
         for block, idx in by_block.items():
             first = next((i for i in idx if marks[i].where == enter), None)
@@ -70,7 +89,31 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
             if first is None or last is None or last < first:
                 continue
             row = out.setdefault(block, {})
-            row[f"{phase}_ms"] = _ms(marks[first].point, marks[last].point)
+            row[f"{phase}_ms"] = _interval_ms(marks, first, last)
             row[f"{phase}_peak_bytes"] = max(m.peak for m in marks[first + 1:last + 1])
             row[f"{phase}_start_allocated"] = marks[first].allocated
+    where = {m.where: i for i, m in enumerate(marks) if m.block == STEP and m.where in (STEP_START, FWD_END, STEP_END)}
+    if len(where) == 3:
+        s, f, e = where[STEP_START], where[FWD_END], where[STEP_END]
+        out[STEP] = {"fwd_ms": _interval_ms(marks, s, f), "bwd_ms": _interval_ms(marks, f, e),
+                     "peak_bytes": max(m.peak for m in marks[s + 1:e + 1]), "start_allocated": marks[s].allocated}
+    return out
+
+
+def memory_timeline(marks: list[Mark] | None = None) -> list[list]:
+    """``[t_s, allocated bytes, label]`` at every block mark of the step (copies included in the time)."""
+    marks = RECORDER.marks if marks is None else marks
+    if not marks:
+        return []
+    if any(not isinstance(m.point, float) for m in marks):
+        torch.cuda.synchronize()
+    names = {FWD_ENTER: "fwd enter", FWD_EXIT: "fwd exit", BWD_ENTER: "bwd enter", BWD_EXIT: "bwd exit",
+             STEP_START: "step start", FWD_END: "backward starts", STEP_END: "step end"}
+    out = []
+    for m in marks:
+        if m.where in (COPY_START, COPY_END):
+            continue
+        label = names[m.where] if m.block == STEP else f"{names[m.where]} block {m.block}"
+        t = _ms(marks[0].point, m.point) / 1e3
+        out.append([t, max(m.peak, m.allocated), label])
     return out

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import block_timer
 from ._weakmap import IdentityWeakMap
 from .chunk_layout import ALIGN_BYTES, ChunkLayout
 from .options import ProtrainError, format_bytes
@@ -169,6 +170,9 @@ class ChunkStore:
         self._grad_bufs: list[torch.Tensor] = []
         self._grad_buf_done: list = []
         self._next_grad_buf = 0
+        # set while the profiler runs a step (protrain_fx/profiler.py): chunk copies go on the compute stream
+        # between copy marks (so block times exclude them) and gradients are dropped, not stepped
+        self.profiling = False
         self.stats = {"h2d_copies": 0, "h2d_bytes": 0, "slot_hits": 0, "unprefetched_gathers": 0,
                       "d2h_copies": 0, "d2h_bytes": 0}
         self._lock = threading.Lock()
@@ -290,7 +294,12 @@ class ChunkStore:
             self._drop_released(s)
             n = self._chunk_numel[chunk]
             dst, src = self.slots[s][:n], self.transfer[chunk]
-            if self.is_cuda:
+            if self.profiling:
+                block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_START, self.device)
+                dst.copy_(src, non_blocking=True)
+                block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_END, self.device)
+                self._slot_ready_event[s] = None
+            elif self.is_cuda:
                 with torch.cuda.stream(self.h2d_stream):
                     if self._slot_free_event[s] is not None:
                         self.h2d_stream.wait_event(self._slot_free_event[s])
@@ -343,7 +352,9 @@ class ChunkStore:
     def grad_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
         """Pack the chunk's parameter gradients (store entries ``members``) into a device gradient buffer in
         the chunk layout and master dtype (fp32: the host adds nothing but the optimizer step), and hand it
-        to the optimizer, which copies it to the host."""
+        to the optimizer, which copies it to the host. While profiling, gradients are dropped."""
+        if self.profiling:
+            return
         if self.optimizer is None:
             raise ProtrainError(
                 "protrain: a backward pass produced gradients for offloaded parameters, but no optimizer was "
@@ -388,6 +399,13 @@ class ChunkStore:
             done = torch.cuda.Event()
             done.record(self.d2h_stream)
         return done
+
+    def unregister(self) -> None:
+        """Forget this store (its parameters then belong to none; protrain_fx.param_values.dissolve_store)."""
+        for p in self.params:
+            if p is not None:
+                _PARAM_STORE.pop(p, None)
+        _STORES.pop(self.id, None)
 
     # ------------------------------------------------------------------------------ report
     def describe(self) -> str:

@@ -21,7 +21,8 @@ and the larger end of backward: at its start the activations each block's policy
 saves; recompute: its input; swap: what stays on the device), the compute-dtype copies of resident
 parameters that autocast made, and the largest transient of backward (the non-block working set such as
 logits, a recomputed block's activations, the swap reload window of two blocks); at its end the resident
-gradients. Times the allocator factor (:data:`FRAGMENTATION` unless calibrated).
+gradients. Times the allocator factor (:data:`FRAGMENTATION` unless calibrated; :data:`SWAP_FRAGMENTATION`
+more when blocks swap).
 
 Everything is arranged so that one (chunk size, n_buffer, n_swap, n_checkpoint) costs O(chunks + blocks)
 and each n_persist after that O(1) (prefix sums): the search evaluates every plan exactly.
@@ -32,6 +33,10 @@ import math
 from dataclasses import dataclass, field
 
 FRAGMENTATION = 1.10  # ProTrain's allocator factor; calibrated per machine when measurements exist
+# reserved over allocated when blocks swap: the host-reload buffers come and go in sizes that fragment the
+# allocator (H200, expandable segments: 1.06 and 1.08 with swapping, 1.003-1.03 without;
+# benchmarks/results/autoplan_h200.md), on top of the profile's factor
+SWAP_FRAGMENTATION = 1.07
 CPU_CONTENTION = 1.12  # CPU Adam inside backward vs alone (H200 host: 1.10-1.15, benchmarks/results/chunks_h200.md)
 ADAM_STATES = 2
 GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (chunks.py)
@@ -200,6 +205,7 @@ class LayoutCosts:
         # the cast copies are saved by blocks that keep (recompute redoes the cast, swap moves it to the host)
         self.keep_fraction = (n_blocks - n_swap - n_checkpoint) / n_blocks if n_blocks else 1.0
         self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window)
+        self.fragmentation = prof.fragmentation * (SWAP_FRAGMENTATION if n_swap else 1.0)
 
     # ------------------------------------------------------------------------------ per n_persist
     def peak_bytes(self, n_persist: int) -> int:
@@ -214,7 +220,7 @@ class LayoutCosts:
         big = self.largest_offloaded[n_persist]
         buffers = self.n_buffer * big * prof.transfer_elem + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
         live = max(self.activation_bytes + casts + self.transient_bytes, grads)
-        return int(math.ceil((states + buffers + live) * prof.fragmentation))
+        return int(math.ceil((states + buffers + live) * self.fragmentation))
 
     def host_bytes(self, n_persist: int) -> int:
         prof = self.prof
@@ -254,6 +260,45 @@ class LayoutCosts:
             return t
         return t, {"fwd_s": t_fwd, "bwd_s": t_bwd, "gpu_optim_s": t_gpu, "cpu_optim_s": t_cpu,
                    "first_grad_s": t_first, "swap_exposed_s": swap_exposed}
+
+    def timeline(self, n_persist: int) -> list[list]:
+        """Predicted device memory over one step, ``[t_s, bytes, label]`` at every block boundary: model
+        states and buffers throughout; forward adds what each block keeps under its policy, backward gives
+        it back block by block while resident gradients appear; times are the blocks' compute scaled to the
+        predicted forward and backward. Points are allocator-factor scaled like :meth:`peak_bytes`."""
+        prof, frag = self.prof, self.fragmentation
+        t_total, parts = self.time_s(n_persist, detail=True)
+        states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)
+        big = self.largest_offloaded[n_persist]
+        static = states + self.n_buffer * big * prof.transfer_elem + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
+        blocks, n = prof.blocks, len(prof.blocks)
+        casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
+        kept = []
+        for i, b in enumerate(blocks):
+            policy = "swap" if i < self.n_swap else "recompute" if i < self.n_swap + self.n_checkpoint else "keep"
+            kept.append(b.swap_resident_bytes if policy == "swap" else b.input_bytes if policy == "recompute"
+                        else b.keep_bytes + (casts // max(1, n - self.n_swap - self.n_checkpoint)))
+        fwd_total = sum(b.fwd_s for b in blocks) + prof.nonblock_fwd_s or 1.0
+        bwd_total = sum(b.bwd_s for b in blocks) + prof.nonblock_bwd_s or 1.0
+        f_scale, b_scale = parts["fwd_s"] / fwd_total, (t_total - parts["fwd_s"]) / bwd_total
+        grads_total = self.resident_bytes[n_persist]
+        t, act = prof.nonblock_fwd_s * f_scale / 2, 0
+        points = [[0.0, static * frag, "step start"]]
+        for i, b in enumerate(blocks):
+            t += b.fwd_s * f_scale
+            act += kept[i]
+            points.append([t, (static + act) * frag, f"fwd block {i}"])
+        act += prof.nonblock_saved_bytes
+        t += prof.nonblock_fwd_s * f_scale / 2
+        points.append([t, (static + act + self.transient_bytes) * frag, "head"])
+        t += prof.nonblock_bwd_s * b_scale / 2
+        for i in range(n - 1, -1, -1):
+            t += blocks[i].bwd_s * b_scale
+            act -= kept[i]
+            grads = grads_total * (n - i) // max(1, n)
+            points.append([t, (static + max(act, 0) + grads) * frag, f"bwd block {i}"])
+        points.append([t_total, (static + grads_total) * frag, "step end"])
+        return [[p[0], int(p[1]), p[2]] for p in points]
 
     def predict(self, n_persist: int) -> Prediction:
         t, parts = self.time_s(n_persist, detail=True)

@@ -144,3 +144,17 @@ def host_init(device="cuda"):
         if buf is not None:
             module._buffers[name] = buf.to(device)
     install_hooks(owners)
+
+
+def dissolve_store(store) -> None:
+    """Hand ``store``'s parameters back as if built under :func:`host_init`: offloaded values become host
+    values (views of the store's master copies, kept alive until the next store takes them), resident ones
+    stay on the device, and the store is forgotten. The profiler does this after its step under the most
+    frugal placement, so the chosen plan's store starts from the same values. Only before any optimizer
+    state exists for the store (the profiler's gradients are dropped)."""
+    if store.optimizer is not None:
+        raise ProtrainError("protrain: a chunk store with optimizer state cannot be re-placed")
+    for p in store.params:
+        if p is not None and store.param_is_offloaded(p):
+            HOST_VALUES[p] = store.master_view(p)
+    store.unregister()

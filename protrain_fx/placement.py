@@ -3,8 +3,8 @@
 Runs once per compiled graph, when its joint graph (or inference graph) exists and before the chunk passes.
 Parameters already owned by a store (an earlier graph of the same model: another shape, an inference
 graph) keep their chunks and placement; the others get a new store. For a new store, ``n_persist`` comes
-from the options, or from ``memory_budget`` (the most resident chunks whose estimated device memory, with
-ProTrain's 10% fragmentation factor, fits), or is "all chunks". The transfer dtype is ``param_dtype``, or
+from the options (set by the automatic plan, protrain_fx/autoplan.py, when the user left it unset), or is
+"all chunks". The transfer dtype is ``param_dtype``, or
 the autocast dtype the graph is being compiled under, or the parameters' own dtype.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from .chunks import ChunkStore, store_of
 from .options import Options, ProtrainError
 from .param_values import HOST_VALUES, hook_owners_of
 from .plan import ChunkPlan, Plan
-from .planner import ADAM_STATES, choose_n_persist, estimate_device_bytes, saved_activation_bytes
+from .cost_model import ADAM_STATES
+from .planner import estimate_device_bytes, saved_activation_bytes
 
 
 def autocast_dtypes() -> dict[str, torch.dtype]:
@@ -39,19 +40,18 @@ def transfer_dtype(options: Options, device: torch.device, master_dtype: torch.d
 
 
 def bind_chunks(plan: Plan, options: Options, params: list[tuple[int, str, torch.nn.Parameter]],
-                root, graph: fx.GraphModule, training: bool, autocast: dict[str, torch.dtype],
-                partition=None) -> None:
+                root, graph: fx.GraphModule, training: bool, autocast: dict[str, torch.dtype]) -> None:
     """Create or reuse the stores of ``params`` and record the binding in ``plan`` (see module docstring)."""
     if not params:
         return
     with _compat.real_tensor_mode():
-        _bind(plan, options, params, root, graph, training, autocast, partition)
+        _bind(plan, options, params, root, graph, training, autocast)
 
 
-def _bind(plan, options, params, root, graph, training, autocast, partition) -> None:
+def _bind(plan, options, params, root, graph, training, autocast) -> None:
     new = [(idx, fqn, p) for idx, fqn, p in params if store_of(p) is None]
     if new:
-        _new_store(plan, options, new, root, graph, training, autocast, partition)
+        _new_store(plan, options, new, root, graph, training, autocast)
     stores = []
     for idx, fqn, p in params:
         store = store_of(p)
@@ -59,7 +59,7 @@ def _bind(plan, options, params, root, graph, training, autocast, partition) -> 
         if store not in stores:
             stores.append(store)
     offloaded = [s for s in stores if s.offloaded_chunks]
-    if offloaded and training:
+    if offloaded and training and not plan.profiling:  # the profiler's step drops its gradients
         if options.optimizer is None:
             raise ProtrainError(
                 "protrain: chunks are offloaded to the host (n_persist/memory_budget), so protrain must run their "
@@ -71,7 +71,7 @@ def _bind(plan, options, params, root, graph, training, autocast, partition) -> 
     _describe(plan, stores, params, options)
 
 
-def _new_store(plan, options, new, root, graph, training, autocast, partition) -> None:
+def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     fqns = [(fqn, p) for _, fqn, p in new]
     device, master = fqns[0][1].device, fqns[0][1].dtype
     sizes = [(fqn, p.numel() * p.element_size()) for fqn, p in fqns]
@@ -81,16 +81,11 @@ def _new_store(plan, options, new, root, graph, training, autocast, partition) -
     n_buffer = options.n_buffer if options.n_buffer is not None else 2
     elem = torch.empty(0, dtype=master).element_size()
     t_elem = torch.empty(0, dtype=param_dtype).element_size()
-    activations = saved_activation_bytes(graph, partition) if training else 0
-    if options.n_persist is not None:
-        n_persist = min(options.n_persist, layout.n_chunks)
-        plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)
-    elif options.memory_budget is not None:
-        n_persist, plan.estimate = choose_n_persist(chunk_bytes, options.memory_budget, n_buffer, t_elem, elem,
-                                                    activations, ADAM_STATES)
-    else:
-        n_persist = layout.n_chunks
-        plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)
+    activations = saved_activation_bytes(graph) if training else 0
+    # n_persist: given, or chosen by the automatic plan (protrain_fx/autoplan.py, which sets the option), else
+    # every chunk resident
+    n_persist = layout.n_chunks if options.n_persist is None else min(options.n_persist, layout.n_chunks)
+    plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)
     host_values = {id(p): HOST_VALUES[p] for _, p in fqns if p in HOST_VALUES}
     store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values)
     for _, p in fqns:  # the store owns them now
@@ -112,7 +107,7 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
     plan.n_persist = store.n_persist
     plan.n_buffer = max(store.n_buffer, options.n_buffer if options.n_buffer is not None else 2) \
         if store.offloaded_chunks else 0
-    plan.n_buffer_given = options.n_buffer is not None
+    plan.n_buffer_given = options.n_buffer is not None and not plan.n_buffer_searched
     plan.chunks = [
         ChunkPlan(
             id=c,

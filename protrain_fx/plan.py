@@ -70,6 +70,7 @@ class Plan:
     input_entry: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
     param_dtype: Any = None  # transfer dtype of offloaded chunks
     n_buffer_given: bool = False  # n_buffer came from the options (too small is an error, not raised)
+    n_buffer_searched: bool = False  # n_buffer came from the plan search (too small: raised, like unset)
     # set by chunk_gather: (store id, chunk) -> [(primal ordinal, store entry index)] of its parameters
     grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict, repr=False)
     estimate: dict[str, int] = field(default_factory=dict, repr=False)  # device bytes by component
@@ -79,6 +80,9 @@ class Plan:
     swapped: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     swap_pool: int | None = None
     profile_blocks: bool = False  # passes/block_marks.py wraps blocks in timing marks (PROTRAIN_PROFILE_BLOCKS=1)
+    profiling: bool = False  # the profiler's plan (protrain_fx/profiler.py): its step's gradients are dropped
+    # set at partition when profiling: what the profiler reads of the partitioned graphs (profiler.StaticProfile)
+    static_profile: Any = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -123,6 +127,7 @@ class Plan:
         if non_block and self.blocks:
             shown = ", ".join(non_block[:6]) + (f", ... ({len(non_block)} in all)" if len(non_block) > 6 else "")
             lines.append(f"  parameters outside blocks (their regions always keep activations): {shown}")
+        lines += self._auto_lines()
         lines.append(
             f"  iteration time: predicted {_fmt_s(self.predicted, 'iter_s')}, measured {_fmt_s(self.measured, 'iter_s')}"
             f"; peak memory: predicted {format_bytes((self.predicted or {}).get('peak_bytes'))}, "
@@ -130,6 +135,25 @@ class Plan:
         )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _auto_lines(self) -> list[str]:
+        p = self.predicted or {}
+        if "budget_bytes" not in p:
+            return []
+        if p.get("from_cache"):
+            how = "from the plan cache (no profiling)"
+        else:
+            how = (f"profiled in {p['profile_s']:.1f} s (+{p['profile_compile_s']:.1f} s to compile the profiling "
+                   f"plan), {p['plans_evaluated']} plans searched in {1e3 * p['search_s']:.0f} ms")
+        lines = [f"  automatic plan: {how}; budget {format_bytes(p['budget_bytes'])} ({p.get('budget', '')})"]
+        b = p.get("breakdown") or {}
+        if b:
+            lines.append(f"  predicted: forward {1e3 * b['fwd_s']:.1f} ms, backward {1e3 * b['bwd_s']:.1f} ms, "
+                         f"device optimizer {1e3 * b['gpu_optim_s']:.1f} ms, CPU optimizer {1e3 * b['cpu_optim_s']:.1f} ms "
+                         f"(beside backward); activations {format_bytes(b['activation_bytes'])}, transient "
+                         f"{format_bytes(b['transient_bytes'])}, swapped to the host {format_bytes(b['swapped_bytes'])}; "
+                         f"pinned host memory {format_bytes(p.get('host_bytes'))}")
+        return lines
 
     def __str__(self) -> str:
         return self.summary()

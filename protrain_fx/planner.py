@@ -1,7 +1,6 @@
-"""Builds the :class:`~protrain_fx.plan.Plan` of one dynamo graph from its inputs, its blocks and the options.
-
-In this version every chunk is resident on the device and every block keeps its activations; the chunk
-layout is real (it is what the offloading runtime will move) and the knobs the user may set are checked.
+"""Builds the :class:`~protrain_fx.plan.Plan` of one dynamo graph from its inputs, its blocks and the options
+(whose knobs the automatic plan, protrain_fx/autoplan.py, has filled in when it ran): the chunk layout, the
+block policies, and what the backend and the profiler read of the partitioned graphs (saved values).
 """
 from __future__ import annotations
 
@@ -92,9 +91,6 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
 
 
 # ------------------------------------------------------------------------------ chunk placement
-# ProTrain's allocator-fragmentation factor (alpha in its peak-memory model): plans keep 10% headroom.
-FRAGMENTATION = 1.10
-ADAM_STATES = 2  # exp_avg, exp_avg_sq
 
 
 def saved_activation_bytes(joint, partition=None) -> int:
@@ -155,23 +151,3 @@ def estimate_device_bytes(chunk_bytes: list[int], n_persist: int, n_buffer: int,
         "grad_buffers": 2 * max(chunk_bytes[n_persist:], default=0),  # device gradient buffers, master dtype
         "activations": activation_bytes,
     }
-
-
-def choose_n_persist(chunk_bytes: list[int], budget: int, n_buffer: int, transfer_elem: int, master_elem: int,
-                     activation_bytes: int, optimizer_states: int) -> tuple[int, dict[str, int]]:
-    """The most resident chunks whose estimate, times the fragmentation factor, fits ``budget``."""
-    for n in range(len(chunk_bytes), -1, -1):
-        est = estimate_device_bytes(chunk_bytes, n, n_buffer, transfer_elem, master_elem, activation_bytes,
-                                    optimizer_states)
-        if sum(est.values()) * FRAGMENTATION <= budget:
-            return n, est
-    need = int(sum(estimate_device_bytes(chunk_bytes, 0, n_buffer, transfer_elem, master_elem, activation_bytes,
-                                         optimizer_states).values()) * FRAGMENTATION)
-    from .options import format_bytes
-
-    raise ProtrainError(
-        f"memory_budget {format_bytes(budget)} is too small: even with every chunk offloaded this graph needs about "
-        f"{format_bytes(need)} on the device (activations {format_bytes(activation_bytes)}, {n_buffer} chunk "
-        f"buffers, gradient buffers, x{FRAGMENTATION} for fragmentation); the smallest budget that would work is "
-        f"{need} bytes ({format_bytes(need)})"
-    )

@@ -4,7 +4,7 @@ the device budget and whose pinned host memory fits the host, by the cost model 
 Exhaustive and exact: every chunk size profiled, every n_buffer candidate, every (n_swap, n_checkpoint)
 with n_swap + n_checkpoint <= blocks, and every n_persist. The layout-dependent costs are built once per
 (chunk size, n_buffer, n_swap, n_checkpoint) and each n_persist is then priced in O(1). Knobs given by the
-user are fixed and only the others are searched. Ties go to the smaller peak, then to the first found.
+user are fixed and only the others are searched. Ties: :func:`plan_key`.
 
 When nothing fits, :class:`NoPlanFits` names the smallest budget that would work (the least predicted peak
 over every plan the fixed knobs allow), or the host memory the smallest pinned footprint needs.
@@ -29,6 +29,13 @@ class SearchResult:
     best: Prediction
     evaluated: int  # plans priced
     seconds: float
+
+
+def plan_key(time_s: float, n_persist: int, n_swap: int, n_checkpoint: int, peak: int) -> tuple:
+    """What "better" means: faster; at equal predicted time (the model hides transfers and the CPU step
+    behind compute exactly, so ties are common) more resident chunks, then fewer swapped, then fewer
+    recomputed blocks (less traffic and work the model may not see), then the smaller peak."""
+    return (round(time_s, 6), -n_persist, n_swap, n_checkpoint, peak)  # times equal to the microsecond tie
 
 
 def n_buffer_candidates(n_buffer: int | None, min_n_buffer: int = 1) -> list[int]:
@@ -62,7 +69,7 @@ def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_
                 for k in ckpts:
                     if s + k > n_blocks:
                         continue
-                    if best_key is not None and arrays.lower_bound_s(s, k) > best_key[0] * (1 + 1e-9):
+                    if best_key is not None and arrays.lower_bound_s(s, k) > best_key[0] + 1e-6:
                         continue  # no n_persist of this layout can beat (or tie) the best plan found; the
                         # margin keeps a rounding difference between the two sums from dropping a tie
                     lc = LayoutCosts(prof, hw, nb, s, k, arrays)
@@ -79,8 +86,7 @@ def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_
                         if host_budget is not None and host > host_budget:
                             continue
                         evaluated += 1
-                        t = lc.time_s(p)
-                        key = (t, peak)
+                        key = plan_key(lc.time_s(p), p, s, k, peak)
                         if best_key is None or key < best_key:
                             best_key, best = key, lc.predict(p)
     if best is None:
@@ -115,7 +121,7 @@ def brute_force(profiles: list[GraphProfile], hw: Hardware, device_budget: int, 
                         pred = predict(prof, hw, Knobs(prof.chunk_size, p, nb, s, k))
                         if pred.peak_bytes > device_budget or (host_budget is not None and pred.host_bytes > host_budget):
                             continue
-                        key = (pred.time_s, pred.peak_bytes)
+                        key = plan_key(pred.time_s, p, s, k, pred.peak_bytes)
                         if best_key is None or key < best_key:
                             best, best_key = pred, key
     return best

@@ -16,3 +16,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def no_plan_cache(monkeypatch):
+    """Automatic plans are searched afresh in every test (tests/test_autoplan.py checks the cache itself)."""
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")

@@ -1,0 +1,255 @@
+"""Automatic plan: choose the knobs the user left unset, by profiling the graph once and searching.
+
+For a new training graph (on a CUDA device, or wherever a ``memory_budget`` is given) :func:`choose`:
+
+1. looks the graph up in the plan cache (keyed by the graph's code and input shapes, the options, the
+   hardware profile and the budget): a hit skips profiling;
+2. otherwise compiles the graph under the most frugal plan (every chunk offloaded, every block recomputed),
+   runs one profiled step on the real inputs (protrain_fx/profiler.py; nothing it does reaches training),
+   and gives the parameters back (the chosen plan places them afresh);
+3. searches every plan with the cost model (protrain_fx/search.py) under the budget (``memory_budget``, or
+   the device memory this process can use less :func:`reserve_bytes`) and the host memory, honouring the
+   knobs given in the options;
+4. returns the options with every knob set, and the prediction (time, peak, timeline) for the plan.
+
+A graph whose parameters already have a chunk store (another graph of the same model, a recompile for a new
+shape) keeps that store's chunk knobs; only the activation knobs are searched for it.
+``PROTRAIN_AUTOPLAN=0`` turns this off (knobs not given then mean: everything resident, activations kept;
+a ``memory_budget`` is then an error);
+``PROTRAIN_PLAN_CACHE=0`` ignores the plan cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import hardware
+from .chunk_layout import choose_chunk_size
+from .chunks import store_of
+from .cost_model import Hardware, LayoutCosts
+from .options import Options, ProtrainError, format_bytes
+from .param_values import dissolve_store
+from .planner import _copy_graph_module
+from .profiler import graph_profile, profile_step
+from .search import NoPlanFits, search
+
+log = logging.getLogger("protrain_fx")
+COST_MODEL_VERSION = 3  # bump when the profile or the cost model changes meaning: old cache entries miss
+KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+
+
+@dataclass
+class Choice:
+    options: Options  # the user's options with every knob set
+    predicted: dict
+    notes: list[str] = field(default_factory=list)
+    cache_path: str | None = None
+
+
+def wanted(opts: Options, params: list, device: torch.device | None) -> bool:
+    """Whether this graph gets an automatic plan (see module docstring)."""
+    if device is None or not torch.is_grad_enabled() or not any(p is not None and p.requires_grad for p in params):
+        return False
+    if os.environ.get("PROTRAIN_AUTOPLAN", "1") == "0":
+        if opts.memory_budget is not None:
+            raise ProtrainError("memory_budget is met by the automatic plan, which PROTRAIN_AUTOPLAN=0 turns off: "
+                                "unset one of them (or give n_persist / n_swap / n_checkpoint instead)")
+        return False
+    return device.type == "cuda" or opts.memory_budget is not None
+
+
+def reserve_bytes(limit: int) -> int:
+    """Device memory the automatic budget leaves unused: the CUDA context's workspaces (cuBLAS, NCCL), the
+    allocator's rounding and what the user allocates besides the model (the batch, metrics)."""
+    return max(1 << 30, int(0.04 * limit))
+
+
+def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:
+    """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process fraction
+    of the device, or what the driver has free plus this process's allocator cache, whichever is less) less
+    everything already allocated except this graph's parameters (which the plan places) and the reserve."""
+    if opts.memory_budget is not None:
+        return opts.memory_budget, "memory_budget"
+    free, total, _, _ = hardware.current_memory(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+    limit = int(total * fraction)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    ours = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in params if p is not None}.values()
+               if p.device == device)
+    others = max(0, allocated - ours)
+    usable = min(limit, free + reserved) - others
+    budget = usable - reserve_bytes(limit)
+    return budget, (f"device memory this process may use ({format_bytes(min(limit, free + reserved))}) less "
+                    f"{format_bytes(others)} allocated by others and a {format_bytes(reserve_bytes(limit))} reserve")
+
+
+def _cache_key(gm, example_inputs, opts: Options, hw_key: str, budget: int) -> str:
+    shapes = [(tuple(t.shape), str(t.dtype), tuple(t.stride())) if isinstance(t, torch.Tensor) else repr(t)
+              for t in example_inputs]
+    given = {k: getattr(opts, k) for k in KNOBS}
+    autocast = {d: str(torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)}
+    blob = json.dumps([COST_MODEL_VERSION, torch.__version__, gm.code, shapes, given, hw_key, budget >> 26,
+                       str(opts.param_dtype), autocast, opts.optimizer is not None], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def cache_path(key: str) -> str:
+    return os.path.join(hardware.cache_root(), "plans", f"{key}.json")
+
+
+def _load(path: str) -> dict | None:
+    if os.environ.get("PROTRAIN_PLAN_CACHE", "1") == "0":
+        return None
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+        return entry if entry.get("version") == COST_MODEL_VERSION else None
+    except (OSError, ValueError):
+        return None
+
+
+def save_entry(path: str, entry: dict) -> None:
+    """Write a plan cache entry (plan.json: knobs, predicted and measured), atomically."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(entry, f, indent=1, default=str)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache must not stop training
+        log.warning("protrain: could not write the plan cache entry %s: %s", path, e)
+
+
+def cache_entry(graph: str, knobs: dict, predicted: dict, measured: dict | None, chunks: list | None = None) -> dict:
+    """plan.json: the knobs, predicted and measured time and peak (and the chunk table once compiled)."""
+    return {"version": COST_MODEL_VERSION, "graph": graph, "knobs": knobs, "predicted": predicted,
+            "measured": measured, "chunks": chunks}
+
+
+def save_plan(path: str, plan) -> None:
+    """Rewrite a cache entry from a compiled plan (its measured side filled by the step meter)."""
+    save_entry(path, cache_entry(plan.graph_name, {k: getattr(plan, k) for k in KNOBS}, plan.predicted,
+                                 plan.measured, [c.to_dict() for c in plan.chunks]))
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Options, compile_profiling) -> Choice:
+    """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy of the
+    graph under the profiling plan with the given options."""
+    live = [p for p in params if p is not None]
+    device = live[0].device
+    existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
+    fixed = {k: getattr(opts, k) for k in KNOBS}
+    notes = []
+    if existing:
+        store = next(iter(existing.values()))
+        fixed.update(chunk_size=store.layout.chunk_size, n_persist=store.n_persist)
+        notes.append("chunk placement kept from this model's earlier graph; activation knobs searched")
+    all_resident = opts.optimizer is None and fixed["n_persist"] is None  # offloading needs the optimizer
+    if all_resident:
+        notes.append("no optimizer in the options, so every chunk stays resident (pass options={'optimizer': "
+                     "opt} to let the plan offload chunks)")
+    budget, budget_why = device_budget(opts, device, params)
+    hw_profile = hardware.hardware_profile(device)
+    key = _cache_key(gm, example_inputs, opts, hw_profile.key, budget)
+    path = cache_path(key)
+    cached = _load(path)
+    if cached is not None:
+        knobs = cached["knobs"]
+        predicted = dict(cached["predicted"], from_cache=True)
+        return Choice(dataclasses.replace(opts, **{k: knobs[k] for k in KNOBS}), predicted, notes + [
+            f"plan from the plan cache ({path}); no profiling"], path)
+
+    # ---- profile under the most frugal plan
+    n_blocks = len(structure.blocks)
+    param_entries = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
+    default_size = fixed["chunk_size"] or choose_chunk_size(param_entries)
+    frugal = dataclasses.replace(opts, chunk_size=default_size, n_persist=0, n_buffer=fixed["n_buffer"],
+                                 n_swap=0, n_checkpoint=n_blocks, dump_dir=opts.dump_dir and os.path.join(opts.dump_dir, "profiling"))
+    t0 = time.perf_counter()
+    compiled, plan = compile_profiling(_copy_graph_module(gm), frugal)
+    compile_s = time.perf_counter() - t0
+    stores = list({id(s): s for s in (store_of(p) for p in live) if s is not None}.values())
+    try:
+        step = profile_step(compiled, list(example_inputs), stores, n_blocks, device)
+    except torch.OutOfMemoryError as e:
+        raise NoPlanFits(
+            f"protrain could not profile this graph: the most frugal plan (every chunk offloaded, every block "
+            f"recomputed) ran out of device memory ({str(e).splitlines()[0]}); a smaller batch or sequence is "
+            "needed") from e
+    finally:
+        del compiled
+    static = plan.static_profile
+    host_freed = 0
+    if not existing:
+        for s in stores:
+            host_freed += sum(s.master[c].nbytes + (s.transfer[c].nbytes if s.transfer[c] is not s.master[c] else 0)
+                              for c in s.offloaded_chunks)
+            dissolve_store(s)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # ---- search
+    master_elem = _elem(live[0].dtype)
+    autocast = plan.param_dtype or live[0].dtype
+    transfer_elem = _elem(autocast)
+    cast_elem = transfer_elem if (torch.is_autocast_enabled(device.type)
+                                  and torch.get_autocast_dtype(device.type) != live[0].dtype) else 0
+    block_of = {}
+    for fqn, _ in param_entries:
+        b = structure.block_of_param(fqn)
+        block_of[fqn] = b.index if b is not None else None
+    entries = [(fqn, nbytes, block_of[fqn]) for fqn, nbytes in param_entries]
+    sizes = [default_size] if fixed["chunk_size"] else [default_size, default_size * 3 // 2, default_size * 2]
+    profiles = [graph_profile(step, static, entries, cs, master_elem=master_elem, transfer_elem=transfer_elem,
+                              resident_cast_elem=cast_elem) for cs in sizes]
+    _, _, host_avail, host_total = hardware.current_memory(device)
+    # the profiling store's pinned copies (host_init's values moved into it) are freed once the plan's
+    # store is built
+    host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))
+    hw = Hardware.of(hw_profile)
+    knobs_given = dict(n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"],
+                       min_n_buffer=plan.n_buffer or 1)  # what the profiled graph's schedule needed
+    try:
+        if all_resident:  # n_persist = every chunk, which depends on the chunk size: one search per size
+            results = [search([p], hw, budget, host_budget, n_persist=len(p.chunks), **knobs_given) for p in profiles]
+            res = min(results, key=lambda r: (r.best.time_s, r.best.peak_bytes))
+            res = dataclasses.replace(res, evaluated=sum(r.evaluated for r in results),
+                                      seconds=sum(r.seconds for r in results))
+        else:
+            res = search(profiles, hw, budget, host_budget, n_persist=fixed["n_persist"], **knobs_given)
+    except NoPlanFits as e:
+        raise NoPlanFits(f"{e} (budget: {budget_why})", e.min_device_bytes, e.min_host_bytes) from None
+    best = res.best
+    prof = next(p for p in profiles if p.chunk_size == best.knobs.chunk_size)
+    lc = LayoutCosts(prof, hw, best.knobs.n_buffer, best.knobs.n_swap, best.knobs.n_checkpoint)
+    predicted = {
+        "iter_s": best.time_s, "peak_bytes": best.peak_bytes, "host_bytes": best.host_bytes,
+        "budget_bytes": budget, "budget": budget_why, "breakdown": best.breakdown,
+        "timeline": lc.timeline(best.knobs.n_persist),
+        "profile_compile_s": compile_s, "profile_s": step.seconds, "search_s": res.seconds,
+        "plans_evaluated": res.evaluated, "from_cache": False,
+        "profiled": {"block_fwd_ms": [1e3 * x for x in step.block_fwd_s],
+                     "block_bwd_ms": [1e3 * x for x in step.block_bwd_s],
+                     "nonblock_fwd_ms": 1e3 * step.nonblock_fwd_s, "nonblock_bwd_ms": 1e3 * step.nonblock_bwd_s,
+                     "peak_bytes": step.peak_bytes, "transient_bytes": prof.transient_bytes,
+                     "reserved_ratio": step.reserved_ratio,
+                     "fragmentation": prof.fragmentation, "saved_keep": static.saved.keep,
+                     "saved_recompute": static.saved.recompute, "recomputed_share": static.recomputed_share,
+                     "timeline": step.timeline},
+    }
+    knobs = dataclasses.asdict(best.knobs)
+    save_entry(path, cache_entry(plan.graph_name, knobs, predicted, None))
+    log.info("protrain: profiled in %.1f s (+%.1f s compile), searched %d plans in %.3f s: %s", step.seconds,
+             compile_s, res.evaluated, res.seconds, knobs)
+    return Choice(dataclasses.replace(opts, **knobs), predicted, notes, path)

@@ -1,0 +1,118 @@
+"""The automatic plan on the CPU (where the budget is whatever is passed): profiled under the most frugal plan,
+searched, trained exactly like eager PyTorch, cached, and explained (summary, memory plot)."""
+import pytest
+import torch
+from models import build
+
+import protrain_fx
+from protrain_fx import autoplan
+from protrain_fx.search import NoPlanFits
+from protrain_fx.testing import compare_with_eager, make_adamw, random_batches, train_steps
+
+OPTS = {"compiler": "eager"}
+
+
+def gpt(**kw):
+    torch.manual_seed(0)
+    return build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64, **kw)
+
+
+def state_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_automatic_plan_offloads_to_fit_and_trains_like_eager():
+    model = gpt()
+    budget = 2 * state_bytes(model)  # under params + grads + two moments: some chunks must leave the device
+    r = compare_with_eager(model, random_batches(4, 2, 16, vocab=64), dict(OPTS, memory_budget=budget),
+                           give_optimizer=True)
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3 and r.max_param_update > 1e-3
+    plan, pred = r.plan, r.plan.predicted
+    assert pred["peak_bytes"] <= budget and pred["budget_bytes"] == budget
+    assert plan.n_persist < len(plan.chunks)
+    assert pred["profile_s"] > 0 and pred["search_s"] > 0 and pred["plans_evaluated"] > 1
+    assert len(pred["profiled"]["block_fwd_ms"]) == 4 and all(t > 0 for t in pred["profiled"]["block_fwd_ms"])
+    assert pred["timeline"][0][2] == "step start" and pred["timeline"][-1][2] == "step end"
+    assert plan.measured["iter_s"] > 0  # the step meter saw the training steps
+    text = plan.summary()
+    assert "automatic plan" in text and "predicted" in text
+
+
+def test_given_knobs_are_honoured_and_the_rest_searched():
+    model = gpt()
+    r = compare_with_eager(model, random_batches(2, 2, 16, vocab=64),
+                           dict(OPTS, memory_budget="1GiB", n_swap=1, n_persist=2), give_optimizer=True)
+    assert r.max_loss_rel <= 1e-5
+    assert r.plan.n_swap == 1 and r.plan.n_persist == 2 and r.plan.blocks[0].policy == "swap"
+
+
+def test_profiling_leaves_no_trace_with_dropout():
+    """The profiling step consumes random numbers (dropout) and makes gradients; both are undone: the run
+    equals one with the same knobs given and no profiling."""
+    data = random_batches(3, 2, 16, vocab=64)
+    losses = []
+    for options in (dict(OPTS, memory_budget="1GiB"), None):
+        torch._dynamo.reset()
+        model = gpt(dropout=0.2)
+        opt = make_adamw(model)
+        if options is None:  # the knobs the automatic plan chose, given: no profiling
+            options = dict(OPTS, **{k: getattr(chosen, k) for k in autoplan.KNOBS})
+        compiled = torch.compile(model, backend="protrain", options=dict(options, optimizer=opt))
+        torch.manual_seed(1)
+        losses.append(train_steps(model, compiled, data, opt=opt))
+        chosen = protrain_fx.get_plan(compiled)
+    assert losses[0] == losses[1]
+
+
+def test_one_byte_budget_names_the_smallest_that_works():
+    model = gpt()
+    opt = make_adamw(model)
+    compiled = torch.compile(model, backend="protrain", options=dict(OPTS, optimizer=opt, memory_budget=1))
+    with pytest.raises(Exception, match=r"the smallest budget that would work is \d+ bytes") as e:
+        compiled(*random_batches(1, 2, 16, vocab=64)[0])
+    assert isinstance(e.value.__cause__ or e.value, (NoPlanFits, Exception))
+
+
+def test_without_an_optimizer_everything_stays_resident():
+    model = gpt()
+    compiled = torch.compile(model, backend="protrain", options=dict(OPTS, memory_budget="1GiB"))
+    train_steps(model, compiled, random_batches(1, 2, 16, vocab=64), opt=make_adamw(model))
+    plan = protrain_fx.get_plan(compiled)
+    assert plan.n_persist == len(plan.chunks)
+    assert any("no optimizer" in n for n in plan.notes)
+
+
+def test_plan_cache_skips_profiling(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setattr(autoplan, "cache_path", lambda key: str(tmp_path / f"{key}.json"))
+    options = dict(OPTS, memory_budget="1GiB")
+    first = gpt()
+    opt = make_adamw(first)
+    compiled = torch.compile(first, backend="protrain", options=dict(options, optimizer=opt))
+    train_steps(first, compiled, random_batches(6, 2, 16, vocab=64), opt=opt)
+    knobs = {k: getattr(protrain_fx.get_plan(compiled), k) for k in autoplan.KNOBS}
+    (entry,) = tmp_path.glob("*.json")
+    torch._dynamo.reset()
+
+    def no_profiling(*a, **k):
+        raise AssertionError("profiled although the plan was cached")
+
+    monkeypatch.setattr(autoplan, "profile_step", no_profiling)
+    second = gpt()
+    opt = make_adamw(second)
+    compiled = torch.compile(second, backend="protrain", options=dict(options, optimizer=opt))
+    train_steps(second, compiled, random_batches(1, 2, 16, vocab=64), opt=opt)
+    plan = protrain_fx.get_plan(compiled)
+    assert plan.predicted["from_cache"] and {k: getattr(plan, k) for k in autoplan.KNOBS} == knobs
+    import json
+    saved = json.loads(entry.read_text())
+    assert saved["measured"]["iter_s"] > 0 and saved["predicted"]["iter_s"] > 0  # plan.json: both sides
+
+
+def test_memory_plot_of_an_automatic_plan(tmp_path):
+    pytest.importorskip("matplotlib")
+    model = gpt()
+    r = compare_with_eager(model, random_batches(2, 2, 16, vocab=64), dict(OPTS, memory_budget="1GiB"),
+                           give_optimizer=True)
+    path = protrain_fx.plot_memory(r.plan, str(tmp_path / "memory.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
