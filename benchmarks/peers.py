@@ -28,13 +28,10 @@ from models import build  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.1
 
-# ---- protrain's options, in one place. Every protrain run gets {"optimizer": opt, "memory_budget": B}
-# (B = the cap, or the device's memory when uncapped, less BUDGET_RESERVE_GIB) updated with PROTRAIN_OPTIONS,
-# then with run.py --protrain-options '{...}'; a key set to None is dropped (e.g. {"memory_budget": None,
-# "n_persist": 3} for a fixed placement). Until the plan search (issue 5) lands, memory_budget picks n_persist
-# from an estimate that does not see every transient, hence the reserve (chunks_bench.py keeps 3 GiB too).
+# ---- protrain's options, in one place. Every protrain run gets {"optimizer": opt} updated with
+# PROTRAIN_OPTIONS, then with run.py --protrain-options '{...}'; a key set to None is dropped. Everything else is
+# the automatic plan: the budget is the memory the process may use (the cap) less protrain's own reserve.
 PROTRAIN_OPTIONS: dict = {}
-BUDGET_RESERVE_GIB = 3.0
 
 # ---- memory each system needs per parameter, for run.py's guards and admission (GiB = bytes * params / 2**30)
 # Host bytes per *offloaded* parameter (model states only; run.py adds HOST_OVERHEAD_GIB per process):
@@ -125,21 +122,33 @@ def _no_extra() -> dict:
 # ------------------------------------------------------------------------------------------------ systems
 def protrain_options(spec) -> dict:
     """protrain's options for this run, the optimizer aside (see PROTRAIN_OPTIONS)."""
-    options = {}
-    if spec["device"] == "cuda":
-        total = spec.get("device_total_gib") or torch.cuda.get_device_properties(0).total_memory / 2**30
-        budget = (spec["cap_gib"] or total) - spec.get("budget_reserve_gib", BUDGET_RESERVE_GIB)
-        options["memory_budget"] = f"{budget:.2f}GiB"
-    options.update(PROTRAIN_OPTIONS)
+    options = dict(PROTRAIN_OPTIONS)
     options.update(spec.get("protrain_options") or {})
     return {k: v for k, v in options.items() if v is not None}
 
 
+def _profile_alone() -> None:
+    """protrain's profiling step times kernels: like the timed steps, it runs with nothing else measuring
+    or compiling next to it (benchmarks/timeshare.py)."""
+    import timeshare
+
+    from protrain_fx import autoplan
+
+    if getattr(autoplan.profile_step, "_alone", False):
+        return
+    inner = autoplan.profile_step
+
+    def alone(*args, **kwargs):
+        with timeshare.measuring(then_busy=True):  # then the plan's compile and warm-up, shared
+            return inner(*args, **kwargs)
+
+    alone._alone = True
+    autoplan.profile_step = alone
+
+
 def protrain(spec, x, y):
-    """torch.compile(backend="protrain"), the automatic plan: ``optimizer`` plus ``memory_budget`` (see
-    PROTRAIN_OPTIONS), the model built under ``protrain_fx.host_init`` on CUDA so that it never has to fit on
-    the device. Until the plan search lands, the budget picks how many chunks stay resident (an estimate);
-    block activation policies stay at keep."""
+    """torch.compile(backend="protrain"), the automatic plan (options: the optimizer, PROTRAIN_OPTIONS), the
+    model built under ``protrain_fx.host_init`` on CUDA so that it never has to fit on the device."""
     import protrain_fx
 
     if spec["device"] == "cuda":
@@ -149,6 +158,7 @@ def protrain(spec, x, y):
         model = _build(spec)
     opt = _adamw(model.parameters())
     options = protrain_options(spec)
+    _profile_alone()
     compiled = torch.compile(model, backend="protrain", options={"optimizer": opt, **options})
 
     def extra():
@@ -161,6 +171,18 @@ def protrain(spec, x, y):
         out.update(n_persist=plan.n_persist, n_chunks=len(plan.chunks), chunk_size=plan.chunk_size,
                    n_buffer=plan.n_buffer, n_swap=plan.n_swap, n_checkpoint=plan.n_checkpoint,
                    offloaded_chunks=len(host), offloaded_gib=sum(c.bytes for c in host) / 2**30)
+        pred = plan.predicted or {}
+        out["plan_predicted"] = {k: v for k, v in pred.items() if k not in ("timeline", "profiled")}
+        out["plan_profiled"] = {k: v for k, v in (pred.get("profiled") or {}).items() if k != "timeline"}
+        out["plan_measured"] = plan.measured
+        from protrain_fx import chunks, optim
+
+        handle = optim.handle_of(opt)
+        if handle is not None:  # where the step's time went (host-side seconds, cumulative over the run)
+            out["optimizer_timers"] = dict(handle.timers.__dict__)
+        store = next((chunks.store_of(p) for p in model.parameters() if chunks.store_of(p) is not None), None)
+        if store is not None:
+            out["chunk_stats"] = dict(store.stats)
         return out
 
     return _plain_step(compiled, opt, spec, x, y), _n_params(model), extra
@@ -272,7 +294,7 @@ class System(NamedTuple):
 
 
 SYSTEMS = {
-    "protrain": System(protrain, False, False, "protrain, automatic plan (memory_budget placement)"),
+    "protrain": System(protrain, False, False, "protrain, automatic plan"),
     "compile": System(compile, False, False, "torch.compile Inductor, all on device (the ceiling)"),
     "eager": System(eager, False, False, "eager PyTorch, all on device"),
     "fsdp2_offload": System(fsdp2_offload, True, False, "FSDP2 CPUOffloadPolicy + fused CPU AdamW"),

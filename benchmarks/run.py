@@ -220,7 +220,7 @@ def run_one(system: str, spec: dict) -> dict:
     res = {"params": n_params, "tokens_per_s": spec["batch"] * spec["seq"] / med, "peak_gib": peak,
            "peak_reserved_gib": reserved, "alloc_retries": retries, "step_ms": med * 1e3,
            "step_ms_mean": statistics.fmean(times) * 1e3,
-           "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3, "loss": float(loss.detach().float()),
+           "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3, "step_ms_all": [t * 1e3 for t in times], "loss": float(loss.detach().float()),
            "build_s": build_s, "warmup_s": warmup_s, "turn_wait_s": wait_s,
            "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     res.update(extra())
@@ -462,7 +462,6 @@ def child_argv(system: str, sc: dict, ctx: Ctx, soft_cap: float | None) -> list[
     spec = {k: sc[k] for k in ("kind", "cfg", "batch", "seq", "cap_gib")}
     spec.update(device=args.device, steps=sc.get("steps", args.steps), warmup=sc.get("warmup", args.warmup),
                 settle=args.jobs > 1 and args.device == "cuda", ac_budget=args.ac_budget,
-                budget_reserve_gib=args.budget_reserve,
                 protrain_options=args.protrain_options, soft_cap_gib=soft_cap)
     return [sys.executable, os.path.abspath(__file__), "--one", system, "--spec", json.dumps(spec)]
 
@@ -642,10 +641,8 @@ def markdown(out: dict) -> str:
               "and seq (empty when that row is absent or failed).",
               f"- TFLOP/s = tokens/s x {FLOPS_FORMULA}.",
               "- protrain: `options=" + json.dumps(out.get("protrain_options_shown", {})) + "` plus the "
-              "optimizer (memory_budget: the cap, or the device's memory when uncapped, less "
-              f"{out['budget_reserve_gib']:g} GiB; the automatic plan unless other options fix knobs); model "
-              "built under `protrain_fx.host_init`. Until the plan search lands, memory_budget picks the resident "
-              "chunks from an estimate; activations are kept (no automatic swap/recompute yet).",
+              "optimizer: the automatic plan (profiled once, searched under the memory the process may use, the "
+              "cap, less protrain's reserve); model built under `protrain_fx.host_init`.",
               "- compile_ac: torch.compile with `torch._functorch.config.activation_memory_budget = "
               f"{out['ac_budget']:g}`.",
               *(["- LLaMA scenarios: " + out["llama"] + "."] if any(r["scenario"].startswith("llama") for r in rows)
@@ -844,8 +841,6 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="output path without extension (default benchmarks/results/suite; "
                     "--smoke: /tmp/protrain_smoke)")
     ap.add_argument("--ac-budget", type=float, default=0.5, help="compile_ac's activation_memory_budget")
-    ap.add_argument("--budget-reserve", type=float, default=peers.BUDGET_RESERVE_GIB,
-                    help="GiB protrain's memory_budget keeps under the cap (default peers.BUDGET_RESERVE_GIB)")
     ap.add_argument("--protrain-options", type=json.loads, default={},
                     help="JSON object merged into protrain's options (after peers.PROTRAIN_OPTIONS); null drops a key")
     ap.add_argument("--llama-layers", type=int, default=28, help="LLaMA depth (28: 5.93 B; 32: 6.74 B)")
@@ -956,15 +951,13 @@ def main(argv=None) -> None:
     if args.device == "cuda" and any(SYSTEMS[s].wheels for _, s in todo):
         ctx.peer_site = concurrent.futures.ThreadPoolExecutor(1).submit(install_peer_wheels, ctx.lock_path,
                                                                         peer_install)
-    shown = {"memory_budget": "cap (uncapped: device memory) - reserve" if args.device == "cuda" else None,
-             **peers.PROTRAIN_OPTIONS, **args.protrain_options}
+    shown = {**peers.PROTRAIN_OPTIONS, **args.protrain_options}
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": device, "device_gib": round(total, 1),
            "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
            "host": host_description(avail), "host_gib_for_checks": host, "flops_formula": FLOPS_FORMULA,
-           "ac_budget": args.ac_budget, "budget_reserve_gib": args.budget_reserve,
+           "ac_budget": args.ac_budget,
            "protrain_options_shown": {k: v for k, v in shown.items() if v is not None},
-           "protrain_defaults": {"PROTRAIN_OPTIONS": peers.PROTRAIN_OPTIONS,
-                                 "BUDGET_RESERVE_GIB": peers.BUDGET_RESERVE_GIB},
+           "protrain_defaults": {"PROTRAIN_OPTIONS": peers.PROTRAIN_OPTIONS},
            "warmup": args.warmup, "steps": args.steps, "jobs": args.jobs, "timeout_s": args.timeout,
            "deadline_s": args.deadline, "peer_install": peer_install,
            "llama": (f"{model_label('llama', llama_cfg(args.llama_layers))} "

@@ -49,8 +49,10 @@ def start_busy() -> None:
 
 
 @contextlib.contextmanager
-def measuring():
-    """Inside: nobody else holds the lock (no other child builds, compiles, warms up or measures)."""
+def measuring(then_busy: bool = False):
+    """Inside: nobody else holds the lock (no other child builds, compiles, warms up or measures). After:
+    the lock is let go, or with ``then_busy`` held shared again (the child has more compiling or warming up
+    to do, which must not overlap another child's measurement)."""
     if _fd is None:
         yield
         return
@@ -58,7 +60,7 @@ def measuring():
     try:
         yield
     finally:
-        fcntl.flock(_fd, fcntl.LOCK_UN)
+        fcntl.flock(_fd, fcntl.LOCK_SH if then_busy else fcntl.LOCK_UN)
 
 
 def error_text(e: BaseException) -> str:

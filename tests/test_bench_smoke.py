@@ -230,7 +230,7 @@ def test_merge_recomputes_ratios(tmp_path):
             r["error"] = "OOM: out of memory"
         return r
 
-    meta = dict(date="d", device="cpu", torch="t", argv=[], host="h", ac_budget=0.5, budget_reserve_gib=3.0,
+    meta = dict(date="d", device="cpu", torch="t", argv=[], host="h", ac_budget=0.5,
                 warmup=1, steps=1, jobs=1, llama="l", search={})
     (tmp_path / "a.json").write_text(json.dumps(dict(meta, rows=[row("s", "compile", 200.0),
                                                                  row("s-cap", "eager", 1.0, cap=24.0)])))
