@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
     p.add_argument("--no-compile", action="store_true", help="run plain eager PyTorch (the reference)")
     p.add_argument("--dump-dir", default=None)
+    p.add_argument("--memory-budget", default=None, help="device bytes the plan must fit, e.g. 2GiB (default on CUDA: what is free)")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=1337)
     return p.parse_args(argv)
@@ -85,9 +86,12 @@ def main(argv=None) -> dict:
     if args.no_compile:
         step_model = model
     else:
-        options = {"compiler": args.compiler}
+        # the optimizer lets the automatic plan offload chunks (on CUDA, or wherever a budget is given)
+        options = {"compiler": args.compiler, "optimizer": opt}
         if args.dump_dir:
             options["dump_dir"] = args.dump_dir
+        if args.memory_budget:
+            options["memory_budget"] = args.memory_budget
         step_model = torch.compile(model, backend="protrain", options=options)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 

@@ -116,3 +116,14 @@ def test_memory_plot_of_an_automatic_plan(tmp_path):
                            give_optimizer=True)
     path = protrain_fx.plot_memory(r.plan, str(tmp_path / "memory.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_new_shapes_replan_activations_and_keep_training_like_eager():
+    """A recompile for a new batch or sequence length keeps the chunk placement and searches the activation
+    knobs again; training stays exact across the shape changes."""
+    model = gpt()
+    data = (random_batches(2, 2, 16, vocab=64) + random_batches(2, 2, 8, vocab=64, seed=1)
+            + random_batches(2, 3, 12, vocab=64, seed=2))
+    r = compare_with_eager(model, data, dict(OPTS, memory_budget=4 * state_bytes(model)), give_optimizer=True)
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3
+    assert any("chunk placement kept" in n for n in r.plan.notes)
