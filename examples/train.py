@@ -3,6 +3,7 @@
     python examples/train.py                      # CPU (or the GPU when one is present), 200 steps
     python examples/train.py --device cuda --layers 8 --width 512 --batch 32 --seq 256
     python examples/train.py --model llama --compiler eager --dump-dir /tmp/protrain_dumps
+    torchrun --nproc-per-node=2 examples/train.py --device cuda   # data parallel (gloo on the CPU)
 
 Prints the loss, tokens/s and the protrain plan summary. The text (examples/data/tiny_shakespeare.txt) is
 the first 256 kB of the public-domain "tiny shakespeare" corpus; tokens are its bytes (vocabulary 256).
@@ -61,9 +62,37 @@ def get_batch(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator) ->
     return chunk[:, :-1], chunk[:, 1:]
 
 
+def setup_distributed(device: torch.device) -> tuple[int, int, torch.device]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on CUDA, gloo on the CPU), one GPU per
+    local rank. protrain shards offloaded chunks over the ranks and averages gradients; --batch is per rank."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
+
+
+def mean_over_ranks(x: float, world: int, device: torch.device) -> float:
+    """The mean of ``x`` over the ranks (for logging: each rank trains on its own batches)."""
+    if world == 1:
+        return x
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64, device=device)  # NCCL reduces device tensors only
+    dist.all_reduce(t)
+    return t.item() / world
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
+    rank, world, device = setup_distributed(device)
+    say = print if rank == 0 else (lambda *a, **k: None)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     torch.manual_seed(args.seed)
@@ -96,10 +125,11 @@ def main(argv=None) -> dict:
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     train, val = load_tokens(device)
-    gen = torch.Generator().manual_seed(args.seed)
-    print(f"protrain-fx example: {args.model} with {n_params / 1e6:.2f} M parameters on {device} "
+    gen = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
+    say(f"protrain-fx example: {args.model} with {n_params / 1e6:.2f} M parameters on {device} "
           f"({'eager' if args.no_compile else 'backend=protrain, compiler=' + args.compiler}, {dtype}), "
-          f"batch {args.batch} x {args.seq} tokens, {len(train)} training tokens", flush=True)
+          f"batch {args.batch} x {args.seq} tokens{f' per rank, {world} ranks' if world > 1 else ''}, "
+          f"{len(train)} training tokens", flush=True)
 
     losses, t_start, t_window, tok_window = [], time.perf_counter(), time.perf_counter(), 0
     first_step_s = None
@@ -111,15 +141,15 @@ def main(argv=None) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        losses.append(loss.item())  # .item() synchronizes, so the timings below are real
-        tok_window += x.numel()
+        losses.append(mean_over_ranks(loss.item(), world, device))  # .item() synchronizes: the timings are real
+        tok_window += x.numel() * world
         if step == 0:
             first_step_s = time.perf_counter() - t_start
             t_window, tok_window = time.perf_counter(), 0
-            print(f"step    0  loss {losses[0]:.4f}  (first step incl. compilation: {first_step_s:.1f} s)", flush=True)
+            say(f"step    0  loss {losses[0]:.4f}  (first step incl. compilation: {first_step_s:.1f} s)", flush=True)
         elif (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             dt = time.perf_counter() - t_window
-            print(f"step {step + 1:4d}  loss {sum(losses[-args.log_every:]) / len(losses[-args.log_every:]):.4f}  "
+            say(f"step {step + 1:4d}  loss {sum(losses[-args.log_every:]) / len(losses[-args.log_every:]):.4f}  "
                   f"lr {sched.get_last_lr()[0]:.2e}  {tok_window / dt:,.0f} tokens/s", flush=True)
             t_window, tok_window = time.perf_counter(), 0
 
@@ -131,13 +161,18 @@ def main(argv=None) -> dict:
         plan = protrain_fx.get_plan(step_model)  # the training graph's plan (validation compiles another)
     with torch.no_grad(), autocast:
         vx, vy = get_batch(val, args.batch, args.seq, torch.Generator().manual_seed(0))
-        val_loss = step_model(vx, vy).item()
+        val_loss = mean_over_ranks(step_model(vx, vy).item(), world, device)
     head, tail = sum(losses[:10]) / min(10, len(losses)), sum(losses[-10:]) / min(10, len(losses))
-    print(f"loss: first 10 steps {head:.4f} -> last 10 steps {tail:.4f}; validation loss {val_loss:.4f}; "
-          f"{args.batch * args.seq / steady:,.0f} tokens/s over steps 2..{args.steps}")
+    tokens_per_s = args.batch * args.seq * world / steady
+    say(f"loss: first 10 steps {head:.4f} -> last 10 steps {tail:.4f}; validation loss {val_loss:.4f}; "
+        f"{tokens_per_s:,.0f} tokens/s over steps 2..{args.steps}")
     if plan is not None:
-        print(plan.summary())
-    return {"first_loss": head, "last_loss": tail, "val_loss": val_loss, "tokens_per_s": args.batch * args.seq / steady}
+        say(plan.summary())
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return {"first_loss": head, "last_loss": tail, "val_loss": val_loss, "tokens_per_s": tokens_per_s}
 
 
 if __name__ == "__main__":

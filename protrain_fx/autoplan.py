@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import hardware
+from . import distributed, hardware
 from .chunk_layout import choose_chunk_size
 from .chunks import store_of
 from .cost_model import Hardware, LayoutCosts
@@ -163,7 +163,7 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     hw_profile = hardware.hardware_profile(device)
     key = _cache_key(gm, example_inputs, opts, hw_profile.key, budget)
     path = cache_path(key)
-    cached = _load(path)
+    cached = distributed.broadcast_object(_load(path))  # rank 0's cache decides for every rank
     if cached is not None:
         knobs = cached["knobs"]
         predicted = dict(cached["predicted"], from_cache=True)
@@ -220,7 +220,7 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     hw = Hardware.of(hw_profile)
     knobs_given = dict(n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"],
                        min_n_buffer=plan.n_buffer or 1)  # what the profiled graph's schedule needed
-    try:
+    try:  # every rank searches; rank 0's outcome is the one every rank runs (distributed.py)
         if all_resident:  # n_persist = every chunk, which depends on the chunk size: one search per size
             results = [search([p], hw, budget, host_budget, n_persist=len(p.chunks), **knobs_given) for p in profiles]
             res = min(results, key=lambda r: (r.best.time_s, r.best.peak_bytes))
@@ -229,7 +229,23 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
         else:
             res = search(profiles, hw, budget, host_budget, n_persist=fixed["n_persist"], **knobs_given)
     except NoPlanFits as e:
-        raise NoPlanFits(f"{e} (budget: {budget_why})", e.min_device_bytes, e.min_host_bytes) from None
+        failure = (f"{e} (budget: {budget_why})", e.min_device_bytes, e.min_host_bytes)
+        outcome = distributed.broadcast_object(("failed", failure))
+    else:
+        outcome = distributed.broadcast_object(("ok", _prediction(res, profiles, hw, budget, budget_why, compile_s,
+                                                                  step, static)))
+    if outcome[0] == "failed":
+        raise NoPlanFits(*outcome[1]) from None
+    knobs, predicted = outcome[1]
+    if distributed.world().rank == 0:
+        save_entry(path, cache_entry(plan.graph_name, knobs, predicted, None))
+    log.info("protrain: profiled in %.1f s (+%.1f s compile), searched %d plans in %.3f s: %s", step.seconds,
+             compile_s, predicted["plans_evaluated"], predicted["search_s"], knobs)
+    return Choice(dataclasses.replace(opts, **knobs), predicted, notes, path)
+
+
+def _prediction(res, profiles, hw, budget: int, budget_why: str, compile_s: float, step, static) -> tuple[dict, dict]:
+    """The chosen knobs and what plan.predicted records of them."""
     best = res.best
     prof = next(p for p in profiles if p.chunk_size == best.knobs.chunk_size)
     lc = LayoutCosts(prof, hw, best.knobs.n_buffer, best.knobs.n_swap, best.knobs.n_checkpoint)
@@ -248,8 +264,4 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
                      "saved_recompute": static.saved.recompute, "recomputed_share": static.recomputed_share,
                      "timeline": step.timeline},
     }
-    knobs = dataclasses.asdict(best.knobs)
-    save_entry(path, cache_entry(plan.graph_name, knobs, predicted, None))
-    log.info("protrain: profiled in %.1f s (+%.1f s compile), searched %d plans in %.3f s: %s", step.seconds,
-             compile_s, res.evaluated, res.seconds, knobs)
-    return Choice(dataclasses.replace(opts, **knobs), predicted, notes, path)
+    return dataclasses.asdict(best.knobs), predicted

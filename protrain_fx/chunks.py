@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import block_timer
+from . import block_timer, distributed
 from ._weakmap import IdentityWeakMap
 from .chunk_layout import ALIGN_BYTES, ChunkLayout
 from .options import ProtrainError, format_bytes
@@ -103,7 +103,9 @@ class ChunkStore:
         self.n_chunks = layout.n_chunks
         self.n_persist = min(n_persist, self.n_chunks)
         elem = first.element_size()
-        align_elems = max(1, ALIGN_BYTES // elem)
+        # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to a multiple
+        self.world = distributed.world()
+        align_elems = max(1, ALIGN_BYTES // elem) * self.world.size
         by_fqn = dict(params)
         params_in_order: list[torch.nn.Parameter] = []
         self.entries: list[ParamEntry] = []
@@ -133,17 +135,19 @@ class ChunkStore:
                     if id(p) in host_values:
                         p.data = host_values[id(p)].to(self.device)
                 continue
-            master = _pinned_empty(self._chunk_numel[c], self.master_dtype, pin)
+            master = _pinned_empty(self.host_numel(c), self.master_dtype, pin)
             master.zero_()
             for i in self._chunk_entries[c]:
-                e, p = self.entries[i], params_in_order[i]
-                src = host_values.get(id(p), p.data)
-                master[e.offset:e.offset + e.numel].copy_(src.reshape(-1))
+                part = self.host_slices(i)
+                if part is not None:
+                    p = params_in_order[i]
+                    src = host_values.get(id(p), p.data)
+                    master[part[0]].copy_(src.reshape(-1)[part[1]])
             self.master[c] = master
             if param_dtype == self.master_dtype:
                 self.transfer[c] = master
             else:
-                self.transfer[c] = _pinned_empty(self._chunk_numel[c], param_dtype, pin)
+                self.transfer[c] = _pinned_empty(self.host_numel(c), param_dtype, pin)
                 self.transfer[c].copy_(master)
             for p in members:
                 p.data = device_shell(p.shape, p.dtype, self.device)
@@ -168,6 +172,7 @@ class ChunkStore:
         self.optimizer = None  # the HybridOptimizer that owns the offloaded chunks' optimizer state
         # device gradient buffers (allocated at the first backward), reused in rotation once copied out
         self._grad_bufs: list[torch.Tensor] = []
+        self._grad_shards: list[torch.Tensor] = []
         self._grad_buf_done: list = []
         self._next_grad_buf = 0
         # set while the profiler runs a step (protrain_fx/profiler.py): chunk copies go on the compute stream
@@ -180,6 +185,32 @@ class ChunkStore:
     # ------------------------------------------------------------------------------------ layout
     def chunk_numel(self, chunk: int) -> int:
         return self._chunk_numel[chunk]
+
+    def host_numel(self, chunk: int) -> int:
+        """Elements of the chunk this rank keeps on the host (all of them with one rank)."""
+        return self._chunk_numel[chunk] // self.world.size
+
+    def host_range(self, chunk: int) -> tuple[int, int]:
+        """This rank's shard of the chunk, in chunk elements."""
+        n = self.host_numel(chunk)
+        return self.world.rank * n, (self.world.rank + 1) * n
+
+    def host_slices(self, index: int) -> tuple[slice, slice] | None:
+        """Where store entry ``index`` meets this rank's shard: (slice of the host tensors, slice of the
+        parameter's flat elements), or None when none of its elements are here."""
+        e = self.entries[index]
+        lo, hi = self.host_range(e.chunk)
+        a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+        return None if a >= b else (slice(a - lo, b - lo), slice(a - e.offset, b - e.offset))
+
+    def host_chunk(self, chunk: int, which: str = "master") -> torch.Tensor:
+        """A whole offloaded chunk's host values (``master``, or another per-chunk host tensor passed as
+        ``which``): the store's own tensor with one rank, every rank's shard gathered with several (a
+        collective: every rank calls it, in the same order)."""
+        t = self.master[chunk] if which == "master" else which
+        if not self.world.sharded:
+            return t
+        return distributed.gather_host(t, self.world.size, self.device)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -205,18 +236,15 @@ class ChunkStore:
         return self.is_offloaded(self.entry(param).chunk)
 
     # ------------------------------------------------------------------------------- values
-    def master_view(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 master value of an offloaded parameter (a view into host memory)."""
-        e = self.entry(param)
-        return self.master[e.chunk][e.offset:e.offset + e.numel].view(e.shape)
-
     def read(self, param: torch.Tensor) -> torch.Tensor:
-        """The parameter's current value as a plain tensor (host copy for offloaded parameters)."""
+        """The parameter's current value as a plain tensor (host copy for offloaded parameters; with several
+        ranks a collective, see :meth:`host_chunk`)."""
         if not self.param_is_offloaded(param):
             return param.detach()
         if self.optimizer is not None:
             self.optimizer.wait()
-        return self.master_view(param).clone()
+        e = self.entry(param)
+        return self.host_chunk(e.chunk)[e.offset:e.offset + e.numel].view(e.shape).clone()
 
     def write(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Set an offloaded parameter's value (load_state_dict)."""
@@ -225,10 +253,12 @@ class ChunkStore:
         e = self.entry(param)
         if tuple(value.shape) != tuple(e.shape):
             raise ProtrainError(f"{e.fqn}: shape {tuple(value.shape)} does not match the parameter {tuple(e.shape)}")
-        with torch.no_grad():
-            self.master_view(param).copy_(value)
-            if self.transfer[e.chunk] is not self.master[e.chunk]:
-                self.transfer[e.chunk][e.offset:e.offset + e.numel].copy_(self.master_view(param).reshape(-1))
+        part = self.host_slices(self.entry_index(param))
+        if part is not None:  # this rank's share of it
+            with torch.no_grad():
+                self.master[e.chunk][part[0]].copy_(value.reshape(-1)[part[1]])
+                if self.transfer[e.chunk] is not self.master[e.chunk]:
+                    self.transfer[e.chunk][part[0]].copy_(self.master[e.chunk][part[0]])
         self.invalidate()
 
     def refresh_transfer(self, chunk: int) -> None:
@@ -296,24 +326,34 @@ class ChunkStore:
             dst, src = self.slots[s][:n], self.transfer[chunk]
             if self.profiling:
                 block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_START, self.device)
-                dst.copy_(src, non_blocking=True)
+                self._fill(chunk, dst, src)
                 block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_END, self.device)
                 self._slot_ready_event[s] = None
             elif self.is_cuda:
                 with torch.cuda.stream(self.h2d_stream):
                     if self._slot_free_event[s] is not None:
                         self.h2d_stream.wait_event(self._slot_free_event[s])
-                    dst.copy_(src, non_blocking=True)
+                    self._fill(chunk, dst, src)
                     ev = torch.cuda.Event()
                     ev.record(self.h2d_stream)
                 self._slot_ready_event[s] = ev
             else:
-                dst.copy_(src)
+                self._fill(chunk, dst, src)
             self.stats["h2d_copies"] += 1
-            self.stats["h2d_bytes"] += n * dst.element_size()
+            self.stats["h2d_bytes"] += src.numel() * src.element_size()
             self._slot_chunk[s] = chunk
             self._slot_busy[s] = True
             self._chunk_slot[chunk] = s
+
+    def _fill(self, chunk: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the host values into the device buffer: the whole chunk, or with several ranks this rank's
+        shard into its place and an all-gather of the others (on the current stream)."""
+        if not self.world.sharded:
+            dst.copy_(src, non_blocking=True)
+            return
+        lo, hi = self.host_range(chunk)
+        dst[lo:hi].copy_(src, non_blocking=True)
+        distributed.all_gather_into(dst, dst[lo:hi])
 
     def _drop_released(self, s: int) -> None:
         if s in self._released_order:
@@ -366,6 +406,9 @@ class ChunkStore:
             with torch.no_grad():  # in the master dtype: copied straight into the host accumulator
                 self._grad_bufs = [torch.empty(size, dtype=self.master_dtype, device=self.device)
                                    for _ in range(N_GRAD_BUFFERS)]
+                # with several ranks: this rank's shard of the mean gradient, which goes to the host
+                self._grad_shards = [torch.empty(size // self.world.size, dtype=self.master_dtype, device=self.device)
+                                     for _ in range(N_GRAD_BUFFERS)] if self.world.sharded else []
             self._grad_buf_done = [None] * N_GRAD_BUFFERS
         k = self._next_grad_buf
         self._next_grad_buf = (k + 1) % len(self._grad_bufs)
@@ -380,6 +423,10 @@ class ChunkStore:
                 e = self.entries[i]
                 views.append(buf[e.offset:e.offset + e.numel].view(e.shape))
             torch._foreach_copy_(views, [g.detach() for g in grads])
+            if self.world.sharded:
+                shard = self._grad_shards[k][:self.host_numel(chunk)]
+                distributed.reduce_scatter_mean(shard, buf, self.world.size)
+                buf = shard
         self._grad_buf_done[k] = self.optimizer.chunk_grad(self, chunk, buf, members)
 
     def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):
@@ -410,7 +457,7 @@ class ChunkStore:
     # ------------------------------------------------------------------------------ report
     def describe(self) -> str:
         off = self.offloaded_chunks
-        host = sum(self._chunk_numel[c] for c in off)
+        host = sum(self.host_numel(c) for c in off)
         return (f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident, {len(off)} offloaded "
                 f"({format_bytes(host * torch.tensor([], dtype=self.master_dtype).element_size())} of fp32 master "
                 f"on the host)")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_adam
+from . import cpu_adam, distributed
 from .chunks import ChunkStore, store_of
 from .options import ProtrainError
 
@@ -148,7 +148,7 @@ class HybridOptimizer:
         amsgrad = any(g.get("amsgrad") for g in self.opt.param_groups)
         pin = store.is_cuda
         for c in store.offloaded_chunks:
-            n = store.chunk_numel(c)
+            n = store.host_numel(c)  # this rank's shard with several ranks
             members, group_of = [], {}
             for p, e in store.chunk_entries(c):
                 gi = group_of_param.get(id(p))
@@ -168,24 +168,21 @@ class HybridOptimizer:
                     self._import_state(st, i, self.opt.state.pop(p))
             self.states[(store.id, c)] = st
         if store.offloaded_chunks and not self._staging:
-            size = max(store.chunk_numel(c) for c in store.offloaded_chunks)
+            size = max(store.host_numel(c) for c in store.offloaded_chunks)
             self._staging = [torch.empty(size, dtype=store.param_dtype, pin_memory=pin) for _ in range(N_STAGING)]
             self._staging_free = list(self._staging)
         self.stores.append(store)
         store.optimizer = self
 
-    def _views(self, st: ChunkOptState, i: int):
-        e = st.store.entries[i]
-        sl = slice(e.offset, e.offset + e.numel)
-        return e, sl
-
     def _import_state(self, st: ChunkOptState, i: int, state: dict) -> None:
-        e, sl = self._views(st, i)
-        with torch.no_grad():
-            st.exp_avg[sl].copy_(state["exp_avg"].reshape(-1))
-            st.exp_avg_sq[sl].copy_(state["exp_avg_sq"].reshape(-1))
-            if st.max_exp_avg_sq is not None and "max_exp_avg_sq" in state:
-                st.max_exp_avg_sq[sl].copy_(state["max_exp_avg_sq"].reshape(-1))
+        part = st.store.host_slices(i)  # this rank's share of the parameter (all of it with one rank)
+        if part is not None:
+            sl, flat = part
+            with torch.no_grad():
+                st.exp_avg[sl].copy_(state["exp_avg"].reshape(-1)[flat])
+                st.exp_avg_sq[sl].copy_(state["exp_avg_sq"].reshape(-1)[flat])
+                if st.max_exp_avg_sq is not None and "max_exp_avg_sq" in state:
+                    st.max_exp_avg_sq[sl].copy_(state["max_exp_avg_sq"].reshape(-1)[flat])
         step = state["step"]
         st.steps[i] = torch.tensor(float(step), dtype=torch.float32)
 
@@ -309,15 +306,21 @@ class HybridOptimizer:
             for gi, idxs in by_group.items():
                 params, grads, m, v, vmax, steps = [], [], [], [], [], []
                 for i in idxs:
-                    _, sl = self._views(st, i)
+                    step_count = st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32))
+                    part = store.host_slices(i)
+                    if part is None:  # all of it in other ranks' shards: only its step count moves here
+                        step_count.add_(1)
+                        continue
+                    sl = part[0]
                     params.append(master[sl])
                     grads.append(st.grad_acc[sl])
                     m.append(st.exp_avg[sl])
                     v.append(st.exp_avg_sq[sl])
                     if st.max_exp_avg_sq is not None:
                         vmax.append(st.max_exp_avg_sq[sl])
-                    steps.append(st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32)))
-                self._adam(group(gi), params, grads, m, v, vmax, steps)
+                    steps.append(step_count)
+                if params:
+                    self._adam(group(gi), params, grads, m, v, vmax, steps)
             store.refresh_transfer(st.chunk)
         st.has_grad.clear()
 
@@ -404,8 +407,9 @@ class HybridOptimizer:
                     "inside backward. Clip from the first step on (protrain then keeps the CPU step until "
                     "opt.step()), or call protrain_fx.set_grad_accumulation only without clipping."
                 )
-            if i in st.has_grad:
-                out.append(st.grad_acc[e.offset:e.offset + e.numel])
+            part = st.store.host_slices(i)
+            if i in st.has_grad and part is not None:
+                out.append(st.grad_acc[part[0]])
         return out
 
     # ---------------------------------------------------------------------- state dicts
@@ -426,18 +430,22 @@ class HybridOptimizer:
     def _state_dict_post(self, sd: dict) -> dict:
         self.wait()
         index = {id(p): k for k, p in enumerate(self._indexed_params())}
+        whole: dict[tuple[int, str], torch.Tensor] = {}  # a chunk's moments, every rank's shard gathered
+
+        def moment(st: ChunkOptState, name: str) -> torch.Tensor:
+            key = (id(st), name)
+            if key not in whole:  # the same chunks in the same order on every rank: collectives line up
+                whole[key] = st.store.host_chunk(st.chunk, getattr(st, name))
+            return whole[key]
+
         for p, st, i, e in self._offloaded(self._indexed_params()):
             idx = index[id(p)]
             if i not in st.steps:
                 continue  # never stepped: torch has no state for it either
             sl = slice(e.offset, e.offset + e.numel)
-            entry = {
-                "step": st.steps[i].clone(),
-                "exp_avg": st.exp_avg[sl].clone().view(e.shape),
-                "exp_avg_sq": st.exp_avg_sq[sl].clone().view(e.shape),
-            }
-            if st.max_exp_avg_sq is not None:
-                entry["max_exp_avg_sq"] = st.max_exp_avg_sq[sl].clone().view(e.shape)
+            names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if st.max_exp_avg_sq is not None else ())
+            entry = {"step": st.steps[i].clone()}
+            entry.update({name: moment(st, name)[sl].clone().view(e.shape) for name in names})
             sd["state"][idx] = entry
         sd["state"] = dict(sorted(sd["state"].items()))
         return sd
@@ -457,13 +465,16 @@ class HybridOptimizer:
                 loaded.add((id(st), i))
         for st in self.states.values():  # as in torch: a parameter without saved state starts fresh
             for i in st.members:
-                if (id(st), i) not in loaded:
-                    _, sl = self._views(st, i)
+                if (id(st), i) in loaded:
+                    continue
+                st.steps.pop(i, None)
+                part = st.store.host_slices(i)
+                if part is not None:
+                    sl = part[0]
                     st.exp_avg[sl].zero_()
                     st.exp_avg_sq[sl].zero_()
                     if st.max_exp_avg_sq is not None:
                         st.max_exp_avg_sq[sl].zero_()
-                    st.steps.pop(i, None)
         sd["state"] = state
         return sd
 
@@ -496,6 +507,8 @@ def _install_clip_hook() -> None:
         norms = [torch.linalg.vector_norm(g, norm_type) for g in device_grads]
         host_norms = [torch.linalg.vector_norm(g, norm_type) for g in host]
         dev = device_grads[0].device if device_grads else torch.device("cpu")
+        if distributed.world().sharded:  # host gradients are this rank's shards: their norm spans the ranks
+            host_norms = [distributed.shard_norm(host_norms, norm_type, dev)]
         all_norms = torch.stack([n.to(dev) for n in norms + host_norms]) if norms or host_norms else torch.zeros(1, device=dev)
         total = torch.linalg.vector_norm(all_norms, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):

@@ -154,7 +154,8 @@ def dissolve_store(store) -> None:
     state exists for the store (the profiler's gradients are dropped)."""
     if store.optimizer is not None:
         raise ProtrainError("protrain: a chunk store with optimizer state cannot be re-placed")
-    for p in store.params:
-        if p is not None and store.param_is_offloaded(p):
-            HOST_VALUES[p] = store.master_view(p)
+    for c in store.offloaded_chunks:
+        full = store.host_chunk(c)  # every rank's shard, with several ranks
+        for p, e in store.chunk_entries(c):
+            HOST_VALUES[p] = full[e.offset:e.offset + e.numel].view(e.shape)
     store.unregister()

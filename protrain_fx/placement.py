@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import _compat, optim
+from . import _compat, distributed, optim
 from .chunk_layout import pack
 from .chunks import ChunkStore, store_of
 from .options import Options, ProtrainError
@@ -88,6 +88,8 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)
     host_values = {id(p): HOST_VALUES[p] for _, p in fqns if p in HOST_VALUES}
     store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values)
+    # with several ranks resident chunks are replicated: average their gradients across ranks
+    distributed.average_resident_grads([p for _, p in fqns if not store.param_is_offloaded(p)])
     for _, p in fqns:  # the store owns them now
         HOST_VALUES.pop(p, None)
     if store.offloaded_chunks and root is not None and isinstance(root, torch.nn.Module):

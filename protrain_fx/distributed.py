@@ -1,0 +1,111 @@
+"""Data parallelism over ``torch.distributed`` (NCCL on CUDA, gloo on the CPU), ZeRO-3 style for offloaded
+chunks: launched with ``torchrun``, each rank compiles the same graphs, and
+
+* every offloaded chunk is split in ``world size`` equal shards (its element count is padded to a multiple
+  of it); a rank keeps only its shard of the fp32 master, the transfer copy, the gradient accumulator and
+  the Adam moments in pinned host memory, and its CPU optimizer steps only that shard;
+* a gather copies the rank's shard into its place in a device chunk buffer and all-gathers the rest
+  (``protrain::prefetch``, on the host-to-device stream); a chunk's gradient is reduce-scattered (averaged)
+  before its shard goes to the host (``protrain::chunk_grad``);
+* resident chunks are replicated: their gradients are all-reduced (averaged) as autograd accumulates them,
+  and the user's optimizer steps them identically on every rank;
+* the automatic plan is made on rank 0 and broadcast, so every rank runs the same plan.
+
+With one process (or none initialized) nothing here runs: :func:`world` has size 1 and every function is
+a no-op. Collectives are called in program order on the thread that runs the graphs (never from the
+optimizer's worker thread), so every rank issues them in the same order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._weakmap import IdentityWeakMap
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+
+def world() -> World:
+    """This process's rank and the world size of the default process group (size 1 when none)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return World(dist.get_rank(), dist.get_world_size())
+    return World()
+
+
+def all_gather_into(full: torch.Tensor, shard: torch.Tensor) -> None:
+    """``full`` (flat, world size x shard) gets every rank's ``shard``; ``shard`` may be this rank's slice
+    of ``full`` (then on the CPU it is copied first: gloo does not gather in place)."""
+    if shard.device.type == "cpu" and shard.data_ptr() >= full.data_ptr() \
+            and shard.data_ptr() < full.data_ptr() + full.numel() * full.element_size():
+        shard = shard.clone()
+    dist.all_gather_into_tensor(full, shard)
+
+
+def reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor, size: int) -> None:
+    """``shard`` = this rank's slice of the mean over ranks of ``full``."""
+    dist.reduce_scatter_tensor(shard, full)
+    shard.div_(size)
+
+
+def all_reduce_mean(t: torch.Tensor, size: int) -> None:
+    dist.all_reduce(t)
+    t.div_(size)
+
+
+def shard_norm(norms: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The ``norm_type`` norm over every rank's tensors, from the norms of this rank's (a collective)."""
+    local = torch.stack([n.to(device) for n in norms]) if norms else torch.zeros(1, device=device)
+    if norm_type == float("inf"):
+        t = local.max().reshape(1)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t[0]
+    t = local.pow(norm_type).sum().reshape(1)
+    dist.all_reduce(t)
+    return t[0].pow(1.0 / norm_type)
+
+
+def gather_host(shard: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
+    """Every rank's ``shard`` of a host tensor, concatenated on the host (through the device on CUDA: NCCL
+    moves device memory only). A collective: every rank calls it, in the same order."""
+    if device.type == "cuda":
+        local = shard.to(device)
+        full = torch.empty(local.numel() * size, dtype=local.dtype, device=device)
+        dist.all_gather_into_tensor(full, local)
+        return full.cpu()
+    full = torch.empty(shard.numel() * size, dtype=shard.dtype)
+    dist.all_gather_into_tensor(full, shard)
+    return full
+
+
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank (identity with one process)."""
+    if not world().sharded:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+_HOOKED = IdentityWeakMap()
+
+
+def average_resident_grads(params) -> None:
+    """All-reduce (mean) each of ``params``' gradients as autograd accumulates it (once per parameter)."""
+    w = world()
+    if not w.sharded:
+        return
+    for p in params:
+        if p in _HOOKED or not p.requires_grad:
+            continue
+        _HOOKED[p] = True
+        p.register_post_accumulate_grad_hook(lambda q, _n=w.size: all_reduce_mean(q.grad, _n))

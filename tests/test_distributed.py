@@ -1,0 +1,114 @@
+"""Data-parallel protrain with gloo and two processes: the same global batch split over the ranks trains
+like single-process eager PyTorch on the whole batch (losses and parameters after several AdamW steps),
+with offloaded chunks sharded over the ranks and resident chunks replicated."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORLD = 2
+STEPS = 4
+LOSS_REL, PARAM_ABS = 1e-5, 1e-4
+
+
+def batches(kind: str):
+    from protrain_fx.testing import random_batches
+
+    return random_batches(STEPS, 4, 16, vocab=64, seed=3)  # global batch 4: 2 rows per rank
+
+
+def model_of(kind: str):
+    from models import build
+
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return build("gpt", n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    return build("llama", n_layer=3, dim=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+
+
+def _rank_main(rank: int, init_file: str, kind: str, options: dict, out_dir: str, clip) -> None:
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import torch.distributed as dist
+
+    import protrain_fx
+    from protrain_fx import chunks
+    from protrain_fx.testing import make_adamw
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = model_of(kind)
+        opt = make_adamw(model)
+        compiled = torch.compile(model, backend="protrain", options=dict(options, optimizer=opt))
+        losses = []
+        for x, y in batches(kind):
+            rows = slice(rank * 2, rank * 2 + 2)
+            loss = compiled(x[rows], y[rows])
+            loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / WORLD)
+        sd = model.state_dict()  # a collective for sharded chunks: every rank calls it
+        plan = protrain_fx.get_plan(compiled)
+        store = chunks.store_of(next(model.parameters()))
+        off = store.offloaded_chunks
+        torch.save({"losses": losses, "state": sd, "n_persist": plan.n_persist, "n_chunks": len(plan.chunks),
+                    "world": store.world.size, "host_share": [store.host_numel(c) / store.chunk_numel(c) for c in off],
+                    "host_master": sum(store.master[c].numel() for c in off), "offloaded": len(off)},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(kind: str, options: dict, clip=None) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_rank_main, args=(os.path.join(d, "init"), kind, options, d, clip), nprocs=WORLD,
+                           join=True, start_method="spawn")
+        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
+
+
+def eager_reference(kind: str, clip=None):
+    from protrain_fx.testing import train_steps
+
+    model = model_of(kind)
+    return model, train_steps(model, model, batches(kind), clip=clip)
+
+
+@pytest.mark.parametrize("kind,options,clip", [
+    ("gpt", {"compiler": "eager", "n_persist": 2}, None),  # chunks 0-1 replicated, the rest sharded
+    ("llama", {"compiler": "eager", "n_persist": 0, "n_checkpoint": 2}, None),
+    ("gpt", {"compiler": "eager", "n_persist": 1, "n_swap": 1}, 1.0),  # clipping: the norm spans the ranks
+])
+def test_two_ranks_train_like_eager_on_the_whole_batch(kind, options, clip):
+    ranks = run_ranks(kind, options, clip)
+    ref, ref_losses = eager_reference(kind, clip)
+    ref_sd = ref.state_dict()
+    assert ranks[0]["n_persist"] == options["n_persist"] < ranks[0]["n_chunks"]
+    for r in ranks:  # each rank holds half of every offloaded chunk on the host
+        assert r["world"] == WORLD and r["offloaded"] >= 1 and r["host_share"] == [0.5] * r["offloaded"]
+    for r in ranks:
+        rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses))
+        assert rel <= LOSS_REL, (r["losses"], ref_losses)
+        for k, v in ref_sd.items():
+            torch.testing.assert_close(r["state"][k], v, rtol=0, atol=PARAM_ABS, msg=k)
+    moved = max((ref_sd[k] - model_of(kind).state_dict()[k]).abs().max().item() for k in ref_sd)
+    assert moved > 10 * PARAM_ABS  # the steps did move the parameters
+
+
+def test_two_ranks_share_one_automatic_plan():
+    """The automatic plan profiles on both ranks (collectives included) and runs rank 0's choice on both."""
+    budget = 3 * sum(p.numel() * 4 for p in model_of("gpt").parameters())
+    ranks = run_ranks("gpt", {"compiler": "eager", "memory_budget": budget})
+    ref, ref_losses = eager_reference("gpt")
+    assert ranks[0]["n_persist"] == ranks[1]["n_persist"] < ranks[0]["n_chunks"]
+    for r in ranks:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) <= LOSS_REL
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(r["state"][k], v, rtol=0, atol=PARAM_ABS, msg=k)
