@@ -41,7 +41,7 @@ from .profiler import graph_profile, profile_step
 from .search import NoPlanFits, search
 
 log = logging.getLogger("protrain_fx")
-COST_MODEL_VERSION = 3  # bump when the profile or the cost model changes meaning: old cache entries miss
+COST_MODEL_VERSION = 4  # bump when the profile or the cost model changes meaning: old cache entries miss
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 
 
@@ -96,6 +96,7 @@ def _cache_key(gm, example_inputs, opts: Options, hw_key: str, budget: int) -> s
     given = {k: getattr(opts, k) for k in KNOBS}
     autocast = {d: str(torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)}
     blob = json.dumps([COST_MODEL_VERSION, torch.__version__, gm.code, shapes, given, hw_key, budget >> 26,
+                       distributed.world().size,
                        str(opts.param_dtype), autocast, opts.optimizer is not None], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -218,6 +219,9 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     # store is built
     host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))
     hw = Hardware.of(hw_profile)
+    w = distributed.world()
+    if w.sharded:  # the collectives' rate, measured now by every rank together
+        hw = dataclasses.replace(hw, world_size=w.size, collective_bytes_per_s=distributed.collective_bytes_per_s(device))
     knobs_given = dict(n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"],
                        min_n_buffer=plan.n_buffer or 1)  # what the profiled graph's schedule needed
     try:  # every rank searches; rank 0's outcome is the one every rank runs (distributed.py)
@@ -254,7 +258,8 @@ def _prediction(res, profiles, hw, budget: int, budget_why: str, compile_s: floa
         "budget_bytes": budget, "budget": budget_why, "breakdown": best.breakdown,
         "timeline": lc.timeline(best.knobs.n_persist),
         "profile_compile_s": compile_s, "profile_s": step.seconds, "search_s": res.seconds,
-        "plans_evaluated": res.evaluated, "from_cache": False,
+        "plans_evaluated": res.evaluated, "from_cache": False, "world_size": hw.world_size,
+        "collective_gb_s": None if hw.world_size == 1 else hw.collective_bytes_per_s / 1e9,
         "profiled": {"block_fwd_ms": [1e3 * x for x in step.block_fwd_s],
                      "block_bwd_ms": [1e3 * x for x in step.block_bwd_s],
                      "nonblock_fwd_ms": 1e3 * step.nonblock_fwd_s, "nonblock_bwd_ms": 1e3 * step.nonblock_bwd_s,

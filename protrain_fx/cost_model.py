@@ -91,6 +91,15 @@ class Hardware:
     duplex_bytes_per_s: float
     cpu_adam_params_per_s: float
     gpu_adam_params_per_s: float
+    # data parallelism (protrain_fx/distributed.py): ranks, and the collectives' bus rate (an all-gather or
+    # reduce-scatter of B bytes moves B (N-1)/N per rank; an all-reduce twice that), measured at planning
+    world_size: int = 1
+    collective_bytes_per_s: float = math.inf
+
+    def collective_s(self, nbytes: float, passes: int = 1) -> float:
+        """Seconds of ``passes`` all-gathers / reduce-scatters of ``nbytes`` (0 with one rank)."""
+        n = self.world_size
+        return 0.0 if n == 1 else passes * nbytes * (n - 1) / n / self.collective_bytes_per_s
 
     @classmethod
     def of(cls, profile) -> "Hardware":
@@ -129,15 +138,17 @@ class _ProfileArrays:
             for b in ch.blocks:
                 self.block_chunks[b] += 1
         self.fwd_res, self.fwd_off, self.comm = [0.0], [0.0], []
+        shard = 1 / hw.world_size  # with several ranks a rank moves its shard and the collectives the rest
         for c, ch in enumerate(chunks):
-            h2d = ch.numel * te / hw.h2d_bytes_per_s
+            h2d = ch.numel * te * shard / hw.h2d_bytes_per_s + hw.collective_s(ch.numel * te)
             f = ch.fwd_s
             self.fwd_res.append(self.fwd_res[-1] + f)
             self.fwd_off.append(self.fwd_off[-1] + (max(f, h2d) if n_buffer >= 2 else f + h2d))
             up = 0 if c >= n - n_buffer else ch.numel * te  # the last n_buffer chunks stay in their buffers
             down = ch.numel * me
-            self.comm.append(max(up / hw.h2d_bytes_per_s, down / hw.d2h_bytes_per_s,
-                                 (up + down) / hw.duplex_bytes_per_s))
+            self.comm.append(max(up * shard / hw.h2d_bytes_per_s, down * shard / hw.d2h_bytes_per_s,
+                                 (up + down) * shard / hw.duplex_bytes_per_s)
+                             + hw.collective_s(up) + hw.collective_s(down))
         self.numel, self.resident_bytes = [0], [0]
         for ch in chunks:
             self.numel.append(self.numel[-1] + ch.numel)
@@ -146,7 +157,8 @@ class _ProfileArrays:
         for c in range(n - 1, -1, -1):
             self.largest_offloaded[c] = max(self.largest_offloaded[c + 1], chunks[c].numel)
         last = chunks[-1] if chunks else None
-        self.first_grad_s = (last.bwd_s + last.numel * me / hw.d2h_bytes_per_s) if last else 0.0
+        self.first_grad_s = (last.bwd_s + last.numel * me * shard / hw.d2h_bytes_per_s
+                             + hw.collective_s(last.numel * me)) if last else 0.0
         self.hw = hw
         self.compute_s = sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
         self.swap_window_s = self.compute_s - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
@@ -223,8 +235,9 @@ class LayoutCosts:
         return int(math.ceil((states + buffers + live) * self.fragmentation))
 
     def host_bytes(self, n_persist: int) -> int:
+        """Pinned host bytes of one rank (its shards)."""
         prof = self.prof
-        offloaded = self.numel[-1] - self.numel[n_persist]
+        offloaded = (self.numel[-1] - self.numel[n_persist]) // self.hw.world_size
         big = self.largest_offloaded[n_persist]
         # fp32 master, gradient accumulator and two moments, the transfer copy; staging; the swap pool
         per_param = prof.master_elem * (2 + ADAM_STATES) + (prof.transfer_elem if prof.transfer_elem != prof.master_elem else 0)
@@ -252,8 +265,10 @@ class LayoutCosts:
                  + swap_exposed)
         resident = self.numel[n_persist]
         offloaded = self.numel[n] - resident
+        # replicated resident chunks: their gradients are all-reduced (counted as exposed, after backward)
+        t_bwd += hw.collective_s(self.resident_bytes[n_persist], passes=2)
         t_gpu = resident / hw.gpu_adam_params_per_s
-        t_cpu = offloaded / hw.cpu_adam_params_per_s * CPU_CONTENTION if offloaded else 0.0
+        t_cpu = offloaded / hw.world_size / hw.cpu_adam_params_per_s * CPU_CONTENTION if offloaded else 0.0
         t_first = self.first_grad_s if offloaded else 0.0
         t = t_fwd + max(t_bwd + t_gpu, t_first + t_cpu)
         if not detail:

@@ -87,6 +87,29 @@ def gather_host(shard: torch.Tensor, size: int, device: torch.device) -> torch.T
     return full
 
 
+def collective_bytes_per_s(device: torch.device, nbytes: int | None = None, reps: int = 5) -> float:
+    """The all-gather bus rate between the ranks (bytes of the gathered tensor x (N-1)/N per second), the
+    slowest rank's: a collective, every rank calls it. 256 MiB on CUDA, 8 MiB on the CPU by default."""
+    import time
+
+    w = world()
+    nbytes = nbytes or (256 << 20 if device.type == "cuda" else 8 << 20)
+    shard = torch.zeros(nbytes // 4 // w.size, dtype=torch.float32, device=device)
+    full = torch.empty(shard.numel() * w.size, dtype=torch.float32, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for _ in range(2):  # warm-up: communicator set-up, first-touch
+        dist.all_gather_into_tensor(full, shard)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dist.all_gather_into_tensor(full, shard)
+    sync()
+    rate = torch.tensor([full.numel() * 4 * (w.size - 1) / w.size / ((time.perf_counter() - t0) / reps)],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN)
+    return float(rate.item())
+
+
 def broadcast_object(obj):
     """Rank 0's ``obj`` on every rank (identity with one process)."""
     if not world().sharded:

@@ -61,7 +61,8 @@ def _rank_main(rank: int, init_file: str, kind: str, options: dict, out_dir: str
         off = store.offloaded_chunks
         torch.save({"losses": losses, "state": sd, "n_persist": plan.n_persist, "n_chunks": len(plan.chunks),
                     "world": store.world.size, "host_share": [store.host_numel(c) / store.chunk_numel(c) for c in off],
-                    "host_master": sum(store.master[c].numel() for c in off), "offloaded": len(off)},
+                    "host_master": sum(store.master[c].numel() for c in off), "offloaded": len(off),
+                    "predicted": {k: v for k, v in (plan.predicted or {}).items() if k not in ("timeline", "profiled")}},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -108,6 +109,9 @@ def test_two_ranks_share_one_automatic_plan():
     ranks = run_ranks("gpt", {"compiler": "eager", "memory_budget": budget})
     ref, ref_losses = eager_reference("gpt")
     assert ranks[0]["n_persist"] == ranks[1]["n_persist"] < ranks[0]["n_chunks"]
+    for r in ranks:  # the collectives were measured and priced, and both ranks hold rank 0's prediction
+        assert r["predicted"]["world_size"] == WORLD and r["predicted"]["collective_gb_s"] > 0
+        assert r["predicted"] == ranks[0]["predicted"]
     for r in ranks:
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) <= LOSS_REL
         for k, v in ref.state_dict().items():

@@ -1,4 +1,6 @@
 """cost_model + search: the search is exact (matches brute force), its plan fits, and no fit is a clear error."""
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,17 +39,22 @@ def profiles(draw):
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+# two ranks over a 100 GB/s bus: collectives priced, offloaded states sharded
+HW2 = dataclasses.replace(HW, world_size=2, collective_bytes_per_s=100e9)
+
+
 @SETTINGS
-@given(profs=profiles(), budget_mib=st.integers(100, 12000), host_gib=st.one_of(st.none(), st.integers(1, 40)))
-def test_search_matches_brute_force_and_fits(profs, budget_mib, host_gib):
+@given(profs=profiles(), budget_mib=st.integers(100, 12000), host_gib=st.one_of(st.none(), st.integers(1, 40)),
+       hw=st.sampled_from([HW, HW2]))
+def test_search_matches_brute_force_and_fits(profs, budget_mib, host_gib, hw):
     budget = budget_mib * MiB
     host = None if host_gib is None else host_gib * 2**30
-    expected = brute_force(profs, HW, budget, host)
+    expected = brute_force(profs, hw, budget, host)
     if expected is None:
         with pytest.raises(NoPlanFits):
-            search(profs, HW, budget, host)
+            search(profs, hw, budget, host)
         return
-    got = search(profs, HW, budget, host).best
+    got = search(profs, hw, budget, host).best
     assert got.knobs == expected.knobs
     assert got.time_s == pytest.approx(expected.time_s, rel=1e-12)
     assert got.peak_bytes <= budget  # the chosen plan's predicted peak always fits
@@ -116,3 +123,27 @@ def test_prediction_terms():
     buffers = 2 * 50e6 * 2 + 2 * 50e6 * 4  # two bf16 chunk buffers, two fp32 gradient buffers
     live = max(110 * MiB + 100 * MiB, 50e6 * 4)  # backward's start (activations, transient) or end (gradients)
     assert p.peak_bytes == pytest.approx((states + buffers + live) * 1.10, abs=1)
+
+
+def test_data_parallel_terms():
+    """Two ranks: a rank steps and keeps half of the offloaded states, and pays the collectives: an
+    all-gather per offloaded chunk gathered, a reduce-scatter per offloaded gradient, an all-reduce of the
+    resident gradients."""
+    blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
+    ch = 50 * 10**6
+    prof = GraphProfile(chunk_size=256 * MiB, blocks=(blk, blk),  # backward compute under the traffic
+                        chunks=(ChunkProfile(ch, 0.010, 0.001, (0,)), ChunkProfile(ch, 0.010, 0.001, (1,))))
+    knobs = Knobs(prof.chunk_size, 1, 1, 0, 0)  # chunk 1 offloaded, one buffer (no prefetch: transfers add)
+    one, two = predict(prof, HW, knobs), predict(prof, HW2, knobs)
+    assert two.breakdown["cpu_optim_s"] == pytest.approx(one.breakdown["cpu_optim_s"] / 2)
+    offloaded_host = ch * (4 * 4 + 2)  # master, accumulator, two moments, bf16 copy
+    assert one.host_bytes - two.host_bytes == pytest.approx(offloaded_host / 2, abs=64)
+    gather = ch * 2 / 2 / 100e9  # the half of the bf16 chunk that comes from the other rank
+    h2d_half = ch * 2 / 2 / 50e9
+    assert two.breakdown["fwd_s"] == pytest.approx(0.010 + 0.010 + h2d_half + gather)
+    allreduce = 2 * ch * 4 / 2 / 100e9  # resident chunk 0's fp32 gradients
+    reduce_scatter = ch * 4 / 2 / 100e9
+    down = ch * 4 / 2  # chunk 1 stays in its buffer from forward (no re-gather); its gradient's half goes down
+    comm = down / 50e9 + reduce_scatter
+    assert two.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, comm) + allreduce)
+    assert one.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, 2 * down / 50e9))
