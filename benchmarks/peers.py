@@ -220,8 +220,9 @@ def fsdp2_offload(spec, x, y):
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    _single_process_group_env()
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    if not dist.is_initialized():  # alone; under torchrun (benchmarks/dp_bench.py) the group exists
+        _single_process_group_env()
+        dist.init_process_group("nccl", rank=0, world_size=1)
     model = _build(spec)  # on the CPU: FSDP2 keeps the sharded parameters there
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in model.blocks:

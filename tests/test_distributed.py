@@ -116,3 +116,18 @@ def test_two_ranks_share_one_automatic_plan():
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses)) <= LOSS_REL
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(r["state"][k], v, rtol=0, atol=PARAM_ABS, msg=k)
+
+
+def test_dp_bench_cpu_smoke(tmp_path):
+    """benchmarks/dp_bench.py (the 2-GPU benchmark) runs its protrain rows under torchrun with gloo."""
+    import json
+    import subprocess
+
+    out = tmp_path / "dp"
+    subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "dp_bench.py"), "--device", "cpu", "--tiny",
+                    "--gpus", "2", "--steps", "1", "--warmup", "1", "--batch", "2", "--systems", "protrain1,protrain",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    rows = json.loads((tmp_path / "dp.json").read_text())["rows"]
+    assert [(r["system"], r["gpus"]) for r in rows] == [("protrain", 1), ("protrain", 2)]
+    assert all(r["tokens_per_s"] > 0 and "error" not in r for r in rows)
+    assert (tmp_path / "dp.md").read_text().count("| protrain |") == 2

@@ -1,0 +1,175 @@
+"""Data-parallel protrain on several GPUs against protrain on one GPU (same per-GPU batch) and FSDP2
+``CPUOffloadPolicy`` on the same GPUs, in one run (on the 2-GPU machine):
+
+    .venv/bin/python benchmarks/dp_bench.py --gpus 2 --cap 24 --out $OUT/dp_h200
+    python benchmarks/dp_bench.py --device cpu --tiny --gpus 2 --steps 2 --out /tmp/dp_smoke   # CPU (gloo)
+
+The parent launches, one after another, ``torchrun --nproc-per-node=N benchmarks/dp_bench.py --child SYSTEM``
+for protrain with 1 and N processes and FSDP2 with N. Each child caps every GPU at ``--cap`` GiB
+(``set_per_process_memory_fraction``), builds ../shared/ANCHORS.md's 1.42 B GPT (``--tiny``: a 2-layer one),
+trains ``--batch`` x 1024 tokens per rank under bf16 autocast with fused AdamW, runs ``--warmup`` steps and
+then ``--steps`` timed steps, each ended by a device synchronize and a barrier; tokens/s counts every rank's
+tokens over the median step. Rank 0 prints the row. Writes ``<out>.json`` and ``<out>.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+GPT = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=1024, tie_embeddings=False)
+TINY = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=32, tie_embeddings=False)
+NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+
+
+def child(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import peers
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        if args.cap:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap * 2**30 / torch.cuda.get_device_properties(device).total_memory))
+    if world > 1 or args.child == "fsdp2":  # FSDP2 needs a process group even alone
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    cfg = TINY if args.tiny else GPT
+    seq = cfg["block_size"]
+    g = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
+    x = torch.randint(0, cfg["vocab_size"], (args.batch, seq), generator=g).to(device)
+    y = torch.randint(0, cfg["vocab_size"], (args.batch, seq), generator=g).to(device)
+    spec = {"kind": "gpt", "cfg": cfg, "device": args.device, "batch": args.batch, "seq": seq, "cap_gib": args.cap}
+    if args.child == "protrain":
+        build = peers.protrain
+    else:
+        build = peers.fsdp2_offload
+    step, n_params, extra = build(spec, x, y)  # bf16: autocast (protrain) or MixedPrecisionPolicy (FSDP2)
+
+    def run():
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if dist.is_initialized():
+            dist.barrier()
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        run()
+    warmup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        loss = run()
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    peak = torch.tensor([torch.cuda.max_memory_reserved(device) / 2**30 if cuda else 0.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    row = {"system": args.child, "gpus": world, "params": n_params, "cap_gib": args.cap, "batch_per_gpu": args.batch,
+           "seq": seq, "step_ms": med * 1e3, "step_ms_all": [t * 1e3 for t in times],
+           "tokens_per_s": args.batch * seq * world / med, "peak_reserved_gib_max": peak.item(),
+           "loss": float(loss.detach().float()), "warmup_s": warmup_s}
+    row.update({k: v for k, v in extra().items() if k in ("n_persist", "n_chunks", "n_buffer", "n_swap", "n_checkpoint",
+                                                           "plan_predicted", "optimizer_timers")})
+    if rank == 0:
+        print("RESULT " + json.dumps(row, default=str), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(system: str, nproc: int, args, timeout: float) -> dict:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            os.path.abspath(__file__), "--child", system, "--device", args.device, "--batch", str(args.batch),
+            "--cap", str(args.cap), "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", **NO_MULTICAST)
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+        out, err, code = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, code = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout", -9
+    found = re.findall(r"^RESULT (.*)$", out, re.M)
+    row = json.loads(found[-1]) if found else {"system": system, "gpus": nproc,
+                                               "error": f"exit {code}: {' '.join(err.split())[-1500:]}"}
+    row["wall_s"] = time.monotonic() - t0
+    return row
+
+
+def markdown(out: dict) -> str:
+    rows = out["rows"]
+    lines = [f"# Data-parallel protrain on {out['device']} ({out['date']})", "",
+             f"Command: `{out['command']}`. torch {out['torch']}. See benchmarks/dp_bench.py.", "",
+             "| system | GPUs | tokens/s | step ms | peak reserved GiB (max over GPUs) | plan | error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plan = (f"n_persist {r['n_persist']}/{r['n_chunks']}, swap {r['n_swap']}, recompute {r['n_checkpoint']}"
+                if "n_persist" in r else "-")
+        tok = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "-"
+        ms = f"{r['step_ms']:.0f}" if "step_ms" in r else "-"
+        peak = f"{r['peak_reserved_gib_max']:.1f}" if "peak_reserved_gib_max" in r else "-"
+        err = " ".join(str(r.get("error", "")).split())[:160].replace("|", "/")
+        lines.append(f"| {r['system']} | {r['gpus']} | {tok} | {ms} | {peak} | {plan} | {err} |")
+    for k, v in out.get("ratios", {}).items():
+        lines.append(f"\n{k}: {v:.2f}x" if v is not None else f"\n{k}: -")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", choices=("protrain", "fsdp2"), default=None)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--cap", type=float, default=24.0, help="GiB per GPU (0: uncapped)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per GPU")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--systems", default="protrain1,protrain,fsdp2", help="protrain1 = protrain on one GPU")
+    ap.add_argument("--timeout", type=float, default=540)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    import torch
+
+    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+           "command": "python benchmarks/dp_bench.py " + " ".join(sys.argv[1:]), "rows": []}
+    deadline = time.monotonic() + args.timeout
+    for name in args.systems.split(","):
+        system, nproc = ("protrain", 1) if name == "protrain1" else (name, args.gpus)
+        left = deadline - time.monotonic()
+        out["rows"].append(launch(system, nproc, args, left) if left > 30 else
+                           {"system": system, "gpus": nproc, "error": "not run: deadline"})
+        print(json.dumps({k: out["rows"][-1].get(k) for k in ("system", "gpus", "tokens_per_s", "error")}), flush=True)
+    tok = {(r["system"], r["gpus"]): r.get("tokens_per_s") for r in out["rows"]}
+    one, many, fsdp = tok.get(("protrain", 1)), tok.get(("protrain", args.gpus)), tok.get(("fsdp2", args.gpus))
+    out["ratios"] = {f"protrain {args.gpus} GPUs / protrain 1 GPU": many / one if one and many else None,
+                     f"protrain {args.gpus} GPUs / FSDP2 offload {args.gpus} GPUs": many / fsdp if fsdp and many else None}
+    text = markdown(out)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        with open(args.out + ".md", "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
