@@ -202,8 +202,7 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
 
     # ---- search
     master_elem = _elem(live[0].dtype)
-    autocast = plan.param_dtype or live[0].dtype
-    transfer_elem = _elem(autocast)
+    transfer_elem = _elem(plan.param_dtype or live[0].dtype)  # what offloaded chunks travel as
     cast_elem = transfer_elem if (torch.is_autocast_enabled(device.type)
                                   and torch.get_autocast_dtype(device.type) != live[0].dtype) else 0
     block_of = {}

@@ -9,6 +9,9 @@ Pipeline of one dynamo graph::
       (no grad needed)  ──▶ inference graph ─[PIPELINE["inference"]]─▶ Inductor compile_fx_inner
 
 The dynamo graph itself goes through ``PIPELINE["dynamo"]`` first (block profiling marks, when asked for).
+Before any of it, a new training graph on CUDA (or with a ``memory_budget``) gets its knobs from the
+automatic plan (autoplan.py: a copy of the graph compiled by this same pipeline under the profiling plan, one
+profiled step, a search); the graph compiled with them is wrapped in a StepMeter (measured time and peak).
 ``PIPELINE`` below is the one place that says which passes run on which stage, in order. Each pass is
 ``(gm, plan) -> gm``. With ``options={"compiler": "eager"}`` the rewritten graphs run as they are, without
 decompositions or Inductor: bit-exact against eager PyTorch, for debugging and fast property tests.
