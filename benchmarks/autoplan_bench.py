@@ -71,6 +71,19 @@ SETS = {
     # the last minutes of the 2026-11-30 session: the GPT at 24 and 16 GiB measured with nothing overlapping
     "clean": [[case("gpt cap 24 auto", "gpt", GPT, 8, 24, sweep=True), case("gpt cap 16 auto", "gpt", GPT, 8, 16, sweep=True),
                case("gpt cap 24 n_persist 4 keep", "gpt", GPT, 8, 24, dict(KEEP, n_persist=4))]],
+    # issue 5's acceptance, two device calls: the GPT's sweep with a forced plan, then the LLaMA at two caps
+    "accept-gpt": [
+        [case("gpt cap 24 auto", "gpt", GPT, 8, 24, sweep=True), case("gpt cap 16 auto", "gpt", GPT, 8, 16, sweep=True),
+         case("gpt cap 24 n_persist 4 keep", "gpt", GPT, 8, 24, dict(KEEP, n_persist=4)),
+         case("gpt cap 40 auto", "gpt", GPT, 8, 40, sweep=True)],
+        [case("gpt cap 80 auto", "gpt", GPT, 8, 80, sweep=True), case("gpt cap 32 auto", "gpt", GPT, 8, 32, sweep=True)],
+        [case("gpt cap 64 auto", "gpt", GPT, 8, 64, sweep=True), case("gpt cap 48 auto", "gpt", GPT, 8, 48, sweep=True)],
+    ],
+    "accept-llama": [
+        [case("llama3b cap 40 auto", "llama", LLAMA_3B, 4, 40), case("llama3b cap 24 auto", "llama", LLAMA_3B, 4, 24)],
+        [case("llama3b cap 40 n_persist 8 recompute 13", "llama", LLAMA_3B, 4, 40,
+              dict(n_persist=8, n_buffer=2, n_swap=0, n_checkpoint=13))],
+    ],
     "llama": [
         [case("llama3b cap 40 auto", "llama", LLAMA_3B, 4, 40), case("llama3b cap 24 auto", "llama", LLAMA_3B, 4, 24)],
         [case("llama3b cap 40 n_persist 8 recompute 13", "llama", LLAMA_3B, 4, 40,
