@@ -18,6 +18,7 @@ decompositions or Inductor: bit-exact against eager PyTorch, for debugging and f
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch.fx as fx
@@ -31,7 +32,7 @@ from protrain_fx.passes.optimizer_calls import optimizer_calls
 from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.swap import swap_offload, swap_reload
 
-from . import _compat, autoplan, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
+from . import _compat, autoplan, distributed, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
 from .blocks import detect_blocks
 from .dump import GraphDump
 from .graph_inputs import capture_graph_inputs
@@ -219,10 +220,23 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
     plan = make_plan(_graph_name(), graph_inputs, structure, opts)
     plan.n_buffer_searched = choice is not None and searched_n_buffer
     register_plan(plan, live, options)
+    compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
+    if distributed.world().sharded:
+        compiled = _after_resident_grads(compiled)
     if choice is None:
-        return _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
+        return compiled
     plan.predicted = choice.predicted
     plan.notes += choice.notes
-    compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
     path = choice.cache_path
     return StepMeter(plan, device, lambda p: autoplan.save_plan(path, p)).wrap(compiled)
+
+
+def _after_resident_grads(compiled):
+    """Data parallel: the graph's backward adds to resident gradients, so their all-reduces still in flight
+    from the last backward finish first (distributed.wait_resident_grads)."""
+    @functools.wraps(compiled)
+    def run(*args):
+        distributed.wait_resident_grads()
+        return compiled(*args)
+
+    return run

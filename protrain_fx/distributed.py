@@ -120,15 +120,42 @@ def broadcast_object(obj):
 
 
 _HOOKED = IdentityWeakMap()
+_HOOKED_OPTIMIZERS = IdentityWeakMap()
+# resident gradients whose all-reduce is in flight: (gradient, work); divided by the world size once waited
+_IN_FLIGHT: list = []
 
 
-def average_resident_grads(params) -> None:
-    """All-reduce (mean) each of ``params``' gradients as autograd accumulates it (once per parameter)."""
+def average_resident_grads(params, optimizer=None) -> None:
+    """Average ``params``' gradients over the ranks as autograd accumulates them (hooks, once per parameter).
+
+    With the ``optimizer`` known, each all-reduce is started asynchronously (it overlaps the rest of
+    backward) and :func:`wait_resident_grads` finishes them before anything reads or adds to the gradients:
+    the optimizer's step (a pre-step hook), clipping, and the next call of a compiled graph (whose backward
+    accumulates into them). Without it each all-reduce completes inside its hook."""
     w = world()
     if not w.sharded:
         return
+    if optimizer is not None and optimizer not in _HOOKED_OPTIMIZERS:
+        _HOOKED_OPTIMIZERS[optimizer] = True
+        optimizer.register_step_pre_hook(lambda o, args, kwargs: wait_resident_grads())
     for p in params:
         if p in _HOOKED or not p.requires_grad:
             continue
         _HOOKED[p] = True
-        p.register_post_accumulate_grad_hook(lambda q, _n=w.size: all_reduce_mean(q.grad, _n))
+        if optimizer is None:
+            p.register_post_accumulate_grad_hook(lambda q, _n=w.size: all_reduce_mean(q.grad, _n))
+        else:
+            p.register_post_accumulate_grad_hook(lambda q: _IN_FLIGHT.append((q.grad, dist.all_reduce(q.grad, async_op=True))))
+
+
+def wait_resident_grads() -> None:
+    """Finish the resident gradients' all-reduces (see :func:`average_resident_grads`); a no-op when none
+    are in flight. On CUDA the wait orders the current stream after them (the host does not block)."""
+    if not _IN_FLIGHT:
+        return
+    size = world().size
+    done = list(_IN_FLIGHT)
+    _IN_FLIGHT.clear()
+    for grad, work in done:
+        work.wait()
+        grad.div_(size)

@@ -495,6 +495,7 @@ def _install_clip_hook() -> None:
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        distributed.wait_resident_grads()  # data parallel: resident gradients averaged over the ranks first
         handles = {store_of(p).optimizer for p in params if store_of(p) is not None and store_of(p).optimizer is not None
                    and store_of(p).param_is_offloaded(p)}
         if not handles:

@@ -89,7 +89,7 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     host_values = {id(p): HOST_VALUES[p] for _, p in fqns if p in HOST_VALUES}
     store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values)
     # with several ranks resident chunks are replicated: average their gradients across ranks
-    distributed.average_resident_grads([p for _, p in fqns if not store.param_is_offloaded(p)])
+    distributed.average_resident_grads([p for _, p in fqns if not store.param_is_offloaded(p)], options.optimizer)
     for _, p in fqns:  # the store owns them now
         HOST_VALUES.pop(p, None)
     if store.offloaded_chunks and root is not None and isinstance(root, torch.nn.Module):
