@@ -127,3 +127,18 @@ def test_new_shapes_replan_activations_and_keep_training_like_eager():
     r = compare_with_eager(model, data, dict(OPTS, memory_budget=4 * state_bytes(model)), give_optimizer=True)
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3
     assert any("chunk placement kept" in n for n in r.plan.notes)
+
+
+def test_profiled_blocks_give_a_measured_timeline(monkeypatch, tmp_path):
+    """PROTRAIN_PROFILE_BLOCKS=1: the chosen plan keeps its block marks, and a recent step's marks become
+    plan.measured["timeline"], drawn against the prediction (marks are cleared every step)."""
+    monkeypatch.setenv("PROTRAIN_PROFILE_BLOCKS", "1")
+    from protrain_fx import block_timer
+
+    model = gpt()
+    r = compare_with_eager(model, random_batches(5, 2, 16, vocab=64), dict(OPTS, memory_budget="1GiB"),
+                           give_optimizer=True)
+    assert r.max_loss_rel <= 1e-5
+    labels = [t[2] for t in r.plan.measured["timeline"]]
+    assert "fwd enter block 0" in labels and "bwd exit block 0" in labels
+    assert len(block_timer.RECORDER.marks) <= 4 * 4 * 2  # one step's marks, not five
