@@ -203,11 +203,11 @@ class ChunkStore:
         a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
         return None if a >= b else (slice(a - lo, b - lo), slice(a - e.offset, b - e.offset))
 
-    def host_chunk(self, chunk: int, which: str = "master") -> torch.Tensor:
-        """A whole offloaded chunk's host values (``master``, or another per-chunk host tensor passed as
-        ``which``): the store's own tensor with one rank, every rank's shard gathered with several (a
-        collective: every rank calls it, in the same order)."""
-        t = self.master[chunk] if which == "master" else which
+    def host_chunk(self, chunk: int, shard: torch.Tensor | None = None) -> torch.Tensor:
+        """A whole offloaded chunk's host values: of its master copy, or of ``shard`` (another per-chunk host
+        tensor, e.g. an Adam moment). The tensor itself with one rank, every rank's shard gathered with
+        several (a collective: every rank calls it, in the same order)."""
+        t = self.master[chunk] if shard is None else shard
         if not self.world.sharded:
             return t
         return distributed.gather_host(t, self.world.size, self.device)

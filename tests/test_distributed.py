@@ -60,10 +60,11 @@ def _rank_main(rank: int, init_file: str, kind: str, options: dict, out_dir: str
             dist.all_reduce(mean)
             losses.append(mean.item() / WORLD)
         sd = model.state_dict()  # a collective for sharded chunks: every rank calls it
+        osd = opt.state_dict()  # so is this: the moments of offloaded chunks are gathered
         plan = protrain_fx.get_plan(compiled)
         store = chunks.store_of(next(model.parameters()))
         off = store.offloaded_chunks
-        torch.save({"losses": losses, "state": sd, "n_persist": plan.n_persist, "n_chunks": len(plan.chunks),
+        torch.save({"losses": losses, "state": sd, "opt_state": osd["state"], "n_persist": plan.n_persist, "n_chunks": len(plan.chunks),
                     "world": store.world.size, "host_share": [store.host_numel(c) / store.chunk_numel(c) for c in off],
                     "host_master": sum(store.master[c].numel() for c in off), "offloaded": len(off),
                     "predicted": {k: v for k, v in (plan.predicted or {}).items() if k not in ("timeline", "profiled")}},
@@ -80,10 +81,13 @@ def run_ranks(kind: str, options: dict, clip=None, micro: int = 1) -> list[dict]
 
 
 def eager_reference(kind: str, clip=None):
-    from protrain_fx.testing import train_steps
+    from protrain_fx.testing import make_adamw, train_steps
 
     model = model_of(kind)
-    return model, train_steps(model, model, batches(kind), clip=clip)
+    opt = make_adamw(model)
+    losses = train_steps(model, model, batches(kind), opt=opt, clip=clip)
+    eager_reference.opt_state = opt.state_dict()["state"]
+    return model, losses
 
 
 @pytest.mark.parametrize("kind,options,clip,micro", [
@@ -104,6 +108,11 @@ def test_two_ranks_train_like_eager_on_the_whole_batch(kind, options, clip, micr
         assert rel <= LOSS_REL, (r["losses"], ref_losses)
         for k, v in ref_sd.items():
             torch.testing.assert_close(r["state"][k], v, rtol=0, atol=PARAM_ABS, msg=k)
+        ref_opt = eager_reference.opt_state  # torch's format, the whole moments on every rank
+        assert sorted(r["opt_state"]) == sorted(ref_opt)
+        for idx, st in ref_opt.items():
+            assert float(r["opt_state"][idx]["step"]) == float(st["step"])
+            torch.testing.assert_close(r["opt_state"][idx]["exp_avg"], st["exp_avg"], rtol=1e-3, atol=1e-6)
     moved = max((ref_sd[k] - model_of(kind).state_dict()[k]).abs().max().item() for k in ref_sd)
     assert moved > 10 * PARAM_ABS  # the steps did move the parameters
 
