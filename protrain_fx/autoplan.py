@@ -140,10 +140,6 @@ def save_plan(path: str, plan) -> None:
                                  plan.measured, [c.to_dict() for c in plan.chunks]))
 
 
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Options, compile_profiling) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy of the
     graph under the profiling plan with the given options."""
@@ -201,8 +197,8 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
         torch.cuda.empty_cache()
 
     # ---- search
-    master_elem = _elem(live[0].dtype)
-    transfer_elem = _elem(plan.param_dtype or live[0].dtype)  # what offloaded chunks travel as
+    master_elem = live[0].dtype.itemsize
+    transfer_elem = (plan.param_dtype or live[0].dtype).itemsize  # what offloaded chunks travel as
     cast_elem = transfer_elem if (torch.is_autocast_enabled(device.type)
                                   and torch.get_autocast_dtype(device.type) != live[0].dtype) else 0
     block_of = {}

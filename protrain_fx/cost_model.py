@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .planner import block_policy
+
 FRAGMENTATION = 1.10  # ProTrain's allocator factor; calibrated per machine when measurements exist
 # reserved over allocated when blocks swap: the host-reload buffers come and go in sizes that fragment the
 # allocator (H200, expandable segments: 1.06 and 1.08 with swapping, 1.003-1.03 without;
@@ -290,7 +292,7 @@ class LayoutCosts:
         casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
         kept = []
         for i, b in enumerate(blocks):
-            policy = "swap" if i < self.n_swap else "recompute" if i < self.n_swap + self.n_checkpoint else "keep"
+            policy = block_policy(i, self.n_swap, self.n_checkpoint)
             kept.append(b.swap_resident_bytes if policy == "swap" else b.input_bytes if policy == "recompute"
                         else b.keep_bytes + (casts // max(1, n - self.n_swap - self.n_checkpoint)))
         fwd_total = sum(b.fwd_s for b in blocks) + prof.nonblock_fwd_s or 1.0

@@ -79,8 +79,7 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     param_dtype = transfer_dtype(options, device, master, autocast)
     chunk_bytes = [layout.used_bytes(c) for c in range(layout.n_chunks)]
     n_buffer = options.n_buffer if options.n_buffer is not None else 2
-    elem = torch.empty(0, dtype=master).element_size()
-    t_elem = torch.empty(0, dtype=param_dtype).element_size()
+    elem, t_elem = master.itemsize, param_dtype.itemsize
     activations = saved_activation_bytes(graph) if training else 0
     # n_persist: given, or chosen by the automatic plan (protrain_fx/autoplan.py, which sets the option), else
     # every chunk resident
