@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=540)
     ap.add_argument("--merge", nargs="*", default=None)
     ap.add_argument("--note", action="append", default=[], help="with --merge: a line for the table's notes")
+    ap.add_argument("--keep-hardware", action="store_true",
+                    help="use the cached hardware profile instead of measuring it again (another stream measured it)")
     ap.add_argument("--fail-on-error", action="store_true", help="exit 1 when a case failed (a smoke check)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -187,9 +189,9 @@ def main() -> None:
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     deadline = time.monotonic() + args.timeout
     # the hardware profile (CPU Adam rate, copy bandwidths) is measured once per machine and cached: measure
-    # it now, alone, not while the first cases compile next to it
+    # it now, alone, not while the first cases compile next to it (--keep-hardware: it was, by whoever ran first)
     hw = subprocess.run([sys.executable, "-c", "from protrain_fx import hardware; "
-                         "print(hardware.hardware_profile(refresh=True).summary())"],
+                         f"print(hardware.hardware_profile(refresh={not args.keep_hardware}).summary())"],
                         env=env, capture_output=True, text=True, timeout=120)
     out["hardware"] = (hw.stdout + hw.stderr[-500:]).strip()
     print(out["hardware"], flush=True)

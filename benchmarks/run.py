@@ -257,7 +257,9 @@ class Ctx:
         self.slots = timeshare.Slots(args.jobs, device_total_gib or float("inf"), cap_host, HEAVY_HOST_GIB)
         self.lock_path = None
         if args.jobs > 1:
-            self.lock_path = os.path.join(tempfile.mkdtemp(prefix="protrain_bench_"), "turns.lock")
+            # a lock named in the environment is shared with another benchmark parent (on the other GPU)
+            self.lock_path = (os.environ.get(timeshare.LOCK_ENV)
+                              or os.path.join(tempfile.mkdtemp(prefix="protrain_bench_"), "turns.lock"))
         self.peer_site: concurrent.futures.Future | None = None
         self.procs: set = set()
         self.stopping = False
@@ -940,7 +942,9 @@ def main(argv=None) -> None:
         device, total = "an assumed H200 (--dry-run without a GPU)", 139.8
     else:
         device, total = gpu_info()
-    avail = meminfo_gib("MemAvailable")
+    from protrain_fx.hardware import host_memory  # MemAvailable, capped by the cgroup; $PROTRAIN_HOST_MEMORY
+
+    avail = host_memory()[0] / 2**30
     host = avail if args.host_gib is None else (args.host_gib or None)
     ctx = Ctx(args, total, host)
     if args.dry_run:

@@ -157,13 +157,16 @@ class Slots:
 def run_together(argvs: list[list[str]], env: dict, timeout: float) -> list[tuple[int, str, str]]:
     """Parent side for a fixed batch: start every command at once with the lock named in their environment
     (they compile side by side and time one at a time, see :func:`measuring`); returns (returncode, stdout,
-    stderr) of each, in order. A child still running at ``timeout`` is killed."""
+    stderr) of each, in order. A child still running at ``timeout`` is killed. ``$PROTRAIN_BENCH_LOCK``, when
+    ``env`` already names it, is the lock used (shared with whoever else uses it)."""
     with tempfile.TemporaryDirectory(prefix="timeshare_") as d:
         procs = []
         for i, argv in enumerate(argvs):
             out = open(os.path.join(d, f"out_{i}"), "w+")
             err = open(os.path.join(d, f"err_{i}"), "w+")
-            e = dict(env, **{LOCK_ENV: os.path.join(d, "lock")})
+            # a lock already named in the environment is shared with other parents (two benchmark streams on
+            # two GPUs of one host): their timed steps do not overlap ours either
+            e = dict(env, **{LOCK_ENV: env.get(LOCK_ENV) or os.path.join(d, "lock")})
             procs.append((subprocess.Popen(argv, stdout=out, stderr=err, env=e, text=True), out, err))
         deadline = time.monotonic() + timeout
         codes: list[int | None] = [None] * len(procs)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .options import ProtrainError
+from .options import ProtrainError, parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -583,12 +583,21 @@ def _memlock_limit() -> int | None:
 def host_memory() -> tuple[int, int]:
     """Live ``(available, total)`` host RAM in bytes: ``/proc/meminfo`` ``MemAvailable``/``MemTotal``, capped
     by the memory limits of this process's cgroup and its ancestors (a container's limit is what pinned
-    pools run into); elsewhere ``psutil`` if it is installed, else ``sysconf``."""
+    pools run into); elsewhere ``psutil`` if it is installed, else ``sysconf``.
+
+    ``$PROTRAIN_HOST_MEMORY`` (bytes, or with a unit: ``240GiB``, ``256GB``) states the total instead, for
+    virtual machines whose ``MemTotal`` starts small and grows as memory is touched (a ballooned guest);
+    available is then that total less what is in use now."""
     meminfo = _read_meminfo()
     if meminfo is not None:
         available, total = meminfo
     else:
         available, total = _portable_host_memory()
+    stated = os.environ.get("PROTRAIN_HOST_MEMORY")
+    if stated:
+        in_use = max(0, total - available)
+        total = parse_bytes(stated.strip(), what="PROTRAIN_HOST_MEMORY")
+        available = max(0, total - in_use)
     cg = _cgroup_memory()
     if cg is not None:
         cg_available, cg_limit = cg

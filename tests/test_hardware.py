@@ -169,6 +169,20 @@ def test_current_memory_is_live_and_sane():
     assert after < host_available + (64 << 20)
 
 
+def test_stated_host_memory_replaces_a_ballooned_total(monkeypatch):
+    """$PROTRAIN_HOST_MEMORY: the stated total, less what is in use now (a cgroup limit still caps it)."""
+    monkeypatch.setattr(hardware, "_read_meminfo", lambda: (20 << 30, 31 << 30))  # 11 GiB in use
+    monkeypatch.setattr(hardware, "_cgroup_memory", lambda: None)
+    assert hardware.host_memory() == (20 << 30, 31 << 30)
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "240GiB")
+    assert hardware.host_memory() == (229 << 30, 240 << 30)
+    monkeypatch.setattr(hardware, "_cgroup_memory", lambda: (100 << 30, 128 << 30))
+    assert hardware.host_memory() == (100 << 30, 128 << 30)
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "lots")
+    with pytest.raises(hardware.ProtrainError, match="PROTRAIN_HOST_MEMORY"):
+        hardware.host_memory()
+
+
 def test_unsupported_devices():
     with pytest.raises(hardware.ProtrainError):
         hardware.resolve_device("meta")
