@@ -17,6 +17,8 @@ once, under two rules:
   so no timed step overlaps another system's compilation, warm-up or timed steps; children waiting for their
   turn are blocked in ``flock`` and use no CPU or GPU time (they do keep their memory, which admission has
   accounted for). The parent takes the lock shared while it installs the peers' wheels.
+* Two parents on one machine (one per GPU) share both rules when the outer command names the locks:
+  ``$PROTRAIN_BENCH_LOCK`` (timing) and ``$PROTRAIN_BENCH_HEAVY_LOCK`` (one host-heavy child at a time).
 
 Without ``$PROTRAIN_BENCH_LOCK`` (a child run by hand, ``--jobs 1``) the child functions do nothing.
 
@@ -35,12 +37,21 @@ import threading
 import time
 
 LOCK_ENV = "PROTRAIN_BENCH_LOCK"
+HEAVY_LOCK_ENV = "PROTRAIN_BENCH_HEAVY_LOCK"
 _fd: int | None = None  # this child's handle on the lock
+_heavy_fd: int | None = None
 
 
 def start_busy() -> None:
-    """Child start-up: take the lock shared (blocks while another child measures)."""
-    global _fd
+    """Child start-up: take the lock shared (blocks while another child measures). A host-heavy child of a
+    parent that shares the machine with another parent (``$PROTRAIN_BENCH_HEAVY_LOCK`` set for it) first
+    waits for the host-heavy lock, held exclusively for its life: one host-heavy child on the machine, not
+    one per parent. It waits before taking the timing lock, so it holds up nobody's measurement."""
+    global _fd, _heavy_fd
+    heavy = os.environ.get(HEAVY_LOCK_ENV)
+    if heavy and _heavy_fd is None:
+        _heavy_fd = os.open(heavy, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(_heavy_fd, fcntl.LOCK_EX)
     path = os.environ.get(LOCK_ENV)
     if not path or _fd is not None:
         return
