@@ -157,18 +157,23 @@ def main() -> None:
         out["rows"].append(launch(system, nproc, args, left) if left > 30 else
                            {"system": system, "gpus": nproc, "error": "not run: deadline"})
         print(json.dumps({k: out["rows"][-1].get(k) for k in ("system", "gpus", "tokens_per_s", "error")}), flush=True)
+        text = write(out, args)  # after every row: a run cut short keeps what it measured
+    print(text)
+
+
+def write(out: dict, args) -> str:
     tok = {(r["system"], r["gpus"]): r.get("tokens_per_s") for r in out["rows"]}
     one, many, fsdp = tok.get(("protrain", 1)), tok.get(("protrain", args.gpus)), tok.get(("fsdp2", args.gpus))
     out["ratios"] = {f"protrain {args.gpus} GPUs / protrain 1 GPU": many / one if one and many else None,
                      f"protrain {args.gpus} GPUs / FSDP2 offload {args.gpus} GPUs": many / fsdp if fsdp and many else None}
     text = markdown(out)
-    print(text)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".json", "w") as f:
             json.dump(out, f, indent=1, default=str)
         with open(args.out + ".md", "w") as f:
             f.write(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Why in the joint graph: gradients keep flowing to the parameter placeholders as 
 are already there), so the optimizer-calls pass can collect them per chunk; and the recompute pass can tag
 the gathers so the partitioner re-gathers in backward instead of keeping every chunk alive.
 
-The pass records, per chunk, which joint output carries each parameter's gradient (``plan.grad_slots``).
+The pass records, per chunk, which joint output carries each parameter's gradient (``plan.grad_slots``;
+with several ranks also for resident chunks, ``plan.resident_grad_slots``, for passes/resident_grads.py).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     pos = node_positions(graph)
     # (store, chunk) -> [(placeholder, entry index, primal ordinal)]
     members: dict[tuple[int, int], list[tuple[fx.Node, int, int]]] = defaultdict(list)
+    resident: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     primal_ordinal = 0
     for position, node in enumerate(placeholders):
@@ -46,9 +48,13 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if idx is not None and idx in plan.input_entry:
             store_id, entry = plan.input_entry[idx]
             store = chunks.get_store(store_id)
-            if store.is_offloaded(store.entries[entry].chunk):
-                members[(store_id, store.entries[entry].chunk)].append((node, entry, primal_ordinal))
+            chunk = store.entries[entry].chunk
+            if store.is_offloaded(chunk):
+                members[(store_id, chunk)].append((node, entry, primal_ordinal))
+            elif plan.world_size > 1:
+                resident[(store_id, chunk)].append((primal_ordinal, entry))
         primal_ordinal += is_primal
+    plan.resident_grad_slots = dict(resident)
     if not members:
         return gm
     tagged = any("partitioner_tag" in n.meta for n in graph.nodes)

@@ -9,8 +9,8 @@ buffers, it inserts
   (through views; a cast is a reader), so the buffer can be refilled;
 * ``prefetch(tokens=[release that freed a buffer], chunk)`` for the next gather as soon as a buffer is
   free: at the graph's start for the first ``n_buffer`` gathers, then right after each release;
-* tokens on each gather: its own prefetch, and every prefetch, release and chunk_grad placed since the
-  previous gather. Inductor may not move a protrain op past the next gather (and the compute that needs
+* tokens on each gather: its own prefetch, and every prefetch, release, chunk_grad and resident_grads
+  placed since the previous gather. Inductor may not move a protrain op past the next gather (and the compute that needs
   it), so copies are issued early and gradients leave as soon as they are complete.
 
 The runtime skips the copy when a buffer still holds the chunk (backward's first chunks are forward's
@@ -116,10 +116,10 @@ def chunk_schedule(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             in_use -= 1
             pending_tokens.append(r)
             issue_prefetches(r, [r])
-    # chunk_grad ops: pin each before the next gather that follows it
+    # chunk_grad and resident_grads ops: pin each before the next gather that follows it
     pos = node_positions(graph)
     gathers_in_order = sorted(gathers, key=pos.__getitem__)
-    for cg in (n for n in graph.nodes if n.op == "call_function" and n.target is ops.CHUNK_GRAD):
+    for cg in (n for n in graph.nodes if n.op == "call_function" and n.target in ops.GRAD_OPS):
         nxt = next((g for g in gathers_in_order if pos[g] > pos[cg]), None)
         if nxt is not None:
             nxt.update_arg(0, list(nxt.args[0] or []) + [cg])

@@ -29,6 +29,7 @@ from protrain_fx.passes.block_marks import block_marks
 from protrain_fx.passes.chunk_gather import chunk_gather
 from protrain_fx.passes.chunk_schedule import chunk_schedule
 from protrain_fx.passes.optimizer_calls import optimizer_calls
+from protrain_fx.passes.resident_grads import resident_grads
 from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.swap import swap_offload, swap_reload
 
@@ -49,7 +50,7 @@ PIPELINE: dict[str, tuple[Pass, ...]] = {
     "dynamo": (block_marks,),
     "joint": (annotate, chunk_gather, recompute),
     "forward": (swap_offload, chunk_schedule),
-    "backward": (swap_reload, optimizer_calls, chunk_schedule),
+    "backward": (swap_reload, optimizer_calls, resident_grads, chunk_schedule),
     "inference": (annotate, chunk_gather, chunk_schedule),
 }
 

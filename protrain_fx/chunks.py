@@ -179,7 +179,7 @@ class ChunkStore:
         # between copy marks (so block times exclude them) and gradients are dropped, not stepped
         self.profiling = False
         self.stats = {"h2d_copies": 0, "h2d_bytes": 0, "slot_hits": 0, "unprefetched_gathers": 0,
-                      "d2h_copies": 0, "d2h_bytes": 0}
+                      "d2h_copies": 0, "d2h_bytes": 0, "resident_all_reduces": 0}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------ layout
@@ -428,6 +428,25 @@ class ChunkStore:
                 distributed.reduce_scatter_mean(shard, buf, self.world.size)
                 buf = shard
         self._grad_buf_done[k] = self.optimizer.chunk_grad(self, chunk, buf, members)
+
+    def resident_grads_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
+        """Data parallel: copy a resident chunk's parameter gradients (store entries ``members``) into a flat
+        buffer of their own (the graph's buffers are reused by Inductor at once) and start averaging it over
+        the ranks; the views of it become (or are added to) the parameters' ``.grad``
+        (:func:`protrain_fx.distributed.start_resident_all_reduce`)."""
+        if self.profiling:
+            return
+        with torch.no_grad():
+            flat = torch.empty(sum(self.entries[i].numel for i in members), dtype=self.master_dtype,
+                               device=self.device)
+            views, offset = [], 0
+            for i in members:
+                e = self.entries[i]
+                views.append(flat[offset:offset + e.numel].view(e.shape))
+                offset += e.numel
+            torch._foreach_copy_(views, [g.detach() for g in grads])
+        distributed.start_resident_all_reduce(flat, [(self._params[i](), v) for i, v in zip(members, views)])
+        self.stats["resident_all_reduces"] += 1
 
     def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):
         """Device-to-host copy of one of the store's device gradient buffers on the d2h stream; returns the

@@ -209,6 +209,18 @@ class LayoutCosts:
             bwd_res.append(bwd_res[-1] + b)
             bwd_off.append(bwd_off[-1] + max(b, A.comm[c]))
         self.bwd_res, self.bwd_off = bwd_res, bwd_off
+        # ---- data parallel: resident chunks' all-reduces, one per chunk as soon as its backward is done,
+        # back to back on the link while backward goes on with the chunks before it. With resident chunks
+        # 0..n_persist-1 (backward reaches chunk 0 last) the last one finishes max_k(A_k - B_k) after the end
+        # of backward (A_k: all-reduce time of chunks 0..k, B_k: backward time of chunks before k); prefix
+        # maxima price every n_persist in O(1)
+        self.allreduce_exposed = [0.0] * (len(chunks) + 1)
+        if hw.world_size > 1:
+            reduce_s = worst = 0.0
+            for c, ch in enumerate(chunks):
+                reduce_s += hw.collective_s(ch.numel * prof.master_elem, passes=2)
+                worst = max(worst, reduce_s - bwd_res[c])
+                self.allreduce_exposed[c + 1] = worst
         # ---- swap and memory that do not depend on n_persist
         self.swap_fraction = n_swap / n_blocks if n_blocks else 0.0
         self.swapped_bytes = A.swappable[n_swap]
@@ -267,8 +279,8 @@ class LayoutCosts:
                  + swap_exposed)
         resident = self.numel[n_persist]
         offloaded = self.numel[n] - resident
-        # replicated resident chunks: their gradients are all-reduced (counted as exposed, after backward)
-        t_bwd += hw.collective_s(self.resident_bytes[n_persist], passes=2)
+        # replicated resident chunks: what of their gradients' all-reduce backward cannot hide
+        t_bwd += self.allreduce_exposed[n_persist]
         t_gpu = resident / hw.gpu_adam_params_per_s
         t_cpu = offloaded / hw.world_size / hw.cpu_adam_params_per_s * CPU_CONTENTION if offloaded else 0.0
         t_first = self.first_grad_s if offloaded else 0.0

@@ -7,8 +7,10 @@ chunks: launched with ``torchrun``, each rank compiles the same graphs, and
 * a gather copies the rank's shard into its place in a device chunk buffer and all-gathers the rest
   (``protrain::prefetch``, on the host-to-device stream); a chunk's gradient is reduce-scattered (averaged)
   before its shard goes to the host (``protrain::chunk_grad``);
-* resident chunks are replicated: their gradients are all-reduced (averaged) as autograd accumulates them,
-  and the user's optimizer steps them identically on every rank;
+* resident chunks are replicated: their gradients are all-reduced (averaged) from inside backward, one
+  async all-reduce per chunk as soon as its gradients are complete (passes/resident_grads.py), so it
+  overlaps the rest of backward; gradients that reach autograd's hooks instead are all-reduced from there;
+  the user's optimizer steps them identically on every rank;
 * the automatic plan is made on rank 0 and broadcast, so every rank runs the same plan.
 
 With one process (or none initialized) nothing here runs: :func:`world` has size 1 and every function is
@@ -17,6 +19,7 @@ optimizer's worker thread), so every rank issues them in the same order.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -121,8 +124,38 @@ def broadcast_object(obj):
 
 _HOOKED = IdentityWeakMap()
 _HOOKED_OPTIMIZERS = IdentityWeakMap()
-# resident gradients whose all-reduce is in flight: (gradient, work); divided by the world size once waited
+# resident gradients whose all-reduce is in flight: (work, finish); finish() runs once the work is waited for
 _IN_FLIGHT: list = []
+_finish_queued = False  # wait_resident_grads is queued to run at the end of the current backward pass
+_AVERAGED_IN_GRAPH = IdentityWeakMap()  # parameters whose gradients the graphs average (not the hooks)
+
+
+def start_resident_all_reduce(flat: torch.Tensor, param_grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Start averaging ``flat`` over the ranks (async); once done, each ``(param, view of flat)`` is added
+    to ``param.grad`` (or becomes it). Called from inside backward (``protrain::resident_grads``); the end of
+    that backward pass finishes it (an autograd final callback), as do the optimizer's step, clipping and the
+    next graph call, whichever comes first."""
+    global _finish_queued
+    size = world().size
+    for p, _ in param_grads:
+        _AVERAGED_IN_GRAPH[p] = True
+    work = dist.all_reduce(flat, async_op=True)
+
+    def finish():
+        flat.div_(size)
+        for p, g in param_grads:
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+    _IN_FLIGHT.append((work, finish))
+    if not _finish_queued:
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(wait_resident_grads)
+            _finish_queued = True
+        except RuntimeError:  # not inside a backward pass: the other wait points finish it
+            pass
 
 
 def average_resident_grads(params, optimizer=None) -> None:
@@ -142,20 +175,31 @@ def average_resident_grads(params, optimizer=None) -> None:
         if p in _HOOKED or not p.requires_grad:
             continue
         _HOOKED[p] = True
-        if optimizer is None:
-            p.register_post_accumulate_grad_hook(lambda q, _n=w.size: all_reduce_mean(q.grad, _n))
-        else:
-            p.register_post_accumulate_grad_hook(lambda q: _IN_FLIGHT.append((q.grad, dist.all_reduce(q.grad, async_op=True))))
+        p.register_post_accumulate_grad_hook(functools.partial(_average_hook, size=w.size, wait=optimizer is None))
+
+
+def _average_hook(param: torch.Tensor, size: int, wait: bool) -> None:
+    """A resident gradient reached autograd (not averaged in the graph, passes/resident_grads.py): average
+    it now, or start averaging it (finished by wait_resident_grads)."""
+    # the graph averages it itself and returned None (the hook still runs; .grad may hold earlier
+    # micro-batches' averaged sum)
+    if param.grad is None or param in _AVERAGED_IN_GRAPH:
+        return
+    if wait:
+        all_reduce_mean(param.grad, size)
+    else:
+        _IN_FLIGHT.append((dist.all_reduce(param.grad, async_op=True), functools.partial(param.grad.div_, size)))
 
 
 def wait_resident_grads() -> None:
     """Finish the resident gradients' all-reduces (see :func:`average_resident_grads`); a no-op when none
     are in flight. On CUDA the wait orders the current stream after them (the host does not block)."""
+    global _finish_queued
+    _finish_queued = False
     if not _IN_FLIGHT:
         return
-    size = world().size
     done = list(_IN_FLIGHT)
     _IN_FLIGHT.clear()
-    for grad, work in done:
+    for work, finish in done:
         work.wait()
-        grad.div_(size)
+        finish()

@@ -22,6 +22,10 @@ side effects (at import time, before any graph is compiled: Inductor's cache key
   (``members``: their store entries) into one of the store's device gradient buffers, copy it to the host on
   its own stream, and hand the chunk to the CPU optimizer worker. The store owns that buffer: a buffer of
   the graph's would be reused by Inductor while the copy is still reading it.
+* ``resident_grads(grads, tokens, store, chunk, members) -> token``: data parallel only: copy a resident
+  chunk's parameter gradients into a flat buffer of its own and start their all-reduce (averaged) now, in
+  backward, so it overlaps the rest of backward; the sum reaches ``param.grad`` before anything reads it
+  (:func:`protrain_fx.distributed.wait_resident_grads`).
 """
 from __future__ import annotations
 
@@ -119,6 +123,20 @@ def _(grads, tokens, store, chunk, members):
     return torch.empty(0, device=chunks.get_store(store).device)
 
 
+@custom_op("protrain::resident_grads", mutates_args=())
+def resident_grads(
+    grads: List[torch.Tensor], tokens: List[torch.Tensor], store: int, chunk: int, members: List[int]
+) -> torch.Tensor:
+    s = chunks.get_store(store)
+    s.resident_grads_ready(chunk, grads, list(members))
+    return _token(s.device)
+
+
+@resident_grads.register_fake
+def _(grads, tokens, store, chunk, members):
+    return torch.empty(0, device=chunks.get_store(store).device)
+
+
 def _fake_token(tokens, store, chunk):
     return torch.empty(0, device=chunks.get_store(store).device)
 
@@ -134,7 +152,9 @@ RELOAD_TAKE = torch.ops.protrain.reload_take.default
 PREFETCH = torch.ops.protrain.prefetch.default
 RELEASE = torch.ops.protrain.release.default
 CHUNK_GRAD = torch.ops.protrain.chunk_grad.default
-TOKEN_OPS = (PREFETCH, RELEASE, CHUNK_GRAD, RELOAD_START)
+RESIDENT_GRADS = torch.ops.protrain.resident_grads.default
+GRAD_OPS = (CHUNK_GRAD, RESIDENT_GRADS)
+TOKEN_OPS = (PREFETCH, RELEASE, CHUNK_GRAD, RESIDENT_GRADS, RELOAD_START)
 ALL_OPS = (GATHER, *TOKEN_OPS)
 
 for _target in TOKEN_OPS:
@@ -152,7 +172,7 @@ def fake_value(target, args):
         return torch.empty(s.chunk_numel(args[2]), dtype=s.param_dtype, device=s.device)
     if target is RELOAD_START:
         return torch.empty(0, device=swap_pool.get_pool(args[2]).device)
-    store = args[2] if target is CHUNK_GRAD else args[1]
+    store = args[2] if target in GRAD_OPS else args[1]
     return torch.empty(0, device=chunks.get_store(store).device)
 
 

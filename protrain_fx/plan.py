@@ -73,6 +73,10 @@ class Plan:
     n_buffer_searched: bool = False  # n_buffer came from the plan search (too small: raised, like unset)
     # set by chunk_gather: (store id, chunk) -> [(primal ordinal, store entry index)] of its parameters
     grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict, repr=False)
+    # data parallel (world_size > 1, set by the backend): the same for resident chunks, whose gradients the
+    # resident_grads pass all-reduces from inside backward
+    world_size: int = 1
+    resident_grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict, repr=False)
     estimate: dict[str, int] = field(default_factory=dict, repr=False)  # device bytes by component
     # set at partition: names of the forward values saved for backward (in order); set by swap_offload:
     # saved value name -> (pool key, block), and the pool's id

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from . import distributed
 from .blocks import BlockStructure
 from .chunk_layout import choose_chunk_size, pack
 from .graph_inputs import GraphInput
@@ -87,6 +88,7 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
         block_structure=structure,
         layout=layout,
         profile_blocks=os.environ.get("PROTRAIN_PROFILE_BLOCKS", "0") == "1",
+        world_size=distributed.world().size,
     )
 
 

@@ -90,6 +90,7 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
     return {"losses": losses, "state": sd, "opt_state": osd["state"], "n_persist": plan.n_persist,
             "n_chunks": len(plan.chunks), "world": store.world.size,
             "host_share": [store.host_numel(c) / store.chunk_numel(c) for c in off], "offloaded": len(off),
+            "resident_all_reduces": store.stats["resident_all_reduces"],
             "predicted": {k: v for k, v in (plan.predicted or {}).items() if k not in ("timeline", "profiled")}}
 
 
@@ -119,6 +120,8 @@ def test_two_ranks_train_like_eager_on_the_whole_batch(trained, case):
     assert ranks[0]["n_persist"] == options["n_persist"] < ranks[0]["n_chunks"]
     for r in ranks:  # each rank holds half of every offloaded chunk on the host
         assert r["world"] == WORLD and r["offloaded"] >= 1 and r["host_share"] == [0.5] * r["offloaded"]
+        # resident chunks' gradients were all-reduced from inside backward: one per chunk and backward pass
+        assert r["resident_all_reduces"] == options["n_persist"] * STEPS * micro
     check_like_eager(ranks, kind, clip)
 
 

@@ -125,6 +125,22 @@ def test_prediction_terms():
     assert p.peak_bytes == pytest.approx((states + buffers + live) * 1.10, abs=1)
 
 
+def test_data_parallel_resident_all_reduce_overlaps_backward():
+    """Resident chunks' all-reduces start as each chunk's backward ends: only what the backward of the chunks
+    before it cannot hide is exposed (chunk 0's, the last, at least)."""
+    blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
+    ch = 50 * 10**6
+    allreduce = 2 * ch * 4 / 2 / 100e9  # one chunk's fp32 gradients: 4 ms
+    for bwd in (0.020, 0.001):  # chunk 0's backward hides chunk 1's all-reduce, or does not
+        prof = GraphProfile(chunk_size=256 * MiB, blocks=(blk, blk),
+                            chunks=(ChunkProfile(ch, 0.010, bwd, (0,)), ChunkProfile(ch, 0.010, bwd, (1,))))
+        knobs = Knobs(prof.chunk_size, 2, 0, 0, 0)  # both chunks resident
+        one, two = predict(prof, HW, knobs), predict(prof, HW2, knobs)
+        exposed = max(allreduce, 2 * allreduce - bwd)
+        assert two.breakdown["bwd_s"] == pytest.approx(one.breakdown["bwd_s"] + exposed)
+        assert two.peak_bytes == one.peak_bytes
+
+
 def test_data_parallel_terms():
     """Two ranks: a rank steps and keeps half of the offloaded states, and pays the collectives: an
     all-gather per offloaded chunk gathered, a reduce-scatter per offloaded gradient, an all-reduce of the
