@@ -12,7 +12,8 @@ recomputes what only feeds saved values).
 Timed part, one real step under the most frugal plan (every chunk offloaded, every block recomputed, so a
 model larger than the device can be profiled): the Inductor-compiled kernels run with ``protrain::mark`` at
 every block boundary (passes/block_marks.py) and chunk copies serialized on the compute stream between copy
-marks, which :mod:`protrain_fx.block_timer` subtracts, so block times are compute only. Gradients are
+marks, which :mod:`protrain_fx.block_timer` subtracts, so block times are compute only. A warm-up run
+fills the allocator's cache; the timed runs (the minimum per block over two) reuse it. Gradients are
 dropped, RNG state and mutated inputs restored: the step leaves no trace on training. Per block it gives
 forward time and backward time (which includes its recomputation: the recomputed share of the forward time
 is taken out by the FLOP share above), outside blocks the rest, and the step's peak allocation, from which
@@ -194,7 +195,12 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
                 t.grad = None
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-                torch.cuda.empty_cache()
+                if run == 0:
+                    # the warm-up run starts from an empty cache (its reserved/allocated ratio is the step's
+                    # own); the timed runs reuse what it cached, as training steps do: a run that has to
+                    # map device memory mid-step stalls the host and so the kernels (cudaMalloc synchronizes;
+                    # expandable segments map page by page), and those stalls would count as block time
+                    torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             rec.clear()
             rec.record(block_timer.STEP, block_timer.STEP_START, device)
