@@ -256,10 +256,13 @@ class Ctx:
         cap_host = (host_avail_gib - HOST_MARGIN_GIB) if host_avail_gib else float("inf")
         self.slots = timeshare.Slots(args.jobs, device_total_gib or float("inf"), cap_host, HEAVY_HOST_GIB)
         self.lock_path = None
+        self.own_lock_dir = None  # the folder this run made for its lock (removed at the end)
         if args.jobs > 1:
             # a lock named in the environment is shared with another benchmark parent (on the other GPU)
-            self.lock_path = (os.environ.get(timeshare.LOCK_ENV)
-                              or os.path.join(tempfile.mkdtemp(prefix="protrain_bench_"), "turns.lock"))
+            self.lock_path = os.environ.get(timeshare.LOCK_ENV)
+            if not self.lock_path:
+                self.own_lock_dir = tempfile.mkdtemp(prefix="protrain_bench_")
+                self.lock_path = os.path.join(self.own_lock_dir, "turns.lock")
         self.peer_site: concurrent.futures.Future | None = None
         self.procs: set = set()
         self.stopping = False
@@ -1019,8 +1022,8 @@ def main(argv=None) -> None:
             signal.signal(sig, h)
     out["wall_s"] = round(time.monotonic() - ctx.t_start, 1)
     write_outputs(out, args.out)
-    if ctx.lock_path:
-        shutil.rmtree(os.path.dirname(ctx.lock_path), ignore_errors=True)
+    if ctx.own_lock_dir:  # never a lock named in the environment (its folder is someone else's: /tmp)
+        shutil.rmtree(ctx.own_lock_dir, ignore_errors=True)
     print(f"wrote {args.out}.json, .md, .png ({len(out['rows'])} rows, {out['wall_s']:.0f} s)", flush=True)
 
 

@@ -134,6 +134,7 @@ def test_gpu_run_with_children_faked(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "run_child", fake_run_child)
     monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
     monkeypatch.setattr(run, "meminfo_gib", lambda key: 120.0)
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")  # what the host-memory checks read
     monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: log.update(status="fake") or "/fake/site")
     out = tmp_path / "gpu"
     run.main(["--device", "cuda", "--jobs", "3", "--scenarios", "gpt1.4b,gpt1.4b-cap24,llama-cap40",
@@ -353,3 +354,32 @@ def test_slots_keep_host_heavy_children_apart():
     (a0, a1), (b0, b1), (l0, l1) = spans["h1"], spans["h2"], spans["light"]
     assert a1 <= b0 or b1 <= a0  # the heavy ones one after the other
     assert l0 < a1 and a0 < l1  # the light one next to the first heavy one
+
+
+def test_two_parents_share_the_locks_and_leave_their_folder(tmp_path, monkeypatch):
+    """Two run.py parents on one machine (one per GPU): the locks named in the environment reach the
+    children (the host-heavy lock only the offloading systems'), and the lock's folder is not removed at the
+    end (it is the caller's, e.g. /tmp)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "other_file").write_text("kept")
+    monkeypatch.setenv(timeshare.LOCK_ENV, str(shared / "turns.lock"))
+    monkeypatch.setenv(timeshare.HEAVY_LOCK_ENV, str(shared / "heavy.lock"))
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")
+    envs = {}
+
+    def fake_run_child(argv, env, timeout, ctx=None):
+        envs[argv[argv.index("--one") + 1]] = env
+        return {"params": 123, "tokens_per_s": 1000.0, "peak_gib": 20.0, "step_ms": 8.0, "step_ms_min": 8.0,
+                "step_ms_max": 8.0}
+
+    monkeypatch.setattr(run, "run_child", fake_run_child)
+    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: None)
+    run.main(["--device", "cuda", "--jobs", "3", "--scenarios", "gpt1.4b", "--out", str(tmp_path / "gpu")])
+    assert set(envs) == set(run.SYSTEMS)
+    for system, env in envs.items():
+        assert env[timeshare.LOCK_ENV] == str(shared / "turns.lock")
+        heavy = system in ("fsdp2_offload", "ds_zero2_offload", "ds_zero3_offload", "torchao_offload")
+        assert (env.get(timeshare.HEAVY_LOCK_ENV) == str(shared / "heavy.lock")) == heavy, system
+    assert (shared / "other_file").read_text() == "kept"
