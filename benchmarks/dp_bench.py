@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/dp_bench.py --gpus 2 --cap 24 --out $OUT/dp_h200
     python benchmarks/dp_bench.py --device cpu --tiny --gpus 2 --steps 2 --out /tmp/dp_smoke   # CPU (gloo)
+    python benchmarks/dp_bench.py --merge run1.json run2.json --out benchmarks/results/dp_h200  # one table
 
 The parent launches, one after another, ``torchrun --nproc-per-node=N benchmarks/dp_bench.py --child SYSTEM``
 for protrain with 1 and N processes and FSDP2 with N. Each child caps every GPU at ``--cap`` GiB
@@ -113,8 +114,8 @@ def markdown(out: dict) -> str:
     rows = out["rows"]
     lines = [f"# Data-parallel protrain on {out['device']} ({out['date']})", "",
              f"Command: `{out['command']}`. torch {out['torch']}. See benchmarks/dp_bench.py.", "",
-             "| system | GPUs | tokens/s | step ms | peak reserved GiB (max over GPUs) | plan | error |",
-             "|---|---|---|---|---|---|---|"]
+             "| run | system | GPUs | tokens/s | step ms | peak reserved GiB (max over GPUs) | plan | error |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         plan = (f"n_persist {r['n_persist']}/{r['n_chunks']}, swap {r['n_swap']}, recompute {r['n_checkpoint']}"
                 if "n_persist" in r else "-")
@@ -122,10 +123,26 @@ def markdown(out: dict) -> str:
         ms = f"{r['step_ms']:.0f}" if "step_ms" in r else "-"
         peak = f"{r['peak_reserved_gib_max']:.1f}" if "peak_reserved_gib_max" in r else "-"
         err = " ".join(str(r.get("error", "")).split())[:160].replace("|", "/")
-        lines.append(f"| {r['system']} | {r['gpus']} | {tok} | {ms} | {peak} | {plan} | {err} |")
-    for k, v in out.get("ratios", {}).items():
-        lines.append(f"\n{k}: {v:.2f}x" if v is not None else f"\n{k}: -")
+        lines.append(f"| {r.get('run', 1)} | {r['system']} | {r['gpus']} | {tok} | {ms} | {peak} | {plan} | {err} |")
+    for run, ratios in (out.get("run_ratios") or {"1": out.get("ratios", {})}).items():
+        for k, v in ratios.items():
+            lines.append(f"\nrun {run}: {k}: {v:.2f}x" if v is not None else f"\nrun {run}: {k}: -")
+    lines += [""] + [f"- {n}" for n in out.get("notes") or []]
     return "\n".join(lines) + "\n"
+
+
+def merge(paths: list[str], notes: list[str], out_path: str) -> None:
+    """Several runs' JSON in one table: rows numbered by run, each run's own ratios (same-run rows only)."""
+    parts = [json.load(open(p)) for p in paths]
+    rows = [dict(r, run=i + 1) for i, p in enumerate(parts) for r in p["rows"]]
+    out = dict(parts[-1], rows=rows, notes=notes, command=" ; ".join(p["command"] for p in parts),
+               run_ratios={str(i + 1): p.get("ratios", {}) for i, p in enumerate(parts)},
+               runs=[{k: p.get(k) for k in ("date", "command", "torch", "device")} for p in parts])
+    with open(out_path + ".json", "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    with open(out_path + ".md", "w") as f:
+        f.write(markdown(out))
+    print(markdown(out))
 
 
 def main() -> None:
@@ -141,9 +158,14 @@ def main() -> None:
     ap.add_argument("--systems", default="protrain1,protrain,fsdp2", help="protrain1 = protrain on one GPU")
     ap.add_argument("--timeout", type=float, default=540)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merge", nargs="+", default=None, help="JSON files of earlier runs to combine into --out")
+    ap.add_argument("--note", action="append", default=[], help="with --merge: a line for the table's notes")
     args = ap.parse_args()
     if args.child:
         child(args)
+        return
+    if args.merge:
+        merge(args.merge, args.note, args.out)
         return
     import torch
 

@@ -675,6 +675,7 @@ def markdown(out: dict) -> str:
                      "(`ran again alone` in the details). A system kept on the device may have been timed while one "
                      "offloading system idled next to it (`alive_next_to_it` in the JSON); `--jobs 1` times every "
                      "system with nothing else alive.")
+    lines += [f"- {n}" for n in out.get("run_notes") or []]
     if out.get("plot_error"):
         lines.append(f"- The chart was not drawn: {out['plot_error']}")
     if out.get("merged_from"):
@@ -867,6 +868,7 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="print what would run, with its memory claims, and what "
                     "would not (predicted failures); run nothing. Without a GPU it assumes an H200 (139.8 GiB)")
     ap.add_argument("--merge", nargs="+", default=None, help="JSON files of earlier runs to combine into --out")
+    ap.add_argument("--note", action="append", default=[], help="with --merge: a line for the table's notes")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -923,7 +925,8 @@ def merge(args) -> None:
                 continue  # a row that was not run (deadline, interrupt) never replaces one that was
             rows[key] = r  # otherwise a later file's row replaces an earlier one's
         out = data
-    out = dict(out, rows=list(rows.values()), merged_from=merged, argv=["--merge", *args.merge, "--out", args.out])
+    out = dict(out, rows=list(rows.values()), merged_from=merged, argv=["--merge", *args.merge, "--out", args.out],
+               run_notes=list(args.note))
     write_outputs(out, args.out)
     print(f"wrote {args.out}.json, .md, .png ({len(rows)} rows)")
 

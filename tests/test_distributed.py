@@ -164,4 +164,4 @@ def test_dp_bench_cpu_smoke(tmp_path):
     rows = json.loads((tmp_path / "dp.json").read_text())["rows"]
     assert [(r["system"], r["gpus"]) for r in rows] == [("protrain", 2)]
     assert rows[0]["tokens_per_s"] > 0 and "error" not in rows[0]
-    assert (tmp_path / "dp.md").read_text().count("| protrain | 2 |") == 1
+    assert (tmp_path / "dp.md").read_text().count("| 1 | protrain | 2 |") == 1
