@@ -161,7 +161,7 @@ class _ProfileArrays:
         last = chunks[-1] if chunks else None
         self.first_grad_s = (last.bwd_s + last.numel * me * shard / hw.d2h_bytes_per_s
                              + hw.collective_s(last.numel * me)) if last else 0.0
-        self.hw = hw
+        self.hw, self.prof = hw, prof
         self.compute_s = sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
         self.swap_window_s = self.compute_s - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
         # by block: prefix sums of what each policy keeps on the device, of the swappable bytes, of recompute
@@ -172,6 +172,15 @@ class _ProfileArrays:
             self.swap_res.append(self.swap_res[-1] + blk.swap_resident_bytes)
             self.swappable.append(self.swappable[-1] + blk.keep_bytes - blk.swap_resident_bytes)
             self.recompute.append(self.recompute[-1] + blk.recompute_cost_s)
+
+    def peak_lower_bound(self, n_swap: int, n_checkpoint: int) -> int:
+        """A peak no plan of this (n_swap, n_checkpoint) goes under, in O(1): the activations its policies
+        keep plus backward's transient, times the profile's allocator factor (every n_persist adds to it)."""
+        prof, n_blocks = self.prof, len(self.keep) - 1
+        end_rc = n_swap + n_checkpoint
+        act = (prof.nonblock_saved_bytes + self.swap_res[n_swap] + (self.inp[end_rc] - self.inp[n_swap])
+               + (self.keep[n_blocks] - self.keep[end_rc]))
+        return int((act + prof.transient_bytes) * prof.fragmentation)
 
     def lower_bound_s(self, n_swap: int, n_checkpoint: int) -> float:
         """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): all compute, the recompute of its

@@ -3,14 +3,17 @@ the device budget and whose pinned host memory fits the host, by the cost model 
 
 Exhaustive and exact: every chunk size profiled, every n_buffer candidate, every (n_swap, n_checkpoint)
 with n_swap + n_checkpoint <= blocks, and every n_persist. The layout-dependent costs are built once per
-(chunk size, n_buffer, n_swap, n_checkpoint) and each n_persist is then priced in O(1). Knobs given by the
-user are fixed and only the others are searched. Ties: :func:`plan_key`.
+(chunk size, n_buffer, n_swap, n_checkpoint) and each n_persist is then priced in O(1); layouts are visited
+cheapest lower bound first, and the search stops at the first whose bound exceeds the best plan found.
+Knobs given by the user are fixed and only the others are searched. Ties: :func:`plan_key`.
 
 When nothing fits, :class:`NoPlanFits` names the smallest budget that would work (the least predicted peak
 over every plan the fixed knobs allow), or the host memory the smallest pinned footprint needs.
 """
 from __future__ import annotations
 
+import gc
+import time
 from dataclasses import dataclass
 
 from .cost_model import GraphProfile, Hardware, LayoutCosts, Prediction, _ProfileArrays
@@ -47,14 +50,30 @@ def n_buffer_candidates(n_buffer: int | None, min_n_buffer: int = 1) -> list[int
 def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_budget: int | None = None, *,
            n_persist: int | None = None, n_buffer: int | None = None, n_swap: int | None = None,
            n_checkpoint: int | None = None, min_n_buffer: int = 1) -> SearchResult:
-    """The fastest plan that fits; the profiles are one per candidate chunk size (one if the size is given)."""
-    import time
+    """The fastest plan that fits; the profiles are one per candidate chunk size (one if the size is given).
+    The cyclic garbage collector is paused meanwhile: the search makes many small short-lived objects, and a
+    full collection over everything torch has loaded, when one falls inside it, costs more than the search."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(profiles, hw, device_budget, host_budget, n_persist=n_persist, n_buffer=n_buffer,
+                       n_swap=n_swap, n_checkpoint=n_checkpoint, min_n_buffer=min_n_buffer)
+    finally:
+        if enabled:
+            gc.enable()
 
+
+def _search(profiles, hw, device_budget, host_budget, *, n_persist, n_buffer, n_swap, n_checkpoint,
+            min_n_buffer) -> SearchResult:
     t0 = time.perf_counter()
     best: Prediction | None = None
     best_key = None
     evaluated = 0
     min_peak, min_host = None, None
+    # every layout (chunk size, n_buffer, n_swap, n_checkpoint) with its O(1) lower bound, cheapest first:
+    # once a layout's bound exceeds the best plan found, so do all the later ones' (exact, and most layouts
+    # are never built)
+    layouts = []
     for prof in profiles:
         n_blocks, n_chunks = len(prof.blocks), len(prof.chunks)
         if n_persist is not None and n_persist > n_chunks:
@@ -65,31 +84,37 @@ def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_
             for s in swaps:
                 if s > n_blocks:
                     continue
-                ckpts = [n_checkpoint] if n_checkpoint is not None else range(n_blocks - s + 1)
-                for k in ckpts:
-                    if s + k > n_blocks:
-                        continue
-                    if best_key is not None and arrays.lower_bound_s(s, k) > best_key[0] + 1e-6:
-                        continue  # no n_persist of this layout can beat (or tie) the best plan found; the
-                        # margin keeps a rounding difference between the two sums from dropping a tie
-                    lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-                    persists = [n_persist] if n_persist is not None else range(n_chunks + 1)
-                    for p in persists:
-                        peak = lc.peak_bytes(p)
-                        host = lc.host_bytes(p)
-                        if min_peak is None or peak < min_peak:
-                            min_peak = peak
-                        if peak > device_budget:
-                            continue
-                        if min_host is None or host < min_host:  # among the plans that fit the device
-                            min_host = host
-                        if host_budget is not None and host > host_budget:
-                            continue
-                        evaluated += 1
-                        key = plan_key(lc.time_s(p), p, s, k, peak)
-                        if best_key is None or key < best_key:
-                            best_key, best = key, lc.predict(p)
-    if best is None:
+                for k in ([n_checkpoint] if n_checkpoint is not None else range(n_blocks - s + 1)):
+                    if s + k <= n_blocks:
+                        layouts.append((arrays.lower_bound_s(s, k), len(layouts), prof, nb, s, k, arrays))
+    layouts.sort(key=lambda t: t[:2])
+    for bound, _, prof, nb, s, k, arrays in layouts:
+        if best_key is not None and bound > best_key[0] + 1e-6:
+            break  # no n_persist of this layout or any later one can beat (or tie) the best plan; the margin
+            # keeps a rounding difference between the two sums from dropping a tie
+        if arrays.peak_lower_bound(s, k) > device_budget:
+            continue  # no n_persist of it fits (if no plan does, the error pass below prices it anyway)
+        lc = LayoutCosts(prof, hw, nb, s, k, arrays)
+        for p in ([n_persist] if n_persist is not None else range(len(prof.chunks) + 1)):
+            peak = lc.peak_bytes(p)
+            if peak > device_budget:
+                continue
+            if host_budget is not None and lc.host_bytes(p) > host_budget:
+                continue
+            evaluated += 1
+            key = plan_key(lc.time_s(p), p, s, k, peak)
+            if best_key is None or key < best_key:
+                best_key, best = key, lc.predict(p)
+    if best is None:  # the smallest peak and pinned footprint over every layout, for the error
+        min_peak, min_host = None, None
+        for _, _, prof, nb, s, k, arrays in layouts:
+            lc = LayoutCosts(prof, hw, nb, s, k, arrays)
+            for p in ([n_persist] if n_persist is not None else range(len(prof.chunks) + 1)):
+                peak = lc.peak_bytes(p)
+                min_peak = peak if min_peak is None else min(min_peak, peak)
+                if peak <= device_budget:
+                    host = lc.host_bytes(p)
+                    min_host = host if min_host is None else min(min_host, host)
         if min_peak is None:
             raise NoPlanFits("no plan satisfies the given knobs (n_persist larger than the chunks, or n_swap + "
                              "n_checkpoint larger than the blocks)")
