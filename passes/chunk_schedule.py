@@ -10,8 +10,8 @@ buffers, it inserts
 * ``prefetch(tokens=[release that freed a buffer], chunk)`` for the next gather as soon as a buffer is
   free: at the graph's start for the first ``n_buffer`` gathers, then right after each release;
 * tokens on each gather: its own prefetch, and every prefetch, release, chunk_grad and resident_grads
-  placed since the previous gather. Inductor may not move a protrain op past the next gather (and the compute that needs
-  it), so copies are issued early and gradients leave as soon as they are complete.
+  placed since the previous gather. Inductor may not move a protrain op past the next gather (and the
+  compute that needs it), so copies are issued early and gradients leave as soon as they are complete.
 
 The runtime skips the copy when a buffer still holds the chunk (backward's first chunks are forward's
 last). The pass also computes how many chunks are in use at once; ``n_buffer`` below that cannot work

@@ -35,7 +35,8 @@ def resident_grads(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             continue
         last = max((g for _, g, _ in grads), key=pos.__getitem__)
         with graph.inserting_before(last.next):
-            done = call(gm, ops.RESIDENT_GRADS, ([g for _, g, _ in grads], [], store_id, chunk, [e for _, _, e in grads]))
+            args = ([g for _, g, _ in grads], [], store_id, chunk, [e for _, _, e in grads])
+            done = call(gm, ops.RESIDENT_GRADS, args)
         done.meta[META_KEY] = NodeAnnotation("backward", "non_block", chunk=chunk)
         for o, _, _ in grads:
             outputs[o] = None
