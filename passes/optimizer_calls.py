@@ -10,8 +10,7 @@ The graph then returns ``None`` for those parameters: their gradients live on th
 from __future__ import annotations
 
 import torch.fx as fx
-from protrain_fx.passes._fx import call, node_positions, output_node
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
+from protrain_fx.passes._fx import take_chunk_grads
 
 from protrain_fx import ops
 from protrain_fx.plan import Plan
@@ -19,22 +18,7 @@ from protrain_fx.plan import Plan
 
 def optimizer_calls(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Collect offloaded chunks' gradients into flat buffers and queue their CPU step (see docstring)."""
-    if not plan.grad_slots:
-        return gm
-    graph = gm.graph
-    out = output_node(gm)
-    outputs = list(out.args[0])
-    pos = node_positions(graph)
-    for (store_id, chunk), slots in sorted(plan.grad_slots.items()):
-        grads = [(outputs[o], entry) for o, entry in slots if o < len(outputs) and isinstance(outputs[o], fx.Node)]
-        if not grads:
-            continue
-        last = max((g for g, _ in grads), key=pos.__getitem__)
-        with graph.inserting_before(last.next):
-            done = call(gm, ops.CHUNK_GRAD, ([g for g, _ in grads], [], store_id, chunk, [e for _, e in grads]))
-        done.meta[META_KEY] = NodeAnnotation("backward", "non_block", chunk=chunk)
-        for o, _ in slots:
-            if o < len(outputs):
-                outputs[o] = None
-    out.args = (tuple(outputs),)
+    if plan.grad_slots:
+        take_chunk_grads(gm, plan.grad_slots, ops.CHUNK_GRAD)
     return gm
+

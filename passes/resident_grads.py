@@ -14,8 +14,7 @@ before anything reads it: the optimizer's step, clipping, the next graph call
 from __future__ import annotations
 
 import torch.fx as fx
-from protrain_fx.passes._fx import call, node_positions, output_node
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
+from protrain_fx.passes._fx import take_chunk_grads
 
 from protrain_fx import ops
 from protrain_fx.plan import Plan
@@ -23,22 +22,7 @@ from protrain_fx.plan import Plan
 
 def resident_grads(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """All-reduce resident chunks' gradients from inside backward (see module docstring)."""
-    if plan.world_size <= 1 or not plan.resident_grad_slots:
-        return gm
-    graph = gm.graph
-    out = output_node(gm)
-    outputs = list(out.args[0])
-    pos = node_positions(graph)
-    for (store_id, chunk), slots in sorted(plan.resident_grad_slots.items()):
-        grads = [(o, outputs[o], entry) for o, entry in slots if o < len(outputs) and isinstance(outputs[o], fx.Node)]
-        if not grads:
-            continue
-        last = max((g for _, g, _ in grads), key=pos.__getitem__)
-        with graph.inserting_before(last.next):
-            args = ([g for _, g, _ in grads], [], store_id, chunk, [e for _, _, e in grads])
-            done = call(gm, ops.RESIDENT_GRADS, args)
-        done.meta[META_KEY] = NodeAnnotation("backward", "non_block", chunk=chunk)
-        for o, _, _ in grads:
-            outputs[o] = None
-    out.args = (tuple(outputs),)
+    if plan.world_size > 1 and plan.resident_grad_slots:
+        take_chunk_grads(gm, plan.resident_grad_slots, ops.RESIDENT_GRADS)
     return gm
+

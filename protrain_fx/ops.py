@@ -109,32 +109,26 @@ def release(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
     return _token(s.device)
 
 
-@custom_op("protrain::chunk_grad", mutates_args=())
-def chunk_grad(
-    grads: List[torch.Tensor], tokens: List[torch.Tensor], store: int, chunk: int, members: List[int]
-) -> torch.Tensor:
-    s = chunks.get_store(store)
-    s.grad_ready(chunk, grads, list(members))
-    return _token(s.device)
+def _grad_op(name: str, method: str):
+    """A ``(grads, tokens, store, chunk, members) -> token`` op that hands a chunk's gradients to
+    ``ChunkStore.<method>``."""
+
+    @custom_op(f"protrain::{name}", mutates_args=())
+    def op(grads: List[torch.Tensor], tokens: List[torch.Tensor], store: int, chunk: int, members: List[int]
+           ) -> torch.Tensor:
+        s = chunks.get_store(store)
+        getattr(s, method)(chunk, grads, list(members))
+        return _token(s.device)
+
+    @op.register_fake
+    def _(grads, tokens, store, chunk, members):
+        return torch.empty(0, device=chunks.get_store(store).device)
+
+    return op
 
 
-@chunk_grad.register_fake
-def _(grads, tokens, store, chunk, members):
-    return torch.empty(0, device=chunks.get_store(store).device)
-
-
-@custom_op("protrain::resident_grads", mutates_args=())
-def resident_grads(
-    grads: List[torch.Tensor], tokens: List[torch.Tensor], store: int, chunk: int, members: List[int]
-) -> torch.Tensor:
-    s = chunks.get_store(store)
-    s.resident_grads_ready(chunk, grads, list(members))
-    return _token(s.device)
-
-
-@resident_grads.register_fake
-def _(grads, tokens, store, chunk, members):
-    return torch.empty(0, device=chunks.get_store(store).device)
+chunk_grad = _grad_op("chunk_grad", "grad_ready")
+resident_grads = _grad_op("resident_grads", "resident_grads_ready")
 
 
 def _fake_token(tokens, store, chunk):

@@ -241,13 +241,14 @@ def test_merge_recomputes_ratios(tmp_path):
     late["error"] = "not run: the run's --deadline (500 s) was reached"
     (tmp_path / "c.json").write_text(json.dumps(dict(meta, rows=[late])))  # never replaces a measured row
     run.merge(SimpleNamespace(merge=[str(tmp_path / n) for n in ("a.json", "b.json", "c.json")],
-                              out=str(tmp_path / "merged")))
+                              out=str(tmp_path / "merged"), note=["run 2 measured protrain alone"]))
     data = json.loads((tmp_path / "merged.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
     assert len(data["rows"]) == 3 and len(data["merged_from"]) == 3
     assert rows["protrain"]["ratio_to_ceiling"] == pytest.approx(0.25)
     assert rows["eager"]["ratio_to_ceiling"] is None and "OOM" in rows["eager"]["error"]  # the later file wins
     assert "| s-cap | eager |" in (tmp_path / "merged.md").read_text()
+    assert "- run 2 measured protrain alone" in (tmp_path / "merged.md").read_text()
     assert (tmp_path / "merged.png").stat().st_size > 0 or data.get("plot_error")
 
 
