@@ -112,8 +112,9 @@ class GraphCompiler:
                 joint, len(self.plan.blocks), lambda g: _compat.min_cut_partition(g, joint_inputs, **kwargs))
         fw, bw = _compat.min_cut_partition(joint, joint_inputs, **kwargs)
         if self.plan.profiling:
+            n_blocks = len(self.plan.blocks)
             self.plan.static_profile = profiler.StaticProfile(
-                saved, profiler.recomputed_share(fw, bw, len(self.plan.blocks)))
+                saved, profiler.recomputed_share(fw, bw, n_blocks), profiler.block_signatures(fw, bw, n_blocks))
         self.plan.saved_names = saved_names(bw)
         return fw, bw
 

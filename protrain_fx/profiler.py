@@ -13,7 +13,9 @@ Timed part, one real step under the most frugal plan (every chunk offloaded, eve
 model larger than the device can be profiled): the Inductor-compiled kernels run with ``protrain::mark`` at
 every block boundary (passes/block_marks.py) and chunk copies serialized on the compute stream between copy
 marks, which :mod:`protrain_fx.block_timer` subtracts, so block times are compute only. A warm-up run
-fills the allocator's cache; the timed runs (the minimum per block over two) reuse it. Gradients are
+fills the allocator's cache; the timed runs (the minimum per block over two) reuse it, and blocks with
+the same signature (the same ops on the same FLOPs: a transformer's layers) all get the fastest one's
+times (:func:`identical_block_times`). Gradients are
 dropped, RNG state and mutated inputs restored: the step leaves no trace on training. Per block it gives
 forward time and backward time (which includes its recomputation: the recomputed share of the forward time
 is taken out by the FLOP share above), outside blocks the rest, and the step's peak allocation, from which
@@ -139,13 +141,50 @@ def recomputed_share(fw: fx.GraphModule, bw: fx.GraphModule, n_blocks: int) -> l
     return [min(1.0, r / f) if f else 1.0 for f, r in zip(fwd, rc)]
 
 
+def block_signatures(fw: fx.GraphModule, bw: fx.GraphModule, n_blocks: int) -> list[tuple]:
+    """Per block, what its compute is made of: the FLOPs and the counts of each op of its forward nodes in
+    ``fw`` and of its backward (recomputation included) in ``bw``. Blocks with equal signatures run the same
+    kernels on the same shapes (the layers of a transformer), so they take the same time."""
+    ops_of = [dict() for _ in range(n_blocks)]
+    flops = [[0, 0] for _ in range(n_blocks)]
+    for side, gm in enumerate((fw, bw)):
+        for n in gm.graph.nodes:
+            ann = annotation_of(n)
+            if n.op != "call_function" or ann is None or ann.block is None or not 0 <= ann.block < n_blocks:
+                continue
+            key = (side, ann.phase, str(n.target))
+            ops_of[ann.block][key] = ops_of[ann.block].get(key, 0) + 1
+            flops[ann.block][side] += node_flops(n)
+    return [(tuple(flops[b]), tuple(sorted(ops_of[b].items()))) for b in range(n_blocks)]
+
+
 @dataclass
 class StaticProfile:
-    """What the partitions of the profiling plan (every block recomputed) say: saved bytes per policy, and
-    the share of each block's forward FLOPs its recomputation repeats."""
+    """What the partitions of the profiling plan (every block recomputed) say: saved bytes per policy, the
+    share of each block's forward FLOPs its recomputation repeats, and each block's signature
+    (:func:`block_signatures`; empty: unknown)."""
 
     saved: SavedBytes
     recomputed_share: list[float]
+    signatures: list = field(default_factory=list)
+
+
+def identical_block_times(step: "StepProfile", static: StaticProfile) -> tuple[list[float], list[float]]:
+    """Per block forward and backward seconds, each block of a group with the same signature given the
+    group's fastest. Timing noise only adds (the host stalled, another process ran):
+    on the H200 one profile measured some of a GPT's 24 identical blocks at their usual 1.37 ms forward and
+    others at up to 3.0 ms, which priced recomputation 1.6x too high and chose a swap plan."""
+    fwd, bwd = list(step.block_fwd_s), list(step.block_bwd_s)
+    if len(static.signatures) != len(fwd):
+        return fwd, bwd
+    groups: dict = {}
+    for i, sig in enumerate(static.signatures):
+        groups.setdefault(sig, []).append(i)
+    for members in groups.values():
+        f, b = min(fwd[i] for i in members), min(bwd[i] for i in members)
+        for i in members:
+            fwd[i], bwd[i] = f, b
+    return fwd, bwd
 
 
 # ------------------------------------------------------------------------------------------ timed part
@@ -267,11 +306,12 @@ def graph_profile(step: StepProfile, static: StaticProfile, params: list[tuple[s
     first-use order (how the chunks are packed)."""
     saved = static.saved
     n_blocks = len(step.block_fwd_s)
+    block_fwd, block_bwd = identical_block_times(step, static)
     blocks = []
     for i in range(n_blocks):
-        fwd = step.block_fwd_s[i]
+        fwd = block_fwd[i]
         rc = fwd * static.recomputed_share[i]
-        blocks.append(BlockProfile(fwd_s=fwd, bwd_s=max(0.0, step.block_bwd_s[i] - rc),
+        blocks.append(BlockProfile(fwd_s=fwd, bwd_s=max(0.0, block_bwd[i] - rc),
                                    keep_bytes=saved.keep[i], input_bytes=saved.recompute[i], recompute_s=rc))
     layout = pack([(fqn, nbytes) for fqn, nbytes, _ in params], chunk_size)
     block_of = {fqn: b for fqn, _, b in params}

@@ -38,3 +38,40 @@ def test_saved_bytes_by_block(monkeypatch):
     assert sb.keep[0] > 10 * sb.recompute[0]
     assert sum(sb.keep) + sb.nonblock_keep == seen["total"]  # the same partition the planner sizes by
     assert 0 < sb.nonblock_recompute <= sb.nonblock_keep
+
+
+def test_identical_blocks_share_the_fastest_time(monkeypatch):
+    """A GPT's blocks have one signature (same ops, same FLOPs), so a stall that slowed some of them in the
+    profiled step does not reach the cost model: every block gets the fastest one's times. Blocks that differ
+    keep their own."""
+    from protrain_fx.profiler import SavedBytes, StaticProfile, StepProfile, block_signatures, identical_block_times
+
+    seen = {}
+    partition = backend.GraphCompiler.partition
+
+    def capture(self, joint, joint_inputs, **kw):
+        seen["fw"], seen["bw"] = fw, bw = partition(self, joint, joint_inputs, **kw)
+        seen["n_blocks"] = len(self.plan.blocks)
+        return fw, bw
+
+    monkeypatch.setattr(backend.GraphCompiler, "partition", capture)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=6, n_embd=64, n_head=4, vocab_size=256, block_size=32, tie_embeddings=False))
+    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "n_checkpoint": 4})
+    x = torch.randint(0, 256, (2, 32))
+    compiled(x, x).backward()
+    sigs = block_signatures(seen["fw"], seen["bw"], seen["n_blocks"])
+    assert len(sigs) == 6 and sigs[0][0][0] > 0  # forward FLOPs counted
+    assert sigs[0] == sigs[1] == sigs[2] and sigs[4] == sigs[5]  # recomputed blocks alike, kept blocks alike
+    # recomputation shows in backward; the last recomputed block restarts next to a kept one (the
+    # partitioner saves differently at that boundary): signatures of their own
+    assert len({sigs[0], sigs[3], sigs[4]}) == 3
+
+    def step(fwd, bwd):
+        return StepProfile(fwd, bwd, 0.0, 0.0, 0, 0, None, 0.0)
+
+    static = StaticProfile(SavedBytes([1] * 6, [1] * 6, 0, 0), [1.0] * 6, sigs)
+    fwd, bwd = identical_block_times(step([1.0, 3.0, 2.0, 7.0, 2.0, 1.5], [4.0, 3.0, 5.0, 8.0, 5.0, 9.0]), static)
+    assert fwd == [1.0, 1.0, 1.0, 7.0, 1.5, 1.5] and bwd == [3.0, 3.0, 3.0, 8.0, 5.0, 5.0]
+    unknown = StaticProfile(static.saved, static.recomputed_share)  # no signatures: times as measured
+    assert identical_block_times(step([1.0, 3.0, 2.0, 1.5, 1.0, 1.0], [4.0] * 6), unknown)[0] == [1.0, 3.0, 2.0, 1.5, 1.0, 1.0]
