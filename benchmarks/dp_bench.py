@@ -85,7 +85,7 @@ def child(args) -> None:
            "tokens_per_s": args.batch * seq * world / med, "peak_reserved_gib_max": peak.item(),
            "loss": float(loss.detach().float()), "warmup_s": warmup_s}
     row.update({k: v for k, v in extra().items() if k in ("n_persist", "n_chunks", "n_buffer", "n_swap", "n_checkpoint",
-                                                           "plan_predicted", "optimizer_timers")})
+                                                           "plan_predicted", "plan_profiled", "optimizer_timers")})
     if rank == 0:
         print("RESULT " + json.dumps(row, default=str), flush=True)
     if dist.is_initialized():
