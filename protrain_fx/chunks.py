@@ -478,5 +478,5 @@ class ChunkStore:
         off = self.offloaded_chunks
         host = sum(self.host_numel(c) for c in off)
         return (f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident, {len(off)} offloaded "
-                f"({format_bytes(host * torch.tensor([], dtype=self.master_dtype).element_size())} of fp32 master "
+                f"({format_bytes(host * self.master_dtype.itemsize)} of fp32 master "
                 f"on the host)")

@@ -173,14 +173,18 @@ class _ProfileArrays:
             self.swappable.append(self.swappable[-1] + blk.keep_bytes - blk.swap_resident_bytes)
             self.recompute.append(self.recompute[-1] + blk.recompute_cost_s)
 
+    def activation_bytes(self, n_swap: int, n_checkpoint: int) -> int:
+        """What forward leaves on the device for backward: non-block saves, what swap blocks cannot swap,
+        recomputed blocks' inputs, kept blocks' activations."""
+        end_rc, n_blocks = n_swap + n_checkpoint, len(self.keep) - 1
+        return (self.prof.nonblock_saved_bytes + self.swap_res[n_swap] + (self.inp[end_rc] - self.inp[n_swap])
+                + (self.keep[n_blocks] - self.keep[end_rc]))
+
     def peak_lower_bound(self, n_swap: int, n_checkpoint: int) -> int:
         """A peak no plan of this (n_swap, n_checkpoint) goes under, in O(1): the activations its policies
         keep plus backward's transient, times the profile's allocator factor (every n_persist adds to it)."""
-        prof, n_blocks = self.prof, len(self.keep) - 1
-        end_rc = n_swap + n_checkpoint
-        act = (prof.nonblock_saved_bytes + self.swap_res[n_swap] + (self.inp[end_rc] - self.inp[n_swap])
-               + (self.keep[n_blocks] - self.keep[end_rc]))
-        return int((act + prof.transient_bytes) * prof.fragmentation)
+        act = self.activation_bytes(n_swap, n_checkpoint)
+        return int((act + self.prof.transient_bytes) * self.prof.fragmentation)
 
     def lower_bound_s(self, n_swap: int, n_checkpoint: int) -> float:
         """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): all compute, the recompute of its
@@ -233,8 +237,7 @@ class LayoutCosts:
         # ---- swap and memory that do not depend on n_persist
         self.swap_fraction = n_swap / n_blocks if n_blocks else 0.0
         self.swapped_bytes = A.swappable[n_swap]
-        self.activation_bytes = (prof.nonblock_saved_bytes + A.swap_res[n_swap] + (A.inp[end_rc] - A.inp[first_rc])
-                                 + (A.keep[n_blocks] - A.keep[end_rc]))
+        self.activation_bytes = A.activation_bytes(n_swap, n_checkpoint)
         swap_window = sum(sorted((blocks[i].keep_bytes for i in range(n_swap)), reverse=True)[:2]) if n_swap else 0
         recompute_peak = max((blocks[i].keep_bytes for i in range(first_rc, end_rc)), default=0)
         # the cast copies are saved by blocks that keep (recompute redoes the cast, swap moves it to the host)
