@@ -41,7 +41,7 @@ from .profiler import graph_profile, profile_step
 from .search import NoPlanFits, search
 
 log = logging.getLogger("protrain_fx")
-COST_MODEL_VERSION = 5  # bump when the profile or the cost model changes meaning: old cache entries miss
+COST_MODEL_VERSION = 6  # bump when the profile or the cost model changes meaning: old cache entries miss
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 
 
@@ -262,6 +262,6 @@ def _prediction(res, profiles, hw, budget: int, budget_why: str, compile_s: floa
                      "reserved_ratio": step.reserved_ratio,
                      "fragmentation": prof.fragmentation, "saved_keep": static.saved.keep,
                      "saved_recompute": static.saved.recompute, "recomputed_share": static.recomputed_share,
-                     "timeline": step.timeline},
+                     "timeline": step.timeline, "conditions": step.conditions},
     }
     return dataclasses.asdict(best.knobs), predicted

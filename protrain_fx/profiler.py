@@ -26,6 +26,7 @@ any chunk size: block times are spread over the chunks holding the block's param
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -201,9 +202,43 @@ class StepProfile:
     reserved_ratio: float | None  # the allocator's reserved over allocated peak (None on the CPU)
     seconds: float  # wall time of the profiling runs (warm-up included)
     timeline: list = field(default_factory=list)  # block_timer.memory_timeline of the last run
+    # what the machine was doing: host load average (1 min) before and after, and on CUDA the SM clock and
+    # NVML's clock throttle reasons at the end (a slow profile can then be told from a slow host or GPU)
+    conditions: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# the spin queued before every block mark while profiling on CUDA (block_timer: host stalls): longer than the
+# host takes to queue one block's kernels (0.2-0.6 ms for a GPT block on an idle host); ~100 marks per run.
+# PROTRAIN_PROFILE_SPIN_S overrides it (0: none; benchmarks/profile_noise.py compares)
+SPIN_LEAD_S = 0.003
+
+
+def spin_lead_s() -> float:
+    return float(os.environ.get("PROTRAIN_PROFILE_SPIN_S", SPIN_LEAD_S))
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _device_clocks(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if device.index is None else device.index)
+        return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "throttle_reasons": pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)}
+    except Exception as e:  # NVML missing or not permitted: the profile stands without it
+        return {"nvml_error": repr(e)[:200]}
 
 
 def _grad_outputs(outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -228,6 +263,9 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
     reserved_ratio = None
     for s in stores:
         s.profiling = True
+    if device.type == "cuda":
+        rec.lead_s = spin_lead_s()
+    conditions = {"loadavg_before": _loadavg()}
     try:
         for run in range(1 + runs):
             for t in leaves:
@@ -270,7 +308,9 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
                 for k in ("peak_bytes", "start_allocated"):
                     best["step"][k] = max(best["step"][k], row["step"][k])
         timeline = block_timer.memory_timeline()
+        conditions.update(loadavg_after=_loadavg(), **_device_clocks(device))
     finally:
+        rec.lead_s = 0.0
         for s in stores:
             s.profiling = False
         rec.clear()
@@ -289,7 +329,7 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
         nonblock_fwd_s=max(0.0, step["fwd_ms"] / 1e3 - sum(fwd)),
         nonblock_bwd_s=max(0.0, step["bwd_ms"] / 1e3 - sum(bwd)),
         peak_bytes=int(step["peak_bytes"]), start_bytes=int(step["start_allocated"]),
-        reserved_ratio=reserved_ratio, seconds=time.perf_counter() - t0, timeline=timeline)
+        reserved_ratio=reserved_ratio, seconds=time.perf_counter() - t0, timeline=timeline, conditions=conditions)
 
 
 # ------------------------------------------------------------------------------------ GraphProfile
