@@ -84,6 +84,14 @@ SETS = {
         [case("llama3b cap 40 n_persist 8 recompute 13", "llama", LLAMA_3B, 4, 40,
               dict(n_persist=8, n_buffer=2, n_swap=0, n_checkpoint=13))],
     ],
+    # the cost model's casts and CPU contention (COST_MODEL_VERSION 7) re-measured in one call: both models, caps 16-48
+    "recheck": [
+        [case("llama3b cap 40 auto", "llama", LLAMA_3B, 4, 40), case("gpt cap 24 auto", "gpt", GPT, 8, 24, sweep=True),
+         case("gpt cap 16 auto", "gpt", GPT, 8, 16, sweep=True), case("gpt cap 40 auto", "gpt", GPT, 8, 40, sweep=True)],
+        [case("llama3b cap 24 auto", "llama", LLAMA_3B, 4, 24),
+         case("gpt cap 24 n_persist 4 keep", "gpt", GPT, 8, 24, dict(KEEP, n_persist=4)),
+         case("gpt cap 32 auto", "gpt", GPT, 8, 32, sweep=True), case("gpt cap 48 auto", "gpt", GPT, 8, 48, sweep=True)],
+    ],
     "llama": [
         [case("llama3b cap 40 auto", "llama", LLAMA_3B, 4, 40), case("llama3b cap 24 auto", "llama", LLAMA_3B, 4, 24)],
         [case("llama3b cap 40 n_persist 8 recompute 13", "llama", LLAMA_3B, 4, 40,

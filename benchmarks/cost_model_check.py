@@ -27,13 +27,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from models import GPT, GPTConfig  # noqa: E402
 
-from protrain_fx.cost_model import SWAP_FRAGMENTATION, GraphProfile, Hardware, Knobs, predict  # noqa: E402
+from protrain_fx.cost_model import (ADAM_BYTES_PER_PARAM, SWAP_FRAGMENTATION, GraphProfile, Hardware,  # noqa: E402
+                                    Knobs, predict)
 from protrain_fx.profiler import SavedBytes, StaticProfile, StepProfile, graph_profile  # noqa: E402
 from protrain_fx.search import search  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 ANCHOR = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=1024, tie_embeddings=False)
 BATCH, SEQ = 8, 1024
+IN_BACKWARD_VS_ALONE = 1.12  # the chunk runs' CPU step inside backward against alone (chunks_h200.md)
 
 
 def load(name):
@@ -49,7 +51,7 @@ def hardware() -> Hardware:
                     gpu_adam_params_per_s=g(r"device ([\d.]+) G params"))
 
 
-def profile(chunk_size: int, keep: dict, recompute: dict, fragmentation: float) -> GraphProfile:
+def profile(chunk_size: int, keep: dict, recompute: dict, fragmentation: float, hw: Hardware) -> GraphProfile:
     """The runtime profiler's two halves assembled from the measurements, turned into the cost model's profile
     by the same function the automatic plan uses (profiler.graph_profile)."""
     with torch.device("meta"):
@@ -59,9 +61,17 @@ def profile(chunk_size: int, keep: dict, recompute: dict, fragmentation: float) 
     block_flops = 2 * tokens * 12 * d * d + 4 * tokens * SEQ * d  # matmuls + attention (causal: half of 2x)
     head_flops = 2 * tokens * d * vocab
     share_blocks = n_layer * block_flops / (n_layer * block_flops + head_flops)
-    fwd_block = keep["fwd_ms"] / 1e3 * share_blocks / n_layer
-    bwd_block = keep["bwd_ms"] / 1e3 * share_blocks / n_layer
-    recompute_block = (recompute["step_ms"] - keep["step_ms"]) / 1e3 / n_layer
+    # the measured steps ran every parameter resident under autocast: their forward cast each weight to bf16,
+    # their backward cast each gradient back, and recomputation cast a block's weights again; the runtime
+    # profiler's step runs none of these casts and the cost model adds them per plan (LayoutCosts.cast_s),
+    # so they come out of the assembled times here
+    rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM
+    n_params = sum(p.numel() for p in model.parameters())
+    cast_s = n_params * (4 + 2) / rate
+    block_cast_s = 12 * d * d * (4 + 2) / rate
+    fwd_block = (keep["fwd_ms"] / 1e3 - cast_s) * share_blocks / n_layer
+    bwd_block = (keep["bwd_ms"] / 1e3 - cast_s) * share_blocks / n_layer
+    recompute_block = (recompute["step_ms"] - keep["step_ms"]) / 1e3 / n_layer - block_cast_s
     spb = keep["saved_per_block"]
     cast = 12 * d * d * 2  # the bf16 copies of a block's weights that autocast made and forward saved (all
     # resident here); the cost model adds them back for resident chunks only (resident_cast_elem)
@@ -73,8 +83,8 @@ def profile(chunk_size: int, keep: dict, recompute: dict, fragmentation: float) 
     # what backward holds beyond saved activations at its start, measured on all-keep
     transient = int((keep["peak_over_states_gib"] - keep["activation_gib"]) * 2**30)
     step = StepProfile(block_fwd_s=[fwd_block] * n_layer, block_bwd_s=[bwd_block + recompute_block] * n_layer,
-                       nonblock_fwd_s=keep["fwd_ms"] / 1e3 * (1 - share_blocks),
-                       nonblock_bwd_s=keep["bwd_ms"] / 1e3 * (1 - share_blocks),
+                       nonblock_fwd_s=(keep["fwd_ms"] / 1e3 - cast_s) * (1 - share_blocks),
+                       nonblock_bwd_s=(keep["bwd_ms"] / 1e3 - cast_s) * (1 - share_blocks),
                        peak_bytes=transient + sum(saved.recompute), start_bytes=0, reserved_ratio=None, seconds=0.0)
     static = StaticProfile(saved, [recompute_block / fwd_block] * n_layer)
     block_of = lambda fqn: int(fqn.split(".")[1]) if fqn.startswith("blocks.") else None  # noqa: E731
@@ -100,19 +110,22 @@ def main() -> None:
     for r in chunks_run["results"]:
         if r.get("system") != "protrain" or "phases" not in r or not r.get("async_step"):
             continue
-        prof = profile(r["chunk_size"], keep, recompute, frag)
+        prof = profile(r["chunk_size"], keep, recompute, frag, hw)
         # the CPU rate the runtime reached alone in this run (the hardware profile's is torch's fused Adam
         # measured before the one-pass kernel existed)
         numel_off = sum(c.numel for c in prof.chunks[r["n_persist"]:])
         cpu_rate = numel_off / (r["phases"]["alone"]["cpu_optim_deferred_ms"] / 1e3)
-        hw_run = Hardware(hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.duplex_bytes_per_s, cpu_rate, hw.gpu_adam_params_per_s)
+        # and the slowdown inside backward those runs measured against that rate (their per-phase timers:
+        # 1.10-1.15; the cost model's default is against the hardware profile's faster microbenchmark)
+        hw_run = Hardware(hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.duplex_bytes_per_s, cpu_rate, hw.gpu_adam_params_per_s,
+                          cpu_contention=IN_BACKWARD_VS_ALONE)
         p = predict(prof, hw_run, Knobs(r["chunk_size"], r["n_persist"], r["n_buffer"], 0, 0))
         measured_ms, measured_gib = r["phases"]["overlap"]["step_ms"], r["peak_reserved_gib"]
         out.append({"plan": f"24 GiB cap, n_persist {r['n_persist']}/{r['n_chunks']}, keep", "kind": "out of sample",
                     "predicted_ms": p.time_s * 1e3, "measured_ms": measured_ms,
                     "predicted_gib": p.peak_bytes / 2**30, "measured_gib": measured_gib, "cpu_rate_g": cpu_rate / 1e9})
     # --- activation layouts (uncapped, everything resident)
-    prof = profile(chunks_run["results"][0]["chunk_size"], keep, recompute, 1.0)  # compared with allocated
+    prof = profile(chunks_run["results"][0]["chunk_size"], keep, recompute, 1.0, hw)  # compared with allocated
     for name, r in rows.items():
         p = predict(prof, hw, Knobs(prof.chunk_size, len(prof.chunks), 2, r["n_swap"], r["n_checkpoint"]))
         base = r.get("vs_keep") or keep
@@ -128,7 +141,7 @@ def main() -> None:
         o["peak_err"] = o["predicted_gib"] / o["measured_gib"] - 1
     # --- search speed on this profile (three chunk sizes), budget 24 GiB
     base_size = chunks_run["results"][0]["chunk_size"]  # the largest parameter: no smaller size exists
-    profs = [profile(cs, keep, recompute, frag) for cs in (base_size, base_size * 3 // 2, base_size * 2)]
+    profs = [profile(cs, keep, recompute, frag, hw) for cs in (base_size, base_size * 3 // 2, base_size * 2)]
     t0 = time.perf_counter()
     res = search(profs, hw, 24 * 2**30)
     search_s = time.perf_counter() - t0

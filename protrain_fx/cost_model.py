@@ -13,8 +13,13 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   when both run. Swap adds what physics forces: the swapped bytes' copy down and up beyond the compute that
   can hide it (everything between block 0's forward and block 0's backward), measured to hold on the H200.
 * ``T_cpu_optim``: offloaded parameters over the CPU Adam rate, times the slowdown measured when it runs
-  next to backward's copies (:data:`CPU_CONTENTION`); it starts once the first offloaded gradient is on the
+  inside a training step (``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default); it starts once the first offloaded gradient is on the
   host (``T_first_grad``). ``T_gpu_optim``: resident parameters over the device Adam rate.
+* Casts the profiled step does not run (its chunks all arrive in the compute dtype and its gradients are
+  dropped), priced at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): with autocast, forward
+  casts every resident parameter to the compute dtype, recomputation casts again those of checkpointed
+  blocks, and backward casts their gradients back to the master dtype; an offloaded chunk's gradients are
+  packed into a master-dtype buffer.
 
 Peak (bytes): resident chunks with their two Adam moments, the chunk buffers and the two gradient buffers,
 and the larger end of backward: at its start the activations each block's policy keeps (keep: what forward
@@ -39,7 +44,15 @@ FRAGMENTATION = 1.10  # ProTrain's allocator factor; calibrated per machine when
 # allocator (H200, expandable segments: 1.06 and 1.08 with swapping, 1.003-1.03 without;
 # benchmarks/results/autoplan_h200.md), on top of the profile's factor
 SWAP_FRAGMENTATION = 1.07
-CPU_CONTENTION = 1.12  # CPU Adam inside backward vs alone (H200 host: 1.10-1.15, benchmarks/results/chunks_h200.md)
+# CPU Adam inside a training step vs alone: the step of CPU-bound plans, less forward and the first gradient,
+# over the offloaded parameters at the alone rate (the hardware profile's fastest repetition). On the H200
+# hosts 1.12-1.33 over eight such plans, median 1.25 (benchmarks/results/autoplan_h200.md, runs 4-7; the
+# chunk issue's per-phase timers measured 1.10-1.15 for the step's part inside backward alone)
+CPU_CONTENTION = 1.25
+# fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes three), so
+# the device's Adam rate times this is the memory bandwidth its streaming kernels get (H200: ~3.4 TB/s),
+# the rate of the dtype casts below
+ADAM_BYTES_PER_PARAM = 28
 ADAM_STATES = 2
 GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (chunks.py)
 STAGING = 4  # pinned staging buffers of the CPU optimizer (optim.py)
@@ -97,6 +110,8 @@ class Hardware:
     # reduce-scatter of B bytes moves B (N-1)/N per rank; an all-reduce twice that), measured at planning
     world_size: int = 1
     collective_bytes_per_s: float = math.inf
+    # CPU Adam inside a training step against ``cpu_adam_params_per_s`` (the hardware profile's rate alone)
+    cpu_contention: float = CPU_CONTENTION
 
     def collective_s(self, nbytes: float, passes: int = 1) -> float:
         """Seconds of ``passes`` all-gathers / reduce-scatters of ``nbytes`` (0 with one rank)."""
@@ -242,6 +257,7 @@ class LayoutCosts:
         recompute_peak = max((blocks[i].keep_bytes for i in range(first_rc, end_rc)), default=0)
         # the cast copies are saved by blocks that keep (recompute redoes the cast, swap moves it to the host)
         self.keep_fraction = (n_blocks - n_swap - n_checkpoint) / n_blocks if n_blocks else 1.0
+        self.checkpoint_fraction = n_checkpoint / n_blocks if n_blocks else 0.0
         self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window)
         self.fragmentation = prof.fragmentation * (SWAP_FRAGMENTATION if n_swap else 1.0)
 
@@ -293,14 +309,29 @@ class LayoutCosts:
         offloaded = self.numel[n] - resident
         # replicated resident chunks: what of their gradients' all-reduce backward cannot hide
         t_bwd += self.allreduce_exposed[n_persist]
+        cast_fwd, cast_bwd = self.cast_s(n_persist)
+        t_fwd += cast_fwd
+        t_bwd += cast_bwd
         t_gpu = resident / hw.gpu_adam_params_per_s
-        t_cpu = offloaded / hw.world_size / hw.cpu_adam_params_per_s * CPU_CONTENTION if offloaded else 0.0
+        t_cpu = offloaded / hw.world_size / hw.cpu_adam_params_per_s * hw.cpu_contention if offloaded else 0.0
         t_first = self.first_grad_s if offloaded else 0.0
         t = t_fwd + max(t_bwd + t_gpu, t_first + t_cpu)
         if not detail:
             return t
         return t, {"fwd_s": t_fwd, "bwd_s": t_bwd, "gpu_optim_s": t_gpu, "cpu_optim_s": t_cpu,
-                   "first_grad_s": t_first, "swap_exposed_s": swap_exposed}
+                   "first_grad_s": t_first, "swap_exposed_s": swap_exposed, "cast_s": cast_fwd + cast_bwd}
+
+    def cast_s(self, n_persist: int) -> tuple[float, float]:
+        """Forward's and backward's dtype casts that the profiled step did not run (module docstring)."""
+        prof = self.prof
+        rate = self.hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM  # bytes per second
+        resident = self.numel[n_persist]
+        offloaded = self.numel[-1] - resident
+        ce, me, te = prof.resident_cast_elem, prof.master_elem, prof.transfer_elem
+        cast = resident * (me + ce) / rate if ce else 0.0
+        recast = cast * self.checkpoint_fraction
+        pack = offloaded * (te + me) / rate
+        return cast, cast + recast + pack
 
     def timeline(self, n_persist: int) -> list[list]:
         """Predicted device memory over one step, ``[t_s, bytes, label]`` at every block boundary: model

@@ -56,13 +56,31 @@ def all_gather_into(full: torch.Tensor, shard: torch.Tensor) -> None:
 
 def reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor, size: int) -> None:
     """``shard`` = this rank's slice of the mean over ranks of ``full``."""
+    if _averages_in_place(full):
+        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG)
+        return
     dist.reduce_scatter_tensor(shard, full)
     shard.div_(size)
 
 
-def all_reduce_mean(t: torch.Tensor, size: int) -> None:
-    dist.all_reduce(t)
-    t.div_(size)
+def _averages_in_place(t: torch.Tensor) -> bool:
+    """NCCL averages inside the collective (``ReduceOp.AVG``), which saves a pass over the tensor after it;
+    gloo has no AVG: the sum is divided afterwards."""
+    return t.is_cuda and dist.get_backend() == "nccl"
+
+
+def all_reduce_mean(t: torch.Tensor, size: int, async_op: bool = False):
+    """Average ``t`` over the ranks in place; with ``async_op`` returns ``(work, finish)``: ``finish()``
+    completes the average once the work is waited for."""
+    if _averages_in_place(t):
+        work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=async_op)
+        finish = lambda: None  # noqa: E731
+    else:
+        work = dist.all_reduce(t, async_op=async_op)
+        finish = functools.partial(t.div_, size)
+    if async_op:
+        return work, finish
+    finish()
 
 
 def shard_norm(norms: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -139,10 +157,10 @@ def start_resident_all_reduce(flat: torch.Tensor, param_grads: list[tuple[torch.
     size = world().size
     for p, _ in param_grads:
         _AVERAGED_IN_GRAPH[p] = True
-    work = dist.all_reduce(flat, async_op=True)
+    work, average = all_reduce_mean(flat, size, async_op=True)
 
     def finish():
-        flat.div_(size)
+        average()
         for p, g in param_grads:
             if p.grad is None:
                 p.grad = g
@@ -188,7 +206,7 @@ def _average_hook(param: torch.Tensor, size: int, wait: bool) -> None:
     if wait:
         all_reduce_mean(param.grad, size)
     else:
-        _IN_FLIGHT.append((dist.all_reduce(param.grad, async_op=True), functools.partial(param.grad.div_, size)))
+        _IN_FLIGHT.append(all_reduce_mean(param.grad, size, async_op=True))
 
 
 def wait_resident_grads() -> None:

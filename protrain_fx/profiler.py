@@ -212,7 +212,7 @@ class StepProfile:
 
 # the spin queued before every block mark while profiling on CUDA (block_timer: host stalls): longer than the
 # host takes to queue one block's kernels (0.2-0.6 ms for a GPT block on an idle host); ~100 marks per run.
-# PROTRAIN_PROFILE_SPIN_S overrides it (0: none; benchmarks/profile_noise.py compares)
+# PROTRAIN_PROFILE_SPIN_S overrides it (0: none)
 SPIN_LEAD_S = 0.003
 
 

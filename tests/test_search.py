@@ -115,14 +115,33 @@ def test_prediction_terms():
     assert p.breakdown["fwd_s"] == pytest.approx(0.010 + max(0.010, h2d))
     # chunk 0 resident: its backward plus block 0's recompute; chunk 1 (offloaded, left in a buffer by forward:
     # no re-gather) backward against its 200 MB fp32 gradient going down (4 ms)
-    assert p.breakdown["bwd_s"] == pytest.approx((0.020 + 0.010) + max(0.020, 50e6 * 4 / 50e9))
-    assert p.breakdown["cpu_optim_s"] == pytest.approx(50e6 / 4e9 * 1.12)
+    # plus the packing of chunk 1's bf16 gradients into its fp32 buffer at the device's streaming rate (the
+    # Adam rate times 28 bytes); no autocast here (resident_cast_elem 0), so no parameter casts
+    pack = 50e6 * (2 + 4) / (HW.gpu_adam_params_per_s * 28)
+    assert p.breakdown["cast_s"] == pytest.approx(pack)
+    assert p.breakdown["bwd_s"] == pytest.approx((0.020 + 0.010) + max(0.020, 50e6 * 4 / 50e9) + pack)
+    assert p.breakdown["cpu_optim_s"] == pytest.approx(50e6 / 4e9 * 1.25)
     assert p.breakdown["activation_bytes"] == 10 * MiB + 100 * MiB
     assert p.breakdown["transient_bytes"] == 100 * MiB  # block 0's activations come back during its recompute
     states = 50e6 * 4 * 3  # params, two moments
     buffers = 2 * 50e6 * 2 + 2 * 50e6 * 4  # two bf16 chunk buffers, two fp32 gradient buffers
     live = max(110 * MiB + 100 * MiB, 50e6 * 4)  # backward's start (activations, transient) or end (gradients)
     assert p.peak_bytes == pytest.approx((states + buffers + live) * 1.10, abs=1)
+
+
+def test_autocast_casts_are_priced():
+    """With autocast (resident_cast_elem 2: fp32 resident parameters cast to bf16), forward pays one cast of
+    each resident parameter, backward the gradients' cast back plus the recast of checkpointed blocks'."""
+    blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
+    chunks = tuple(ChunkProfile(50 * 10**6, 0.010, 0.020, (i,)) for i in range(2))
+    prof = GraphProfile(chunk_size=256 * MiB, blocks=(blk, blk), chunks=chunks, resident_cast_elem=2)
+    rate = HW.gpu_adam_params_per_s * 28
+    cast = 100e6 * (4 + 2) / rate  # both chunks resident
+    p = predict(prof, HW, Knobs(prof.chunk_size, 2, 1, 0, 1))  # block 0 recomputes: half the blocks
+    assert p.breakdown["cast_s"] == pytest.approx(cast + cast + cast / 2)
+    plain = predict(dataclasses.replace(prof, resident_cast_elem=0), HW, Knobs(prof.chunk_size, 2, 1, 0, 1))
+    assert p.breakdown["fwd_s"] - plain.breakdown["fwd_s"] == pytest.approx(cast)
+    assert p.time_s - plain.time_s == pytest.approx(2.5 * cast)
 
 
 def test_data_parallel_resident_all_reduce_overlaps_backward():
@@ -161,5 +180,7 @@ def test_data_parallel_terms():
     reduce_scatter = ch * 4 / 2 / 100e9
     down = ch * 4 / 2  # chunk 1 stays in its buffer from forward (no re-gather); its gradient's half goes down
     comm = down / 50e9 + reduce_scatter
-    assert two.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, comm) + allreduce)
-    assert one.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, 2 * down / 50e9))
+    pack = one.breakdown["cast_s"]  # chunk 1's gradients packed into its fp32 buffer (test_prediction_terms)
+    assert two.breakdown["cast_s"] == pack
+    assert two.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, comm) + allreduce + pack)
+    assert one.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, 2 * down / 50e9) + pack)
