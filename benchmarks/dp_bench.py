@@ -71,21 +71,30 @@ def child(args) -> None:
     warmup_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+        retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
         loss = run()
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
-    peak = torch.tensor([torch.cuda.max_memory_reserved(device) / 2**30 if cuda else 0.0], device=device)
+    # the peaks and the allocator's retries (it hit the cap, freed its cache and synchronized) over the timed
+    # steps, the largest over the ranks
+    peak = torch.tensor([torch.cuda.max_memory_reserved(device) / 2**30 if cuda else 0.0,
+                         torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
+                         torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries0 if cuda else 0.0],
+                        device=device)
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak, peak_allocated, alloc_retries = peak.tolist()
     row = {"system": args.child, "gpus": world, "params": n_params, "cap_gib": args.cap, "batch_per_gpu": args.batch,
            "seq": seq, "step_ms": med * 1e3, "step_ms_all": [t * 1e3 for t in times],
-           "tokens_per_s": args.batch * seq * world / med, "peak_reserved_gib_max": peak.item(),
+           "tokens_per_s": args.batch * seq * world / med, "peak_reserved_gib_max": peak,
+           "peak_allocated_gib_max": peak_allocated, "alloc_retries_max": int(alloc_retries),
            "loss": float(loss.detach().float()), "warmup_s": warmup_s}
     row.update({k: v for k, v in extra().items() if k in ("n_persist", "n_chunks", "n_buffer", "n_swap", "n_checkpoint",
-                                                           "plan_predicted", "plan_profiled", "optimizer_timers")})
+                                                           "plan_predicted", "plan_profiled", "optimizer_timers",
+                                                           "chunk_stats")})
     if rank == 0:
         print("RESULT " + json.dumps(row, default=str), flush=True)
     if dist.is_initialized():
