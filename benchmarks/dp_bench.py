@@ -10,7 +10,9 @@ for protrain with 1 and N processes and FSDP2 with N. Each child caps every GPU 
 (``set_per_process_memory_fraction``), builds ../shared/ANCHORS.md's 1.42 B GPT (``--tiny``: a 2-layer one),
 trains ``--batch`` x 1024 tokens per rank under bf16 autocast with fused AdamW, runs ``--warmup`` steps and
 then ``--steps`` timed steps, each ended by a device synchronize and a barrier; tokens/s counts every rank's
-tokens over the median step. Rank 0 prints the row. Writes ``<out>.json`` and ``<out>.md``.
+tokens over the median step. Rank 0 prints the row, with its median forward / backward / optimizer device
+times (``phase_ms_rank0``, CUDA events), the allocator's retries and (``--trace``) a profiler trace of one
+more step. Writes ``<out>.json`` and ``<out>.md``.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def child(args) -> None:
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
     x = torch.randint(0, cfg["vocab_size"], (args.batch, seq), generator=g).to(device)
     y = torch.randint(0, cfg["vocab_size"], (args.batch, seq), generator=g).to(device)
-    spec = {"kind": "gpt", "cfg": cfg, "device": args.device, "batch": args.batch, "seq": seq, "cap_gib": args.cap}
+    spec = {"kind": "gpt", "cfg": cfg, "device": args.device, "batch": args.batch, "seq": seq, "cap_gib": args.cap,
+            "phase_times": True}
     if args.child == "protrain":
         build = peers.protrain
     else:
@@ -72,6 +75,8 @@ def child(args) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         retries0 = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    if hasattr(step, "phases"):  # protrain's step (peers._plain_step): the timed steps' phases only
+        step.phases.clear()
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -87,10 +92,19 @@ def child(args) -> None:
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     peak, peak_allocated, alloc_retries = peak.tolist()
+    phases = peers.phase_ms(step)  # this rank's (rank 0 prints the row)
+    if args.trace and rank == 0 and cuda:  # one more step under torch.profiler: where the device time went
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+        prof.export_chrome_trace(f"{args.trace}_{args.child}_{world}.json")
+    if dist.is_initialized() and args.trace:
+        dist.barrier()
     row = {"system": args.child, "gpus": world, "params": n_params, "cap_gib": args.cap, "batch_per_gpu": args.batch,
            "seq": seq, "step_ms": med * 1e3, "step_ms_all": [t * 1e3 for t in times],
            "tokens_per_s": args.batch * seq * world / med, "peak_reserved_gib_max": peak,
-           "peak_allocated_gib_max": peak_allocated, "alloc_retries_max": int(alloc_retries),
+           "peak_allocated_gib_max": peak_allocated, "alloc_retries_max": int(alloc_retries), "phase_ms_rank0": phases,
            "loss": float(loss.detach().float()), "warmup_s": warmup_s}
     row.update({k: v for k, v in extra().items() if k in ("n_persist", "n_chunks", "n_buffer", "n_swap", "n_checkpoint",
                                                            "plan_predicted", "plan_profiled", "optimizer_timers",
@@ -104,7 +118,8 @@ def child(args) -> None:
 def launch(system: str, nproc: int, args, timeout: float) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             os.path.abspath(__file__), "--child", system, "--device", args.device, "--batch", str(args.batch),
-            "--cap", str(args.cap), "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])
+            "--cap", str(args.cap), "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else []) \
+        + (["--trace", args.trace] if args.trace else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", **NO_MULTICAST)
     t0 = time.monotonic()
     try:
@@ -164,6 +179,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--trace", default=None, help="path prefix: rank 0 of each run writes a torch.profiler chrome "
+                                                  "trace of one more step to PREFIX_SYSTEM_GPUS.json")
     ap.add_argument("--systems", default="protrain1,protrain,fsdp2", help="protrain1 = protrain on one GPU")
     ap.add_argument("--timeout", type=float, default=540)
     ap.add_argument("--out", default=None)

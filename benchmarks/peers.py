@@ -97,14 +97,45 @@ def _build(spec, device=None):
 
 
 def _plain_step(model, opt, spec, x, y):
+    """One training step. With ``spec["phase_times"]`` on CUDA, ``step.phases`` collects each step's CUDA
+    events at its start and after forward, backward and the optimizer (:func:`phase_ms` reads them)."""
+    timed = bool(spec.get("phase_times")) and spec["device"] == "cuda"
+
+    def mark(events):
+        if timed:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            events.append(e)
+
     def step():
+        events = []
+        mark(events)
         with _autocast(spec):
             loss = model(x, y)
+        mark(events)
         loss.backward()
+        mark(events)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark(events)
+        if timed:
+            step.phases.append(events)
         return loss
+    step.phases = []
     return step
+
+
+def phase_ms(step) -> dict | None:
+    """Median device milliseconds of forward, backward (what the device ran between the end of forward and
+    the return of ``loss.backward()``'s queued work) and optimizer over ``step.phases``."""
+    import statistics
+
+    rows = getattr(step, "phases", None)
+    if not rows:
+        return None
+    torch.cuda.synchronize()
+    names = ("forward", "backward", "optimizer")
+    return {n: statistics.median(ev[i].elapsed_time(ev[i + 1]) for ev in rows) for i, n in enumerate(names)}
 
 
 def _single_process_group_env() -> None:
