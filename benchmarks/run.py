@@ -586,7 +586,7 @@ def _err(e, n: int = 160) -> str:
 
 
 def _notes(r: dict) -> str:
-    bits = []
+    bits = ["measured by an earlier device call of this command (--resume)"] if r.get("resumed") else []
     if r.get("n_chunks"):
         bits.append(f"plan: {r['n_persist']}/{r['n_chunks']} chunks resident, chunk {r['chunk_size'] / 2**20:.0f} MiB, "
                     f"n_buffer {r['n_buffer']}, {r.get('offloaded_gib') or 0:.2f} GiB of fp32 parameters on the host")
@@ -867,6 +867,9 @@ def parse_args(argv=None):
     ap.add_argument("--search-refine", type=int, default=0, help="bisection steps after the first failure")
     ap.add_argument("--dry-run", action="store_true", help="print what would run, with its memory claims, and what "
                     "would not (predicted failures); run nothing. Without a GPU it assumes an H200 (139.8 GiB)")
+    ap.add_argument("--resume", default=None, help="a JSON this command wrote before (a run the device call's time "
+                    "cut short): its rows that ran, failures included, are kept and only the rest run, so the same "
+                    "command repeated over several device calls completes the suite")
     ap.add_argument("--merge", nargs="+", default=None, help="JSON files of earlier runs to combine into --out")
     ap.add_argument("--note", action="append", default=[], help="with --merge: a line for the table's notes")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -911,6 +914,17 @@ def dry_run(names: list[str], systems: list[str], all_sc: dict, ctx: Ctx, device
 
 def not_run(row: dict) -> bool:
     return (row.get("error") or "").startswith(("not run", "stopped:"))
+
+
+def resumed_rows(path: str, todo: list[tuple[str, str]]) -> dict[int, dict]:
+    """The rows of an earlier run (``path``) to keep, by index in ``todo``: every (scenario, system) that ran,
+    whether it measured or failed, and is still asked for; not those the deadline or an interrupt left
+    unrun. A missing file keeps nothing (the first call of a resumed suite)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"] if not not_run(r)}
+    return {i: dict(earlier[key], resumed=True) for i, key in enumerate(todo) if key in earlier}
 
 
 def merge(args) -> None:
@@ -990,6 +1004,11 @@ def main(argv=None) -> None:
 
     rows: dict[int, dict] = {}
     last_chart = [0.0]
+    if args.resume:  # keep what an earlier run of this suite measured (or saw fail); run the rest
+        rows.update(resumed_rows(args.resume, todo))
+        out["resumed_from"] = {"path": args.resume, "kept": len(rows)}
+        out["rows"] = [rows[k] for k in sorted(rows)]
+        print(f"resuming {args.resume}: {len(rows)} of {len(todo)} rows kept", flush=True)
 
     def one(i: int) -> None:
         name, system = todo[i]
@@ -1018,7 +1037,7 @@ def main(argv=None) -> None:
     handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:  # one thread per task; timeshare.Slots decides which children run at once
         with concurrent.futures.ThreadPoolExecutor(max(1, len(todo))) as pool:
-            for f in [pool.submit(one, i) for i in range(len(todo))]:
+            for f in [pool.submit(one, i) for i in range(len(todo)) if i not in rows]:
                 f.result()
     finally:
         for sig, h in handlers.items():

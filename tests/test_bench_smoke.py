@@ -166,6 +166,44 @@ def test_gpu_run_with_children_faked(tmp_path, monkeypatch):
     assert "| llama-cap40 | torchao_offload |" in md and "ran again alone" in md
 
 
+def test_resume_keeps_what_ran_and_runs_the_rest(tmp_path, monkeypatch):
+    """--resume: the same command over two device calls. The first call's rows that ran (measured or failed)
+    are kept as they are; rows its deadline left unrun, and systems it did not have, run in the second."""
+    started = []
+
+    def fake_run_child(argv, env, timeout, ctx=None):
+        system = argv[argv.index("--one") + 1]
+        started.append(system)
+        if system == "eager":
+            return {"error": "OOM: CUDA out of memory. Tried to allocate 2.00 GiB"}
+        return dict(MEASURED, tokens_per_s=1000.0 + len(system))
+
+    MEASURED = {"params": 123, "peak_gib": 1.0, "step_ms": 8.0, "step_ms_min": 7.0, "step_ms_max": 9.0}
+    monkeypatch.setattr(run, "run_child", fake_run_child)
+    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")
+    out = str(tmp_path / "suite")
+    first = {"rows": [dict(run.base_row("gpt1.4b", "compile", run.scenarios(run.parse_args([]))["gpt1.4b"]),
+                           **dict(MEASURED, tokens_per_s=555.0), error=None, wall_s=1.0),
+                      dict(run.base_row("gpt1.4b", "eager", run.scenarios(run.parse_args([]))["gpt1.4b"]),
+                           error="OOM: earlier", wall_s=1.0),
+                      dict(run.base_row("gpt1.4b", "protrain", run.scenarios(run.parse_args([]))["gpt1.4b"]),
+                           error="not run: the run's deadline passed", wall_s=0.0)]}
+    (tmp_path / "suite.json").write_text(json.dumps(first))
+    argv = ["--device", "cuda", "--scenarios", "gpt1.4b", "--systems", "compile,eager,protrain", "--out", out,
+            "--resume", out + ".json"]
+    run.main(argv)
+    assert started == ["protrain"]  # compile measured and eager failed before: neither runs again
+    rows = {r["system"]: r for r in json.loads((tmp_path / "suite.json").read_text())["rows"]}
+    assert rows["compile"]["tokens_per_s"] == 555.0 and rows["compile"]["resumed"]
+    assert rows["eager"]["error"] == "OOM: earlier"
+    assert rows["protrain"]["tokens_per_s"] == 1008.0 and not rows["protrain"].get("resumed")
+    assert "earlier device call" in (tmp_path / "suite.md").read_text()
+    run.main(argv)  # everything ran: a third call starts nothing
+    assert started == ["protrain"]
+    assert run.resumed_rows(str(tmp_path / "missing.json"), [("gpt1.4b", "compile")]) == {}
+
+
 def test_deadline_and_interrupt_rows():
     sc = dict(kind="gpt", cfg=run.TINY_GPT, batch=2, seq=32, cap_gib=0.0, systems=tuple(run.SYSTEMS))
     ctx = run.Ctx(run.parse_args(["--device", "cpu", "--deadline", "10"]), 0.0, 20.0)
