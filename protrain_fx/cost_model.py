@@ -170,6 +170,9 @@ class _ProfileArrays:
         for ch in chunks:
             self.numel.append(self.numel[-1] + ch.numel)
             self.resident_bytes.append(self.resident_bytes[-1] + ch.numel * me)
+        self.largest_resident = [0]  # of chunks [0, n_persist)
+        for ch in chunks:
+            self.largest_resident.append(max(self.largest_resident[-1], ch.numel))
         self.largest_offloaded = [0] * (n + 1)
         for c in range(n - 1, -1, -1):
             self.largest_offloaded[c] = max(self.largest_offloaded[c + 1], chunks[c].numel)
@@ -225,6 +228,7 @@ class LayoutCosts:
         A = arrays or _ProfileArrays(prof, hw, n_buffer)
         self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
         self.numel, self.resident_bytes, self.largest_offloaded = A.numel, A.resident_bytes, A.largest_offloaded
+        self.largest_resident = A.largest_resident
         self.first_grad_s, self.swap_window_s = A.first_grad_s, A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
         # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
@@ -266,10 +270,14 @@ class LayoutCosts:
         """Resident parameters and moments, the chunk and gradient buffers, and the larger of the two ends of
         backward: at its start every saved activation (plus the cast copies of resident parameters) and
         the transient; at its end the resident gradients (activations freed block by block as gradients
-        appear, so in between the sum stays under the larger end)."""
+        appear, so in between the sum stays under the larger end). With several ranks a resident chunk's
+        gradients are copied into the flat buffer its all-reduce reads while the graph's own are still
+        alive (passes/resident_grads.py): one more chunk of gradients at the end of backward."""
         prof = self.prof
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)  # params, moments
         grads = self.resident_bytes[n_persist]
+        if self.hw.world_size > 1:
+            grads += self.largest_resident[n_persist] * prof.master_elem
         casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
         big = self.largest_offloaded[n_persist]
         buffers = self.n_buffer * big * prof.transfer_elem + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
