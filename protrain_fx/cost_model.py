@@ -13,8 +13,9 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   when both run. Swap adds what physics forces: the swapped bytes' copy down and up beyond the compute that
   can hide it (everything between block 0's forward and block 0's backward), measured to hold on the H200.
 * ``T_cpu_optim``: offloaded parameters over the CPU Adam rate, times the slowdown measured when it runs
-  inside a training step (``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default); it starts once the first offloaded gradient is on the
-  host (``T_first_grad``). ``T_gpu_optim``: resident parameters over the device Adam rate.
+  inside a training step (``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default); it starts once
+  the first offloaded gradient is on the host (``T_first_grad``). ``T_gpu_optim``: resident parameters
+  over the device Adam rate.
 * Casts the profiled step does not run (its chunks all arrive in the compute dtype and its gradients are
   dropped), priced at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): with autocast, forward
   casts every resident parameter to the compute dtype, recomputation casts again those of checkpointed

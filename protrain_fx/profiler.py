@@ -233,7 +233,9 @@ def _device_clocks(device: torch.device) -> dict:
     try:
         import pynvml
         pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if device.index is None else device.index)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        nvml_index = getattr(torch.cuda, "_get_nvml_device_index", lambda i: i)(index)  # CUDA_VISIBLE_DEVICES
+        h = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
         return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
                 "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
                 "throttle_reasons": pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)}
