@@ -120,7 +120,8 @@ def launch(system: str, nproc: int, args, timeout: float) -> dict:
             os.path.abspath(__file__), "--child", system, "--device", args.device, "--batch", str(args.batch),
             "--cap", str(args.cap), "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else []) \
         + (["--trace", args.trace] if args.trace else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", **NO_MULTICAST)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", **NO_MULTICAST,
+               **dict(kv.split("=", 1) for kv in args.env))
     t0 = time.monotonic()
     try:
         p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
@@ -181,12 +182,18 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--trace", default=None, help="path prefix: rank 0 of each run writes a torch.profiler chrome "
                                                   "trace of one more step to PREFIX_SYSTEM_GPUS.json")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for every run (e.g. NCCL_MAX_NCHANNELS=8: fewer SMs for NCCL's "
+                         "kernels next to backward's); recorded in the output")
     ap.add_argument("--systems", default="protrain1,protrain,fsdp2", help="protrain1 = protrain on one GPU")
     ap.add_argument("--timeout", type=float, default=540)
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", nargs="+", default=None, help="JSON files of earlier runs to combine into --out")
     ap.add_argument("--note", action="append", default=[], help="with --merge: a line for the table's notes")
     args = ap.parse_args()
+    bad = [kv for kv in args.env if "=" not in kv or kv.startswith("=")]
+    if bad:
+        ap.error(f"--env takes KEY=VALUE, got {bad}")
     if args.child:
         child(args)
         return
@@ -197,7 +204,7 @@ def main() -> None:
 
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-           "command": "python benchmarks/dp_bench.py " + " ".join(sys.argv[1:]), "rows": []}
+           "command": "python benchmarks/dp_bench.py " + " ".join(sys.argv[1:]), "env": args.env, "rows": []}
     deadline = time.monotonic() + args.timeout
     for name in args.systems.split(","):
         system, nproc = ("protrain", 1) if name == "protrain1" else (name, args.gpus)
