@@ -819,16 +819,7 @@ def gpu_info() -> tuple[str, float]:
         return torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
-def meminfo_gib(key: str) -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return int(next(ln for ln in f if ln.startswith(key + ":")).split()[1]) / 2**20
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
-def host_description(avail: float | None) -> str:
-    total = meminfo_gib("MemTotal")
+def host_description(avail: float | None, total: float | None) -> str:
     mem = f", {total:.0f} GiB memory ({avail:.0f} GiB available at start)" if total and avail else ""
     return f"{os.cpu_count()} CPU cores{mem}, Python {platform.python_version()}"
 
@@ -968,7 +959,7 @@ def main(argv=None) -> None:
         device, total = gpu_info()
     from protrain_fx.hardware import host_memory  # MemAvailable, capped by the cgroup; $PROTRAIN_HOST_MEMORY
 
-    avail = host_memory()[0] / 2**30
+    avail, host_total = (b / 2**30 for b in host_memory())
     host = avail if args.host_gib is None else (args.host_gib or None)
     ctx = Ctx(args, total, host)
     if args.dry_run:
@@ -982,7 +973,7 @@ def main(argv=None) -> None:
     shown = {**peers.PROTRAIN_OPTIONS, **args.protrain_options}
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": device, "device_gib": round(total, 1),
            "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else list(argv),
-           "host": host_description(avail), "host_gib_for_checks": host, "flops_formula": FLOPS_FORMULA,
+           "host": host_description(avail, host_total), "host_gib_for_checks": host, "flops_formula": FLOPS_FORMULA,
            "ac_budget": args.ac_budget,
            "protrain_options_shown": {k: v for k, v in shown.items() if v is not None},
            "protrain_defaults": {"PROTRAIN_OPTIONS": peers.PROTRAIN_OPTIONS},

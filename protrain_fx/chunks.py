@@ -418,16 +418,19 @@ class ChunkStore:
         with torch.no_grad():
             if len(members) < len(self._chunk_entries[chunk]):
                 buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
-            views = []
-            for i in members:
-                e = self.entries[i]
-                views.append(buf[e.offset:e.offset + e.numel].view(e.shape))
-            torch._foreach_copy_(views, [g.detach() for g in grads])
+            self._copy_grads(buf, grads, members, [self.entries[i].offset for i in members])
             if self.world.sharded:
                 shard = self._grad_shards[k][:self.host_numel(chunk)]
                 distributed.reduce_scatter_mean(shard, buf, self.world.size)
                 buf = shard
         self._grad_buf_done[k] = self.optimizer.chunk_grad(self, chunk, buf, members)
+
+    def _copy_grads(self, buf: torch.Tensor, grads: list[torch.Tensor], members: list[int],
+                    offsets: list[int]) -> list[torch.Tensor]:
+        """Copy each gradient into ``buf`` at its offset, shaped like its parameter; returns those views."""
+        views = [buf[o:o + self.entries[i].numel].view(self.entries[i].shape) for i, o in zip(members, offsets)]
+        torch._foreach_copy_(views, [g.detach() for g in grads])
+        return views
 
     def resident_grads_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
         """Data parallel: copy a resident chunk's parameter gradients (store entries ``members``) into a flat
@@ -436,15 +439,11 @@ class ChunkStore:
         (:func:`protrain_fx.distributed.start_resident_all_reduce`)."""
         if self.profiling:
             return
+        numels = [self.entries[i].numel for i in members]
+        offsets = [0, *itertools.accumulate(numels)][:-1]  # packed back to back
         with torch.no_grad():
-            flat = torch.empty(sum(self.entries[i].numel for i in members), dtype=self.master_dtype,
-                               device=self.device)
-            views, offset = [], 0
-            for i in members:
-                e = self.entries[i]
-                views.append(flat[offset:offset + e.numel].view(e.shape))
-                offset += e.numel
-            torch._foreach_copy_(views, [g.detach() for g in grads])
+            flat = torch.empty(sum(numels), dtype=self.master_dtype, device=self.device)
+            views = self._copy_grads(flat, grads, members, offsets)
         distributed.start_resident_all_reduce(flat, [(self._params[i](), v) for i, v in zip(members, views)])
         self.stats["resident_all_reduces"] += 1
 

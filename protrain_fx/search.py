@@ -69,7 +69,6 @@ def _search(profiles, hw, device_budget, host_budget, *, n_persist, n_buffer, n_
     best: Prediction | None = None
     best_key = None
     evaluated = 0
-    min_peak, min_host = None, None
     # every layout (chunk size, n_buffer, n_swap, n_checkpoint) with its O(1) lower bound, cheapest first:
     # once a layout's bound exceeds the best plan found, so do all the later ones' (exact, and most layouts
     # are never built)

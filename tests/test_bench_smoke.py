@@ -133,7 +133,6 @@ def test_gpu_run_with_children_faked(tmp_path, monkeypatch):
 
     monkeypatch.setattr(run, "run_child", fake_run_child)
     monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
-    monkeypatch.setattr(run, "meminfo_gib", lambda key: 120.0)
     monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")  # what the host-memory checks read
     monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: log.update(status="fake") or "/fake/site")
     out = tmp_path / "gpu"
