@@ -104,7 +104,9 @@ SETS = {
 
 def child_argv(c: dict, args) -> list[str]:
     spec = dict(kind=c["kind"], cfg=c["cfg"], batch=c["batch"], seq=1024, cap_gib=c["cap_gib"], device="cuda",
-                steps=args.steps, warmup=args.warmup, settle=True, protrain_options=c["knobs"])
+                steps=args.steps, warmup=args.warmup, settle=True, protrain_options=c["knobs"], phase_times=True)
+    if args.trace and any(t in c["name"] for t in args.trace_only.split(",")):
+        spec["trace"] = os.path.join(args.trace, re.sub(r"\W+", "_", c["name"]))
     return [sys.executable, os.path.join(HERE, "run.py"), "--one", "protrain", "--spec", json.dumps(spec)]
 
 
@@ -178,6 +180,9 @@ def main() -> None:
     ap.add_argument("--keep-hardware", action="store_true",
                     help="use the cached hardware profile instead of measuring it again (another stream measured it)")
     ap.add_argument("--fail-on-error", action="store_true", help="exit 1 when a case failed (a smoke check)")
+    ap.add_argument("--trace", default=None, help="folder: traced cases add one step under torch.profiler, "
+                    "its trace (gzipped) and summary written there, the summary also in the row")
+    ap.add_argument("--trace-only", default="", help="comma-separated case names (substring) to trace; default all")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.merge is not None:

@@ -37,6 +37,7 @@ def child(args) -> None:
     import torch.distributed as dist
 
     import peers
+    import trace_summary
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     cuda = args.device == "cuda"
@@ -93,18 +94,17 @@ def child(args) -> None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     peak, peak_allocated, alloc_retries = peak.tolist()
     phases = peers.phase_ms(step)  # this rank's (rank 0 prints the row)
-    if args.trace and rank == 0 and cuda:  # one more step under torch.profiler: where the device time went
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    traced = None
+    if args.trace and cuda:  # one more step on every rank (collectives), rank 0's under torch.profiler
+        if rank == 0:
+            traced = trace_summary.trace_step(run, f"{args.trace}_{args.child}_{world}")
+        else:
             run()
-        prof.export_chrome_trace(f"{args.trace}_{args.child}_{world}.json")
-    if dist.is_initialized() and args.trace:
-        dist.barrier()
     row = {"system": args.child, "gpus": world, "params": n_params, "cap_gib": args.cap, "batch_per_gpu": args.batch,
            "seq": seq, "step_ms": med * 1e3, "step_ms_all": [t * 1e3 for t in times],
            "tokens_per_s": args.batch * seq * world / med, "peak_reserved_gib_max": peak,
            "peak_allocated_gib_max": peak_allocated, "alloc_retries_max": int(alloc_retries), "phase_ms_rank0": phases,
+           "trace_rank0": traced,
            "loss": float(loss.detach().float()), "warmup_s": warmup_s}
     row.update({k: v for k, v in extra().items() if k in ("n_persist", "n_chunks", "n_buffer", "n_swap", "n_checkpoint",
                                                            "plan_predicted", "plan_profiled", "optimizer_timers",

@@ -82,6 +82,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import peers  # noqa: E402
 import timeshare  # noqa: E402
+import trace_summary  # noqa: E402
 from peers import SYSTEMS, build  # noqa: E402
 
 PEER_SITE = "/tmp/site"
@@ -205,6 +206,8 @@ def run_one(system: str, spec: dict) -> dict:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        if hasattr(step, "phases"):  # spec["phase_times"] (peers._plain_step): the timed steps' only
+            step.phases.clear()
         times = []
         for _ in range(spec["steps"]):
             t0 = time.perf_counter()
@@ -216,6 +219,9 @@ def run_one(system: str, spec: dict) -> dict:
         # the allocator hit its limit (the cap) and freed its cache to retry: slower steps, part of the result
         # under a real cap, a reason to run again alone under a soft one (run_job)
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0 if cuda else None
+        phases = peers.phase_ms(step) if cuda else None
+        # one more step under torch.profiler: where its device time went (benchmarks/trace_summary.py)
+        traced = trace_summary.trace_step(step, spec["trace"]) if cuda and spec.get("trace") else None
     med = statistics.median(times)
     res = {"params": n_params, "tokens_per_s": spec["batch"] * spec["seq"] / med, "peak_gib": peak,
            "peak_reserved_gib": reserved, "alloc_retries": retries, "step_ms": med * 1e3,
@@ -223,6 +229,10 @@ def run_one(system: str, spec: dict) -> dict:
            "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3, "step_ms_all": [t * 1e3 for t in times], "loss": float(loss.detach().float()),
            "build_s": build_s, "warmup_s": warmup_s, "turn_wait_s": wait_s,
            "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if phases:
+        res["phase_ms"] = phases
+    if traced:
+        res["trace"] = traced
     res.update(extra())
     return res
 
