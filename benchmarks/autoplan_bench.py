@@ -157,6 +157,24 @@ def markdown(out: dict) -> str:
     if timed:
         lines += [f"Largest errors over {len(timed)} plans: time {100 * max(abs(r['time_err']) for r in timed):.1f}%, "
                   f"peak {100 * max(abs(r['peak_err']) for r in timed):.1f}%."]
+        for run in sorted({r.get("run", 1) for r in timed}):
+            mine = [r for r in timed if r.get("run", 1) == run]
+            lines.append(f"- run {run}: {len(mine)} plans, largest time error "
+                         f"{100 * max(abs(r['time_err']) for r in mine):.1f}%, peak {100 * max(abs(r['peak_err']) for r in mine):.1f}%")
+    phased = [r for r in rows if r.get("phase_ms") and (r.get("plan_predicted") or {}).get("breakdown")]
+    if phased:
+        lines += ["", "Phases (device time between CUDA events at the step's start, after forward, after "
+                  "`loss.backward()`, after the optimizer; median over the timed steps) against the cost model's "
+                  "terms: forward = `fwd_s`; backward + optimizer = the rest of the predicted step.", "",
+                  "| run | case | predicted fwd ms | measured fwd ms | predicted bwd+optim ms | measured bwd ms | "
+                  "measured optim ms | trace: compute idle ms |", "|---|---|---|---|---|---|---|---|"]
+        for r in phased:
+            p, ph = r["plan_predicted"], r["phase_ms"]
+            fwd = p["breakdown"]["fwd_s"] * 1e3
+            idle = (r.get("trace") or {}).get("compute_idle_ms")
+            lines.append(f"| {r.get('run', 1)} | {r['name']} | {fwd:.1f} | {ph['forward']:.1f} | "
+                         f"{p['iter_s'] * 1e3 - fwd:.1f} | {ph['backward']:.1f} | {ph['optimizer']:.1f} | "
+                         f"{'-' if idle is None else format(idle, '.1f')} |")
     return "\n".join(lines) + "\n"
 
 
