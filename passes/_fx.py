@@ -96,16 +96,18 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
-def take_chunk_grads(gm: fx.GraphModule, slots_by_chunk: dict, target) -> None:
+def take_chunk_grads(gm: fx.GraphModule, slots_by_chunk: dict, target, keep_outputs: bool = False) -> list[fx.Node]:
     """Backward graph: for each ``(store id, chunk) -> [(output index, store entry)]``, insert
     ``target(grads, [], store id, chunk, entries)`` right after the last of those gradients is computed and
-    return ``None`` in their places (the op owns them now)."""
+    return ``None`` in their places (the op owns them now), or, with ``keep_outputs``, still return them.
+    Returns the inserted nodes."""
     from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
 
     graph = gm.graph
     out = output_node(gm)
     outputs = list(out.args[0])
     pos = node_positions(graph)
+    inserted = []
     for (store_id, chunk), slots in sorted(slots_by_chunk.items()):
         grads = [(o, outputs[o], entry) for o, entry in slots if o < len(outputs) and isinstance(outputs[o], fx.Node)]
         if not grads:
@@ -114,6 +116,9 @@ def take_chunk_grads(gm: fx.GraphModule, slots_by_chunk: dict, target) -> None:
         with graph.inserting_before(last.next):
             node = call(gm, target, ([g for _, g, _ in grads], [], store_id, chunk, [e for _, _, e in grads]))
         node.meta[META_KEY] = NodeAnnotation("backward", "non_block", chunk=chunk)
-        for o, _, _ in grads:
-            outputs[o] = None
+        inserted.append(node)
+        if not keep_outputs:
+            for o, _, _ in grads:
+                outputs[o] = None
     out.args = (tuple(outputs),)
+    return inserted

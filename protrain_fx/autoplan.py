@@ -41,7 +41,7 @@ from .profiler import graph_profile, profile_step
 from .search import NoPlanFits, search
 
 log = logging.getLogger("protrain_fx")
-COST_MODEL_VERSION = 8  # bump when the profile or the cost model changes meaning: old cache entries miss
+COST_MODEL_VERSION = 9  # bump when the profile or the cost model changes meaning: old cache entries miss
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 
 

@@ -433,18 +433,12 @@ class ChunkStore:
         return views
 
     def resident_grads_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
-        """Data parallel: copy a resident chunk's parameter gradients (store entries ``members``) into a flat
-        buffer of their own (the graph's buffers are reused by Inductor at once) and start averaging it over
-        the ranks; the views of it become (or are added to) the parameters' ``.grad``
-        (:func:`protrain_fx.distributed.start_resident_all_reduce`)."""
+        """Data parallel: start averaging a resident chunk's parameter gradients (store entries ``members``)
+        over the ranks, in place: the graph still returns them to autograd, after waiting for the collective
+        at its end (:func:`protrain_fx.distributed.start_resident_all_reduce`). While profiling, nothing."""
         if self.profiling:
             return
-        numels = [self.entries[i].numel for i in members]
-        offsets = [0, *itertools.accumulate(numels)][:-1]  # packed back to back
-        with torch.no_grad():
-            flat = torch.empty(sum(numels), dtype=self.master_dtype, device=self.device)
-            views = self._copy_grads(flat, grads, members, offsets)
-        distributed.start_resident_all_reduce(flat, [(self._params[i](), v) for i, v in zip(members, views)])
+        distributed.start_resident_all_reduce([self._params[i]() for i in members], [g.detach() for g in grads])
         self.stats["resident_all_reduces"] += 1
 
     def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):

@@ -12,6 +12,9 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   ``n_buffer`` forward gathers left in their buffers) and the fp32 gradient going down, at the duplex rate
   when both run. Swap adds what physics forces: the swapped bytes' copy down and up beyond the compute that
   can hide it (everything between block 0's forward and block 0's backward), measured to hold on the H200.
+* Data parallel (replicated resident chunks): the part of their gradients' all-reduces that the backward
+  of earlier chunks cannot hide, and the compute the overlapped part slows down
+  (:data:`COLLECTIVE_CONTENTION`).
 * ``T_cpu_optim``: offloaded parameters over the CPU Adam rate, times the slowdown measured when it runs
   inside a training step (``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default); it starts once
   the first offloaded gradient is on the host (``T_first_grad``). ``T_gpu_optim``: resident parameters
@@ -50,6 +53,10 @@ SWAP_FRAGMENTATION = 1.07
 # hosts 1.12-1.33 over eight such plans, median 1.25 (benchmarks/results/autoplan_h200.md, runs 4-7; the
 # chunk issue's per-phase timers measured 1.10-1.15 for the step's part inside backward alone)
 CPU_CONTENTION = 1.25
+# compute kernels slow down while an NCCL collective runs beside them (its kernels take SMs and memory
+# bandwidth): the 1.4B GPT's backward on 2 H200s (NVLink) ran 4.8 ms longer over the 19.6 ms its resident
+# all-reduces overlapped it (benchmarks/results/dp_h200.md, run 4's trace): 0.24 ms per ms of overlap
+COLLECTIVE_CONTENTION = 0.24
 # fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes three), so
 # the device's Adam rate times this is the memory bandwidth its streaming kernels get (H200: ~3.4 TB/s),
 # the rate of the dtype casts below
@@ -113,6 +120,8 @@ class Hardware:
     collective_bytes_per_s: float = math.inf
     # CPU Adam inside a training step against ``cpu_adam_params_per_s`` (the hardware profile's rate alone)
     cpu_contention: float = CPU_CONTENTION
+    # compute seconds lost per second of a collective overlapping it
+    collective_contention: float = COLLECTIVE_CONTENTION
 
     def collective_s(self, nbytes: float, passes: int = 1) -> float:
         """Seconds of ``passes`` all-gathers / reduce-scatters of ``nbytes`` (0 with one rank)."""
@@ -171,9 +180,6 @@ class _ProfileArrays:
         for ch in chunks:
             self.numel.append(self.numel[-1] + ch.numel)
             self.resident_bytes.append(self.resident_bytes[-1] + ch.numel * me)
-        self.largest_resident = [0]  # of chunks [0, n_persist)
-        for ch in chunks:
-            self.largest_resident.append(max(self.largest_resident[-1], ch.numel))
         self.largest_offloaded = [0] * (n + 1)
         for c in range(n - 1, -1, -1):
             self.largest_offloaded[c] = max(self.largest_offloaded[c + 1], chunks[c].numel)
@@ -229,7 +235,6 @@ class LayoutCosts:
         A = arrays or _ProfileArrays(prof, hw, n_buffer)
         self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
         self.numel, self.resident_bytes, self.largest_offloaded = A.numel, A.resident_bytes, A.largest_offloaded
-        self.largest_resident = A.largest_resident
         self.first_grad_s, self.swap_window_s = A.first_grad_s, A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
         # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
@@ -248,12 +253,14 @@ class LayoutCosts:
         # of backward (A_k: all-reduce time of chunks 0..k, B_k: backward time of chunks before k); prefix
         # maxima price every n_persist in O(1)
         self.allreduce_exposed = [0.0] * (len(chunks) + 1)
+        self.allreduce_s = [0.0] * (len(chunks) + 1)  # all of it, of chunks [0, n_persist)
         if hw.world_size > 1:
             reduce_s = worst = 0.0
             for c, ch in enumerate(chunks):
                 reduce_s += hw.collective_s(ch.numel * prof.master_elem, passes=2)
                 worst = max(worst, reduce_s - bwd_res[c])
                 self.allreduce_exposed[c + 1] = worst
+                self.allreduce_s[c + 1] = reduce_s
         # ---- swap and memory that do not depend on n_persist
         self.swap_fraction = n_swap / n_blocks if n_blocks else 0.0
         self.swapped_bytes = A.swappable[n_swap]
@@ -271,14 +278,11 @@ class LayoutCosts:
         """Resident parameters and moments, the chunk and gradient buffers, and the larger of the two ends of
         backward: at its start every saved activation (plus the cast copies of resident parameters) and
         the transient; at its end the resident gradients (activations freed block by block as gradients
-        appear, so in between the sum stays under the larger end). With several ranks a resident chunk's
-        gradients are copied into the flat buffer its all-reduce reads while the graph's own are still
-        alive (passes/resident_grads.py): one more chunk of gradients at the end of backward."""
+        appear, so in between the sum stays under the larger end). With several ranks the resident
+        gradients are averaged in place (passes/resident_grads.py): no more memory."""
         prof = self.prof
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)  # params, moments
-        grads = self.resident_bytes[n_persist]
-        if self.hw.world_size > 1:
-            grads += self.largest_resident[n_persist] * prof.master_elem
+        grads = self.resident_bytes[n_persist]  # with several ranks too: averaged in place
         casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
         big = self.largest_offloaded[n_persist]
         buffers = self.n_buffer * big * prof.transfer_elem + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
@@ -316,8 +320,11 @@ class LayoutCosts:
                  + swap_exposed)
         resident = self.numel[n_persist]
         offloaded = self.numel[n] - resident
-        # replicated resident chunks: what of their gradients' all-reduce backward cannot hide
-        t_bwd += self.allreduce_exposed[n_persist]
+        # replicated resident chunks: what of their gradients' all-reduce backward cannot hide, and the
+        # compute the rest of it slows down
+        exposed = self.allreduce_exposed[n_persist]
+        contention = (self.allreduce_s[n_persist] - exposed) * hw.collective_contention
+        t_bwd += exposed + contention
         cast_fwd, cast_bwd = self.cast_s(n_persist)
         t_fwd += cast_fwd
         t_bwd += cast_bwd
@@ -328,7 +335,8 @@ class LayoutCosts:
         if not detail:
             return t
         return t, {"fwd_s": t_fwd, "bwd_s": t_bwd, "gpu_optim_s": t_gpu, "cpu_optim_s": t_cpu,
-                   "first_grad_s": t_first, "swap_exposed_s": swap_exposed, "cast_s": cast_fwd + cast_bwd}
+                   "first_grad_s": t_first, "swap_exposed_s": swap_exposed, "cast_s": cast_fwd + cast_bwd,
+                   "allreduce_exposed_s": exposed, "collective_contention_s": contention}
 
     def cast_s(self, n_persist: int) -> tuple[float, float]:
         """Forward's and backward's dtype casts that the profiled step did not run (module docstring)."""

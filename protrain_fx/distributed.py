@@ -7,9 +7,10 @@ chunks: launched with ``torchrun``, each rank compiles the same graphs, and
 * a gather copies the rank's shard into its place in a device chunk buffer and all-gathers the rest
   (``protrain::prefetch``, on the host-to-device stream); a chunk's gradient is reduce-scattered (averaged)
   before its shard goes to the host (``protrain::chunk_grad``);
-* resident chunks are replicated: their gradients are all-reduced (averaged) from inside backward, one
-  async all-reduce per chunk as soon as its gradients are complete (passes/resident_grads.py), so it
-  overlaps the rest of backward; gradients that reach autograd's hooks instead are all-reduced from there;
+* resident chunks are replicated: their gradients are all-reduced (averaged) in place from inside backward,
+  one coalesced async all-reduce per chunk as soon as its gradients are complete, waited for at the end of
+  the backward graph (passes/resident_grads.py), so it overlaps the rest of backward; gradients that reach
+  autograd's hooks instead are all-reduced from there;
   the user's optimizer steps them identically on every rank;
 * the automatic plan is made on rank 0 and broadcast, so every rank runs the same plan.
 
@@ -144,36 +145,56 @@ _HOOKED = IdentityWeakMap()
 _HOOKED_OPTIMIZERS = IdentityWeakMap()
 # resident gradients whose all-reduce is in flight: (work, finish); finish() runs once the work is waited for
 _IN_FLIGHT: list = []
-_finish_queued = False  # wait_resident_grads is queued to run at the end of the current backward pass
 _AVERAGED_IN_GRAPH = IdentityWeakMap()  # parameters whose gradients the graphs average (not the hooks)
 
 
-def start_resident_all_reduce(flat: torch.Tensor, param_grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Start averaging ``flat`` over the ranks (async); once done, each ``(param, view of flat)`` is added
-    to ``param.grad`` (or becomes it). Called from inside backward (``protrain::resident_grads``); the end of
-    that backward pass finishes it (an autograd final callback), as do the optimizer's step, clipping and the
-    next graph call, whichever comes first."""
-    global _finish_queued
+def all_reduce_mean_many(tensors: list[torch.Tensor], size: int):
+    """Start averaging each of ``tensors`` (dense) over the ranks in place, as one coalesced collective (NCCL
+    groups them: no flat copy); returns ``(work, finish)``: ``finish()`` completes the average once the work
+    is waited for."""
+    avg = _averages_in_place(tensors[0])
+    op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+    try:
+        from torch.distributed.distributed_c10d import _coalescing_manager  # private, in torch since 2.1
+    except ImportError:  # pragma: no cover - older or trimmed builds: one async collective per tensor
+        works = [dist.all_reduce(t, op=op, async_op=True) for t in tensors]
+        work = _Works(works)
+    else:
+        with _coalescing_manager(async_ops=True) as work:
+            for t in tensors:
+                dist.all_reduce(t, op=op)
+    finish = (lambda: None) if avg else functools.partial(torch._foreach_div_, tensors, size)
+    return work, finish
+
+
+class _Works:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+
+def start_resident_all_reduce(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Start averaging a resident chunk's gradients over the ranks in place (async, one coalesced
+    collective). Called from inside backward (``protrain::resident_grads``) on gradients the graph still
+    returns to autograd: ``protrain::resident_grads_wait`` at the end of that graph makes the compute stream
+    wait for the collective before autograd reads them (passes/resident_grads.py); the optimizer's step,
+    clipping and the next graph call also finish whatever is still in flight."""
     size = world().size
-    for p, _ in param_grads:
+    for p in params:
         _AVERAGED_IN_GRAPH[p] = True
-    work, average = all_reduce_mean(flat, size, async_op=True)
+    dense = [g if g.is_contiguous() else g.contiguous() for g in grads]  # collectives need dense tensors
+    work, average = all_reduce_mean_many(dense, size)
 
     def finish():
         average()
-        for p, g in param_grads:
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+        for g, d in zip(grads, dense):
+            if d is not g:
+                g.copy_(d)
 
     _IN_FLIGHT.append((work, finish))
-    if not _finish_queued:
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(wait_resident_grads)
-            _finish_queued = True
-        except RuntimeError:  # not inside a backward pass: the other wait points finish it
-            pass
 
 
 def average_resident_grads(params, optimizer=None) -> None:
@@ -210,10 +231,9 @@ def _average_hook(param: torch.Tensor, size: int, wait: bool) -> None:
 
 
 def wait_resident_grads() -> None:
-    """Finish the resident gradients' all-reduces (see :func:`average_resident_grads`); a no-op when none
-    are in flight. On CUDA the wait orders the current stream after them (the host does not block)."""
-    global _finish_queued
-    _finish_queued = False
+    """Finish the resident gradients' all-reduces (see :func:`average_resident_grads` and
+    :func:`start_resident_all_reduce`); a no-op when none are in flight. On CUDA the wait orders the current
+    stream after them (the host does not block)."""
     if not _IN_FLIGHT:
         return
     done = list(_IN_FLIGHT)

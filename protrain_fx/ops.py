@@ -22,10 +22,13 @@ side effects (at import time, before any graph is compiled: Inductor's cache key
   (``members``: their store entries) into one of the store's device gradient buffers, copy it to the host on
   its own stream, and hand the chunk to the CPU optimizer worker. The store owns that buffer: a buffer of
   the graph's would be reused by Inductor while the copy is still reading it.
-* ``resident_grads(grads, tokens, store, chunk, members) -> token``: data parallel only: copy a resident
-  chunk's parameter gradients into a flat buffer of its own and start their all-reduce (averaged) now, in
-  backward, so it overlaps the rest of backward; the sum reaches ``param.grad`` before anything reads it
-  (:func:`protrain_fx.distributed.wait_resident_grads`).
+* ``resident_grads(grads, tokens, store, chunk, members) -> token``: data parallel only: start averaging a
+  resident chunk's parameter gradients over the ranks, in place (one coalesced async all-reduce), now, in
+  backward, so it overlaps the rest of backward. The graph still returns those gradients (so Inductor never
+  reuses their memory while the collective runs).
+* ``resident_grads_wait(tokens, store) -> token``: at the end of that backward graph, the compute stream
+  waits for those all-reduces (:func:`protrain_fx.distributed.wait_resident_grads`) before autograd reads
+  the gradients.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import torch
 import torch.fx
 from torch.library import custom_op
 
-from . import _compat, block_timer, chunks, swap_pool
+from . import _compat, block_timer, chunks, distributed, swap_pool
 
 
 def _token(device: torch.device) -> torch.Tensor:
@@ -131,6 +134,17 @@ chunk_grad = _grad_op("chunk_grad", "grad_ready")
 resident_grads = _grad_op("resident_grads", "resident_grads_ready")
 
 
+@custom_op("protrain::resident_grads_wait", mutates_args=())
+def resident_grads_wait(tokens: List[torch.Tensor], store: int) -> torch.Tensor:
+    distributed.wait_resident_grads()
+    return _token(chunks.get_store(store).device)
+
+
+@resident_grads_wait.register_fake
+def _(tokens, store):
+    return torch.empty(0, device=chunks.get_store(store).device)
+
+
 def _fake_token(tokens, store, chunk):
     return torch.empty(0, device=chunks.get_store(store).device)
 
@@ -147,8 +161,9 @@ PREFETCH = torch.ops.protrain.prefetch.default
 RELEASE = torch.ops.protrain.release.default
 CHUNK_GRAD = torch.ops.protrain.chunk_grad.default
 RESIDENT_GRADS = torch.ops.protrain.resident_grads.default
+RESIDENT_GRADS_WAIT = torch.ops.protrain.resident_grads_wait.default
 GRAD_OPS = (CHUNK_GRAD, RESIDENT_GRADS)
-TOKEN_OPS = (PREFETCH, RELEASE, CHUNK_GRAD, RESIDENT_GRADS, RELOAD_START)
+TOKEN_OPS = (PREFETCH, RELEASE, CHUNK_GRAD, RESIDENT_GRADS, RESIDENT_GRADS_WAIT, RELOAD_START)
 ALL_OPS = (GATHER, *TOKEN_OPS)
 
 for _target in TOKEN_OPS:
@@ -166,6 +181,8 @@ def fake_value(target, args):
         return torch.empty(s.chunk_numel(args[2]), dtype=s.param_dtype, device=s.device)
     if target is RELOAD_START:
         return torch.empty(0, device=swap_pool.get_pool(args[2]).device)
+    if target is RESIDENT_GRADS_WAIT:
+        return torch.empty(0, device=chunks.get_store(args[1]).device)
     store = args[2] if target in GRAD_OPS else args[1]
     return torch.empty(0, device=chunks.get_store(store).device)
 

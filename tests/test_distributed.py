@@ -36,6 +36,8 @@ CASES = [
     ("llama", {"compiler": "eager", "n_persist": 0, "n_checkpoint": 2}, None, 1),
     ("gpt", {"compiler": "eager", "n_persist": 1, "n_swap": 1}, 1.0, 1),  # clipping: the norm spans the ranks
     ("gpt", {"compiler": "eager", "n_persist": 2}, None, 2),  # two micro-batches per step on each rank
+    # Inductor: resident gradients averaged in place while the graph goes on (its buffers must stay theirs)
+    ("gpt", {"compiler": "inductor", "n_persist": 3}, None, 2),
     # the automatic plan on both ranks, under 3x the fp32 parameter bytes (40,736 parameters): some chunks
     # must be offloaded
     ("gpt", {"compiler": "eager", "memory_budget": 3 * 4 * 40_736}, None, 1),
