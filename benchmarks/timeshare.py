@@ -39,6 +39,7 @@ import time
 LOCK_ENV = "PROTRAIN_BENCH_LOCK"
 HEAVY_LOCK_ENV = "PROTRAIN_BENCH_HEAVY_LOCK"
 _fd: int | None = None  # this child's handle on the lock
+_path: str | None = None  # and its path
 _heavy_fd: int | None = None
 
 
@@ -47,7 +48,7 @@ def start_busy() -> None:
     parent that shares the machine with another parent (``$PROTRAIN_BENCH_HEAVY_LOCK`` set for it) first
     waits for the host-heavy lock, held exclusively for its life: one host-heavy child on the machine, not
     one per parent. It waits before taking the timing lock, so it holds up nobody's measurement."""
-    global _fd, _heavy_fd
+    global _fd, _heavy_fd, _path
     heavy = os.environ.get(HEAVY_LOCK_ENV)
     if heavy and _heavy_fd is None:
         _heavy_fd = os.open(heavy, os.O_RDWR | os.O_CREAT, 0o600)
@@ -55,8 +56,33 @@ def start_busy() -> None:
     path = os.environ.get(LOCK_ENV)
     if not path or _fd is not None:
         return
-    _fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(_fd, fcntl.LOCK_SH)
+    _fd, _path = os.open(path, os.O_RDWR | os.O_CREAT, 0o600), path
+    _shared(_fd, path)
+
+
+def _exclusive(fd: int, path: str) -> None:
+    """Take the lock exclusive, holding the gate while waiting (see :func:`_shared`). The shared lock is let
+    go first: a waiter holding both would deadlock with one holding the shared lock, waiting for the gate."""
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    gate = os.open(path + ".gate", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(gate)
+
+
+def _shared(fd: int, path: str) -> None:
+    """Take the lock shared, but not while a child waits to measure: it holds the gate (``path.gate``)
+    until it has the lock, so new shared holders queue behind it. Without the gate a steady stream of
+    children starting up (another parent's next group) kept a measurement waiting for good: flock does not
+    queue an exclusive waiter ahead of later shared requests."""
+    gate = os.open(path + ".gate", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(gate)  # lets the gate go
 
 
 @contextlib.contextmanager
@@ -67,7 +93,7 @@ def measuring(then_busy: bool = False):
     if _fd is None:
         yield
         return
-    fcntl.flock(_fd, fcntl.LOCK_EX)  # converting drops the shared lock first, so two converters cannot deadlock
+    _exclusive(_fd, _path)
     try:
         yield
     finally:
@@ -91,7 +117,7 @@ def busy(path: str | None):
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _shared(fd, path)
         yield
     finally:
         os.close(fd)

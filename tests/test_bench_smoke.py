@@ -316,6 +316,41 @@ def test_measuring_waits_for_every_busy_holder(tmp_path, monkeypatch):
     os.close(timeshare._fd)
 
 
+def test_a_waiting_measurement_goes_before_later_starters(tmp_path):
+    """A child waiting to measure holds the gate: children starting after it queue behind it instead of
+    taking the lock shared and keeping it waiting (two parents' groups, one after another, did)."""
+    path = str(tmp_path / "lock")
+    compiling = os.open(path, os.O_RDWR | os.O_CREAT)
+    timeshare._shared(compiling, path)
+    order = []
+
+    def measure():
+        fd = os.open(path, os.O_RDWR)
+        timeshare._shared(fd, path)
+        timeshare._exclusive(fd, path)
+        order.append("measured")
+        time.sleep(0.2)
+        os.close(fd)
+
+    def start_up():
+        fd = os.open(path, os.O_RDWR)
+        timeshare._shared(fd, path)
+        order.append("started")
+        os.close(fd)
+
+    m = threading.Thread(target=measure)
+    m.start()
+    time.sleep(0.3)  # the measurement waits for the compiling child
+    s = threading.Thread(target=start_up)
+    s.start()
+    time.sleep(0.3)
+    assert order == []  # the newcomer queues behind the measurement
+    os.close(compiling)
+    m.join(5)
+    s.join(5)
+    assert order == ["measured", "started"]
+
+
 def test_slots_admit_by_count_and_memory_and_keep_exclusive_alone():
     slots = timeshare.Slots(jobs=2, device_gib=100.0, host_gib=100.0)
     log, lock = [], threading.Lock()
