@@ -149,6 +149,26 @@ def markdown(out: dict) -> str:
         peak = f"{r['peak_reserved_gib_max']:.1f}" if "peak_reserved_gib_max" in r else "-"
         err = " ".join(str(r.get("error", "")).split())[:160].replace("|", "/")
         lines.append(f"| {r.get('run', 1)} | {r['system']} | {r['gpus']} | {tok} | {ms} | {peak} | {plan} | {err} |")
+    detailed = [r for r in rows if r.get("phase_ms_rank0") or r.get("trace_rank0")]
+    if detailed:
+        lines += ["", "Where the step went (rank 0): the cost model's prediction; forward / backward / optimizer device "
+                  "times (CUDA events, median of the timed steps); the allocator's retries over the timed steps; "
+                  "from a profiler trace of one more step (benchmarks/trace_summary.py): time no compute kernel ran, "
+                  "collective kernels' busy time, how much of it overlapped compute, and the compute kernels' extra "
+                  "time beside collectives against the same kernels alone.", "",
+                  "| run | system | GPUs | predicted ms | measured ms | fwd / bwd / optim ms | retries | compute idle ms "
+                  "| collectives ms (overlapping compute) | compute extra beside collectives ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+        for r in detailed:
+            pred = (r.get("plan_predicted") or {}).get("iter_s")
+            ph, t = r.get("phase_ms_rank0"), r.get("trace_rank0") or {}
+            phases = f"{ph['forward']:.1f} / {ph['backward']:.1f} / {ph['optimizer']:.1f}" if ph else "-"
+            coll = (f"{t['collective_busy_ms']:.1f} ({t['collective_overlapping_compute_ms']:.1f})"
+                    if t.get("collective_busy_ms") is not None else "-")
+            lines.append(f"| {r.get('run', 1)} | {r['system']} | {r['gpus']} | {f(pred * 1e3 if pred else None, '.1f')} | "
+                         f"{f(r.get('step_ms'), '.1f')} | {phases} | {f(r.get('alloc_retries_max'), 'd')} | "
+                         f"{f(t.get('compute_idle_ms'), '.1f')} | {coll} | {f(t.get('compute_extra_beside_collectives_ms'), '.1f')} |")
     for run, ratios in (out.get("run_ratios") or {"1": out.get("ratios", {})}).items():
         for k, v in ratios.items():
             lines.append(f"\nrun {run}: {k}: {v:.2f}x" if v is not None else f"\nrun {run}: {k}: -")
