@@ -211,13 +211,43 @@ class _ProfileArrays:
         act = self.activation_bytes(n_swap, n_checkpoint)
         return int((act + self.prof.transient_bytes) * self.prof.fragmentation)
 
-    def lower_bound_s(self, n_swap: int, n_checkpoint: int) -> float:
-        """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): all compute, the recompute of its
-        checkpointed blocks, and the swap copy it cannot hide even with no cast copies among the bytes."""
+    def lower_bound_s(self, n_swap: int, n_checkpoint: int, device_budget: int | None = None) -> float:
+        """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): forward's and backward's compute,
+        the recompute of its checkpointed blocks, the swap copy it cannot hide even with no cast copies
+        among the bytes, and, at the best resident share, the casts and the optimizers. With ``R`` resident
+        parameters out of ``P`` the step is at least ``F + cf(R) + max(B + cb(R) + R / gpu, (P - R) / cpu)``
+        (transfers, the first gradient and collectives only add): the larger of two lines in ``R``, least
+        at an end or where they cross (a real ``R`` between chunk boundaries only lowers it). With a
+        ``device_budget``, ``R`` goes no higher than what fits next to the layout's activations: resident
+        parameters and their two moments, activations and transient, times the allocator factor, are
+        part of every peak."""
+        prof, hw = self.prof, self.hw
         nbytes = self.swappable[n_swap]
-        copy = nbytes / self.hw.d2h_bytes_per_s + nbytes / self.hw.h2d_bytes_per_s
+        copy = nbytes / hw.d2h_bytes_per_s + nbytes / hw.h2d_bytes_per_s
         exposed = max(0.0, copy - self.swap_window_s) if nbytes else 0.0
-        return self.compute_s + self.recompute[n_swap + n_checkpoint] - self.recompute[n_swap] + exposed
+        fwd = self.fwd_res[-1] + prof.nonblock_fwd_s
+        bwd = self.compute_s - fwd + self.recompute[n_swap + n_checkpoint] - self.recompute[n_swap] + exposed
+        total = self.numel[-1]
+        if not total:
+            return fwd + bwd
+        n_blocks = len(self.keep) - 1
+        rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM
+        ce, me, te = prof.resident_cast_elem, prof.master_elem, prof.transfer_elem
+        cast = (me + ce) / rate if ce else 0.0  # forward's cast per resident parameter
+        ckpt = n_checkpoint / n_blocks if n_blocks else 0.0
+        pack = (te + me) / rate  # per offloaded parameter
+        cpu = hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s  # per offloaded parameter
+        # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side
+        a0, a1 = fwd + bwd + total * pack, cast * (2 + ckpt) - pack + 1 / hw.gpu_adam_params_per_s
+        b0, b1 = fwd + total * cpu, cast - cpu
+        top = float(total)
+        if device_budget is not None:
+            room = device_budget / prof.fragmentation - self.activation_bytes(n_swap, n_checkpoint) - prof.transient_bytes
+            top = min(top, max(0.0, room / ((1 + ADAM_STATES) * me)))
+        points = [0.0, top]
+        if a1 != b1:
+            points.append(min(max((b0 - a0) / (a1 - b1), 0.0), top))
+        return min(max(a0 + a1 * r, b0 + b1 * r) for r in points)
 
 
 class LayoutCosts:
@@ -271,6 +301,11 @@ class LayoutCosts:
         self.keep_fraction = (n_blocks - n_swap - n_checkpoint) / n_blocks if n_blocks else 1.0
         self.checkpoint_fraction = n_checkpoint / n_blocks if n_blocks else 0.0
         self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window)
+        # the casts' seconds per resident parameter (cast to the compute dtype) and per offloaded one (packed)
+        rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM  # bytes per second
+        ce, me, te = prof.resident_cast_elem, prof.master_elem, prof.transfer_elem
+        self._cast_per_param = (me + ce) / rate if ce else 0.0
+        self._pack_per_param = (te + me) / rate
         self.fragmentation = prof.fragmentation * (SWAP_FRAGMENTATION if n_swap else 1.0)
 
     # ------------------------------------------------------------------------------ per n_persist
@@ -315,7 +350,7 @@ class LayoutCosts:
         n = len(self.prof.chunks)
         prof, hw = self.prof, self.hw
         t_fwd = self.fwd_res[n_persist] + (self.fwd_off[n] - self.fwd_off[n_persist]) + prof.nonblock_fwd_s
-        swap_exposed = self.swap_exposed_s(n_persist)
+        swap_exposed = self.swap_exposed_s(n_persist) if self.swapped_bytes else 0.0
         t_bwd = (self.bwd_res[n_persist] + (self.bwd_off[n] - self.bwd_off[n_persist]) + prof.nonblock_bwd_s
                  + swap_exposed)
         resident = self.numel[n_persist]
@@ -340,15 +375,9 @@ class LayoutCosts:
 
     def cast_s(self, n_persist: int) -> tuple[float, float]:
         """Forward's and backward's dtype casts that the profiled step did not run (module docstring)."""
-        prof = self.prof
-        rate = self.hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM  # bytes per second
         resident = self.numel[n_persist]
-        offloaded = self.numel[-1] - resident
-        ce, me, te = prof.resident_cast_elem, prof.master_elem, prof.transfer_elem
-        cast = resident * (me + ce) / rate if ce else 0.0
-        recast = cast * self.checkpoint_fraction
-        pack = offloaded * (te + me) / rate
-        return cast, cast + recast + pack
+        cast = resident * self._cast_per_param
+        return cast, cast + cast * self.checkpoint_fraction + (self.numel[-1] - resident) * self._pack_per_param
 
     def timeline(self, n_persist: int) -> list[list]:
         """Predicted device memory over one step, ``[t_s, bytes, label]`` at every block boundary: model

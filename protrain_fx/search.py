@@ -85,7 +85,8 @@ def _search(profiles, hw, device_budget, host_budget, *, n_persist, n_buffer, n_
                     continue
                 for k in ([n_checkpoint] if n_checkpoint is not None else range(n_blocks - s + 1)):
                     if s + k <= n_blocks:
-                        layouts.append((arrays.lower_bound_s(s, k), len(layouts), prof, nb, s, k, arrays))
+                        layouts.append((arrays.lower_bound_s(s, k, device_budget), len(layouts), prof, nb, s, k,
+                                        arrays))
     layouts.sort(key=lambda t: t[:2])
     for bound, _, prof, nb, s, k, arrays in layouts:
         if best_key is not None and bound > best_key[0] + 1e-6:
@@ -101,7 +102,10 @@ def _search(profiles, hw, device_budget, host_budget, *, n_persist, n_buffer, n_
             if host_budget is not None and lc.host_bytes(p) > host_budget:
                 continue
             evaluated += 1
-            key = plan_key(lc.time_s(p), p, s, k, peak)
+            t = lc.time_s(p)
+            if best_key is not None and t > best_key[0] + 1e-6:
+                continue  # slower than the best even after rounding: not a tie
+            key = plan_key(t, p, s, k, peak)
             if best_key is None or key < best_key:
                 best_key, best = key, lc.predict(p)
     if best is None:  # the smallest peak and pinned footprint over every layout, for the error

@@ -33,7 +33,9 @@ def profiles(draw):
         out.append(GraphProfile(chunk_size=chunk_size * MiB, chunks=chunks, blocks=blocks,
                                 nonblock_fwd_s=draw(st.floats(0, 2e-3)), nonblock_bwd_s=draw(st.floats(0, 4e-3)),
                                 nonblock_saved_bytes=draw(st.integers(0, 100)) * MiB,
-                                transient_bytes=draw(st.integers(0, 500)) * MiB))
+                                transient_bytes=draw(st.integers(0, 500)) * MiB,
+                                resident_cast_elem=draw(st.sampled_from([0, 2])),  # autocast's casts priced
+                                fragmentation=draw(st.sampled_from([1.0, 1.1]))))
     return out
 
 
