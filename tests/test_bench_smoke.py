@@ -456,3 +456,28 @@ def test_two_parents_share_the_locks_and_leave_their_folder(tmp_path, monkeypatc
         heavy = system in ("fsdp2_offload", "ds_zero2_offload", "ds_zero3_offload", "torchao_offload")
         assert (env.get(timeshare.HEAVY_LOCK_ENV) == str(shared / "heavy.lock")) == heavy, system
     assert (shared / "other_file").read_text() == "kept"
+
+
+# -------------------------------------------------------------------------------------------- trace_summary
+def test_trace_summary_finds_idle_gaps_and_collective_slowdown():
+    """A synthetic trace: two GEMMs on the compute stream, the second beside an all-reduce and slower; an
+    idle gap between them; a host-to-device copy on its own stream."""
+    import trace_summary
+
+    def ev(name, ts, dur, stream, cat="kernel", **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": dict(stream=stream, **args)}
+
+    events = [ev("gemm", 0, 10, 7), ev("gemm", 20, 14, 7), ev("ncclDevKernel_AllReduce", 18, 30, 20),
+              ev("Memcpy HtoD (Pinned -> Device)", 50, 5, 9, cat="gpu_memcpy", bytes=100),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]  # host events are ignored
+    s = trace_summary.summarize(events)
+    assert s["span_ms"] == pytest.approx(0.055)
+    assert s["compute_busy_ms"] == pytest.approx(0.024) and s["compute_idle_ms"] == pytest.approx(0.031)
+    assert s["compute_gaps"][0] == {"at_ms": 0.01, "gap_ms": 0.01, "after": "gemm", "before": "gemm"}
+    assert s["collective_busy_ms"] == pytest.approx(0.030)
+    assert s["collective_overlapping_compute_ms"] == pytest.approx(0.014)
+    (gemm,) = s["compute_beside_collectives"]
+    assert (gemm["mean_alone_us"], gemm["mean_beside_us"], gemm["extra_ms"]) == (10.0, 14.0, 0.004)
+    assert s["copies"]["Memcpy HtoD"] == {"total_ms": 0.005, "count": 1, "bytes": 100}
+    assert s["streams"]["20"]["collective_kernels"] == 1
+    assert trace_summary.summarize(events[-1:]) == {"error": "no device events in the trace"}
