@@ -16,6 +16,7 @@ Reports, over the span from the first to the last device event:
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 from collections import defaultdict
@@ -57,7 +58,6 @@ def _intersect(xs, ys) -> list[tuple[float, float]]:
 
 
 def _overlaps(a: float, b: float, union: list[tuple[float, float]], starts: list[float]) -> bool:
-    import bisect
     k = bisect.bisect_right(starts, b) - 1
     while k >= 0 and union[k][1] > a:
         if union[k][0] < b:

@@ -418,19 +418,13 @@ class ChunkStore:
         with torch.no_grad():
             if len(members) < len(self._chunk_entries[chunk]):
                 buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
-            self._copy_grads(buf, grads, members, [self.entries[i].offset for i in members])
+            views = [buf[e.offset:e.offset + e.numel].view(e.shape) for e in (self.entries[i] for i in members)]
+            torch._foreach_copy_(views, [g.detach() for g in grads])
             if self.world.sharded:
                 shard = self._grad_shards[k][:self.host_numel(chunk)]
                 distributed.reduce_scatter_mean(shard, buf, self.world.size)
                 buf = shard
         self._grad_buf_done[k] = self.optimizer.chunk_grad(self, chunk, buf, members)
-
-    def _copy_grads(self, buf: torch.Tensor, grads: list[torch.Tensor], members: list[int],
-                    offsets: list[int]) -> list[torch.Tensor]:
-        """Copy each gradient into ``buf`` at its offset, shaped like its parameter; returns those views."""
-        views = [buf[o:o + self.entries[i].numel].view(self.entries[i].shape) for i, o in zip(members, offsets)]
-        torch._foreach_copy_(views, [g.detach() for g in grads])
-        return views
 
     def resident_grads_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
         """Data parallel: start averaging a resident chunk's parameter gradients (store entries ``members``)

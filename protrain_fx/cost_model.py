@@ -187,6 +187,12 @@ class _ProfileArrays:
         self.first_grad_s = (last.bwd_s + last.numel * me * shard / hw.d2h_bytes_per_s
                              + hw.collective_s(last.numel * me)) if last else 0.0
         self.hw, self.prof = hw, prof
+        # the casts' seconds per resident parameter (forward's cast to the compute dtype) and per offloaded one
+        # (its gradient packed), at the device's streaming rate
+        rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM  # bytes per second
+        ce = prof.resident_cast_elem
+        self.cast_per_param = (me + ce) / rate if ce else 0.0
+        self.pack_per_param = (te + me) / rate
         self.compute_s = sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
         self.swap_window_s = self.compute_s - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
         # by block: prefix sums of what each policy keeps on the device, of the swappable bytes, of recompute
@@ -231,11 +237,8 @@ class _ProfileArrays:
         if not total:
             return fwd + bwd
         n_blocks = len(self.keep) - 1
-        rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM
-        ce, me, te = prof.resident_cast_elem, prof.master_elem, prof.transfer_elem
-        cast = (me + ce) / rate if ce else 0.0  # forward's cast per resident parameter
+        cast, pack, me = self.cast_per_param, self.pack_per_param, prof.master_elem
         ckpt = n_checkpoint / n_blocks if n_blocks else 0.0
-        pack = (te + me) / rate  # per offloaded parameter
         cpu = hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s  # per offloaded parameter
         # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side
         a0, a1 = fwd + bwd + total * pack, cast * (2 + ckpt) - pack + 1 / hw.gpu_adam_params_per_s
@@ -301,11 +304,7 @@ class LayoutCosts:
         self.keep_fraction = (n_blocks - n_swap - n_checkpoint) / n_blocks if n_blocks else 1.0
         self.checkpoint_fraction = n_checkpoint / n_blocks if n_blocks else 0.0
         self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window)
-        # the casts' seconds per resident parameter (cast to the compute dtype) and per offloaded one (packed)
-        rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM  # bytes per second
-        ce, me, te = prof.resident_cast_elem, prof.master_elem, prof.transfer_elem
-        self._cast_per_param = (me + ce) / rate if ce else 0.0
-        self._pack_per_param = (te + me) / rate
+        self.cast_per_param, self.pack_per_param = A.cast_per_param, A.pack_per_param
         self.fragmentation = prof.fragmentation * (SWAP_FRAGMENTATION if n_swap else 1.0)
 
     # ------------------------------------------------------------------------------ per n_persist
@@ -376,8 +375,8 @@ class LayoutCosts:
     def cast_s(self, n_persist: int) -> tuple[float, float]:
         """Forward's and backward's dtype casts that the profiled step did not run (module docstring)."""
         resident = self.numel[n_persist]
-        cast = resident * self._cast_per_param
-        return cast, cast + cast * self.checkpoint_fraction + (self.numel[-1] - resident) * self._pack_per_param
+        cast = resident * self.cast_per_param
+        return cast, cast + cast * self.checkpoint_fraction + (self.numel[-1] - resident) * self.pack_per_param
 
     def timeline(self, n_persist: int) -> list[list]:
         """Predicted device memory over one step, ``[t_s, bytes, label]`` at every block boundary: model

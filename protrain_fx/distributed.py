@@ -154,26 +154,13 @@ def all_reduce_mean_many(tensors: list[torch.Tensor], size: int):
     is waited for."""
     avg = _averages_in_place(tensors[0])
     op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
-    try:
-        from torch.distributed.distributed_c10d import _coalescing_manager  # private, in torch since 2.1
-    except ImportError:  # pragma: no cover - older or trimmed builds: one async collective per tensor
-        works = [dist.all_reduce(t, op=op, async_op=True) for t in tensors]
-        work = _Works(works)
-    else:
-        with _coalescing_manager(async_ops=True) as work:
-            for t in tensors:
-                dist.all_reduce(t, op=op)
+    from torch.distributed.distributed_c10d import _coalescing_manager  # private; in torch since 2.1
+
+    with _coalescing_manager(async_ops=True) as work:
+        for t in tensors:
+            dist.all_reduce(t, op=op)
     finish = (lambda: None) if avg else functools.partial(torch._foreach_div_, tensors, size)
     return work, finish
-
-
-class _Works:
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
 
 
 def start_resident_all_reduce(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

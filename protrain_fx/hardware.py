@@ -714,19 +714,22 @@ def _cgroup_memory() -> tuple[int, int] | None:
     return best
 
 
-def _nvml_memory(dev: torch.device, torch_total: int) -> tuple[int | None, int | None]:
-    """``(total, free)`` of ``dev`` according to pynvml (matched by UUID, so ``CUDA_VISIBLE_DEVICES`` and
-    ``CUDA_DEVICE_ORDER`` cannot pick another GPU), or ``(None, None)`` when pynvml, the driver library or
-    the match is missing. Logs a warning when the totals disagree by more than 5%."""
+@contextlib.contextmanager
+def nvml_device(dev: torch.device):
+    """Yields ``(pynvml, handle)`` for ``dev`` (matched by UUID, so ``CUDA_VISIBLE_DEVICES`` and
+    ``CUDA_DEVICE_ORDER`` cannot pick another GPU; else torch's own index mapping when the names agree), or
+    ``None`` when pynvml, the driver library or the match is missing; NVML is shut down afterwards."""
     try:
         import pynvml
-    except Exception:  # noqa: BLE001 - any import problem just means no cross-check
-        return None, None
+    except Exception:  # noqa: BLE001 - any import problem just means no NVML
+        yield None
+        return
     try:
         pynvml.nvmlInit()
     except Exception as e:  # noqa: BLE001 - pynvml raises its own NVMLError subclasses
-        log.debug("protrain hardware profile: pynvml unavailable: %s", e)
-        return None, None
+        log.debug("protrain: pynvml unavailable: %s", e)
+        yield None
+        return
     try:
         handle = None
         candidates = _uuid_candidates(getattr(torch.cuda.get_device_properties(dev), "uuid", None))
@@ -744,22 +747,29 @@ def _nvml_memory(dev: torch.device, torch_total: int) -> tuple[int | None, int |
                 if name == torch.cuda.get_device_name(dev):
                     handle = h
         if handle is None:
-            log.debug("protrain hardware profile: no NVML device matches %s (UUIDs tried: %s)", dev, candidates)
-            return None, None
-        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        total, free = int(info.total), int(info.free)
-        if torch_total and abs(total - torch_total) > 0.05 * torch_total:
-            log.warning("protrain hardware profile: NVML reports %d bytes on %s, torch %d", total, dev,
-                        torch_total)
-        return total, free
-    except Exception as e:  # noqa: BLE001
-        log.debug("protrain hardware profile: pynvml query failed: %s", e)
-        return None, None
+            log.debug("protrain: no NVML device matches %s (UUIDs tried: %s)", dev, candidates)
+        yield None if handle is None else (pynvml, handle)
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+
+
+def _nvml_memory(dev: torch.device, torch_total: int) -> tuple[int | None, int | None]:
+    """``(total, free)`` of ``dev`` according to pynvml (:func:`nvml_device`), or ``(None, None)``. Logs a
+    warning when the totals disagree by more than 5%."""
+    with nvml_device(dev) as found:
+        if found is None:
+            return None, None
+        pynvml, handle = found
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        except Exception as e:  # noqa: BLE001
+            log.debug("protrain hardware profile: pynvml query failed: %s", e)
+            return None, None
+    total, free = int(info.total), int(info.free)
+    if torch_total and abs(total - torch_total) > 0.05 * torch_total:
+        log.warning("protrain hardware profile: NVML reports %d bytes on %s, torch %d", total, dev, torch_total)
+    return total, free
 
 
 def _uuid_candidates(u) -> list[str]:

@@ -230,17 +230,18 @@ def _loadavg() -> float | None:
 def _device_clocks(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        index = torch.cuda.current_device() if device.index is None else device.index
-        nvml_index = getattr(torch.cuda, "_get_nvml_device_index", lambda i: i)(index)  # CUDA_VISIBLE_DEVICES
-        h = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
-        return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "throttle_reasons": pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)}
-    except Exception as e:  # NVML missing or not permitted: the profile stands without it
-        return {"nvml_error": repr(e)[:200]}
+    from .hardware import nvml_device
+
+    with nvml_device(device) as found:
+        if found is None:
+            return {"nvml_error": "no NVML device"}
+        pynvml, h = found
+        try:
+            return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                    "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+                    "throttle_reasons": pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)}
+        except Exception as e:  # NVML query not permitted: the profile stands without it
+            return {"nvml_error": repr(e)[:200]}
 
 
 def _grad_outputs(outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
