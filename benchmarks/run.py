@@ -449,9 +449,17 @@ def run_job(scenario: str, system: str, sc: dict, ctx: Ctx, priority: float = 0)
                 row["error"] = f"not run: the run's --deadline ({args.deadline:g} s) was reached"
                 break
             soft_cap = None if alone else soft
-            timeout = min(args.timeout, left - 5)
-            env = child_env(system, ctx, heavy=host > HEAVY_HOST_GIB)
-            res = run_child(child_argv(system, sc, ctx, soft_cap), env, timeout, ctx)
+            # another parent on the machine: one host-heavy child alive on it, taken before the child starts
+            heavy_lock = os.environ.get(timeshare.HEAVY_LOCK_ENV) if host > HEAVY_HOST_GIB else None
+            with timeshare.host_heavy_turn(heavy_lock, ctx.deadline_at and ctx.deadline_at - 30) as turn:
+                left = _remaining(ctx)
+                if not turn or ctx.stopping or left < 30:
+                    row["error"] = ("stopped: the suite was interrupted before this system ran" if ctx.stopping else
+                                    f"not run: the run's --deadline ({args.deadline:g} s) was reached while "
+                                    "waiting for the host-heavy turn (another parent's offloading system)")
+                    break
+                timeout = min(args.timeout, left - 5)
+                res = run_child(child_argv(system, sc, ctx, soft_cap), child_env(system, ctx), timeout, ctx)
             shared, neighbours = claim.shared, sorted(claim.neighbours)
         if timeout < args.timeout and (res.get("error") or "").startswith("timed out"):
             res["error"] = (f"not run to the end: the run's --deadline ({args.deadline:g} s) stopped it after "
@@ -482,13 +490,11 @@ def child_argv(system: str, sc: dict, ctx: Ctx, soft_cap: float | None) -> list[
     return [sys.executable, os.path.abspath(__file__), "--one", system, "--spec", json.dumps(spec)]
 
 
-def child_env(system: str, ctx: Ctx, heavy: bool = False) -> dict:
+def child_env(system: str, ctx: Ctx) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **NO_MULTICAST)
-    env.pop(timeshare.HEAVY_LOCK_ENV, None)
+    env.pop(timeshare.HEAVY_LOCK_ENV, None)  # the parent holds it for the child (run_job)
     if ctx.lock_path:
         env[timeshare.LOCK_ENV] = ctx.lock_path
-    if heavy and os.environ.get(timeshare.HEAVY_LOCK_ENV):  # another parent shares the machine (timeshare.py)
-        env[timeshare.HEAVY_LOCK_ENV] = os.environ[timeshare.HEAVY_LOCK_ENV]
     if ctx.lock_path and ctx.args.device == "cuda":
         # side-by-side compiles share the cores (and fewer compile workers means less host memory)
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // ctx.args.jobs)))

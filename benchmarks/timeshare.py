@@ -18,7 +18,9 @@ once, under two rules:
   turn are blocked in ``flock`` and use no CPU or GPU time (they do keep their memory, which admission has
   accounted for). The parent takes the lock shared while it installs the peers' wheels.
 * Two parents on one machine (one per GPU) share both rules when the outer command names the locks:
-  ``$PROTRAIN_BENCH_LOCK`` (timing) and ``$PROTRAIN_BENCH_HEAVY_LOCK`` (one host-heavy child at a time).
+  ``$PROTRAIN_BENCH_LOCK`` (timing) and ``$PROTRAIN_BENCH_HEAVY_LOCK`` (one host-heavy child at a time; the
+  parent takes it before starting such a child, :func:`host_heavy_turn`, so the child's time limit starts
+  with its turn).
 
 Without ``$PROTRAIN_BENCH_LOCK`` (a child run by hand, ``--jobs 1``) the child functions do nothing.
 
@@ -40,19 +42,11 @@ LOCK_ENV = "PROTRAIN_BENCH_LOCK"
 HEAVY_LOCK_ENV = "PROTRAIN_BENCH_HEAVY_LOCK"
 _fd: int | None = None  # this child's handle on the lock
 _path: str | None = None  # and its path
-_heavy_fd: int | None = None
 
 
 def start_busy() -> None:
-    """Child start-up: take the lock shared (blocks while another child measures). A host-heavy child of a
-    parent that shares the machine with another parent (``$PROTRAIN_BENCH_HEAVY_LOCK`` set for it) first
-    waits for the host-heavy lock, held exclusively for its life: one host-heavy child on the machine, not
-    one per parent. It waits before taking the timing lock, so it holds up nobody's measurement."""
-    global _fd, _heavy_fd, _path
-    heavy = os.environ.get(HEAVY_LOCK_ENV)
-    if heavy and _heavy_fd is None:
-        _heavy_fd = os.open(heavy, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(_heavy_fd, fcntl.LOCK_EX)
+    """Child start-up: take the lock shared (blocks while another child measures)."""
+    global _fd, _path
     path = os.environ.get(LOCK_ENV)
     if not path or _fd is not None:
         return
@@ -121,6 +115,32 @@ def busy(path: str | None):
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def host_heavy_turn(path: str | None, deadline: float | None = None, poll_s: float = 0.5):
+    """Parent side, two parents on one machine: hold the host-heavy lock (``$PROTRAIN_BENCH_HEAVY_LOCK``)
+    exclusive while one host-heavy child runs, so the machine has one offloading system alive, not one per
+    parent. Taken by the parent *before* it starts the child, so a child's time limit counts from its turn,
+    not from its queueing behind the other parent's. Yields True once held, or False when ``deadline``
+    (``time.monotonic()``) came first; no path: True at once."""
+    if not path:
+        yield True
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(poll_s)
+        yield True
+    finally:
+        os.close(fd)  # lets the lock go
 
 
 class Claim:

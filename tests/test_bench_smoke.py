@@ -430,19 +430,30 @@ def test_slots_keep_host_heavy_children_apart():
 
 
 def test_two_parents_share_the_locks_and_leave_their_folder(tmp_path, monkeypatch):
-    """Two run.py parents on one machine (one per GPU): the locks named in the environment reach the
-    children (the host-heavy lock only the offloading systems'), and the lock's folder is not removed at the
-    end (it is the caller's, e.g. /tmp)."""
+    """Two run.py parents on one machine (one per GPU): the timing lock named in the environment reaches the
+    children; the host-heavy lock is held by the parent while an offloading system's child runs (and only
+    then), not passed on; the lock's folder is not removed at the end (it is the caller's, e.g. /tmp)."""
     shared = tmp_path / "shared"
     shared.mkdir()
     (shared / "other_file").write_text("kept")
     monkeypatch.setenv(timeshare.LOCK_ENV, str(shared / "turns.lock"))
     monkeypatch.setenv(timeshare.HEAVY_LOCK_ENV, str(shared / "heavy.lock"))
     monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")
-    envs = {}
+    envs, held = {}, {}
+
+    def heavy_lock_is_held() -> bool:
+        fd = os.open(shared / "heavy.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
 
     def fake_run_child(argv, env, timeout, ctx=None):
-        envs[argv[argv.index("--one") + 1]] = env
+        system = argv[argv.index("--one") + 1]
+        envs[system], held[system] = env, heavy_lock_is_held()
         return {"params": 123, "tokens_per_s": 1000.0, "peak_gib": 20.0, "step_ms": 8.0, "step_ms_min": 8.0,
                 "step_ms_max": 8.0}
 
@@ -453,9 +464,42 @@ def test_two_parents_share_the_locks_and_leave_their_folder(tmp_path, monkeypatc
     assert set(envs) == set(run.SYSTEMS)
     for system, env in envs.items():
         assert env[timeshare.LOCK_ENV] == str(shared / "turns.lock")
+        assert timeshare.HEAVY_LOCK_ENV not in env, system
         heavy = system in ("fsdp2_offload", "ds_zero2_offload", "ds_zero3_offload", "torchao_offload")
-        assert (env.get(timeshare.HEAVY_LOCK_ENV) == str(shared / "heavy.lock")) == heavy, system
+        if heavy:  # a light one may run while a heavy one holds it; a heavy one always runs holding it
+            assert held[system], system
+    assert not heavy_lock_is_held()
     assert (shared / "other_file").read_text() == "kept"
+
+
+def test_a_heavy_child_waits_for_its_turn_without_spending_its_time_limit(tmp_path, monkeypatch):
+    """The other parent holds the host-heavy lock: an offloading system is not started (its time limit does
+    not run while it waits); at the run's deadline its row says it was not run, so --resume runs it later."""
+    lock = tmp_path / "heavy.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the other parent's offloading child
+    monkeypatch.setenv(timeshare.HEAVY_LOCK_ENV, str(lock))
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")
+    started = []
+
+    def fake_run_child(argv, env, timeout, ctx=None):
+        started.append(argv[argv.index("--one") + 1])
+        return {"params": 123, "tokens_per_s": 1000.0, "peak_gib": 20.0, "step_ms": 8.0, "step_ms_min": 8.0,
+                "step_ms_max": 8.0}
+
+    monkeypatch.setattr(run, "run_child", fake_run_child)
+    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: None)
+    try:
+        run.main(["--device", "cuda", "--jobs", "3", "--scenarios", "gpt1.4b", "--deadline", "32",
+                  "--systems", "compile,fsdp2_offload", "--out", str(tmp_path / "gpu")])
+    finally:
+        os.close(fd)
+    rows = {r["system"]: r for r in json.loads((tmp_path / "gpu.json").read_text())["rows"]}
+    assert started == ["compile"]
+    assert rows["compile"]["error"] is None
+    assert "waiting for the host-heavy turn" in rows["fsdp2_offload"]["error"]
+    assert run.not_run(rows["fsdp2_offload"])
 
 
 # -------------------------------------------------------------------------------------------- trace_summary
