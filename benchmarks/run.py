@@ -503,18 +503,22 @@ def child_env(system: str, ctx: Ctx) -> dict:
     return env
 
 
-def search(system: str, sc: dict, ctx: Ctx, report, priority: float = 0) -> dict:
+def search(system: str, sc: dict, ctx: Ctx, report, priority: float = 0, earlier: dict | None = None) -> dict:
     """The largest depth (GPT of width --search-width) ``system`` trains: double from --search-start until the
     first failure, then --search-refine bisection steps. The row is that of the largest that trained (or of
-    the first attempt when none did), with every attempt under ``search``."""
+    the first attempt when none did), with every attempt under ``search``. ``earlier``: the row of a search
+    that a deadline cut short (--resume): its attempts are kept and the search goes on from them."""
     args = ctx.args
-    attempts: dict[int, dict] = {}
+    attempts: dict[int, dict] = {k: r for k, r in earlier_attempts(earlier).items() if not not_run(r)}
     stopped = "first failure"
 
     def attempt(n_layer: int) -> str:
-        row = run_job("maxmodel", system, dict(sc, cfg=search_cfg(args, n_layer)), ctx, priority)
-        attempts[n_layer] = row
-        report(row, f"maxmodel L{n_layer}")
+        if n_layer in attempts:  # measured by an earlier call (--resume)
+            row = attempts[n_layer]
+        else:
+            row = run_job("maxmodel", system, dict(sc, cfg=search_cfg(args, n_layer)), ctx, priority)
+            attempts[n_layer] = row
+            report(row, f"maxmodel L{n_layer}")
         if row["error"] is None:
             return "ok"
         return "not run" if not_run(row) else "failed"
@@ -547,14 +551,32 @@ def search(system: str, sc: dict, ctx: Ctx, report, priority: float = 0) -> dict
             stopped = "deadline or interrupt"
             break
     row = dict(attempts[ok if ok is not None else min(attempts)])
+    row["layers"] = ok if ok is not None else min(attempts)
     row["search"] = [{"layers": k, "params": r["params"], "tokens_per_s": r["tokens_per_s"],
-                      "peak_gib": r["peak_gib"], "error": (r["error"] or None) and r["error"][:300]}
-                     for k, r in sorted(attempts.items())]
+                      "peak_gib": r["peak_gib"], "error": (r["error"] or None) and r["error"][:300],
+                      "wall_s": r.get("wall_s")} for k, r in sorted(attempts.items())]
     row["first_failure"] = None if bad is None else {"layers": bad, "params": attempts[bad]["params"],
                                                       "error": attempts[bad]["error"][:500]}
     row["search_stopped"] = stopped
     row["search_wall_s"] = round(sum(r.get("wall_s") or 0 for r in attempts.values()), 1)
     return row
+
+
+def earlier_attempts(row: dict | None) -> dict[int, dict]:
+    """The attempts of an earlier search row by depth: the row itself for the depth it reports (every field),
+    the others from its ``search`` list (what that keeps: params, tokens/s, peak, error)."""
+    if not row:
+        return {}
+    best = row.get("layers")
+    out = {}
+    for a in row.get("search") or []:
+        if a["layers"] == best:
+            full = {k: v for k, v in row.items() if k not in ("search", "first_failure", "search_stopped",
+                                                              "search_wall_s", "resumed")}
+            out[a["layers"]] = full
+        else:
+            out[a["layers"]] = dict(a, wall_s=a.get("wall_s") or 0, error=a["error"])
+    return out
 
 
 def ratios(rows: list[dict]) -> None:
@@ -930,8 +952,23 @@ def resumed_rows(path: str, todo: list[tuple[str, str]]) -> dict[int, dict]:
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"] if not not_run(r)}
+        earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"]
+                   if not not_run(r) and not cut_search(r)}
     return {i: dict(earlier[key], resumed=True) for i, key in enumerate(todo) if key in earlier}
+
+
+def cut_search(row: dict) -> bool:
+    """A maxmodel search that a deadline or an interrupt stopped before its first failure."""
+    return row.get("search_stopped") == "deadline or interrupt"
+
+
+def searches_to_continue(path: str, todo: list[tuple[str, str]]) -> dict[int, dict]:
+    """The maxmodel rows of an earlier run (``path``) whose search was cut short, by index in ``todo``."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"] if cut_search(r)}
+    return {i: earlier[key] for i, key in enumerate(todo) if key in earlier}
 
 
 def merge(args) -> None:
@@ -1010,9 +1047,11 @@ def main(argv=None) -> None:
         print(f"[{what}] {row['system']}: {status} ({row['wall_s']:.0f} s)", flush=True)
 
     rows: dict[int, dict] = {}
+    cut: dict[int, dict] = {}  # maxmodel searches an earlier call's deadline stopped: go on from their attempts
     last_chart = [0.0]
     if args.resume:  # keep what an earlier run of this suite measured (or saw fail); run the rest
         rows.update(resumed_rows(args.resume, todo))
+        cut = searches_to_continue(args.resume, todo)
         out["resumed_from"] = {"path": args.resume, "kept": len(rows)}
         out["rows"] = [rows[k] for k in sorted(rows)]
         print(f"resuming {args.resume}: {len(rows)} of {len(todo)} rows kept", flush=True)
@@ -1020,7 +1059,7 @@ def main(argv=None) -> None:
     def one(i: int) -> None:
         name, system = todo[i]
         if name == "maxmodel":
-            row = search(system, all_sc[name], ctx, report, priority=i)
+            row = search(system, all_sc[name], ctx, report, priority=i, earlier=cut.get(i))
         else:
             row = run_job(name, system, all_sc[name], ctx, priority=i)
             report(row, name)

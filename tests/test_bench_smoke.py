@@ -203,6 +203,45 @@ def test_resume_keeps_what_ran_and_runs_the_rest(tmp_path, monkeypatch):
     assert run.resumed_rows(str(tmp_path / "missing.json"), [("gpt1.4b", "compile")]) == {}
 
 
+def test_resume_goes_on_with_a_search_the_deadline_cut(tmp_path, monkeypatch):
+    """maxmodel over two device calls: the first call's deadline stops the doubling search after L16 trained;
+    the second (--resume) keeps L16 as it was and goes on at L32, then L64, its first failure."""
+    started, fail_from, cut_at = [], [64], [32]
+
+    def fake_run_child(argv, env, timeout, ctx=None):
+        n_layer = json.loads(argv[argv.index("--spec") + 1])["cfg"]["n_layer"]
+        started.append(n_layer)
+        if n_layer == cut_at[0]:
+            return {"error": "not run to the end: the run's --deadline (500 s) stopped it after 100 s"}
+        if n_layer >= fail_from[0]:
+            return {"error": "OOM: CUDA out of memory. Tried to allocate 2.00 GiB"}
+        return {"params": n_layer * 10**8, "peak_gib": float(n_layer), "step_ms": 8.0, "step_ms_min": 7.0,
+                "step_ms_max": 9.0, "tokens_per_s": 1000.0 / n_layer}
+
+    monkeypatch.setattr(run, "run_child", fake_run_child)
+    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: None)
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")
+    out = str(tmp_path / "suite")
+    argv = ["--device", "cuda", "--scenarios", "maxmodel", "--systems", "protrain", "--search-start", "16",
+            "--out", out]
+    run.main(argv)
+    assert started == [16, 32]
+    (row,) = json.loads((tmp_path / "suite.json").read_text())["rows"]
+    assert row["layers"] == 16 and row["search_stopped"] == "deadline or interrupt"
+    started.clear()
+    cut_at[0] = None
+    run.main(argv + ["--resume", out + ".json"])
+    assert started == [32, 64]  # L16 not again
+    (row,) = json.loads((tmp_path / "suite.json").read_text())["rows"]
+    assert row["layers"] == 32 and row["error"] is None and row["search_stopped"] == "first failure"
+    assert [a["layers"] for a in row["search"]] == [16, 32, 64]
+    assert row["first_failure"]["layers"] == 64
+    started.clear()
+    run.main(argv + ["--resume", out + ".json"])  # the search is complete: nothing runs
+    assert started == []
+
+
 def test_deadline_and_interrupt_rows():
     sc = dict(kind="gpt", cfg=run.TINY_GPT, batch=2, seq=32, cap_gib=0.0, systems=tuple(run.SYSTEMS))
     ctx = run.Ctx(run.parse_args(["--device", "cpu", "--deadline", "10"]), 0.0, 20.0)
