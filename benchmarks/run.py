@@ -771,8 +771,9 @@ def plot(out: dict, path: str) -> None:
             for i, r in enumerate(mx):
                 ok = r["error"] is None
                 ax.bar(i, r["params"] / 1e9 if ok else 0, color=colors[r["system"]])
+                cut = "\n(search cut short: a larger\nsize was not tried to the end)" if cut_search(r) else ""
                 ax.text(i, r["params"] / 1e9 if ok else top * 0.01,
-                        f"{_params(r['params'])}\n{r['model']}" if ok else short_error(r["error"]),
+                        f"{_params(r['params'])}\n{r['model']}{cut}" if ok else short_error(r["error"]),
                         rotation=0 if ok else 90, ha="center", va="bottom", fontsize=7)
             ax.set_xticks(range(len(mx)), [r["system"] for r in mx], fontsize=8)
             ax.set_ylim(0, top * 1.2)
