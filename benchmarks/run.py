@@ -567,7 +567,9 @@ def earlier_attempts(row: dict | None) -> dict[int, dict]:
     the others from its ``search`` list (what that keeps: params, tokens/s, peak, error)."""
     if not row:
         return {}
-    best = row.get("layers")
+    best = row.get("layers")  # rows written before it was recorded: the largest attempt that trained
+    if best is None:
+        best = max((a["layers"] for a in row.get("search") or [] if a["error"] is None), default=None)
     out = {}
     for a in row.get("search") or []:
         if a["layers"] == best:

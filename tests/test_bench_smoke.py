@@ -240,6 +240,9 @@ def test_resume_goes_on_with_a_search_the_deadline_cut(tmp_path, monkeypatch):
     started.clear()
     run.main(argv + ["--resume", out + ".json"])  # the search is complete: nothing runs
     assert started == []
+    older = dict(row, search_stopped="deadline or interrupt", search=row["search"][:2])
+    del older["layers"]  # a row written before the depth was recorded: the largest attempt that trained
+    assert run.earlier_attempts(older)[32]["model"] == row["model"]
 
 
 def test_deadline_and_interrupt_rows():
