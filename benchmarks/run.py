@@ -948,16 +948,23 @@ def not_run(row: dict) -> bool:
     return (row.get("error") or "").startswith(("not run", "stopped:"))
 
 
-def resumed_rows(path: str, todo: list[tuple[str, str]]) -> dict[int, dict]:
+def resumed_rows(path: str, todo: list[tuple[str, str]], refine: int = 0) -> dict[int, dict]:
     """The rows of an earlier run (``path``) to keep, by index in ``todo``: every (scenario, system) that ran,
     whether it measured or failed, and is still asked for; not those the deadline or an interrupt left
-    unrun. A missing file keeps nothing (the first call of a resumed suite)."""
+    unrun, those that failed to import their system (ModuleNotFoundError: the peers' wheels were not there),
+    nor maxmodel searches to go on with (:func:`search_to_go_on`). A missing file keeps nothing (the first
+    call of a resumed suite)."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"]
-                   if not not_run(r) and not cut_search(r)}
+                   if not run_again(r) and not search_to_go_on(r, refine)}
     return {i: dict(earlier[key], resumed=True) for i, key in enumerate(todo) if key in earlier}
+
+
+def run_again(row: dict) -> bool:
+    """A row --resume runs again: not run (deadline, interrupt), or its system could not even be imported."""
+    return not_run(row) or "ModuleNotFoundError" in (row.get("error") or "")
 
 
 def cut_search(row: dict) -> bool:
@@ -965,12 +972,27 @@ def cut_search(row: dict) -> bool:
     return row.get("search_stopped") == "deadline or interrupt"
 
 
-def searches_to_continue(path: str, todo: list[tuple[str, str]]) -> dict[int, dict]:
-    """The maxmodel rows of an earlier run (``path``) whose search was cut short, by index in ``todo``."""
+def search_to_go_on(row: dict, refine: int = 0) -> bool:
+    """A maxmodel search cut short (:func:`cut_search`), or one that found its first failure but took fewer
+    bisection steps towards it than ``refine`` asks for while a gap is left (the search replays what it
+    measured and runs only the new steps)."""
+    if cut_search(row):
+        return True
+    fail, ok, tried = row.get("first_failure"), row.get("layers"), row.get("search") or []
+    if not refine or not fail or ok is None or fail["layers"] - ok <= 1 or not tried:
+        return False
+    start = min(a["layers"] for a in tried)
+    doubling = {start << k for k in range(32)}
+    return sum(a["layers"] not in doubling for a in tried) < refine
+
+
+def searches_to_continue(path: str, todo: list[tuple[str, str]], refine: int = 0) -> dict[int, dict]:
+    """The maxmodel rows of an earlier run (``path``) to go on with (:func:`search_to_go_on`), by index in
+    ``todo``."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"] if cut_search(r)}
+        earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"] if search_to_go_on(r, refine)}
     return {i: earlier[key] for i, key in enumerate(todo) if key in earlier}
 
 
@@ -1053,8 +1075,8 @@ def main(argv=None) -> None:
     cut: dict[int, dict] = {}  # maxmodel searches an earlier call's deadline stopped: go on from their attempts
     last_chart = [0.0]
     if args.resume:  # keep what an earlier run of this suite measured (or saw fail); run the rest
-        rows.update(resumed_rows(args.resume, todo))
-        cut = searches_to_continue(args.resume, todo)
+        rows.update(resumed_rows(args.resume, todo, args.search_refine))
+        cut = searches_to_continue(args.resume, todo, args.search_refine)
         out["resumed_from"] = {"path": args.resume, "kept": len(rows)}
         out["rows"] = [rows[k] for k in sorted(rows)]
         print(f"resuming {args.resume}: {len(rows)} of {len(todo)} rows kept", flush=True)

@@ -20,7 +20,7 @@ once, under two rules:
 * Two parents on one machine (one per GPU) share both rules when the outer command names the locks:
   ``$PROTRAIN_BENCH_LOCK`` (timing) and ``$PROTRAIN_BENCH_HEAVY_LOCK`` (one host-heavy child at a time; the
   parent takes it before starting such a child, :func:`host_heavy_turn`, so the child's time limit starts
-  with its turn).
+  with its turn; turns go in the order they were asked for).
 
 Without ``$PROTRAIN_BENCH_LOCK`` (a child run by hand, ``--jobs 1``) the child functions do nothing.
 
@@ -122,25 +122,54 @@ def host_heavy_turn(path: str | None, deadline: float | None = None, poll_s: flo
     """Parent side, two parents on one machine: hold the host-heavy lock (``$PROTRAIN_BENCH_HEAVY_LOCK``)
     exclusive while one host-heavy child runs, so the machine has one offloading system alive, not one per
     parent. Taken by the parent *before* it starts the child, so a child's time limit counts from its turn,
-    not from its queueing behind the other parent's. Yields True once held, or False when ``deadline``
-    (``time.monotonic()``) came first; no path: True at once."""
+    not from its queueing behind the other parent's. Turns go first come, first served across parents (a
+    ticket in ``path.queue/``; a parent with several waiting rows would otherwise win most races for a lock
+    polled by all). Yields True once held, or False when ``deadline`` (``time.monotonic()``) came first; no
+    path: True at once."""
     if not path:
         yield True
         return
+    queue = path + ".queue"
+    os.makedirs(queue, exist_ok=True)
+    ticket = os.path.join(queue, f"{time.time_ns():020d}-{os.getpid()}-{threading.get_ident()}")
+    open(ticket, "w").close()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    yield False
-                    return
-                time.sleep(poll_s)
+            if _first_in_queue(queue, os.path.basename(ticket)):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    pass
+            if deadline is not None and time.monotonic() >= deadline:
+                yield False
+                return
+            time.sleep(poll_s)
         yield True
     finally:
         os.close(fd)  # lets the lock go
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(ticket)
+
+
+def _first_in_queue(queue: str, mine: str) -> bool:
+    """Whether ``mine`` is the oldest ticket of a live process (a dead parent's tickets are removed)."""
+    for name in sorted(os.listdir(queue)):
+        if name == mine:
+            return True
+        try:
+            os.kill(int(name.split("-")[1]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(queue, name))
+            continue
+        except (ValueError, IndexError):
+            continue  # a stray file, not a ticket
+        except PermissionError:
+            pass  # a live process of another user
+        return False
+    return False
 
 
 class Claim:

@@ -187,12 +187,16 @@ def test_resume_keeps_what_ran_and_runs_the_rest(tmp_path, monkeypatch):
                       dict(run.base_row("gpt1.4b", "eager", run.scenarios(run.parse_args([]))["gpt1.4b"]),
                            error="OOM: earlier", wall_s=1.0),
                       dict(run.base_row("gpt1.4b", "protrain", run.scenarios(run.parse_args([]))["gpt1.4b"]),
-                           error="not run: the run's deadline passed", wall_s=0.0)]}
+                           error="not run: the run's deadline passed", wall_s=0.0),
+                      dict(run.base_row("gpt1.4b", "compile_ac", run.scenarios(run.parse_args([]))["gpt1.4b"]),
+                           error="ModuleNotFoundError: No module named 'x' (not installed)", wall_s=1.0)]}
     (tmp_path / "suite.json").write_text(json.dumps(first))
-    argv = ["--device", "cuda", "--scenarios", "gpt1.4b", "--systems", "compile,eager,protrain", "--out", out,
-            "--resume", out + ".json"]
+    argv = ["--device", "cuda", "--scenarios", "gpt1.4b", "--systems", "compile,eager,protrain,compile_ac",
+            "--out", out, "--resume", out + ".json"]
     run.main(argv)
-    assert started == ["protrain"]  # compile measured and eager failed before: neither runs again
+    # compile measured and eager failed before: neither runs again; a system that could not be imported does
+    assert sorted(started) == ["compile_ac", "protrain"]
+    started.remove("compile_ac")
     rows = {r["system"]: r for r in json.loads((tmp_path / "suite.json").read_text())["rows"]}
     assert rows["compile"]["tokens_per_s"] == 555.0 and rows["compile"]["resumed"]
     assert rows["eager"]["error"] == "OOM: earlier"
@@ -239,6 +243,14 @@ def test_resume_goes_on_with_a_search_the_deadline_cut(tmp_path, monkeypatch):
     assert row["first_failure"]["layers"] == 64
     started.clear()
     run.main(argv + ["--resume", out + ".json"])  # the search is complete: nothing runs
+    assert started == []
+    fail_from[0] = 48  # asked for 2 bisection steps now: L48 fails, L40 trains; L16-L64 are not run again
+    run.main(argv + ["--resume", out + ".json", "--search-refine", "2"])
+    assert started == [48, 40]
+    (refined,) = json.loads((tmp_path / "suite.json").read_text())["rows"]
+    assert refined["layers"] == 40 and refined["first_failure"]["layers"] == 48
+    started.clear()
+    run.main(argv + ["--resume", out + ".json", "--search-refine", "2"])  # its 2 steps are taken
     assert started == []
     older = dict(row, search_stopped="deadline or interrupt", search=row["search"][:2])
     del older["layers"]  # a row written before the depth was recorded: the largest attempt that trained
@@ -542,6 +554,36 @@ def test_a_heavy_child_waits_for_its_turn_without_spending_its_time_limit(tmp_pa
     assert rows["compile"]["error"] is None
     assert "waiting for the host-heavy turn" in rows["fsdp2_offload"]["error"]
     assert run.not_run(rows["fsdp2_offload"])
+
+
+def test_host_heavy_turns_go_first_come_first_served(tmp_path):
+    """Three waiters ask for the host-heavy turn while it is held: they get it in the order they asked,
+    however their polling falls; a ticket left by a dead parent is skipped, not waited for."""
+    lock = str(tmp_path / "heavy.lock")
+    os.makedirs(lock + ".queue")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    open(os.path.join(lock + ".queue", f"{0:020d}-{dead.pid}-1"), "w").close()  # oldest, of a dead process
+    order = []
+    holder = timeshare.host_heavy_turn(lock, poll_s=0.01)
+    assert holder.__enter__() is True
+
+    def wait(name: str, poll_s: float) -> None:
+        with timeshare.host_heavy_turn(lock, time.monotonic() + 30, poll_s) as turn:
+            assert turn
+            order.append(name)
+            time.sleep(0.05)
+
+    threads = []
+    for name, poll in (("first", 0.2), ("second", 0.001), ("third", 0.001)):  # the first polls slowest
+        threads.append(threading.Thread(target=wait, args=(name, poll)))
+        threads[-1].start()
+        time.sleep(0.05)  # each has its ticket before the next asks
+    holder.__exit__(None, None, None)  # the turn is let go
+    for t in threads:
+        t.join(30)
+    assert order == ["first", "second", "third"]
+    assert os.listdir(lock + ".queue") == []  # every ticket gone, the dead one's too
 
 
 # -------------------------------------------------------------------------------------------- trace_summary
