@@ -74,6 +74,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -262,7 +263,7 @@ class Ctx:
         self.device_total_gib = device_total_gib
         self.host_avail_gib = host_avail_gib
         self.t_start = time.monotonic()
-        self.deadline_at = self.t_start + args.deadline if args.deadline else None
+        self.deadline_at = None if args.deadline is None else self.t_start + args.deadline
         cap_host = (host_avail_gib - HOST_MARGIN_GIB) if host_avail_gib else float("inf")
         self.slots = timeshare.Slots(args.jobs, device_total_gib or float("inf"), cap_host, HEAVY_HOST_GIB)
         self.lock_path = None
@@ -451,7 +452,7 @@ def run_job(scenario: str, system: str, sc: dict, ctx: Ctx, priority: float = 0)
             soft_cap = None if alone else soft
             # another parent on the machine: one host-heavy child alive on it, taken before the child starts
             heavy_lock = os.environ.get(timeshare.HEAVY_LOCK_ENV) if host > HEAVY_HOST_GIB else None
-            with timeshare.host_heavy_turn(heavy_lock, ctx.deadline_at and ctx.deadline_at - 30) as turn:
+            with timeshare.host_heavy_turn(heavy_lock, None if ctx.deadline_at is None else ctx.deadline_at - 30) as turn:
                 left = _remaining(ctx)
                 if not turn or ctx.stopping or left < 30:
                     row["error"] = ("stopped: the suite was interrupted before this system ran" if ctx.stopping else
@@ -601,6 +602,8 @@ def short_error(err: str | None) -> str:
         return "deadline"
     if low.startswith("stopped:"):
         return "stopped"
+    if low.startswith("not run"):
+        return "not run"
     if "out of memory" in low or low.startswith("oom"):
         return "OOM"
     for key, word in (("needs cuda", "needs CUDA"), ("timed out", "timeout"), ("killed by", "killed"),
@@ -877,9 +880,9 @@ def parse_args(argv=None):
     ap.add_argument("--jobs", type=int, default=None, help="systems built and compiled at once; timed steps are "
                     "always alone (benchmarks/timeshare.py). Default 3; --smoke on the CPU 2")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per system run (build, compile, steps)")
-    ap.add_argument("--deadline", type=float, default=0, help="seconds for the whole run (0: none): systems still "
-                    "running then are stopped and later ones get rows saying they were not run (set it below a "
-                    "device command's limit)")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole run (default: none): "
+                    "systems still running then are stopped and later ones get rows saying they were not run (set "
+                    "it below a device command's limit; 0 or less: nothing starts, every row says so)")
     ap.add_argument("--out", default=None, help="output path without extension (default benchmarks/results/suite; "
                     "--smoke: /tmp/protrain_smoke)")
     ap.add_argument("--ac-budget", type=float, default=0.5, help="compile_ac's activation_memory_budget")
@@ -1004,14 +1007,42 @@ def merge(args) -> None:
         merged.append({"path": path, **{k: data.get(k) for k in ("date", "device", "torch", "argv")}})
         for r in data["rows"]:
             key = (r["scenario"], r["system"])
-            if key in rows and not_run(r) and not not_run(rows[key]):
-                continue  # a row that was not run (deadline, interrupt) never replaces one that was
+            if key in rows and not_run(r) and not run_again(rows[key]):
+                continue  # a row that was not run (deadline, interrupt) never replaces one that ran
             rows[key] = r  # otherwise a later file's row replaces an earlier one's
         out = data
+    for key, row in missing_rows(rows, out).items():
+        rows[key] = row
     out = dict(out, rows=list(rows.values()), merged_from=merged, argv=["--merge", *args.merge, "--out", args.out],
                run_notes=list(args.note))
     write_outputs(out, args.out)
     print(f"wrote {args.out}.json, .md, .png ({len(rows)} rows)")
+
+
+def missing_rows(rows: dict, last: dict) -> dict:
+    """Rows for the (scenario, system) pairs of the merged scenarios that none of the merged runs has (a run
+    cut short before it wrote them, or one whose --systems left them out): a device OOM certain from lower
+    bounds (on the merged runs' device) says so, as that run would have; any other says no run reached it.
+    The table never silently lacks a system."""
+    gpu = bool(last.get("device_gib")) and last.get("device") != "cpu"
+    args = parse_args(["--search-start", str((last.get("search") or {}).get("start") or 8), "--device",
+                       "cuda" if gpu else "cpu"])
+    ctx = SimpleNamespace(args=args, device_total_gib=last.get("device_gib") or 0.0, host_avail_gib=None)
+    all_sc = scenarios(args)
+    out = {}
+    for name in dict.fromkeys(k[0] for k in rows):
+        sc = all_sc.get(name)
+        for system in (sc or {}).get("systems", ()):
+            if (name, system) in rows:
+                continue
+            cfg = search_cfg(args, args.search_start) if name == "maxmodel" else sc["cfg"]
+            row = base_row(name, system, dict(sc, cfg=cfg))
+            row.update(error=predicted_failure(system, row, ctx) or "not run: none of the merged runs reached it",
+                       wall_s=0.0)
+            if name == "maxmodel":
+                row.update(layers=args.search_start, search=[], search_stopped="deadline or interrupt")
+            out[(name, system)] = row
+    return out
 
 
 def main(argv=None) -> None:

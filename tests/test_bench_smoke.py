@@ -264,7 +264,11 @@ def test_deadline_and_interrupt_rows():
     row = run.run_job("s", "eager", sc, ctx)
     assert row["error"].startswith("not run:") and run.short_error(row["error"]) == "deadline"
     assert row["params"] > 0 and row["tokens_per_s"] is None
+    for spent in ("0", "-3"):  # a deadline already spent (a wrapper's time left): nothing starts
+        ctx = run.Ctx(run.parse_args(["--device", "cpu", "--deadline", spent]), 0.0, 20.0)
+        assert run.short_error(run.run_job("s", "eager", sc, ctx)["error"]) == "deadline"
     ctx = run.Ctx(run.parse_args(["--device", "cpu"]), 0.0, 20.0)
+    assert ctx.deadline_at is None
     ctx.stopping = True
     assert run.short_error(run.run_job("s", "eager", sc, ctx)["error"]) == "stopped"
 
@@ -341,6 +345,37 @@ def test_merge_recomputes_ratios(tmp_path):
     assert "| s-cap | eager |" in (tmp_path / "merged.md").read_text()
     assert "- run 2 measured protrain alone" in (tmp_path / "merged.md").read_text()
     assert (tmp_path / "merged.png").stat().st_size > 0 or data.get("plot_error")
+
+
+def test_merge_gives_every_system_a_row(tmp_path):
+    """A merge of runs that never reached some systems still has a row for each, saying so; a row whose system
+    could not be imported gives way to a later one, even one that was not run."""
+    args = run.parse_args(["--search-start", "16"])
+    sc = run.scenarios(args)
+    gpt = dict(run.base_row("gpt1.4b", "compile", sc["gpt1.4b"]), tokens_per_s=100.0, error=None)
+    broken = dict(run.base_row("gpt1.4b", "ds_zero2_offload", sc["gpt1.4b"]),
+                  error="ModuleNotFoundError: No module named 'deepspeed'")
+    late = dict(broken, error="not run: the run's --deadline (500 s) was reached")
+    big = dict(run.base_row("maxmodel", "protrain", dict(sc["maxmodel"], cfg=run.search_cfg(args, 32))),
+               tokens_per_s=5.0, error=None, layers=32, search=[])
+    capped = dict(run.base_row("llama-cap40", "protrain", sc["llama-cap40"]), tokens_per_s=2.0, error=None)
+    meta = dict(date="d", device="NVIDIA H200", device_gib=139.8, torch="t", argv=[], host="h", ac_budget=0.5,
+                warmup=1, steps=1, jobs=1,
+                llama="l", search={k: getattr(args, "search_" + k) for k in ("width", "start", "max_layers", "batch",
+                                                                            "steps", "warmup", "refine")})
+    (tmp_path / "a.json").write_text(json.dumps(dict(meta, rows=[gpt, broken, big, capped])))
+    (tmp_path / "b.json").write_text(json.dumps(dict(meta, rows=[late])))
+    run.merge(SimpleNamespace(merge=[str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                              out=str(tmp_path / "merged"), note=[]))
+    rows = {(r["scenario"], r["system"]): r for r in json.loads((tmp_path / "merged.json").read_text())["rows"]}
+    assert set(rows) == {(n, s) for n in ("gpt1.4b", "maxmodel", "llama-cap40") for s in sc[n]["systems"]}
+    assert rows[("llama-cap40", "eager")]["error"].startswith("OOM (predicted, not run)")  # 88 GiB of states
+    assert rows[("gpt1.4b", "ds_zero2_offload")]["error"] == late["error"]
+    assert rows[("gpt1.4b", "eager")]["error"] == "not run: none of the merged runs reached it"
+    assert rows[("maxmodel", "ds_zero2_offload")]["error"] == "not run: none of the merged runs reached it"
+    assert run.short_error(rows[("maxmodel", "ds_zero2_offload")]["error"]) == "not run"
+    assert rows[("maxmodel", "eager")]["layers"] == 16 and rows[("maxmodel", "eager")]["params"] > 0
+    assert rows[("maxmodel", "protrain")]["tokens_per_s"] == 5.0
 
 
 # -------------------------------------------------------------------------------------------- timeshare
