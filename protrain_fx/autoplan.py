@@ -187,14 +187,15 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     finally:
         del compiled
     static = plan.static_profile
-    host_freed = 0
+    host_freed = 0  # host bytes the plan's store frees as it takes the parameters over
     if not existing:
         for s in stores:
-            host_freed += sum(s.master[c].nbytes + (s.transfer[c].nbytes if s.transfer[c] is not s.master[c] else 0)
-                              for c in s.offloaded_chunks)
-            dissolve_store(s)
+            host_freed += sum(s.master[c].nbytes for c in s.offloaded_chunks)
+            dissolve_store(s)  # its transfer copies are freed here, its masters by the plan's store
+    del stores
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    hardware.release_cached_pinned_memory()  # so that the host memory measured below is what is free
 
     # ---- search
     master_elem = live[0].dtype.itemsize
@@ -210,8 +211,8 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     profiles = [graph_profile(step, static, entries, cs, master_elem=master_elem, transfer_elem=transfer_elem,
                               resident_cast_elem=cast_elem) for cs in sizes]
     _, _, host_avail, host_total = hardware.current_memory(device)
-    # the profiling store's pinned copies (host_init's values moved into it) are freed once the plan's
-    # store is built
+    # the profiling store's masters (host_init's values moved into them) are freed as the plan's store
+    # takes each chunk over
     host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))
     hw = Hardware.of(hw_profile)
     w = distributed.world()

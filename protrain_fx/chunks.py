@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import block_timer, distributed
+from . import block_timer, distributed, hardware
 from ._weakmap import IdentityWeakMap
 from .chunk_layout import ALIGN_BYTES, ChunkLayout
 from .options import ProtrainError, format_bytes
@@ -61,6 +61,8 @@ def device_shell(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def _pinned_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    if pin:
+        hardware.exact_pinned_blocks()  # once: no power-of-two rounding of chunk-sized blocks
     return torch.empty(numel, dtype=dtype, pin_memory=pin)
 
 
@@ -124,33 +126,13 @@ class ChunkStore:
             self._chunk_numel.append((end + align_elems - 1) // align_elems * align_elems)
 
         self.is_cuda = self.device.type == "cuda"
-        pin = self.is_cuda
-        host_values = host_values or {}
         self.master: dict[int, torch.Tensor] = {}
         self.transfer: dict[int, torch.Tensor] = {}
-        for c in range(self.n_chunks):
-            members = [params_in_order[i] for i in self._chunk_entries[c]]
-            if c < self.n_persist:  # resident: the parameter is the device tensor
-                for p in members:
-                    if id(p) in host_values:
-                        p.data = host_values[id(p)].to(self.device)
-                continue
-            master = _pinned_empty(self.host_numel(c), self.master_dtype, pin)
-            master.zero_()
-            for i in self._chunk_entries[c]:
-                part = self.host_slices(i)
-                if part is not None:
-                    p = params_in_order[i]
-                    src = host_values.get(id(p), p.data)
-                    master[part[0]].copy_(src.reshape(-1)[part[1]])
-            self.master[c] = master
-            if param_dtype == self.master_dtype:
-                self.transfer[c] = master
-            else:
-                self.transfer[c] = _pinned_empty(self.host_numel(c), param_dtype, pin)
-                self.transfer[c].copy_(master)
-            for p in members:
-                p.data = device_shell(p.shape, p.dtype, self.device)
+        try:
+            self._take_values(params_in_order, host_values if host_values is not None else {})
+        except BaseException:
+            self._give_values_back(params_in_order, host_values)
+            raise
         # weak references: the store lives as long as its model does
         self._params = [weakref.ref(p) for p in params_in_order]
         for p in params_in_order:
@@ -185,6 +167,52 @@ class ChunkStore:
     # ------------------------------------------------------------------------------------ layout
     def chunk_numel(self, chunk: int) -> int:
         return self._chunk_numel[chunk]
+
+    def _take_values(self, params_in_order: list, host_values: dict) -> None:
+        """Fill the chunks, one at a time, from ``host_values`` (id(param) -> its value on the host, for
+        parameters built under host_init or handed back by dissolve_store) or else the parameter itself.
+        Each value is dropped from ``host_values`` once its chunk holds it, so the old copies are freed while
+        the new ones are made: the host holds the values and the store together only one chunk at a time."""
+        pin = self.is_cuda
+        for c in range(self.n_chunks):
+            members = [params_in_order[i] for i in self._chunk_entries[c]]
+            if c < self.n_persist:  # resident: the parameter is the device tensor
+                for p in members:
+                    if id(p) in host_values:
+                        p.data = host_values.pop(id(p)).to(self.device)
+                continue
+            master = _pinned_empty(self.host_numel(c), self.master_dtype, pin)
+            master.zero_()
+            for i in self._chunk_entries[c]:
+                part = self.host_slices(i)
+                if part is not None:
+                    p = params_in_order[i]
+                    master[part[0]].copy_(host_values.get(id(p), p.data).reshape(-1)[part[1]])
+            self.master[c] = master
+            if self.param_dtype == self.master_dtype:
+                self.transfer[c] = master
+            else:
+                self.transfer[c] = _pinned_empty(self.host_numel(c), self.param_dtype, pin)
+                self.transfer[c].copy_(master)
+            dropped_pinned = False
+            for p in members:
+                old = host_values.pop(id(p), None)
+                dropped_pinned |= old is not None and old.is_pinned()
+                del old
+                p.data = device_shell(p.shape, p.dtype, self.device)
+            if dropped_pinned:  # a dissolved store's chunk: its pinned block goes back to the OS now
+                hardware.release_cached_pinned_memory()
+
+    def _give_values_back(self, params_in_order: list, host_values: dict | None) -> None:
+        """A store that failed half-built: put the values of its finished offloaded chunks back into
+        ``host_values`` (views of their masters), so the parameters keep their values. Resident ones already
+        hold theirs. With several ranks a chunk keeps only this rank's shard: those values are lost."""
+        if host_values is None or self.world.size > 1:
+            return
+        for c, master in self.master.items():
+            for i in self._chunk_entries[c]:
+                p, e = params_in_order[i], self.entries[i]
+                host_values[id(p)] = master[e.offset:e.offset + e.numel].view(e.shape)
 
     def host_numel(self, chunk: int) -> int:
         """Elements of the chunk this rank keeps on the host (all of them with one rank)."""

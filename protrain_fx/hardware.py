@@ -523,12 +523,56 @@ def _release_cuda_memory(dev: torch.device) -> None:
     with torch.cuda.device(dev):
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
+    release_cached_pinned_memory()
+
+
+def release_cached_pinned_memory() -> None:
+    """Hand the pinned blocks torch's caching host allocator keeps after they are freed back to the OS (it
+    would otherwise hold them, pinned, for the life of the process, and a new block of another size does not
+    reuse them). Without CUDA, or before it is initialized, nothing is cached: no-op."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
     host_empty_cache = getattr(torch._C, "_host_emptyCache", None)  # private; in torch 2.11 and 2.13
     if host_empty_cache is not None:
         try:
             host_empty_cache()
         except RuntimeError as e:  # pragma: no cover - best effort
-            log.debug("protrain hardware profile: _host_emptyCache failed: %s", e)
+            log.debug("protrain: _host_emptyCache failed: %s", e)
+
+
+PINNED_EXACT_ABOVE_MB = 64
+_pinned_exact: bool | None = None  # whether large pinned blocks are exact-size and uncached (checked once)
+
+
+def exact_pinned_blocks() -> bool:
+    """Make torch's pinned-memory allocator give blocks over 64 MiB their exact size and free them when
+    released, instead of rounding each up to a power of two (a 1.2 GiB chunk would pin 2 GiB) and caching it.
+    Set once per process through the allocator settings (``pinned_max_round_threshold_mb`` and
+    ``pinned_max_cached_size_mb``) unless the user's ``PYTORCH_ALLOC_CONF``/``PYTORCH_CUDA_ALLOC_CONF``
+    names them, and checked by allocating one such block. Returns whether large blocks are exact-size; False
+    also where this torch has no such settings (its pinned blocks are then rounded up)."""
+    global _pinned_exact
+    if _pinned_exact is not None:
+        return _pinned_exact
+    _pinned_exact = False
+    mb = PINNED_EXACT_ABOVE_MB
+    try:
+        user = os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if "pinned_max_round_threshold" not in user:
+            torch._C._accelerator_setAllocatorSettings(  # private; in torch 2.11 and 2.13
+                f"pinned_max_round_threshold_mb:{mb},pinned_max_cached_size_mb:{mb}")
+        n = (mb + 1) << 20  # rounded up, this would take 128 MiB
+        before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+        probe = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        grew = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before
+        del probe
+        _pinned_exact = 0 < grew < 2 * n - (4 << 20)
+    except (AttributeError, RuntimeError, KeyError) as e:  # pragma: no cover - depends on the torch build
+        log.debug("protrain: could not check the pinned allocator's rounding: %s", e)
+    if not _pinned_exact:
+        log.warning("protrain: could not make this torch's pinned host blocks exact-size (it rounds each up to a "
+                    "power of two by default): offloaded chunks may take up to twice their size in host memory")
+    return _pinned_exact
 
 
 @contextlib.contextmanager

@@ -102,7 +102,8 @@ def host_init(device="cuda"):
             model = GPT(cfg)             # parameters are created (and initialized) in host memory
 
     On exit every parameter created inside becomes a device *shell* (right shape and dtype, no memory) and
-    its value is kept in (pinned) host memory; buffers move to ``device``. ``torch.compile(model,
+    its value is kept in host memory as built (pageable: no second, pinned copy of the whole model; the chunk
+    store copies each value into its chunk and frees it); buffers move to ``device``. ``torch.compile(model,
     backend="protrain")`` then takes the values from the host: resident chunks are copied to the device,
     offloaded ones stay on the host. ``model.state_dict()`` and ``load_state_dict()`` work throughout. Run
     such a model through protrain only: eager PyTorch would read the empty shells.
@@ -127,7 +128,6 @@ def host_init(device="cuda"):
         yield
     finally:
         nn.Module.register_parameter, nn.Module.register_buffer = orig_param, orig_buffer
-    pin = device.type == "cuda"
     owners, done = [], set()
     for module, name, p in created_params:
         if module._parameters.get(name) is not p:
@@ -136,8 +136,10 @@ def host_init(device="cuda"):
         if id(p) in done:
             continue
         done.add(id(p))
-        host = p.data.detach()
-        HOST_VALUES[p] = host.pin_memory() if pin else host.clone()
+        host = p.data.detach()  # kept as built (pageable): the chunk store copies it into its pinned chunks
+        if host.untyped_storage().nbytes() != host.nbytes:
+            host = host.clone()  # a view of something larger: keep only its own bytes
+        HOST_VALUES[p] = host
         p.data = device_shell(p.shape, p.dtype, device)
     for module, name in created_buffers:
         buf = module._buffers.get(name)
@@ -159,3 +161,5 @@ def dissolve_store(store) -> None:
         for p, e in store.chunk_entries(c):
             HOST_VALUES[p] = full[e.offset:e.offset + e.numel].view(e.shape)
     store.unregister()
+    # its transfer copies go now (the masters live on in the views until the next store takes them)
+    store.master, store.transfer = {}, {}

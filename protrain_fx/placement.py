@@ -85,12 +85,19 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     # every chunk resident
     n_persist = layout.n_chunks if options.n_persist is None else min(options.n_persist, layout.n_chunks)
     plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)
-    host_values = {id(p): HOST_VALUES[p] for _, p in fqns if p in HOST_VALUES}
-    store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values)
+    # the store takes the host values over (each is freed once its chunk holds it); a store that fails
+    # half-built hands back what it has not placed, so the parameters keep their values
+    host_values = {id(p): HOST_VALUES.pop(p) for _, p in fqns if p in HOST_VALUES}
+    try:
+        store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values)
+    except BaseException:
+        for _, p in fqns:
+            if id(p) in host_values:
+                HOST_VALUES[p] = host_values[id(p)]
+        raise
+    del host_values
     # with several ranks resident chunks are replicated: average their gradients across ranks
     distributed.average_resident_grads([p for _, p in fqns if not store.param_is_offloaded(p)], options.optimizer)
-    for _, p in fqns:  # the store owns them now
-        HOST_VALUES.pop(p, None)
     if store.offloaded_chunks and root is not None and isinstance(root, torch.nn.Module):
         hook_owners_of(root, [p for _, p in fqns])
     elif store.offloaded_chunks:

@@ -304,3 +304,57 @@ def test_state_read_right_after_an_asynchronous_step_waits_for_it():
         for k in ref_sd:
             torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-4)  # a missed step: ~lr = 1e-2
     assert h.timers.async_steps >= 1
+
+
+def _store_inputs(n_params=6, numel=1024):
+    """Parameters as host_init leaves them (shells) with their values on the host, packed two per chunk."""
+    torch.manual_seed(0)
+    values = [torch.randn(numel) for _ in range(n_params)]
+    params = [(f"w{i}", torch.nn.Parameter(chunks.device_shell((numel,), torch.float32, torch.device("cpu"))))
+              for i in range(n_params)]
+    layout = protrain_fx.chunk_layout.pack([(f, numel * 4) for f, _ in params], 2 * numel * 4)
+    return values, params, layout
+
+
+def test_store_frees_each_host_value_once_its_chunk_holds_it(monkeypatch):
+    """Building a store from host values (host_init, a dissolved profiling store) never holds them all next
+    to all of its chunks: each value is released before the next chunk is allocated."""
+    import weakref
+
+    values, params, layout = _store_inputs()
+    events = []
+    real = chunks._pinned_empty
+    monkeypatch.setattr(chunks, "_pinned_empty", lambda n, dtype, pin: events.append("alloc") or real(n, dtype, pin))
+    host_values = {}
+    for (fqn, p), v in zip(params, values):
+        host_values[id(p)] = v.clone()
+        weakref.finalize(host_values[id(p)], events.append, f"freed {fqn}")
+    store = chunks.ChunkStore(params, layout, 1, torch.float32, host_values)
+    assert host_values == {}  # every value taken over
+    # chunk 0 resident (its values moved to the "device"), chunks 1 and 2 offloaded: values of chunk 1 are
+    # freed before chunk 2's master is allocated
+    assert events == ["freed w0", "freed w1", "alloc", "freed w2", "freed w3", "alloc", "freed w4", "freed w5"]
+    for (fqn, p), v in zip(params, values):
+        assert torch.equal(protrain_fx.param_values.value_of(p), v)
+    assert store.n_persist == 1
+
+
+def test_a_store_failing_half_built_gives_the_values_back(monkeypatch):
+    """Out of host memory in the middle of building the store: the parameters keep their values (the chunks
+    already built hand theirs back), and nothing is registered."""
+    values, params, layout = _store_inputs()
+    real, calls = chunks._pinned_empty, []
+
+    def failing(n, dtype, pin):
+        calls.append(n)
+        if len(calls) == 2:
+            raise RuntimeError("out of pinned memory")
+        return real(n, dtype, pin)
+
+    monkeypatch.setattr(chunks, "_pinned_empty", failing)
+    host_values = {id(p): v.clone() for (_, p), v in zip(params, values)}
+    with pytest.raises(RuntimeError, match="out of pinned memory"):
+        chunks.ChunkStore(params, layout, 0, torch.float32, host_values)
+    assert set(host_values) == {id(p) for _, p in params}
+    for (_, p), v in zip(params, values):
+        assert torch.equal(host_values[id(p)], v) and chunks.store_of(p) is None
