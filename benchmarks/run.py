@@ -559,6 +559,8 @@ def search(system: str, sc: dict, ctx: Ctx, report, priority: float = 0, earlier
     row["first_failure"] = None if bad is None else {"layers": bad, "params": attempts[bad]["params"],
                                                       "error": attempts[bad]["error"][:500]}
     row["search_stopped"] = stopped
+    if earlier and earlier.get("replaced_attempts"):  # what --rerun-attempt measured again, as it was before
+        row["replaced_attempts"] = earlier["replaced_attempts"]
     row["search_wall_s"] = round(sum(r.get("wall_s") or 0 for r in attempts.values()), 1)
     return row
 
@@ -633,6 +635,9 @@ def _notes(r: dict) -> str:
     if r.get("n_chunks"):
         bits.append(f"plan: {r['n_persist']}/{r['n_chunks']} chunks resident, chunk {r['chunk_size'] / 2**20:.0f} MiB, "
                     f"n_buffer {r['n_buffer']}, {r.get('offloaded_gib') or 0:.2f} GiB of fp32 parameters on the host")
+    for a in r.get("replaced_attempts") or []:
+        bits.append(f"L{a['layers']} measured again (--rerun-attempt); before: "
+                    + (_err(a["error"], 100) if a["error"] else f"{a['tokens_per_s']:,.0f} tokens/s"))
     if r.get("first_try_error"):
         bits.append("ran again alone: " + _err(r["first_try_error"], 120))
     if r.get("deepspeed"):
@@ -905,6 +910,9 @@ def parse_args(argv=None):
     ap.add_argument("--resume", default=None, help="a JSON this command wrote before (a run the device call's time "
                     "cut short): its rows that ran, failures included, are kept and only the rest run, so the same "
                     "command repeated over several device calls completes the suite")
+    ap.add_argument("--rerun-attempt", action="append", default=[], metavar="SYSTEM@LAYERS",
+                    help="with --resume: measure this maxmodel attempt again (its search goes on from the others), "
+                    "e.g. after a fix of the system; repeatable")
     ap.add_argument("--merge", nargs="+", default=None, help="JSON files of earlier runs to combine into --out")
     ap.add_argument("--note", action="append", default=[], help="with --merge: a line for the table's notes")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -918,6 +926,15 @@ def parse_args(argv=None):
         args.warmup = 1 if args.smoke else 3
     if args.jobs is None:
         args.jobs = 2 if args.smoke and args.device == "cpu" else 3
+    rerun: dict[str, set[int]] = {}
+    for spec in args.rerun_attempt:
+        system, _, layers = spec.partition("@")
+        if system not in SYSTEMS or not layers.isdigit():
+            ap.error(f"--rerun-attempt {spec!r}: SYSTEM@LAYERS with SYSTEM one of {', '.join(SYSTEMS)}")
+        rerun.setdefault(system, set()).add(int(layers))
+    if rerun and not args.resume:
+        ap.error("--rerun-attempt goes with --resume (the run whose attempt to measure again)")
+    args.rerun_attempt = rerun
     if args.out is None:
         args.out = "/tmp/protrain_smoke" if args.smoke else os.path.join(HERE, "results", "suite")
     return args
@@ -951,18 +968,50 @@ def not_run(row: dict) -> bool:
     return (row.get("error") or "").startswith(("not run", "stopped:"))
 
 
-def resumed_rows(path: str, todo: list[tuple[str, str]], refine: int = 0) -> dict[int, dict]:
+def resumed_rows(path: str, todo: list[tuple[str, str]], refine: int = 0,
+                 rerun: dict[str, set[int]] | None = None) -> dict[int, dict]:
     """The rows of an earlier run (``path``) to keep, by index in ``todo``: every (scenario, system) that ran,
     whether it measured or failed, and is still asked for; not those the deadline or an interrupt left
     unrun, those that failed to import their system (ModuleNotFoundError: the peers' wheels were not there),
-    nor maxmodel searches to go on with (:func:`search_to_go_on`). A missing file keeps nothing (the first
-    call of a resumed suite)."""
+    nor maxmodel searches to go on with (:func:`search_to_go_on`, ``rerun``). A missing file keeps nothing
+    (the first call of a resumed suite)."""
+    earlier = {key: r for key, r in _earlier_rows(path, rerun).items()
+               if not run_again(r) and not search_to_go_on(r, refine)}
+    return {i: dict(earlier[key], resumed=True) for i, key in enumerate(todo) if key in earlier}
+
+
+def _earlier_rows(path: str, rerun: dict[str, set[int]] | None) -> dict[tuple[str, str], dict]:
+    """An earlier run's rows by (scenario, system), with the maxmodel attempts named in ``rerun`` (system ->
+    depths; --rerun-attempt) taken out of their searches, which makes those searches go on
+    (:func:`forget_attempts`)."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"]
-                   if not run_again(r) and not search_to_go_on(r, refine)}
-    return {i: dict(earlier[key], resumed=True) for i, key in enumerate(todo) if key in earlier}
+        rows = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"]}
+    for system, depths in (rerun or {}).items():
+        if ("maxmodel", system) in rows:
+            kept = forget_attempts(rows["maxmodel", system], depths)
+            if kept is None:
+                del rows["maxmodel", system]
+            else:
+                rows["maxmodel", system] = kept
+    return rows
+
+
+def forget_attempts(row: dict, depths: set[int]) -> dict | None:
+    """A maxmodel search row without its attempts at ``depths``, marked to go on (:func:`cut_search`), so that
+    --resume measures them again: for an attempt whose failure a later fix of the system may have removed
+    (protrain's 96-layer attempt, stopped by the host's OOM killer before 02e323c). The row's other attempts
+    stay as measured. None (the search starts over) if the depth the row reports is among them: only that
+    attempt's fields are whole in the row."""
+    tried = [a for a in row.get("search") or [] if a["layers"] not in depths]
+    if len(tried) == len(row.get("search") or []):
+        return row
+    if row.get("layers") in depths:
+        return None
+    replaced = [a for a in row["search"] if a["layers"] in depths]
+    return dict(row, search=tried, search_stopped="deadline or interrupt",
+                replaced_attempts=(row.get("replaced_attempts") or []) + replaced)
 
 
 def run_again(row: dict) -> bool:
@@ -989,13 +1038,11 @@ def search_to_go_on(row: dict, refine: int = 0) -> bool:
     return sum(a["layers"] not in doubling for a in tried) < refine
 
 
-def searches_to_continue(path: str, todo: list[tuple[str, str]], refine: int = 0) -> dict[int, dict]:
-    """The maxmodel rows of an earlier run (``path``) to go on with (:func:`search_to_go_on`), by index in
-    ``todo``."""
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        earlier = {(r["scenario"], r["system"]): r for r in json.load(f)["rows"] if search_to_go_on(r, refine)}
+def searches_to_continue(path: str, todo: list[tuple[str, str]], refine: int = 0,
+                         rerun: dict[str, set[int]] | None = None) -> dict[int, dict]:
+    """The maxmodel rows of an earlier run (``path``) to go on with (:func:`search_to_go_on`; ``rerun``:
+    :func:`forget_attempts`), by index in ``todo``."""
+    earlier = {key: r for key, r in _earlier_rows(path, rerun).items() if search_to_go_on(r, refine)}
     return {i: earlier[key] for i, key in enumerate(todo) if key in earlier}
 
 
@@ -1106,8 +1153,8 @@ def main(argv=None) -> None:
     cut: dict[int, dict] = {}  # maxmodel searches an earlier call's deadline stopped: go on from their attempts
     last_chart = [0.0]
     if args.resume:  # keep what an earlier run of this suite measured (or saw fail); run the rest
-        rows.update(resumed_rows(args.resume, todo, args.search_refine))
-        cut = searches_to_continue(args.resume, todo, args.search_refine)
+        rows.update(resumed_rows(args.resume, todo, args.search_refine, args.rerun_attempt))
+        cut = searches_to_continue(args.resume, todo, args.search_refine, args.rerun_attempt)
         out["resumed_from"] = {"path": args.resume, "kept": len(rows)}
         out["rows"] = [rows[k] for k in sorted(rows)]
         print(f"resuming {args.resume}: {len(rows)} of {len(todo)} rows kept", flush=True)

@@ -252,6 +252,20 @@ def test_resume_goes_on_with_a_search_the_deadline_cut(tmp_path, monkeypatch):
     started.clear()
     run.main(argv + ["--resume", out + ".json", "--search-refine", "2"])  # its 2 steps are taken
     assert started == []
+    fail_from[0] = 64  # a fix of the system: --rerun-attempt measures L48 again, and the search goes on
+    run.main(argv + ["--resume", out + ".json", "--search-refine", "2", "--rerun-attempt", "protrain@48"])
+    assert started == [48, 56]
+    (again,) = json.loads((tmp_path / "suite.json").read_text())["rows"]
+    assert again["layers"] == 56 and again["first_failure"]["layers"] == 64
+    assert [a["layers"] for a in again["search"]] == [16, 32, 40, 48, 56, 64]
+    assert again["replaced_attempts"][0]["layers"] == 48 and "OOM" in again["replaced_attempts"][0]["error"]
+    assert "L48 measured again (--rerun-attempt)" in (tmp_path / "suite.md").read_text()
+    started.clear()
+    # forgetting the depth a search reports starts it over; a bad spec or no --resume is refused
+    assert run.forget_attempts(again, {56}) is None and run.forget_attempts(again, {8}) is again
+    for bad in (["--rerun-attempt", "protrain@x", "--resume", "r.json"], ["--rerun-attempt", "protrain@48"]):
+        with pytest.raises(SystemExit):
+            run.parse_args(bad)
     older = dict(row, search_stopped="deadline or interrupt", search=row["search"][:2])
     del older["layers"]  # a row written before the depth was recorded: the largest attempt that trained
     assert run.earlier_attempts(older)[32]["model"] == row["model"]
