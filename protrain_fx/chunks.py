@@ -61,9 +61,8 @@ def device_shell(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def _pinned_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    if pin:
-        hardware.exact_pinned_blocks()  # once: no power-of-two rounding of chunk-sized blocks
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    """A host tensor for a chunk; pinned at its exact size (no power-of-two rounding) when ``pin``."""
+    return hardware.pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
 
 
 @dataclass

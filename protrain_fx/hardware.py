@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import platform
 import re
@@ -567,12 +568,65 @@ def exact_pinned_blocks() -> bool:
         grew = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before
         del probe
         _pinned_exact = 0 < grew < 2 * n - (4 << 20)
-    except (AttributeError, RuntimeError, KeyError) as e:  # pragma: no cover - depends on the torch build
+    except (AttributeError, RuntimeError, KeyError, ValueError) as e:  # torch 2.11: "Unrecognized key"
         log.debug("protrain: could not check the pinned allocator's rounding: %s", e)
     if not _pinned_exact:
-        log.warning("protrain: could not make this torch's pinned host blocks exact-size (it rounds each up to a "
-                    "power of two by default): offloaded chunks may take up to twice their size in host memory")
+        log.info("protrain: this torch's pinned allocator rounds blocks up to a power of two; blocks over %d MiB "
+                 "are pinned in place instead (registered_host_empty)", mb)
     return _pinned_exact
+
+
+class _RegisteredHostMemory(mmap.mmap):
+    """Anonymous host memory page-locked with ``cudaHostRegister`` (exact size, outside torch's caching host
+    allocator): unregistered, after the device has finished with it, when the last tensor over it is freed,
+    then unmapped."""
+
+    registered = False
+
+    def __del__(self):
+        if self.registered:
+            try:
+                if torch.cuda.is_initialized():
+                    torch.cuda.synchronize()  # no copy may still be reading or writing it
+                _host_unregister(self.address)
+            except Exception as e:  # pragma: no cover - interpreter shutdown
+                log.debug("protrain: cudaHostUnregister failed: %s", e)
+
+
+def _host_register(ptr: int, nbytes: int) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise ProtrainError(f"protrain: cudaHostRegister of {nbytes / 2**20:.0f} MiB of host memory failed "
+                            f"(CUDA error {int(err)}): the host's page-locked memory limit may be too low")
+
+
+def _host_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def registered_host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized pinned host tensor of exactly ``numel`` elements: anonymous memory page-locked with
+    ``cudaHostRegister``. For chunk-sized blocks where torch's pinned allocator cannot be made exact-size
+    (:func:`exact_pinned_blocks`; torch 2.11 has no such setting): it would pin a 1025 MiB chunk as 2 GiB.
+    The tensor owns the memory (through the buffer it was made from): freed, unregistered and unmapped with
+    its last view."""
+    nbytes = numel * dtype.itemsize
+    mem = _RegisteredHostMemory(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out = torch.frombuffer(mem, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+    if numel:
+        mem.address = out.data_ptr()
+        _host_register(mem.address, nbytes)
+        mem.registered = True
+    return out
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A pinned host tensor of ``numel`` elements that takes its size in host memory, not the next power of
+    two: torch's allocator where :func:`exact_pinned_blocks` makes it exact (or the block is small), else
+    :func:`registered_host_empty`."""
+    if exact_pinned_blocks() or numel * dtype.itemsize <= PINNED_EXACT_ABOVE_MB << 20:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    return registered_host_empty(numel, dtype)
 
 
 @contextlib.contextmanager

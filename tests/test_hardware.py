@@ -189,3 +189,46 @@ def test_unsupported_devices():
     if not torch.cuda.is_available():
         with pytest.raises(hardware.ProtrainError):
             hardware.resolve_device("cuda")
+
+
+def test_registered_host_memory_is_exact_and_unregistered_with_its_last_view(monkeypatch):
+    """Where torch's pinned allocator rounds blocks up to a power of two (torch 2.11 has no setting against it),
+    chunk-sized blocks are anonymous memory of their exact size, page-locked in place; the registration
+    ends (and the memory goes) when the last tensor over it is freed, not before."""
+    calls = []
+    monkeypatch.setattr(hardware, "_host_register", lambda ptr, n: calls.append(("register", ptr, n)))
+    monkeypatch.setattr(hardware, "_host_unregister", lambda ptr: calls.append(("unregister", ptr)))
+    monkeypatch.setattr(hardware, "_pinned_exact", False)
+    monkeypatch.setattr(hardware, "PINNED_EXACT_ABOVE_MB", 0)
+    t = hardware.pinned_empty(1000, torch.float32)
+    assert t.shape == (1000,) and t.dtype == torch.float32
+    assert calls == [("register", t.data_ptr(), 4000)]
+    t.copy_(torch.arange(1000.0))
+    view = t[10:20]
+    del t
+    import gc
+    gc.collect()
+    assert len(calls) == 1  # a view still holds the memory
+    assert view.tolist() == [float(i) for i in range(10, 20)]
+    del view
+    gc.collect()
+    assert calls[-1][0] == "unregister" and calls[-1][1] == calls[0][1]
+    assert hardware.registered_host_empty(0, torch.bfloat16).numel() == 0
+    small = []  # blocks at or under the threshold stay with torch's allocator
+    monkeypatch.setattr(hardware, "PINNED_EXACT_ABOVE_MB", 1)
+    monkeypatch.setattr(hardware.torch, "empty", lambda *a, **k: small.append(k) or torch.zeros(1))
+    hardware.pinned_empty(1000, torch.float32)
+    assert small == [{"dtype": torch.float32, "pin_memory": True}]
+
+
+def test_a_torch_without_the_pinned_rounding_settings_is_not_an_error(monkeypatch):
+    """torch 2.11 refuses ``pinned_max_round_threshold_mb`` with a ValueError ("Unrecognized key"): protrain
+    then pins large blocks itself (registered_host_empty) instead of failing the compile."""
+    def refuse(settings):
+        raise ValueError("Unrecognized key 'pinned_max_round_threshold_mb' in Accelerator allocator config.")
+
+    monkeypatch.setattr(hardware, "_pinned_exact", None)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
+    assert hardware.exact_pinned_blocks() is False
