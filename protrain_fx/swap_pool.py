@@ -15,6 +15,7 @@ import itertools
 
 import torch
 
+from . import hardware
 from .options import ProtrainError
 
 _POOLS: dict[int, "SwapPool"] = {}
@@ -55,7 +56,8 @@ class SwapPool:
     def allocate(self) -> None:
         """Pin the whole pool once (after every region of the graph is known)."""
         if self.buffer is None and self.nbytes:
-            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.is_cuda)
+            self.buffer = (hardware.pinned_empty(self.nbytes, torch.uint8) if self.is_cuda else
+                           torch.empty(self.nbytes, dtype=torch.uint8))  # pinned at its exact size
 
     def host_view(self, key: int) -> torch.Tensor:
         offset, shape, dtype = self.regions[key]

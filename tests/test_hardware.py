@@ -232,3 +232,22 @@ def test_a_torch_without_the_pinned_rounding_settings_is_not_an_error(monkeypatc
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
     assert hardware.exact_pinned_blocks() is False
+
+
+def test_every_pinned_host_buffer_goes_through_pinned_empty():
+    """torch 2.11 pins a block at the next power of two: a chunk's Adam moments and gradient pinned through
+    ``torch.empty(..., pin_memory=True)`` took twice the plan's host bytes (run 5's 96-layer model was killed
+    by the host's OOM killer). Only hardware.py allocates pinned memory; everything else asks
+    hardware.pinned_empty, which is exact-size."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(hardware.__file__).parent
+    offenders = []
+    for path in list(root.glob("*.py")) + list((root.parent / "passes").glob("*.py")):
+        if path.name == "hardware.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"pin_memory\s*=|\.pin_memory\(", line.split("#")[0]):
+                offenders.append(f"{path.name}:{n}: {line.strip()}")
+    assert not offenders, offenders
