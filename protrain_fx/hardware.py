@@ -614,6 +614,10 @@ def registered_host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     mem = _RegisteredHostMemory(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     out = torch.frombuffer(mem, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
     if numel:
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: the registration faults them in faster (on the
+            # 2-core dev VM a first touch took 1.1-1.4 s per 2 GiB with them, 2.0-2.8 s without)
+            with contextlib.suppress(OSError):
+                mem.madvise(mmap.MADV_HUGEPAGE)
         mem.address = out.data_ptr()
         _host_register(mem.address, nbytes)
         mem.registered = True
