@@ -42,8 +42,7 @@ except subprocess.TimeoutExpired:
     p.kill(); print("killed at limit")
 time.sleep(1)
 for t, l in lines:
-    if "protrain" in l or "Error" in l or l.startswith("{") is False and len(l) < 300:
-        print(f"{t:7.1f}  {l[:300]}")
+    print(f"{t:7.1f}  {l[:300]}")
 print("--- samples every ~5 s (GiB): t rss anon shmem locked pinned | sys avail, sys shmem")
 for s in samples[::10]:
     print(f"{s['t']:6.1f} " + " ".join(f"{s.get(k, 0):6.1f}" for k in ("VmRSS", "RssAnon", "RssShmem", "VmLck", "VmPin", "sys_MemAvailable", "sys_Shmem")))

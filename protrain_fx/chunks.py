@@ -60,11 +60,6 @@ def device_shell(shape, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return shell
 
 
-def _pinned_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host tensor for a chunk; pinned at its exact size (no power-of-two rounding) when ``pin``."""
-    return hardware.pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
-
-
 @dataclass
 class ParamEntry:
     fqn: str
@@ -180,7 +175,7 @@ class ChunkStore:
                     if id(p) in host_values:
                         p.data = host_values.pop(id(p)).to(self.device)
                 continue
-            master = _pinned_empty(self.host_numel(c), self.master_dtype, pin)
+            master = hardware.host_empty(self.host_numel(c), self.master_dtype, pin)
             master.zero_()
             for i in self._chunk_entries[c]:
                 part = self.host_slices(i)
@@ -191,7 +186,7 @@ class ChunkStore:
             if self.param_dtype == self.master_dtype:
                 self.transfer[c] = master
             else:
-                self.transfer[c] = _pinned_empty(self.host_numel(c), self.param_dtype, pin)
+                self.transfer[c] = hardware.host_empty(self.host_numel(c), self.param_dtype, pin)
                 self.transfer[c].copy_(master)
             dropped_pinned = False
             for p in members:

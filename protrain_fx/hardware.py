@@ -610,18 +610,25 @@ def registered_host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     (:func:`exact_pinned_blocks`; torch 2.11 has no such setting): it would pin a 1025 MiB chunk as 2 GiB.
     The tensor owns the memory (through the buffer it was made from): freed, unregistered and unmapped with
     its last view."""
+    if not numel:
+        return torch.empty(0, dtype=dtype)
     nbytes = numel * dtype.itemsize
-    mem = _RegisteredHostMemory(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    out = torch.frombuffer(mem, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
-    if numel:
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: the registration faults them in faster (on the
-            # 2-core dev VM a first touch took 1.1-1.4 s per 2 GiB with them, 2.0-2.8 s without)
-            with contextlib.suppress(OSError):
-                mem.madvise(mmap.MADV_HUGEPAGE)
-        mem.address = out.data_ptr()
-        _host_register(mem.address, nbytes)
-        mem.registered = True
+    mem = _RegisteredHostMemory(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages: the registration faults them in faster (on the
+        # 2-core dev VM a first touch took 1.1-1.4 s per 2 GiB with them, 2.0-2.8 s without)
+        with contextlib.suppress(OSError):
+            mem.madvise(mmap.MADV_HUGEPAGE)
+    out = torch.frombuffer(mem, dtype=dtype, count=numel)
+    mem.address = out.data_ptr()
+    _host_register(mem.address, nbytes)
+    mem.registered = True
     return out
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor of ``numel`` elements, pinned when ``pin`` (:func:`pinned_empty`). Every buffer protrain
+    keeps in host memory comes from here."""
+    return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
 
 
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

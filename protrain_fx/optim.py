@@ -158,7 +158,7 @@ class HybridOptimizer:
                     group_of[i] = gi
 
             def buf():  # pinned at its exact size (torch 2.11 would round a chunk up to a power of two)
-                return hardware.pinned_empty(n, torch.float32).zero_() if pin else torch.zeros(n, dtype=torch.float32)
+                return hardware.host_empty(n, torch.float32, pin).zero_()
 
             st = ChunkOptState(store, c, buf(), buf(), buf(), buf() if amsgrad else None, members, group_of, {})
             # state the user's optimizer already had (a checkpoint loaded before the first call)
@@ -169,8 +169,7 @@ class HybridOptimizer:
             self.states[(store.id, c)] = st
         if store.offloaded_chunks and not self._staging:
             size = max(store.host_numel(c) for c in store.offloaded_chunks)
-            self._staging = [hardware.pinned_empty(size, store.param_dtype) if pin else
-                             torch.empty(size, dtype=store.param_dtype) for _ in range(N_STAGING)]
+            self._staging = [hardware.host_empty(size, store.param_dtype, pin) for _ in range(N_STAGING)]
             self._staging_free = list(self._staging)
         self.stores.append(store)
         store.optimizer = self

@@ -56,8 +56,7 @@ class SwapPool:
     def allocate(self) -> None:
         """Pin the whole pool once (after every region of the graph is known)."""
         if self.buffer is None and self.nbytes:
-            self.buffer = (hardware.pinned_empty(self.nbytes, torch.uint8) if self.is_cuda else
-                           torch.empty(self.nbytes, dtype=torch.uint8))  # pinned at its exact size
+            self.buffer = hardware.host_empty(self.nbytes, torch.uint8, self.is_cuda)  # pinned at its exact size
 
     def host_view(self, key: int) -> torch.Tensor:
         offset, shape, dtype = self.regions[key]

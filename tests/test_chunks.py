@@ -323,8 +323,9 @@ def test_store_frees_each_host_value_once_its_chunk_holds_it(monkeypatch):
 
     values, params, layout = _store_inputs()
     events = []
-    real = chunks._pinned_empty
-    monkeypatch.setattr(chunks, "_pinned_empty", lambda n, dtype, pin: events.append("alloc") or real(n, dtype, pin))
+    real = chunks.hardware.host_empty
+    monkeypatch.setattr(chunks.hardware, "host_empty",
+                        lambda n, dtype, pin: events.append("alloc") or real(n, dtype, pin))
     host_values = {}
     for (fqn, p), v in zip(params, values):
         host_values[id(p)] = v.clone()
@@ -343,7 +344,7 @@ def test_a_store_failing_half_built_gives_the_values_back(monkeypatch):
     """Out of host memory in the middle of building the store: the parameters keep their values (the chunks
     already built hand theirs back), and nothing is registered."""
     values, params, layout = _store_inputs()
-    real, calls = chunks._pinned_empty, []
+    real, calls = chunks.hardware.host_empty, []
 
     def failing(n, dtype, pin):
         calls.append(n)
@@ -351,7 +352,7 @@ def test_a_store_failing_half_built_gives_the_values_back(monkeypatch):
             raise RuntimeError("out of pinned memory")
         return real(n, dtype, pin)
 
-    monkeypatch.setattr(chunks, "_pinned_empty", failing)
+    monkeypatch.setattr(chunks.hardware, "host_empty", failing)
     host_values = {id(p): v.clone() for (_, p), v in zip(params, values)}
     with pytest.raises(RuntimeError, match="out of pinned memory"):
         chunks.ChunkStore(params, layout, 0, torch.float32, host_values)
