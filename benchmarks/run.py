@@ -647,10 +647,28 @@ def _notes(r: dict) -> str:
     return "; ".join(bits)
 
 
+def row_host_gib(r: dict, out: dict) -> float | None:
+    """The host memory (GiB, MemAvailable at start or --host-gib) of the machine the row ran on."""
+    return r.get("host_gib") if r.get("host_gib") is not None else out.get("host_gib_for_checks")
+
+
+def hosts_line(out: dict) -> str:
+    """'Host: ...', or, for runs merged from machines that differ, each host with the runs made on it."""
+    hosts: dict[str, list[str]] = {}
+    for m in out.get("merged_from") or []:
+        if m.get("host"):  # one machine whatever was available at the start of each run
+            machine = re.sub(r" \([^)]*available at start\)", "", m["host"])
+            hosts.setdefault(machine, []).append(os.path.basename(m["path"]))
+    if len(hosts) <= 1:
+        return f"Host: {next(iter(hosts), out['host'])}."
+    return ("Hosts (rows carry theirs: `host` in the JSON, host GiB in the largest-model table): "
+            + "; ".join(f"{h} ({', '.join(runs)})" for h, runs in hosts.items()) + ".")
+
+
 def markdown(out: dict) -> str:
     rows = out["rows"]
     lines = [f"# protrain-fx benchmark suite: {out['device']}, torch {out['torch']}, {out['date']}", "",
-             f"Command: `python benchmarks/run.py {' '.join(out['argv'])}`", "", f"Host: {out['host']}.", ""]
+             f"Command: `python benchmarks/run.py {' '.join(out['argv'])}`", "", hosts_line(out), ""]
     thr = [r for r in rows if r["scenario"] != "maxmodel"]
     if thr:
         lines += ["| scenario | system | model | params | cap GiB | batch x seq | tokens/s | TFLOP/s | peak GiB | "
@@ -665,8 +683,8 @@ def markdown(out: dict) -> str:
         lines += [""] if thr else []
         lines += ["Largest model each system trains on the whole device (GPT, depth doubling until the first "
                   "failure; * = predicted from lower bounds, not run):", "",
-                  "| system | largest trained | params | batch x seq | tokens/s there | peak GiB | first failure | "
-                  "attempts |", "|---|---|---|---|---|---|---|---|"]
+                  "| system | largest trained | params | batch x seq | tokens/s there | peak GiB | host GiB | "
+                  "first failure | attempts |", "|---|---|---|---|---|---|---|---|---|"]
         for r in mx:
             ok = r["error"] is None
             ff = r.get("first_failure")
@@ -676,7 +694,8 @@ def markdown(out: dict) -> str:
                               for a in r.get("search", []))
             lines.append(f"| {r['system']} | {r['model'] if ok else 'none'} | {_params(r['params']) if ok else '-'} | "
                          f"{r['batch']} x {r['seq']} | {_num(r['tokens_per_s'], ',.0f')} | "
-                         f"{_num(r['peak_gib'], '.1f')} | {fail if ok else _err(r['error'], 90)} | {tried} |")
+                         f"{_num(r['peak_gib'], '.1f')} | {_num(row_host_gib(r, out), '.0f')} | "
+                         f"{fail if ok else _err(r['error'], 90)} | {tried} |")
     measured = [r for r in rows if r.get("step_ms")]
     if measured:
         lines += ["", "Details (step times over the timed steps; build and warm-up in seconds):", "",
@@ -785,7 +804,10 @@ def plot(out: dict, path: str) -> None:
                 ax.text(i, r["params"] / 1e9 if ok else top * 0.01,
                         f"{_params(r['params'])}\n{r['model']}{cut}" if ok else short_error(r["error"]),
                         rotation=0 if ok else 90, ha="center", va="bottom", fontsize=7)
-            ax.set_xticks(range(len(mx)), [r["system"] for r in mx], fontsize=8)
+            hosts = {row_host_gib(r, out) for r in mx}
+            ax.set_xticks(range(len(mx)), [r["system"] + (f"\nhost {row_host_gib(r, out):.0f} GiB"
+                                                          if len(hosts) > 1 and row_host_gib(r, out) else "")
+                                           for r in mx], fontsize=8)
             ax.set_ylim(0, top * 1.2)
             ax.set_ylabel("largest model trained (B params)")
             ax.set_title(f"Largest GPT each system trains on the device (batch {mx[0]['batch']} x {mx[0]['seq']})")
@@ -1051,9 +1073,13 @@ def merge(args) -> None:
     for path in args.merge:
         with open(path) as f:
             data = json.load(f)
-        merged.append({"path": path, **{k: data.get(k) for k in ("date", "device", "torch", "argv")}})
+        merged.append({"path": path, **{k: data.get(k) for k in ("date", "device", "torch", "argv", "host")}})
         for r in data["rows"]:
             key = (r["scenario"], r["system"])
+            # the machine each row ran on: runs on machines with different host memory are merged, and the
+            # offloading systems' limits are host memory
+            r.setdefault("host", data.get("host"))
+            r.setdefault("host_gib", data.get("host_gib_for_checks"))
             if key in rows and not_run(r) and not run_again(rows[key]):
                 continue  # a row that was not run (deadline, interrupt) never replaces one that ran
             rows[key] = r  # otherwise a later file's row replaces an earlier one's

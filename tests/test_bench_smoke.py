@@ -377,11 +377,17 @@ def test_merge_gives_every_system_a_row(tmp_path):
                 warmup=1, steps=1, jobs=1,
                 llama="l", search={k: getattr(args, "search_" + k) for k in ("width", "start", "max_layers", "batch",
                                                                             "steps", "warmup", "refine")})
-    (tmp_path / "a.json").write_text(json.dumps(dict(meta, rows=[gpt, broken, big, capped])))
-    (tmp_path / "b.json").write_text(json.dumps(dict(meta, rows=[late])))
+    (tmp_path / "a.json").write_text(json.dumps(dict(meta, host="h240", host_gib_for_checks=240.0,
+                                                     rows=[gpt, broken, big, capped])))
+    (tmp_path / "b.json").write_text(json.dumps(dict(meta, host="h125", host_gib_for_checks=125.0, rows=[late])))
     run.merge(SimpleNamespace(merge=[str(tmp_path / "a.json"), str(tmp_path / "b.json")],
                               out=str(tmp_path / "merged"), note=[]))
     rows = {(r["scenario"], r["system"]): r for r in json.loads((tmp_path / "merged.json").read_text())["rows"]}
+    # rows from machines with different host memory say which they ran on
+    md = (tmp_path / "merged.md").read_text()
+    assert "Hosts (" in md and "h240 (a.json)" in md and "h125 (b.json)" in md
+    assert rows[("maxmodel", "protrain")]["host_gib"] == 240.0 and rows[("gpt1.4b", "ds_zero2_offload")]["host"] == "h125"
+    assert "| protrain | GPT d4096 L32 v50304 | 6.86 B | 4 x 1024 | 5 | - | 240 |" in md
     assert set(rows) == {(n, s) for n in ("gpt1.4b", "maxmodel", "llama-cap40") for s in sc[n]["systems"]}
     assert rows[("llama-cap40", "eager")]["error"].startswith("OOM (predicted, not run)")  # 88 GiB of states
     assert rows[("gpt1.4b", "ds_zero2_offload")]["error"] == late["error"]
