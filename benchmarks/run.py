@@ -635,6 +635,9 @@ def _notes(r: dict) -> str:
     if r.get("n_chunks"):
         bits.append(f"plan: {r['n_persist']}/{r['n_chunks']} chunks resident, chunk {r['chunk_size'] / 2**20:.0f} MiB, "
                     f"n_buffer {r['n_buffer']}, {r.get('offloaded_gib') or 0:.2f} GiB of fp32 parameters on the host")
+    planned_host = (r.get("plan_predicted") or {}).get("host_bytes")
+    if planned_host is not None and r.get("host_peak_gib") is not None:
+        bits.append(f"host memory: plan {planned_host / 2**30:.1f} GiB pinned, process peak {r['host_peak_gib']:.1f} GiB")
     for a in r.get("replaced_attempts") or []:
         bits.append(f"L{a['layers']} measured again (--rerun-attempt); before: "
                     + (_err(a["error"], 100) if a["error"] else f"{a['tokens_per_s']:,.0f} tokens/s"))
