@@ -659,7 +659,7 @@ def hosts_line(out: dict) -> str:
     """'Host: ...', or, for runs merged from machines that differ, each host with the runs made on it."""
     hosts: dict[str, list[str]] = {}
     for m in out.get("merged_from") or []:
-        if m.get("host"):  # one machine whatever was available at the start of each run
+        if m.get("host"):  # one machine whatever was available at the start of each run (host_description)
             machine = re.sub(r" \([^)]*available at start\)", "", m["host"])
             hosts.setdefault(machine, []).append(os.path.basename(m["path"]))
     if len(hosts) <= 1:
@@ -807,10 +807,10 @@ def plot(out: dict, path: str) -> None:
                 ax.text(i, r["params"] / 1e9 if ok else top * 0.01,
                         f"{_params(r['params'])}\n{r['model']}{cut}" if ok else short_error(r["error"]),
                         rotation=0 if ok else 90, ha="center", va="bottom", fontsize=7)
-            hosts = {row_host_gib(r, out) for r in mx}
-            ax.set_xticks(range(len(mx)), [r["system"] + (f"\nhost {row_host_gib(r, out):.0f} GiB"
-                                                          if len(hosts) > 1 and row_host_gib(r, out) else "")
-                                           for r in mx], fontsize=8)
+            host = [row_host_gib(r, out) for r in mx]
+            several = len(set(host)) > 1  # rows from machines with different host memory: say which
+            ax.set_xticks(range(len(mx)), [r["system"] + (f"\nhost {h:.0f} GiB" if several and h else "")
+                                           for r, h in zip(mx, host)], fontsize=8)
             ax.set_ylim(0, top * 1.2)
             ax.set_ylabel("largest model trained (B params)")
             ax.set_title(f"Largest GPT each system trains on the device (batch {mx[0]['batch']} x {mx[0]['seq']})")
