@@ -2,7 +2,9 @@
 
 Runs on the joint graph (training) and on inference graphs. For every offloaded chunk it inserts, before
 the first node that uses any of the chunk's parameters, one ``protrain::gather`` (the whole chunk, flat, in
-the transfer dtype) and per parameter a ``slice`` + ``view`` back to the parameter's shape. Every use of the
+the transfer dtype, named by one of its parameters, the *anchor*, so the chunk is found at run time from
+the parameters the graph is called with) and per parameter a ``slice`` + ``view`` back to the parameter's
+shape. Every use of the
 parameter's placeholder (forward and backward uses alike) then reads that view; when the transfer dtype is
 lower than the parameter dtype an upcast follows, so the graph computes exactly what it did, except that
 casts the graph already had to the transfer dtype (autocast's) read the low-precision view directly.
@@ -13,8 +15,9 @@ Why in the joint graph: gradients keep flowing to the parameter placeholders as 
 are already there), so the optimizer-calls pass can collect them per chunk; and the recompute pass can tag
 the gathers so the partitioner re-gathers in backward instead of keeping every chunk alive.
 
-The pass records, per chunk, which joint output carries each parameter's gradient (``plan.grad_slots``;
-with several ranks also for resident chunks, ``plan.resident_grad_slots``, for passes/resident_grads.py).
+The pass records, per chunk, which joint output carries each parameter's gradient and its placeholder
+(``plan.grad_slots``, for passes/optimizer_calls.py; with several ranks also for resident chunks,
+``plan.resident_grad_slots``, for passes/resident_grads.py).
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if not members:
         return gm
     tagged = any("partitioner_tag" in n.meta for n in graph.nodes)
-    grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    grad_slots: dict[tuple[int, int], list[tuple[int, int, fx.Node]]] = {}
     for (store_id, chunk), params in sorted(members.items(), key=lambda kv: kv[0]):
         users = [u for ph, _, _ in params for u in ph.users]
         if not users:
@@ -67,8 +70,10 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         first_user = min(users, key=pos.__getitem__)
         ann = annotation_of(first_user)
         meta = {"partitioner_tag": "is_forward"} if tagged else {}
+        anchor = min(params, key=lambda t: t[2])[0]
+        old_users = {ph: list(ph.users) for ph, _, _ in params}  # before the gather makes the anchor a user
         with graph.inserting_before(first_user):
-            flat = call(gm, ops.GATHER, ([], store_id, chunk), meta=dict(meta))
+            flat = call(gm, ops.GATHER, ([], anchor, store.chunk_numel(chunk), store.param_dtype), meta=dict(meta))
             flat.meta[META_KEY] = NodeAnnotation("forward", ann.region if ann else "non_block",
                                                  ann.block if ann else None, ann.block_name if ann else None,
                                                  chunk=chunk)
@@ -102,14 +107,12 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                     new_nodes = (sliced, low, value)
                 for n in new_nodes:
                     n.meta[META_KEY] = flat.meta[META_KEY]
-                for user in list(ph.users):
-                    if user in new_nodes:
-                        continue
+                for user in old_users[ph]:
                     if low is not None and cast_dtype(user) == store.param_dtype:
                         user.replace_all_uses_with(low)  # an existing cast to the transfer dtype: read it directly
                         graph.erase_node(user)
                     else:
                         user.replace_input_with(ph, value)
-        grad_slots[(store_id, chunk)] = [(ordinal, entry_index) for _, entry_index, ordinal in params]
+        grad_slots[(store_id, chunk)] = [(ordinal, entry_index, ph) for ph, entry_index, ordinal in params]
     plan.grad_slots = grad_slots
     return gm

@@ -1,18 +1,19 @@
-"""swap_offload / swap_reload: keep the saved activations of "swap" blocks in pinned host memory between
-forward and backward.
+"""swap_offload / swap_reload: keep the saved activations of "swap" blocks in host memory between forward
+and backward.
 
 ``swap_offload`` (forward graph): every floating-point tensor the forward saves for backward that a swap
-block produced (on the compute device, static shape; a host scalar saved beside CUDA work stays) gets ``protrain::offload`` right after its producer: a device-to-host
-copy into its region of the graph's pinned pool, started as soon as the value exists. The forward returns
-the host copy instead, so the device tensor's memory is released after its last forward use and the copy.
+block produced (on the compute device; a host scalar saved beside CUDA work stays) gets ``protrain::offload``
+right after its producer: a device-to-host copy into new host memory of its own (each call of the graph its
+own, protrain_fx/swap_pool.py), started as soon as the value exists. The forward returns the host copy
+instead. Before block b+2's forward begins (or at the graph's end), ``protrain::offload_wait`` takes block
+b's sources and host copies: the compute stream waits for those copies, and the sources stay alive until
+then, so Inductor cannot reuse their memory while a copy still reads it; their memory is freed after it.
 
 ``swap_reload`` (backward graph): each of those inputs gets ``protrain::reload_take`` right before its
 first use and ``protrain::reload_start`` one block earlier: before the backward of the next block (block
 b+1 runs its backward before block b) begins, so the host-to-device copy overlaps that block's compute.
 The token of the first ``reload_take`` of block b+1 includes block b's ``reload_start``s, so Inductor
 cannot delay them past it.
-
-The pool is sized once, when the forward graph is compiled, from the swapped tensors' shapes.
 """
 from __future__ import annotations
 
@@ -21,12 +22,24 @@ import torch.fx as fx
 from protrain_fx.passes._fx import call, node_positions, output_node
 from protrain_fx.passes.annotate import META_KEY, NodeAnnotation, annotation_of
 
-from protrain_fx import _compat, ops, swap_pool
+from protrain_fx import ops
 from protrain_fx.plan import Plan
 
 
 def _swap_blocks(plan: Plan) -> set[int]:
     return {i for i, b in enumerate(plan.blocks) if b.policy == "swap"}
+
+
+def _wait_point(gm: fx.GraphModule, block: int, after: fx.Node) -> fx.Node:
+    """The first node after ``after`` of a block beyond ``block + 1`` (or the output): where the block's
+    copies must be done."""
+    n = after.next
+    while n.op != "output":
+        ann = annotation_of(n)
+        if n.op == "call_function" and ann is not None and ann.block is not None and ann.block >= block + 2:
+            return n
+        n = n.next
+    return n
 
 
 def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -41,7 +54,7 @@ def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     devices = {v.device for v in saved_vals if isinstance(v, torch.Tensor)}
     # the compute device; host tensors that forward saves (CPU scalars next to CUDA work) stay where they are
     compute = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-    pool = None
+    by_block: dict[int, list[tuple[fx.Node, fx.Node]]] = {}
     for k in range(first_saved, len(outputs)):
         x = outputs[k]
         if not isinstance(x, fx.Node) or x.op != "call_function":
@@ -50,23 +63,22 @@ def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if ann is None or ann.block not in swap or not isinstance(val, torch.Tensor):
             continue
         if not val.is_floating_point() or not all(isinstance(s, int) for s in val.shape):
-            continue  # masks and RNG states stay (small); symbolic shapes cannot be pooled ahead
+            continue  # masks and RNG states stay (small); symbolic shapes are kept on the device
         if val.device != compute:
             continue
-        if pool is None:
-            with _compat.real_tensor_mode():
-                pool = swap_pool.SwapPool(val.device)
-            plan.swap_pool = pool.id
-        key = pool.add_region(val.shape, val.dtype)
         with gm.graph.inserting_after(x):
-            host = call(gm, ops.OFFLOAD, (x, [], pool.id, key))
+            host = call(gm, ops.OFFLOAD, (x, []))
         host.meta[META_KEY] = NodeAnnotation("forward", "block", ann.block, ann.block_name)
-        plan.swapped[x.name] = (key, ann.block)
+        plan.swapped[x.name] = ann.block
         outputs[k] = host
-    if pool is not None:
-        with _compat.real_tensor_mode():
-            pool.allocate()
-        out.args = (tuple(outputs),)
+        by_block.setdefault(ann.block, []).append((x, host))
+    out.args = (tuple(outputs),)
+    pos = node_positions(gm.graph)
+    for block, pairs in sorted(by_block.items()):
+        where = _wait_point(gm, block, max((h for _, h in pairs), key=pos.__getitem__))
+        with gm.graph.inserting_before(where):
+            wait = call(gm, ops.OFFLOAD_WAIT, ([h for _, h in pairs], [x for x, _ in pairs], []))
+        wait.meta[META_KEY] = NodeAnnotation("forward", "block", block, plan.blocks[block].name)
     return gm
 
 
@@ -80,7 +92,7 @@ def swap_reload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     # block -> its swapped placeholders
     by_block: dict[int, list[fx.Node]] = {}
     for ph in (n for n in graph.nodes if n.op == "placeholder" and n.name in plan.swapped):
-        by_block.setdefault(plan.swapped[ph.name][1], []).append(ph)
+        by_block.setdefault(plan.swapped[ph.name], []).append(ph)
     first_of_block: dict[int, fx.Node] = {}
     for n in graph.nodes:
         ann = annotation_of(n)
@@ -99,14 +111,14 @@ def swap_reload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 continue
             first_use = min(users, key=pos.__getitem__)
             anchor = block_anchor if pos[block_anchor] <= pos[first_use] else first_compute
-            key = plan.swapped[ph.name][0]
             dev_val = ph.meta["val"]
+            device = dev_val.device
             with dev_val.fake_mode:  # the input is now the host copy
                 ph.meta["val"] = torch.empty(dev_val.shape, dtype=dev_val.dtype, device="cpu")
             with graph.inserting_before(anchor):
-                start = call(gm, ops.RELOAD_START, (ph, [], plan.swap_pool, key))
+                start = call(gm, ops.RELOAD_START, (ph, [], device))
             with graph.inserting_before(first_use):
-                take = call(gm, ops.RELOAD_TAKE, (ph, [start], plan.swap_pool, key))
+                take = call(gm, ops.RELOAD_TAKE, (ph, [start], device))
             for n in (start, take):
                 n.meta[META_KEY] = NodeAnnotation("backward", "block", block, plan.blocks[block].name)
             ph.replace_all_uses_with(take, delete_user_cb=lambda u: u not in (start, take))

@@ -117,22 +117,6 @@ def real_tensor_mode():
     return unset_fake_temporarily()
 
 
-def lower_without_buffer_reuse(op) -> None:
-    """Have Inductor call ``op`` as a fallback kernel and never reuse its output's memory for other buffers.
-    protrain::gather returns a view of a persistent chunk buffer; Inductor's buffer reuse would otherwise
-    write later intermediates into it once the gathered chunk is dead."""
-    from torch._inductor.lowering import fallback_handler, register_lowering
-    from torch._inductor.virtualized import V
-
-    fallback = fallback_handler(op, add_to_fallback_set=False)
-
-    @register_lowering(op, type_promotion_kind=None)
-    def _lowering(*args, **kwargs):
-        out = fallback(*args, **kwargs)
-        V.graph.never_reuse_buffers.add(out.get_name())
-        return out
-
-
 def eager_backward_compile():
     """Compile the backward graph with the forward instead of at the first backward call (which, inside a
     dynamo compile, would record compile metrics twice). A no-op where torch has no such switch."""

@@ -41,7 +41,7 @@ from .profiler import graph_profile, profile_step
 from .search import NoPlanFits, search
 
 log = logging.getLogger("protrain_fx")
-COST_MODEL_VERSION = 9  # bump when the profile or the cost model changes meaning: old cache entries miss
+COST_MODEL_VERSION = 10  # bump when the profile or the cost model changes meaning: old cache entries miss
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 
 
@@ -218,8 +218,7 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     w = distributed.world()
     if w.sharded:  # the collectives' rate, measured now by every rank together
         hw = dataclasses.replace(hw, world_size=w.size, collective_bytes_per_s=distributed.collective_bytes_per_s(device))
-    knobs_given = dict(n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"],
-                       min_n_buffer=plan.n_buffer or 1)  # what the profiled graph's schedule needed
+    knobs_given = dict(n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"])
     try:  # every rank searches; rank 0's outcome is the one every rank runs (distributed.py)
         if all_resident:  # n_persist = every chunk, which depends on the chunk size: one search per size
             results = [search([p], hw, budget, host_budget, n_persist=len(p.chunks), **knobs_given) for p in profiles]

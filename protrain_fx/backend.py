@@ -18,7 +18,9 @@ decompositions or Inductor: bit-exact against eager PyTorch, for debugging and f
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
 from typing import Callable, Sequence
 
 import torch.fx as fx
@@ -37,10 +39,12 @@ from . import _compat, autoplan, distributed, ops, profiler  # noqa: F401  (ops:
 from .blocks import detect_blocks
 from .dump import GraphDump
 from .graph_inputs import capture_graph_inputs
-from .options import Options, OptionsError
+from .binding import GraphBinding, runtime_guard
+from .options import Options, OptionsError, ProtrainError
 from .placement import autocast_dtypes, bind_chunks
 from .plan import Plan, register_plan
-from .planner import make_plan, saved_names
+from .param_values import placement_snapshot
+from .planner import _copy_graph_module, make_plan, saved_names
 from .step_meter import StepMeter
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
@@ -48,9 +52,9 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 # The passes of each stage, in the order they run.
 PIPELINE: dict[str, tuple[Pass, ...]] = {
     "dynamo": (block_marks,),
-    "joint": (annotate, chunk_gather, recompute),
+    "joint": (annotate, chunk_gather, optimizer_calls, recompute),
     "forward": (swap_offload, chunk_schedule),
-    "backward": (swap_reload, optimizer_calls, resident_grads, chunk_schedule),
+    "backward": (swap_reload, resident_grads, chunk_schedule),
     "inference": (annotate, chunk_gather, chunk_schedule),
 }
 
@@ -89,13 +93,31 @@ class GraphCompiler:
     def __init__(self, plan: Plan, options: Options, dump: GraphDump, num_dynamo_inputs: int, num_orig_outputs: int,
                  params: list, root):
         self.plan = plan
-        self.options = options
+        # what compiled code keeps lives as long as dynamo's cache (the class's forward): the model, its
+        # parameters and the optimizer are held weakly, so a deleted model is freed
+        self._optimizer = weakref.ref(options.optimizer) if options.optimizer is not None else None
+        self.options = dataclasses.replace(options, optimizer=None)
         self.dump = dump
         self.num_dynamo_inputs = num_dynamo_inputs
         self.num_orig_outputs = num_orig_outputs
-        self.params = params  # [(placeholder index, fqn, nn.Parameter)]
-        self.root = root  # the module dynamo traced, for state_dict hooks (None if unknown)
+        self._params = [(i, fqn, weakref.ref(p)) for i, fqn, p in params]  # (placeholder index, fqn, parameter)
+        self._root = weakref.ref(root) if root is not None else None  # the module dynamo traced
         self.autocast = autocast_dtypes()  # read now: aot_autograd's callbacks run with autocast off
+
+    @property
+    def params(self) -> list:
+        out = [(i, fqn, r()) for i, fqn, r in self._params]
+        if any(p is None for _, _, p in out):
+            raise ProtrainError("protrain: the model this graph was compiled for was freed")
+        return out
+
+    @property
+    def root(self):
+        return self._root() if self._root is not None else None
+
+    def bound_options(self) -> Options:
+        opt = self._optimizer() if self._optimizer is not None else None
+        return dataclasses.replace(self.options, optimizer=opt)
 
     @property
     def use_inductor(self) -> bool:
@@ -104,7 +126,7 @@ class GraphCompiler:
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         if self.use_inductor:
             joint = _compat.inductor_joint_passes(joint)
-        bind_chunks(self.plan, self.options, self.params, self.root, joint, True, self.autocast)
+        bind_chunks(self.plan, self.bound_options(), self.params, self.root, joint, True, self.autocast)
         joint = run_passes("joint", joint, self.plan)
         self.dump.stage("joint", joint)
         if self.plan.profiling:
@@ -131,10 +153,13 @@ class GraphCompiler:
         if stage == "inference":
             if self.use_inductor:
                 gm = _compat.inductor_joint_passes(gm)  # as compile_fx does for inference graphs
-            bind_chunks(self.plan, self.options, self.params, self.root, gm, False, self.autocast)
+            bind_chunks(self.plan, self.bound_options(), self.params, self.root, gm, False, self.autocast)
         gm = run_passes(stage, gm, self.plan)
         self.dump.stage(dump_name, gm)
         self.dump.write_plan()
+        return runtime_guard(self._final_compile(stage, gm, example_inputs))
+
+    def _final_compile(self, stage: str, gm: fx.GraphModule, example_inputs: Sequence):
         if not self.use_inductor:
             from functorch.compile import make_boxed_func
 
@@ -205,6 +230,32 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
         raise OptionsError(f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead")
     opts = Options.from_dict(options)
     graph_inputs, params = capture_graph_inputs(gm, example_inputs)  # before dynamo drops grapharg
+    live = [p for p in params if p is not None]
+    eager_graph = _copy_graph_module(gm)  # as dynamo traced it: what a call with other parameters runs
+    restore = placement_snapshot(live)
+    try:
+        compiled, plan, device, choice = _compile(gm, example_inputs, graph_inputs, params, opts, options)
+    except BaseException:
+        restore()  # a failed compile leaves the model as it was
+        raise
+    positions = [gi.index for gi, p in zip(graph_inputs, params) if p is not None]
+    binding = GraphBinding(plan.graph_name, positions, live, opts.optimizer, eager_graph)
+    if distributed.world().sharded:
+        compiled = _after_resident_grads(compiled)
+    if choice is not None:
+        plan.predicted = choice.predicted
+        plan.notes += choice.notes
+        path = choice.cache_path
+        compiled = StepMeter(plan, device, lambda p: autoplan.save_plan(path, p)).wrap(compiled)
+
+    @functools.wraps(compiled)
+    def run(*args):
+        return binding(compiled, args)
+
+    return run
+
+
+def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options):
     structure = detect_blocks(gm)
     live = [p for p in params if p is not None]
     device = live[0].device if live else None
@@ -223,14 +274,7 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
     plan.n_buffer_searched = choice is not None and searched_n_buffer
     register_plan(plan, live, options)
     compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
-    if distributed.world().sharded:
-        compiled = _after_resident_grads(compiled)
-    if choice is None:
-        return compiled
-    plan.predicted = choice.predicted
-    plan.notes += choice.notes
-    path = choice.cache_path
-    return StepMeter(plan, device, lambda p: autoplan.save_plan(path, p)).wrap(compiled)
+    return compiled, plan, device, choice
 
 
 def _after_resident_grads(compiled):

@@ -6,7 +6,8 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
     T = T_fwd + max(T_bwd + T_gpu_optim, T_first_grad + T_cpu_optim)
 
 * ``T_fwd``: per chunk in forward order, its compute, or for an offloaded chunk ``max(compute, h2d)`` (the
-  gather is prefetched one chunk ahead; with one buffer there is no prefetch and the two add up).
+  gather is prefetched ahead: a gather copies its chunk out of its buffer, which the next prefetch then
+  refills, so even one buffer overlaps the copy of the next chunk with the compute of this one).
 * ``T_bwd``: per chunk in reverse, its backward compute plus the recompute of its checkpointed blocks, or
   for an offloaded chunk the max of that and its traffic: the re-gather (none for the chunks the last
   ``n_buffer`` forward gathers left in their buffers) and the fp32 gradient going down, at the duplex rate
@@ -23,9 +24,11 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   dropped), priced at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): with autocast, forward
   casts every resident parameter to the compute dtype, recomputation casts again those of checkpointed
   blocks, and backward casts their gradients back to the master dtype; an offloaded chunk's gradients are
-  packed into a master-dtype buffer.
+  packed into a master-dtype buffer, and each of its gathers (forward and backward) copies the chunk out
+  of its device buffer.
 
-Peak (bytes): resident chunks with their two Adam moments, the chunk buffers and the two gradient buffers,
+Peak (bytes): resident chunks with their two Adam moments, the chunk buffers and the two gradient buffers
+(the gathered copies of offloaded chunks in use are part of the profiled step's transient),
 and the larger end of backward: at its start the activations each block's policy keeps (keep: what forward
 saves; recompute: its input; swap: what stays on the device), the compute-dtype copies of resident
 parameters that autocast made, and the largest transient of backward (the non-block working set such as
@@ -170,7 +173,7 @@ class _ProfileArrays:
             h2d = ch.numel * te * shard / hw.h2d_bytes_per_s + hw.collective_s(ch.numel * te)
             f = ch.fwd_s
             self.fwd_res.append(self.fwd_res[-1] + f)
-            self.fwd_off.append(self.fwd_off[-1] + (max(f, h2d) if n_buffer >= 2 else f + h2d))
+            self.fwd_off.append(self.fwd_off[-1] + max(f, h2d))
             up = 0 if c >= n - n_buffer else ch.numel * te  # the last n_buffer chunks stay in their buffers
             down = ch.numel * me
             self.comm.append(max(up * shard / hw.h2d_bytes_per_s, down * shard / hw.d2h_bytes_per_s,
@@ -192,7 +195,7 @@ class _ProfileArrays:
         rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM  # bytes per second
         ce = prof.resident_cast_elem
         self.cast_per_param = (me + ce) / rate if ce else 0.0
-        self.pack_per_param = (te + me) / rate
+        self.pack_per_param = (te + me + 4 * te) / rate  # gradient packing, two gathers' copies
         self.compute_s = sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
         self.swap_window_s = self.compute_s - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
         # by block: prefix sums of what each policy keeps on the device, of the swappable bytes, of recompute

@@ -631,6 +631,12 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
 
 
+def cached_host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host tensor for short-lived copies (swapped activations): from torch's caching host allocator when
+    ``pin``, which reuses a freed block once the copies that used it are done."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A pinned host tensor of ``numel`` elements that takes its size in host memory, not the next power of
     two: torch's allocator where :func:`exact_pinned_blocks` makes it exact (or the block is small), else

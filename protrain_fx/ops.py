@@ -1,27 +1,29 @@
-"""The ``protrain::`` custom ops the graph passes insert. Each is a thin call into the runtime
-(:mod:`protrain_fx.chunks`), which owns all state; the ops take the store id and chunk id as ints.
+"""The ``protrain::`` custom ops the graph passes insert. Each is a thin call into the runtime, which owns all
+state. Ops name their chunk by a parameter tensor of it (the *anchor*), resolved at run time
+(:func:`protrain_fx.chunks.bound_chunk`): a graph serves whichever parameters it is called with.
 
 Every op takes a list of *tokens*: tensors produced by the nodes it must follow (the passes choose them), so
 the order survives Inductor's scheduling (Inductor reorders independent custom ops; a data dependency it
-cannot break). Every op but ``gather`` returns a 0-element token tensor. Ops without consumers would be dead code, so they are registered as having
-side effects (at import time, before any graph is compiled: Inductor's cache key does not see it).
+cannot break). Ops that only order things return a 0-element token tensor; having no consumers, they are
+registered as having side effects (at import time, before any graph is compiled: Inductor's cache key does
+not see it).
 
-* ``gather(tokens, store, chunk) -> flat``: the chunk's parameters on the compute device, in the transfer
-  dtype (a view of one of the store's reusable chunk buffers; waits for its prefetch, or loads it now).
+* ``gather(tokens, anchor, numel, dtype) -> flat``: the anchor's chunk on the compute device in the transfer
+  dtype, as a fresh tensor the graph owns (copied out of the device chunk buffer its prefetch filled, or
+  loaded now): Inductor frees it after its last reader, so no later copy can overwrite what it still reads.
 * ``vectors(flat, offsets, numels) -> [tensor]``: copies of the chunk's 1-D parameters (biases, norm weights)
   as tensors of their own. Read as views at an offset into the gathered chunk, Inductor's CUDA code got a
   bias wrong (GPT-style model, torch 2.11, H200); Inductor removes a plain ``clone`` as a no-op.
-* ``offload(x, tokens, pool, key) -> host``: device-to-host copy of a saved activation of a swap block into its
-  region of a pinned pool (:mod:`protrain_fx.swap_pool`); forward returns the host view instead of ``x``.
-* ``reload_start(host, tokens, pool, key) -> token`` / ``reload_take(host, tokens, pool, key) -> x``: copy it
-  back to the device one block ahead of use, and hand it to backward once the copy is done.
-* ``prefetch(tokens, store, chunk) -> token``: start the host-to-device copy into a free chunk buffer.
-* ``release(tokens, store, chunk) -> token``: the chunk's buffer may be reused once the work queued so far
-  on the compute stream is done (a token is the output of the chunk's last use).
-* ``chunk_grad(grads, tokens, store, chunk, members) -> token``: pack the gradients of the chunk's parameters
-  (``members``: their store entries) into one of the store's device gradient buffers, copy it to the host on
-  its own stream, and hand the chunk to the CPU optimizer worker. The store owns that buffer: a buffer of
-  the graph's would be reused by Inductor while the copy is still reading it.
+* ``prefetch(tokens, anchor) -> token``: start the host-to-device copy of the anchor's chunk into a device
+  chunk buffer.
+* ``chunk_grad(grads, params, tokens) -> token``: the gradients of ``params`` (parameters of one offloaded
+  chunk): pack, copy to the host, accumulate, maybe step (:meth:`protrain_fx.chunks.ChunkStore.grad_ready`).
+* ``offload(x, tokens) -> host``: device-to-host copy of a swap block's saved activation into new (pinned)
+  host memory, started when ``x`` exists; forward returns ``host`` instead of ``x``.
+* ``offload_wait(hosts, sources, tokens) -> token``: the compute stream waits for those copies. It keeps the
+  sources alive until then: Inductor may not give their memory to later kernels while a copy reads it.
+* ``reload_start(host, tokens, device) -> token`` / ``reload_take(host, tokens, device) -> x``: copy it back
+  one block ahead of use, and hand it to backward once the copy is done.
 * ``resident_grads(grads, tokens, store, chunk, members) -> token``: data parallel only: start averaging a
   resident chunk's parameter gradients over the ranks, in place (one coalesced async all-reduce), now, in
   backward, so it overlaps the rest of backward. The graph still returns those gradients (so Inductor never
@@ -38,7 +40,7 @@ import torch
 import torch.fx
 from torch.library import custom_op
 
-from . import _compat, block_timer, chunks, distributed, swap_pool
+from . import block_timer, chunks, distributed, swap_pool
 
 
 def _token(device: torch.device) -> torch.Tensor:
@@ -46,14 +48,14 @@ def _token(device: torch.device) -> torch.Tensor:
 
 
 @custom_op("protrain::gather", mutates_args=())
-def gather(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
-    return chunks.get_store(store).gather(chunk)
+def gather(tokens: List[torch.Tensor], anchor: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    store, chunk = chunks.bound_chunk(anchor)
+    return store.gather(chunk)
 
 
 @gather.register_fake
-def _(tokens, store, chunk):
-    s = chunks.get_store(store)
-    return torch.empty(s.chunk_numel(chunk), dtype=s.param_dtype, device=s.device)
+def _(tokens, anchor, numel, dtype):
+    return torch.empty(numel, dtype=dtype, device=anchor.device)
 
 
 @custom_op("protrain::vectors", mutates_args=())
@@ -66,72 +68,84 @@ def _(flat, offsets, numels):
     return [flat.new_empty(n) for n in numels]
 
 
+@custom_op("protrain::prefetch", mutates_args=())
+def prefetch(tokens: List[torch.Tensor], anchor: torch.Tensor) -> torch.Tensor:
+    store, chunk = chunks.bound_chunk(anchor)
+    store.prefetch(chunk)
+    return _token(anchor.device)
+
+
+@prefetch.register_fake
+def _(tokens, anchor):
+    return torch.empty(0, device=anchor.device)
+
+
+@custom_op("protrain::chunk_grad", mutates_args=())
+def chunk_grad(grads: List[torch.Tensor], params: List[torch.Tensor], tokens: List[torch.Tensor]) -> torch.Tensor:
+    store, chunk = chunks.bound_chunk(params[0])
+    store.grad_ready(chunk, grads, [store.entry_index(p) for p in params])
+    return _token(params[0].device)
+
+
+@chunk_grad.register_fake
+def _(grads, params, tokens):
+    return torch.empty(0, device=params[0].device)
+
+
 @custom_op("protrain::offload", mutates_args=())
-def offload(x: torch.Tensor, tokens: List[torch.Tensor], pool: int, key: int) -> torch.Tensor:
-    return swap_pool.get_pool(pool).offload(x, key)
+def offload(x: torch.Tensor, tokens: List[torch.Tensor]) -> torch.Tensor:
+    return swap_pool.swapper(x.device).offload(x)
 
 
 @offload.register_fake
-def _(x, tokens, pool, key):
+def _(x, tokens):
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
+@custom_op("protrain::offload_wait", mutates_args=())
+def offload_wait(hosts: List[torch.Tensor], sources: List[torch.Tensor], tokens: List[torch.Tensor]) -> torch.Tensor:
+    device = sources[0].device
+    swap_pool.swapper(device).offload_wait(hosts, sources)
+    return _token(device)
+
+
+@offload_wait.register_fake
+def _(hosts, sources, tokens):
+    return torch.empty(0, device=sources[0].device)
+
+
 @custom_op("protrain::reload_start", mutates_args=())
-def reload_start(host: torch.Tensor, tokens: List[torch.Tensor], pool: int, key: int) -> torch.Tensor:
-    p = swap_pool.get_pool(pool)
-    p.reload_start(host, key)
-    return _token(p.device)
+def reload_start(host: torch.Tensor, tokens: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    swap_pool.swapper(device).reload_start(host)
+    return _token(device)
 
 
 @reload_start.register_fake
-def _(host, tokens, pool, key):
-    return torch.empty(0, device=swap_pool.get_pool(pool).device)
+def _(host, tokens, device):
+    return torch.empty(0, device=device)
 
 
 @custom_op("protrain::reload_take", mutates_args=())
-def reload_take(host: torch.Tensor, tokens: List[torch.Tensor], pool: int, key: int) -> torch.Tensor:
-    return swap_pool.get_pool(pool).reload_take(key)
+def reload_take(host: torch.Tensor, tokens: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return swap_pool.swapper(device).reload_take(host)
 
 
 @reload_take.register_fake
-def _(host, tokens, pool, key):
-    return torch.empty(host.shape, dtype=host.dtype, device=swap_pool.get_pool(pool).device)
+def _(host, tokens, device):
+    return torch.empty(host.shape, dtype=host.dtype, device=device)
 
 
-@custom_op("protrain::prefetch", mutates_args=())
-def prefetch(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
+@custom_op("protrain::resident_grads", mutates_args=())
+def resident_grads(grads: List[torch.Tensor], tokens: List[torch.Tensor], store: int, chunk: int,
+                   members: List[int]) -> torch.Tensor:
     s = chunks.get_store(store)
-    s.prefetch(chunk)
+    s.resident_grads_ready(chunk, grads, list(members))
     return _token(s.device)
 
 
-@custom_op("protrain::release", mutates_args=())
-def release(tokens: List[torch.Tensor], store: int, chunk: int) -> torch.Tensor:
-    s = chunks.get_store(store)
-    s.release(chunk)
-    return _token(s.device)
-
-
-def _grad_op(name: str, method: str):
-    """A ``(grads, tokens, store, chunk, members) -> token`` op that hands a chunk's gradients to
-    ``ChunkStore.<method>``."""
-
-    @custom_op(f"protrain::{name}", mutates_args=())
-    def op(grads: List[torch.Tensor], tokens: List[torch.Tensor], store: int, chunk: int, members: List[int]
-           ) -> torch.Tensor:
-        s = chunks.get_store(store)
-        getattr(s, method)(chunk, grads, list(members))
-        return _token(s.device)
-
-    @op.register_fake
-    def _(grads, tokens, store, chunk, members):
-        return torch.empty(0, device=chunks.get_store(store).device)
-
-    return op
-
-
-chunk_grad = _grad_op("chunk_grad", "grad_ready")
-resident_grads = _grad_op("resident_grads", "resident_grads_ready")
+@resident_grads.register_fake
+def _(grads, tokens, store, chunk, members):
+    return torch.empty(0, device=chunks.get_store(store).device)
 
 
 @custom_op("protrain::resident_grads_wait", mutates_args=())
@@ -145,46 +159,47 @@ def _(tokens, store):
     return torch.empty(0, device=chunks.get_store(store).device)
 
 
-def _fake_token(tokens, store, chunk):
-    return torch.empty(0, device=chunks.get_store(store).device)
-
-
-for _op in (prefetch, release):
-    _op.register_fake(_fake_token)
-
 GATHER = torch.ops.protrain.gather.default
 VECTORS = torch.ops.protrain.vectors.default
 OFFLOAD = torch.ops.protrain.offload.default
+OFFLOAD_WAIT = torch.ops.protrain.offload_wait.default
 RELOAD_START = torch.ops.protrain.reload_start.default
 RELOAD_TAKE = torch.ops.protrain.reload_take.default
 PREFETCH = torch.ops.protrain.prefetch.default
-RELEASE = torch.ops.protrain.release.default
 CHUNK_GRAD = torch.ops.protrain.chunk_grad.default
 RESIDENT_GRADS = torch.ops.protrain.resident_grads.default
 RESIDENT_GRADS_WAIT = torch.ops.protrain.resident_grads_wait.default
 GRAD_OPS = (CHUNK_GRAD, RESIDENT_GRADS)
-TOKEN_OPS = (PREFETCH, RELEASE, CHUNK_GRAD, RESIDENT_GRADS, RESIDENT_GRADS_WAIT, RELOAD_START)
+TOKEN_OPS = (PREFETCH, CHUNK_GRAD, RESIDENT_GRADS, RESIDENT_GRADS_WAIT, RELOAD_START, OFFLOAD_WAIT)
 ALL_OPS = (GATHER, *TOKEN_OPS)
+# where each op keeps its token list (argument index)
+TOKEN_ARG = {GATHER: 0, PREFETCH: 0, CHUNK_GRAD: 2, RESIDENT_GRADS: 1, RESIDENT_GRADS_WAIT: 0,
+             RELOAD_START: 1, RELOAD_TAKE: 1, OFFLOAD: 1, OFFLOAD_WAIT: 2}
 
 for _target in TOKEN_OPS:
     torch.fx.node.has_side_effect(_target)
 torch.fx.node.has_side_effect(OFFLOAD)
-_compat.lower_without_buffer_reuse(GATHER)
-_compat.lower_without_buffer_reuse(OFFLOAD)  # its output is a view of the pinned pool
 
 
 def fake_value(target, args):
     """The value a protrain op would return, built with the caller's (fake) tensor mode: ops whose only
     tensor arguments may be empty lists cannot be traced through the fake mode itself."""
     if target is GATHER:
-        s = chunks.get_store(args[1])
-        return torch.empty(s.chunk_numel(args[2]), dtype=s.param_dtype, device=s.device)
+        _, anchor, numel, dtype = args
+        return torch.empty(numel, dtype=dtype, device=anchor.meta["val"].device)
+    if target is PREFETCH:
+        return torch.empty(0, device=args[1].meta["val"].device)
+    if target is CHUNK_GRAD:
+        return torch.empty(0, device=args[1][0].meta["val"].device)
+    if target is OFFLOAD_WAIT:
+        return torch.empty(0, device=args[1][0].meta["val"].device)
     if target is RELOAD_START:
-        return torch.empty(0, device=swap_pool.get_pool(args[2]).device)
+        return torch.empty(0, device=args[2])
     if target is RESIDENT_GRADS_WAIT:
         return torch.empty(0, device=chunks.get_store(args[1]).device)
-    store = args[2] if target in GRAD_OPS else args[1]
-    return torch.empty(0, device=chunks.get_store(store).device)
+    if target is RESIDENT_GRADS:
+        return torch.empty(0, device=chunks.get_store(args[2]).device)
+    raise KeyError(target)
 
 
 # ------------------------------------------------------------------------------------ block profiling

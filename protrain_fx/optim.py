@@ -1,141 +1,156 @@
-"""HybridOptimizer: the user's ``torch.optim.Adam``/``AdamW`` with the offloaded chunks' step on the CPU.
+"""HybridOptimizer: the user's ``torch.optim.Adam``/``AdamW``, with the offloaded chunks' step on the CPU.
 
-The user's optimizer object stays the one they step, schedule and checkpoint:
+The user's optimizer object stays the one they step, schedule and checkpoint. Resident parameters are
+stepped by it on the device, as always. For the offloaded chunks of the stores attached to it, protrain
+keeps the Adam moments in host memory and runs the step on the CPU (one pass of protrain_fx/cpu_adam.py
+over the flat chunk where it can), with the hyperparameters of the user's param groups; torch's own step
+skips those parameters (their ``.grad`` is hidden from it during ``opt.step()``).
 
-* resident parameters keep their ``.grad`` and their state in ``opt.state``; the optimizer's own step
-  updates them on the device (offloaded parameters have ``grad=None``, which Adam skips);
-* each offloaded chunk has, in pinned host memory, an fp32 gradient accumulator and the Adam moments; its
-  step is a fused CPU AdamW over views of the chunk's master copy, with the hyperparameters read from the
-  user's param groups at that moment (LR schedulers keep working);
-* ``protrain::chunk_grad`` hands a chunk's flat gradient to a worker thread that accumulates it and, on the
-  last micro-step before ``opt.step()``, steps that chunk while the GPU continues the backward pass.
+The step of a chunk may run *inside backward*, on the host worker right behind the chunk's last gradient,
+overlapped with the rest of backward. That is the speed of offloading, and it must not change the result.
+So such a step is provisional until ``opt.step()`` commits it:
 
-When is a backward the last micro-step? The first ``opt.step()`` runs every CPU step at the step call and
-records how many backward passes fed it (the gradient-accumulation count k). From then on each chunk steps
-inside its k-th backward. Gradient clipping needs every gradient before any update, so a call to
-``torch.nn.utils.clip_grad_norm_`` (which protrain extends to the host gradients) turns in-backward
-stepping off for good. ``protrain_fx.set_grad_accumulation(opt, k)`` declares k up front (then even the
-first step overlaps). A backward beyond the k-th before ``opt.step()`` raises instead of mixing steps.
+* it is taken only from the second cycle on, once protrain has seen how many gradients each chunk gets
+  between two ``opt.step()`` calls (gradient accumulation), never for AMSGrad or non-fp32 masters;
+* ``opt.step()`` commits it if nothing the step depended on changed since; if a hyperparameter changed
+  (``lr``, ``weight_decay``, ``betas``, ... set between ``backward()`` and ``opt.step()``), the step is
+  taken back and redone with the new values;
+* taken back as well when anything writes the chunk's gradients before ``opt.step()`` (clipping,
+  unscaling: the gradient views call back first, protrain_fx/mapped.py), when another backward adds to
+  them (more micro-steps than learned), and when ``opt.zero_grad()`` comes without ``opt.step()`` (a skipped
+  step: an exception, a non-finite loss);
+* after clipping or a hyperparameter change between backward and step has been seen once, chunks step at
+  ``opt.step()`` from then on (every step would otherwise be taken back).
 
-Offloaded gradients are consumed by the step that uses them (``opt.zero_grad()`` also clears them).
+Taking a step back inverts Adam exactly in real arithmetic (in float64: the restored values are within
+float32 rounding of the originals), from the moments, the parameter and the gradient, which are all still
+there. ``opt.step(closure)`` runs the closure first, as Adam does. Gradients stay as eager leaves them
+(``param.grad`` is a view of the host accumulator; ``zero_grad()`` and ``set_to_none`` work as always).
 ``opt.state_dict()`` / ``opt.load_state_dict()`` keep torch's format, keyed by the original parameters.
 """
 from __future__ import annotations
 
-import os
+import math
 import threading
 import time
-import weakref
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+import types
 from dataclasses import dataclass, field
 
 import torch
 
-from . import cpu_adam, distributed, hardware
+from . import cpu_adam, distributed, hardware, mapped
 from .chunks import ChunkStore, store_of
 from .options import ProtrainError
+from .worker import WORKER
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
-_HANDLES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, HybridOptimizer]" = weakref.WeakKeyDictionary()
-N_STAGING = 4
+HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+_UNDO_PIECE = 1 << 22  # elements the float64 inverse works on at a time
 
 
 def handle_of(opt: torch.optim.Optimizer) -> "HybridOptimizer | None":
-    return _HANDLES.get(opt)
+    return getattr(opt, "_protrain_hybrid", None)
 
 
 def attach(opt: torch.optim.Optimizer, store: ChunkStore) -> "HybridOptimizer":
     """Take over ``opt`` (once) and give it the offloaded chunks of ``store``."""
-    h = _HANDLES.get(opt)
+    h = handle_of(opt)
     if h is None:
         h = HybridOptimizer(opt)
-        _HANDLES[opt] = h
+        opt._protrain_hybrid = h  # the handle lives exactly as long as the optimizer
     h.add_store(store)
     return h
 
 
 def set_grad_accumulation(opt: torch.optim.Optimizer, micro_steps: int) -> None:
     """Declare that every ``opt.step()`` follows exactly ``micro_steps`` backward passes, so the CPU step of
-    offloaded chunks can overlap the last backward from the first step on."""
+    offloaded chunks can overlap the last backward from the first step on (a wrong count costs time, never
+    exactness: a provisional step is taken back)."""
     if isinstance(micro_steps, bool) or not isinstance(micro_steps, int) or micro_steps < 1:
         raise ProtrainError(f"micro_steps must be an int >= 1, got {micro_steps!r}")
-    _PENDING_ACCUMULATION[opt] = micro_steps
-    h = _HANDLES.get(opt)
+    opt._protrain_micro_steps = micro_steps
+    h = handle_of(opt)
     if h is not None:
-        h.micro_steps = micro_steps
+        for st in h.states.values():
+            st.learned = st.learned or micro_steps
 
 
-_PENDING_ACCUMULATION: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+@dataclass
+class Provisional:
+    """An in-backward step of one chunk, not yet committed by ``opt.step()``."""
+
+    groups: dict  # param group index -> the hyperparameters it used
+    steps_before: dict  # entry -> step count before it
+    entries: list  # the entries it stepped
+    whole: bool  # one call over the flat chunk
+    param_versions: dict  # entry -> the parameter's version after it
 
 
 @dataclass
 class ChunkOptState:
     store: ChunkStore
     chunk: int
-    grad_acc: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     max_exp_avg_sq: torch.Tensor | None
-    members: list[int]  # store entry indices of the chunk's parameters that are in the optimizer
-    group_of: dict[int, int]  # entry index -> param group index
-    steps: dict[int, torch.Tensor]  # entry index -> step count (created at the parameter's first step)
-    grads_this_cycle: int = 0
-    learned_k: int | None = None
-    acc_fresh: bool = True
-    stepped_this_cycle: bool = False
-    has_grad: set = field(default_factory=set)
+    members: list[int]  # store entries of the chunk that are in the optimizer
+    group_of: dict[int, int]  # entry -> param group index
+    steps: dict[int, torch.Tensor] = field(default_factory=dict)  # entry -> step count (from its first step)
+    arrivals: int = 0  # gradients handed to the chunk since the last opt.step()
+    learned: int | None = None  # arrivals per cycle, as seen at the last opt.step()
+    provisional: Provisional | None = None
 
 
 @dataclass
 class Timers:
-    """Host-side seconds, cumulative (reset by the benchmark)."""
+    """Host-side seconds and counts, cumulative (reset by the benchmark)."""
 
-    worker_busy_s: float = 0.0  # accumulate + step on the worker thread
-    worker_step_s: float = 0.0  # of which the AdamW steps
-    step_wait_s: float = 0.0  # opt.step() waiting for the worker (the part not hidden behind backward)
+    worker_step_s: float = 0.0  # CPU steps on the worker thread
+    step_wait_s: float = 0.0  # opt.step() waiting for the worker
     deferred_step_s: float = 0.0  # CPU steps run inside opt.step()
     in_backward_steps: int = 0
     deferred_steps: int = 0
-    whole_chunk_steps: int = 0  # chunk steps done as one fused call over the flat chunk
-    one_pass_steps: int = 0  # of which with protrain_fx.cpu_adam (Adam and the bf16 transfer copy in one pass)
-    async_steps: int = 0  # opt.step() calls that left in-backward CPU steps running behind the next forward
-    forward_wait_s: float = 0.0  # gathers (or gradients) waiting for such a step
+    undone_steps: int = 0  # provisional steps taken back
+    whole_chunk_steps: int = 0  # chunk steps done as one call over the flat chunk
+    one_pass_steps: int = 0  # of which with protrain_fx/cpu_adam.py
 
 
 class HybridOptimizer:
     def __init__(self, opt: torch.optim.Optimizer):
         if type(opt) not in SUPPORTED:
             raise ProtrainError(
-                f"protrain can take over torch.optim.Adam or torch.optim.AdamW only, got {type(opt).__name__}"
+                f"protrain can take over torch.optim.Adam or torch.optim.AdamW only, got {type(opt).__name__}; "
+                "leave options['optimizer'] unset and your optimizer steps offloaded parameters through device "
+                "views of host memory (exact, slower)"
             )
         for g in opt.param_groups:
             for flag in ("capturable", "differentiable"):
                 if g.get(flag):
                     raise ProtrainError(f"protrain: {type(opt).__name__}({flag}=True) is not supported")
-        self.opt = opt
+        self._opt = _WeakOpt(opt)
         self.decoupled = isinstance(opt, torch.optim.AdamW)
         self.stores: list[ChunkStore] = []
         self.states: dict[tuple[int, int], ChunkOptState] = {}
-        self.micro_steps: int | None = _PENDING_ACCUMULATION.get(opt)
-        self.overlap = True  # off for good once clipping is seen
+        self.overlap = True  # in-backward steps; off for good once clipping or a late hyperparameter is seen
+        self.notes: list[str] = []
         self.cycles = 0
         self.timers = Timers()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
-        self._futures: deque[Future] = deque()
-        # (store id, chunk) -> the in-backward step still running after opt.step() returned; the next read of
-        # the chunk's host values (its gather in the next forward, its next gradient) waits for it
-        self._pending: dict[tuple[int, int], Future] = {}
-        self.async_step = os.environ.get("PROTRAIN_ASYNC_STEP", "1") != "0"
-        self._staging: list[torch.Tensor] = []
-        self._staging_free: list[torch.Tensor] = []
+        self._members_sig = None
+        self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._lock = threading.Lock()
         self._orig_zero_grad = opt.zero_grad
-        opt.zero_grad = self.zero_grad  # instance attribute: the class's method stays untouched
-        opt.register_step_pre_hook(lambda o, args, kwargs: self._before_step())
-        opt.register_step_post_hook(lambda o, args, kwargs: self._after_step())
-        opt.register_state_dict_post_hook(lambda o, sd: self._state_dict_post(sd))
-        opt.register_load_state_dict_pre_hook(lambda o, sd: self._load_state_dict_pre(sd))
+        opt.zero_grad = types.MethodType(_zero_grad, opt)  # instance attributes: the class stays untouched
+        prev_step = opt.step
+        opt.step = types.MethodType(lambda o, closure=None: _step(o, prev_step, closure), opt)
+        opt.register_step_pre_hook(lambda o, args, kwargs: handle_of(o)._before_step())
+        opt.register_step_post_hook(lambda o, args, kwargs: handle_of(o)._after_step())
+        opt.register_state_dict_post_hook(lambda o, sd: handle_of(o)._state_dict_post(sd))
+        opt.register_load_state_dict_pre_hook(lambda o, sd: handle_of(o)._load_state_dict_pre(sd))
+        mapped.HostGrad.on_write = _on_grad_write
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self._opt()
 
     # --------------------------------------------------------------------------- setup
     def _group_index(self) -> dict[int, int]:
@@ -144,272 +159,314 @@ class HybridOptimizer:
     def add_store(self, store: ChunkStore) -> None:
         if store in self.stores:
             return
-        group_of_param = self._group_index()
+        dtype = store.master_dtype  # Adam's moments have the parameter's dtype, as in torch
         amsgrad = any(g.get("amsgrad") for g in self.opt.param_groups)
         pin = store.is_cuda
         for c in store.offloaded_chunks:
             n = store.host_numel(c)  # this rank's shard with several ranks
-            members, group_of = [], {}
-            for p, e in store.chunk_entries(c):
-                gi = group_of_param.get(id(p))
-                if gi is not None:
-                    i = store.entry_index(p)
-                    members.append(i)
-                    group_of[i] = gi
 
             def buf():  # pinned at its exact size (torch 2.11 would round a chunk up to a power of two)
-                return hardware.host_empty(n, torch.float32, pin).zero_()
+                return hardware.host_empty(n, dtype, pin).zero_()
 
-            st = ChunkOptState(store, c, buf(), buf(), buf(), buf() if amsgrad else None, members, group_of, {})
-            # state the user's optimizer already had (a checkpoint loaded before the first call)
-            for i in members:
-                p = store.params[i]
-                if p in self.opt.state:
-                    self._import_state(st, i, self.opt.state.pop(p))
+            st = ChunkOptState(store, c, buf(), buf(), buf() if amsgrad else None, [], {})
+            micro = getattr(self.opt, "_protrain_micro_steps", None)
+            st.learned = micro
             self.states[(store.id, c)] = st
-        if store.offloaded_chunks and not self._staging:
-            size = max(store.host_numel(c) for c in store.offloaded_chunks)
-            self._staging = [hardware.host_empty(size, store.param_dtype, pin) for _ in range(N_STAGING)]
-            self._staging_free = list(self._staging)
         self.stores.append(store)
         store.optimizer = self
+        self._members_sig = None
+        self._refresh_members()
+        if store.world.sharded:
+            _install_clip_hook()  # sharded gradients are not in param.grad: clipping must find them
+
+    def remove_store(self, store: ChunkStore) -> None:
+        """Forget a store (a failed compile gave its parameters back)."""
+        for c in store.offloaded_chunks:
+            self.states.pop((store.id, c), None)
+        if store in self.stores:
+            self.stores.remove(store)
+        store.optimizer = None
+        self._members_sig = None
+
+    def _refresh_members(self) -> None:
+        """Which offloaded parameters this optimizer steps, in which param group (after add_param_group, a
+        loaded state dict, or a new store); state the optimizer already has for them is taken over."""
+        groups = self.opt.param_groups
+        sig = tuple(id(p) for g in groups for p in g["params"])
+        if sig == self._members_sig:
+            return
+        self._members_sig = sig
+        group_of_param = self._group_index()
+        for st in self.states.values():
+            st.members, st.group_of = [], {}
+            for p, e in st.store.chunk_entries(st.chunk):
+                gi = group_of_param.get(id(p))
+                if gi is not None:
+                    i = st.store.entry_index(p)
+                    st.members.append(i)
+                    st.group_of[i] = gi
+                    if p in self.opt.state:  # a checkpoint loaded before the first call, or torch's own state
+                        self._import_state(st, i, self.opt.state.pop(p))
 
     def _import_state(self, st: ChunkOptState, i: int, state: dict) -> None:
         part = st.store.host_slices(i)  # this rank's share of the parameter (all of it with one rank)
-        if part is not None:
+        if part is not None and "exp_avg" in state:
             sl, flat = part
             with torch.no_grad():
                 st.exp_avg[sl].copy_(state["exp_avg"].reshape(-1)[flat])
                 st.exp_avg_sq[sl].copy_(state["exp_avg_sq"].reshape(-1)[flat])
                 if st.max_exp_avg_sq is not None and "max_exp_avg_sq" in state:
                     st.max_exp_avg_sq[sl].copy_(state["max_exp_avg_sq"].reshape(-1)[flat])
-        step = state["step"]
-        st.steps[i] = torch.tensor(float(step), dtype=torch.float32)
+        if "step" in state:
+            st.steps[i] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
     # ----------------------------------------------------------------- gradients (graph side)
-    def chunk_grad(self, store: ChunkStore, chunk: int, flat_grad: torch.Tensor, members_with_grad: list[int]):
-        """Copy a chunk's flat device gradient to the host and queue its accumulation (and step); returns
-        the event that marks the device buffer free again (None on CPU)."""
-        st = self.states[(store.id, chunk)]
-        self.wait_chunk(store.id, chunk)  # last cycle's step reads the accumulator this copy overwrites
-        if st.stepped_this_cycle:
-            raise ProtrainError(
-                f"protrain: another backward pass before opt.step(), but chunk {chunk} was already stepped "
-                f"inside backward pass {st.grads_this_cycle} of this cycle (protrain learned that "
-                f"{st.learned_k or self.micro_steps} backward pass(es) precede each opt.step()). Keep the number "
-                "of micro-steps per step constant, or declare it with protrain_fx.set_grad_accumulation(opt, n)."
-            )
-        st.grads_this_cycle += 1
-        st.has_grad.update(members_with_grad)
-        k = self.micro_steps if self.micro_steps is not None else st.learned_k
-        step_now = self.overlap and k is not None and st.grads_this_cycle >= k
-        if flat_grad.dtype == torch.float32 and st.acc_fresh:
-            dst, mode = st.grad_acc, "direct"
-        else:
-            dst, mode = self._take_staging(), ("copy" if st.acc_fresh else "add")
-        event = store.copy_to_host(flat_grad, dst)
-        st.acc_fresh = False
-        if step_now:
-            st.stepped_this_cycle = True
-            st.acc_fresh = True  # the step consumes the accumulated gradient
-        # the step's hyperparameters are taken now, during this backward (the step may run after opt.step()
-        # has returned and a scheduler has moved on)
-        groups = self._group_snapshot(st) if step_now else None
-        fut = self._executor.submit(self._work, st, dst, mode, event, flat_grad.numel(), groups)
-        self._futures.append(fut)
-        if step_now:
-            self._pending[(store.id, chunk)] = fut
-        return event
+    def before_chunk_grad(self, store: ChunkStore, chunk: int) -> None:
+        """A gradient is about to be added to the chunk: a provisional step of it is taken back first."""
+        st = self.states.get((store.id, chunk))
+        if st is not None and st.provisional is not None:
+            self._undo(st)
 
-    def _take_staging(self) -> torch.Tensor:
-        while not self._staging_free:
-            self._futures.popleft().result()  # backpressure: wait for the oldest task
-        with self._lock:
-            return self._staging_free.pop()
+    def before_chunk_read(self, store: ChunkStore, chunk: int) -> None:
+        """A compiled graph is about to read the chunk (a forward before opt.step(): more micro-steps than
+        learned, an evaluation): a provisional step of it is taken back first, as eager would not have
+        stepped yet."""
+        st = self.states.get((store.id, chunk))
+        if st is not None and st.provisional is not None:
+            self._undo(st)
+
+    def after_chunk_grad(self, store: ChunkStore, chunk: int, members: list[int]) -> None:
+        """The chunk's gradient is queued on the worker: if this completes the chunk's gradient as learned,
+        queue its step behind it (provisional until opt.step())."""
+        st = self.states.get((store.id, chunk))
+        if st is None:
+            return
+        st.arrivals += 1
+        if not self._may_step_in_backward(st) or st.arrivals != st.learned:
+            return
+        self._refresh_members()
+        entries = [i for i in st.members if store.has_grad(i)]
+        if not entries:
+            return
+        groups = self._group_snapshot(st)
+        rec = Provisional(groups, {i: float(st.steps[i]) if i in st.steps else 0.0 for i in entries}, entries,
+                          False, {})
+        st.provisional = rec
+        WORKER.submit((store.id, chunk), self._provisional_step, st, rec)
+
+    def _may_step_in_backward(self, st: ChunkOptState) -> bool:
+        return (self.overlap and st.learned is not None and st.max_exp_avg_sq is None
+                and st.store.master_dtype == torch.float32
+                and not any(g.get("amsgrad") for g in self.opt.param_groups))
+
+    def _provisional_step(self, st: ChunkOptState, rec: Provisional) -> None:
+        t0 = time.perf_counter()
+        rec.whole = self._step_chunk(st, rec.entries, rec.groups)
+        rec.param_versions = {i: st.store.param_version(i) for i in rec.entries}
+        self.timers.worker_step_s += time.perf_counter() - t0
+        self.timers.in_backward_steps += 1
 
     def _group_snapshot(self, st: ChunkOptState) -> dict[int, dict]:
-        return {gi: {k: v for k, v in self.opt.param_groups[gi].items() if k != "params"}
-                for gi in set(st.group_of.values())}
-
-    def _work(self, st: ChunkOptState, src: torch.Tensor, mode: str, event, n: int, groups: dict | None) -> None:
-        step_now = groups is not None
-        t0 = time.perf_counter()
-        if event is not None:
-            event.synchronize()
-        with torch.no_grad():
-            if mode == "copy":
-                st.grad_acc[:n].copy_(src[:n])
-            elif mode == "add":
-                st.grad_acc[:n].add_(src[:n])
-        if mode != "direct":
-            with self._lock:
-                self._staging_free.append(src)
-        if step_now:
-            t1 = time.perf_counter()
-            self._step_chunk(st, groups)
-            self.timers.worker_step_s += time.perf_counter() - t1
-            self.timers.in_backward_steps += 1
-        self.timers.worker_busy_s += time.perf_counter() - t0
-
-    def wait(self) -> None:
-        """Block until the worker has finished everything handed to it."""
-        while self._futures:
-            self._futures.popleft().result()
-        self._pending.clear()
-
-    def wait_chunk(self, store_id: int, chunk: int) -> None:
-        """Block until the chunk's pending step (if any) is done: before its host values are read."""
-        fut = self._pending.pop((store_id, chunk), None)
-        if fut is not None:
-            t0 = time.perf_counter()
-            fut.result()
-            self.timers.forward_wait_s += time.perf_counter() - t0
-
-    def _wait_unless_pending_step(self) -> None:
-        """Wait for the worker's gradient accumulations, not for steps left running by opt.step()."""
-        pending = set(map(id, self._pending.values()))
-        for fut in list(self._futures):
-            if id(fut) not in pending:
-                fut.result()
-        while self._futures and self._futures[0].done():
-            self._futures.popleft().result()
+        return {gi: _hyper(self.opt.param_groups[gi], self.decoupled) for gi in set(st.group_of.values())}
 
     # -------------------------------------------------------------------------------- step
-    def _step_chunk(self, st: ChunkOptState, groups: dict | None = None) -> None:
-        """AdamW on the chunk's master copy, with the hyperparameters of ``groups`` (a snapshot) or, without,
-        of the user's param groups now. When every parameter of the chunk is in one param group, has a
-        gradient and has taken the same number of steps (the usual case), one call runs over the whole flat
-        chunk (padding included, which nothing reads), with cpu_adam's one-pass kernel where it applies:
-        much faster on the CPU than a list of small tensors. Otherwise one call per param group over the
-        parameters that have a gradient."""
+    def _step_chunk(self, st: ChunkOptState, entries: list[int], groups: dict[int, dict]) -> bool:
+        """Adam on the chunk's master copy for ``entries`` (store entries with a gradient), with the
+        hyperparameters ``groups``. When every parameter of the chunk is in one param group, has a gradient
+        and has taken the same number of steps (the usual case), one call runs over the whole flat chunk
+        (padding included, which nothing reads), with cpu_adam's one-pass kernel where it applies. Otherwise
+        one call per param group over the parameters. Returns whether it was the whole-chunk call."""
         store = st.store
-        master = store.master[st.chunk]
+        master, grad = store.master[st.chunk], store.grad[st.chunk]
         by_group: dict[int, list[int]] = {}
-        for i in st.members:
-            if i in st.has_grad:
-                by_group.setdefault(st.group_of[i], []).append(i)
-        group = (lambda gi: groups[gi]) if groups is not None else (lambda gi: self.opt.param_groups[gi])
-        step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in st.members}
-        whole = (len(by_group) == 1 and len(st.members) == len(store.chunk_entries(st.chunk))
-                 and len(next(iter(by_group.values()), [])) == len(st.members) and len(step_counts) == 1)
+        for i in entries:
+            by_group.setdefault(st.group_of[i], []).append(i)
+        step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in entries}
+        whole = (len(by_group) == 1 and len(entries) == len(store.chunk_entry_indices(st.chunk))
+                 and len(step_counts) == 1 and master.dtype == torch.float32)
         if whole:
             (gi, idxs), = by_group.items()
             step = torch.tensor(step_counts.pop(), dtype=torch.float32)
-            if not self._one_pass_step(st, step, group(gi)):  # it writes the transfer copy itself
+            g = groups[gi]
+            if not self._one_pass_step(st, step, g):  # it writes the transfer copy itself
                 vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
-                self._adam(group(gi), [master], [st.grad_acc], [st.exp_avg], [st.exp_avg_sq], vmax, [step])
+                _adam(g, [master], [grad], [st.exp_avg], [st.exp_avg_sq], vmax, [step], fused=True)
                 store.refresh_transfer(st.chunk)
+            else:
+                store.invalidate(st.chunk)
             for i in idxs:  # every parameter took this step
                 st.steps[i] = step.clone()
             self.timers.whole_chunk_steps += 1
-        else:
-            for gi, idxs in by_group.items():
-                params, grads, m, v, vmax, steps = [], [], [], [], [], []
-                for i in idxs:
-                    step_count = st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32))
-                    part = store.host_slices(i)
-                    if part is None:  # all of it in other ranks' shards: only its step count moves here
-                        step_count.add_(1)
-                        continue
-                    sl = part[0]
-                    params.append(master[sl])
-                    grads.append(st.grad_acc[sl])
-                    m.append(st.exp_avg[sl])
-                    v.append(st.exp_avg_sq[sl])
-                    if st.max_exp_avg_sq is not None:
-                        vmax.append(st.max_exp_avg_sq[sl])
-                    steps.append(step_count)
-                if params:
-                    self._adam(group(gi), params, grads, m, v, vmax, steps)
-            store.refresh_transfer(st.chunk)
-        st.has_grad.clear()
-
-    def _adam(self, g: dict, params, grads, m, v, vmax, steps) -> None:
-        """torch's fused CPU Adam/AdamW over lists of host tensors, with param group ``g``'s settings."""
-        from torch.optim.adam import adam
-
-        beta1, beta2 = g["betas"]
-        lr = g["lr"]
-        adam(params, grads, m, v, vmax, steps, foreach=False, fused=True,
-             decoupled_weight_decay=g.get("decoupled_weight_decay", self.decoupled),
-             amsgrad=bool(g.get("amsgrad", False)), beta1=beta1, beta2=beta2,
-             lr=float(lr) if torch.is_tensor(lr) else lr, weight_decay=g["weight_decay"], eps=g["eps"],
-             maximize=bool(g.get("maximize", False)))
+            return True
+        for gi, idxs in by_group.items():
+            params, grads, m, v, vmax, steps = [], [], [], [], [], []
+            for i in idxs:
+                step_count = st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32))
+                part = store.host_slices(i)
+                if part is None:  # all of it in other ranks' shards: only its step count moves here
+                    step_count.add_(1)
+                    continue
+                sl = part[0]
+                params.append(master[sl])
+                grads.append(grad[sl])
+                m.append(st.exp_avg[sl])
+                v.append(st.exp_avg_sq[sl])
+                if st.max_exp_avg_sq is not None:
+                    vmax.append(st.max_exp_avg_sq[sl])
+                steps.append(step_count)
+            if params:
+                # fp32 masters take torch's fused CPU kernel (as the whole-chunk path); other dtypes step
+                # exactly as eager Adam does on CPU tensors of that dtype
+                fused = master.dtype == torch.float32 or bool(groups[gi].get("fused"))
+                _adam(groups[gi], params, grads, m, v, vmax, steps, fused=fused)
+        store.refresh_transfer(st.chunk)
+        return False
 
     def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict) -> bool:
-        """The whole-chunk step with protrain_fx.cpu_adam's kernel, which also writes the bf16 transfer copy
-        (one pass over the chunk instead of two); it advances ``step``. False where it does not apply."""
+        """The whole-chunk step with protrain_fx/cpu_adam.py's kernel, which also writes the bf16 transfer
+        copy (one pass over the chunk instead of two); it advances ``step``. False where it does not apply."""
         store = st.store
         master, transfer = store.master[st.chunk], store.transfer[st.chunk]
-        if (st.max_exp_avg_sq is not None or g.get("amsgrad") or master.dtype != torch.float32
+        if (st.max_exp_avg_sq is not None or g["amsgrad"] or master.dtype != torch.float32
                 or master.device.type != "cpu" or transfer is not master and transfer.dtype != torch.bfloat16
                 or not cpu_adam.available()):
             return False
         step += 1  # torch counts the step before using it
         beta1, beta2 = g["betas"]
         cpu_adam.adam_step(
-            master, st.grad_acc, st.exp_avg, st.exp_avg_sq, None if transfer is master else transfer, float(step),
-            lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
-            weight_decay=float(g["weight_decay"]), decoupled=bool(g.get("decoupled_weight_decay", self.decoupled)),
-            maximize=bool(g.get("maximize", False)))
+            master, store.grad[st.chunk], st.exp_avg, st.exp_avg_sq, None if transfer is master else transfer,
+            float(step), lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
+            weight_decay=float(g["weight_decay"]), decoupled=g["decoupled_weight_decay"],
+            maximize=g["maximize"])
         self.timers.one_pass_steps += 1
         return True
 
+    def _undo(self, st: ChunkOptState) -> None:
+        """Take back the chunk's provisional step: Adam inverted (see module docstring)."""
+        WORKER.wait_chunk((st.store.id, st.chunk))
+        rec, st.provisional = st.provisional, None
+        store = st.store
+        master, grad = store.master[st.chunk], store.grad[st.chunk]
+        spans = ([(0, master.numel(), rec.entries)] if rec.whole else
+                 [(store.host_slices(i)[0].start, store.host_slices(i)[0].stop, [i])
+                  for i in rec.entries if store.host_slices(i) is not None])
+        for lo, hi, idxs in spans:
+            g = rec.groups[st.group_of[idxs[0]]]
+            t = rec.steps_before[idxs[0]] + 1
+            for a in range(lo, hi, _UNDO_PIECE):
+                b = min(hi, a + _UNDO_PIECE)
+                _adam_inverse(g, t, master[a:b], grad[a:b], st.exp_avg[a:b], st.exp_avg_sq[a:b])
+        for i in rec.entries:
+            before = rec.steps_before[i]
+            if before == 0:
+                st.steps.pop(i, None)
+            else:
+                st.steps[i] = torch.tensor(before, dtype=torch.float32)
+        store.refresh_transfer(st.chunk)
+        self.timers.undone_steps += 1
+
     def _before_step(self) -> None:
         t0 = time.perf_counter()
-        deferred = any(st.grads_this_cycle and not st.stepped_this_cycle for st in self.states.values())
-        if deferred or not self.async_step:
-            self.wait()
-        else:
-            # every chunk with gradients was stepped inside backward: let those steps finish behind the next
-            # forward (each gather waits for its own chunk) instead of here
-            self._wait_unless_pending_step()
-            self.timers.async_steps += 1
+        WORKER.wait()
         t1 = time.perf_counter()
         self.timers.step_wait_s += t1 - t0
+        self._refresh_members()
+        for store in self.stores:
+            for c in store.offloaded_chunks:
+                store.fold_foreign_grads(c)
         for st in self.states.values():
-            if st.grads_this_cycle and not st.stepped_this_cycle:
-                self._step_chunk(st)
-                st.acc_fresh = True
+            rec = st.provisional
+            if rec is not None:
+                self._check_untouched(st, rec)
+                now = self._group_snapshot(st)
+                if any(now[gi] != rec.groups[gi] for gi in rec.groups):
+                    self._undo(st)  # a hyperparameter was set between backward and opt.step(): redo with it
+                    self._disable_overlap("a param group's hyperparameters changed between backward() and "
+                                          "opt.step()")
+                else:
+                    st.provisional = None
+                    continue
+            entries = [i for i in st.members if st.store.has_grad(i)]
+            if entries:
+                self._step_chunk(st, entries, self._group_snapshot(st))
                 self.timers.deferred_steps += 1
         self.timers.deferred_step_s += time.perf_counter() - t1
+        # torch's own step must not touch what protrain stepped
+        self._hidden = []
+        for st in self.states.values():
+            for i in st.members:
+                p = st.store.param(i)
+                if p is not None and p.grad is not None:
+                    self._hidden.append((p, p.grad))
+                    p.grad = None
+
+    def _check_untouched(self, st: ChunkOptState, rec: Provisional) -> None:
+        for i in rec.entries:
+            if st.store.written_since(i, rec.param_versions.get(i, -1)):
+                raise ProtrainError(
+                    f"protrain: parameter {st.store.entries[i].fqn!r} was written between backward() and "
+                    "opt.step(), after protrain had already stepped it inside backward; write parameters "
+                    "before backward() or after opt.step()")
 
     def _after_step(self) -> None:
+        for p, g in self._hidden:
+            p.grad = g
+        self._hidden = []
         for st in self.states.values():
-            if st.grads_this_cycle:
-                st.learned_k = st.grads_this_cycle
-            st.grads_this_cycle = 0
-            st.stepped_this_cycle = False
-            if (st.store.id, st.chunk) not in self._pending:  # a running step clears it itself
-                st.has_grad.clear()
-        for store in self.stores:
-            store.invalidate()
+            if st.arrivals:
+                st.learned = st.arrivals
+            st.arrivals = 0
         self.cycles += 1
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._wait_unless_pending_step()
-        self._orig_zero_grad(set_to_none=set_to_none)
-        for st in self.states.values():
-            if not st.stepped_this_cycle and (st.store.id, st.chunk) not in self._pending:
-                st.acc_fresh = True
-                st.grads_this_cycle = 0
-                st.has_grad.clear()
+    def _disable_overlap(self, why: str) -> None:
+        if self.overlap:
+            self.overlap = False
+            self.notes.append(f"{why}: offloaded chunks step at opt.step() from now on (not inside backward)")
 
-    # --------------------------------------------------------------------------- clipping
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        WORKER.wait()
+        for st in self.states.values():
+            if st.provisional is not None:
+                self._undo(st)  # no opt.step() came: that step was skipped
+            st.arrivals = 0
+            if not st.store.aliased:
+                st.store.clear_grads(st.chunk)
+        self._zeroing = True
+        try:
+            self._orig_zero_grad(set_to_none=set_to_none)
+        finally:
+            self._zeroing = False
+
+    _zeroing = False
+
+    def on_grad_write(self, keys: set) -> None:
+        """Gradients of these (store id, entry) are about to be written by eager code (clipping, unscaling):
+        a provisional step of their chunk is taken back first, and chunks step at opt.step() from now on."""
+        if self._zeroing:
+            return
+        self._disable_overlap("gradients of offloaded parameters are changed between backward() and opt.step() "
+                              "(clipping, unscaling)")
+        for store_id, i in keys:
+            for st in self.states.values():
+                if st.store.id == store_id:
+                    st = self.states.get((store_id, st.store.entries[i].chunk))
+                    if st is not None and st.provisional is not None:
+                        self._undo(st)
+                    break
+
+    # --------------------------------------------------------------------------- clipping (sharded)
     def offloaded_grads(self, params) -> list[torch.Tensor]:
-        """Host gradient views (fp32) of the offloaded parameters among ``params`` that have a gradient."""
-        self.wait()
+        """Host gradient views of the offloaded parameters among ``params`` that have a gradient (sharded
+        stores, whose gradients are not in ``param.grad``)."""
+        WORKER.wait()
         out = []
         for _, st, i, e in self._offloaded(params):
-            if st.stepped_this_cycle:
-                raise ProtrainError(
-                    "protrain: gradient clipping was called after the optimizer already stepped offloaded chunks "
-                    "inside backward. Clip from the first step on (protrain then keeps the CPU step until "
-                    "opt.step()), or call protrain_fx.set_grad_accumulation only without clipping."
-                )
+            if st.provisional is not None:
+                self._undo(st)
+                self._disable_overlap("gradients were clipped")
             part = st.store.host_slices(i)
-            if i in st.has_grad and part is not None:
-                out.append(st.grad_acc[part[0]])
+            if st.store.has_grad(i) and part is not None:
+                out.append(st.store.grad[st.chunk][part[0]])
         return out
 
     # ---------------------------------------------------------------------- state dicts
@@ -428,7 +485,7 @@ class HybridOptimizer:
         return [p for g in self.opt.param_groups for p in g["params"]]
 
     def _state_dict_post(self, sd: dict) -> dict:
-        self.wait()
+        WORKER.wait()
         index = {id(p): k for k, p in enumerate(self._indexed_params())}
         whole: dict[tuple[int, str], torch.Tensor] = {}  # a chunk's moments, every rank's shard gathered
 
@@ -452,7 +509,10 @@ class HybridOptimizer:
 
     def _load_state_dict_pre(self, sd: dict) -> dict:
         """Offloaded parameters' state goes to the host buffers; torch's loader sees the rest."""
-        self.wait()
+        WORKER.wait()
+        for st in self.states.values():
+            if st.provisional is not None:
+                self._undo(st)
         sd = dict(sd)
         state = dict(sd["state"])
         loaded: set[tuple[int, int]] = set()
@@ -479,12 +539,101 @@ class HybridOptimizer:
         return sd
 
 
-# ------------------------------------------------------------------------------- clipping hook
+class _WeakOpt:
+    """A weak reference to the optimizer (its hooks hold the handle; the handle must not hold it)."""
+
+    def __init__(self, opt):
+        import weakref
+
+        self._ref = weakref.ref(opt)
+
+    def __call__(self):
+        opt = self._ref()
+        if opt is None:
+            raise ProtrainError("protrain: the optimizer was freed")
+        return opt
+
+
+def _step(opt, prev_step, closure=None):
+    """``opt.step`` with a closure: evaluate it first (its backward hands protrain the gradients), then
+    step, as torch's Adam does."""
+    if closure is None:
+        return prev_step()
+    with torch.enable_grad():
+        loss = closure()
+    prev_step()
+    return loss
+
+
+def _zero_grad(opt, set_to_none: bool = True):
+    handle_of(opt).zero_grad(set_to_none)
+
+
+def _on_grad_write(grads) -> None:
+    """mapped.HostGrad's callback: route writes of offloaded gradients to their optimizers."""
+    by_store: dict[int, set] = {}
+    for g in grads:
+        owner = getattr(g, "_protrain_owner", None)
+        if owner is not None:
+            by_store.setdefault(owner[0], set()).add(owner)
+    from .chunks import _STORES
+
+    for store_id, keys in by_store.items():
+        store = _STORES.get(store_id)
+        if store is not None and store.optimizer is not None:
+            store.optimizer.on_grad_write(keys)
+
+
+def _hyper(g: dict, decoupled: bool) -> dict:
+    """The hyperparameters of a param group that a step uses (the step's identity)."""
+    out = {k: g.get(k) for k in HYPER}
+    out["lr"] = float(out["lr"]) if torch.is_tensor(out["lr"]) else out["lr"]
+    out["betas"] = tuple(float(b) for b in out["betas"])
+    out["decoupled_weight_decay"] = bool(g.get("decoupled_weight_decay", decoupled))
+    out["amsgrad"], out["maximize"] = bool(out["amsgrad"]), bool(out["maximize"])
+    out["fused"] = g.get("fused")
+    return out
+
+
+def _adam(g: dict, params, grads, m, v, vmax, steps, *, fused: bool) -> None:
+    """torch's CPU Adam/AdamW over lists of host tensors, with hyperparameters ``g`` (see _hyper)."""
+    from torch.optim.adam import adam
+
+    beta1, beta2 = g["betas"]
+    adam(params, grads, m, v, vmax, steps, foreach=False, fused=fused,
+         decoupled_weight_decay=g["decoupled_weight_decay"], amsgrad=g["amsgrad"], beta1=beta1, beta2=beta2,
+         lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"])
+
+
+def _adam_inverse(g: dict, t: float, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+    """Undo the Adam step number ``t`` with hyperparameters ``g`` on (p, m, v), in place, in float64."""
+    beta1, beta2 = g["betas"]
+    lr, wd, eps = float(g["lr"]), float(g["weight_decay"]), float(g["eps"])
+    p1, m1, v1, gr = p.double(), m.double(), v.double(), grad.double()
+    if g["maximize"]:
+        gr = -gr
+    bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+    update = (lr / bc1) * m1 / (v1.sqrt() / math.sqrt(bc2) + eps)
+    if g["decoupled_weight_decay"]:
+        p0 = (p1 + update) / (1 - lr * wd) if wd != 0 else p1 + update
+    else:
+        p0 = p1 + update
+        if wd != 0:
+            gr = gr + wd * p0
+    m0 = (m1 - (1 - beta1) * gr) / beta1
+    v0 = ((v1 - (1 - beta2) * gr * gr) / beta2).clamp_(min=0)
+    p.copy_(p0)
+    m.copy_(m0)
+    v.copy_(v0)
+
+
+# ------------------------------------------------------------------------- clipping (sharded stores)
 _CLIP_INSTALLED = False
 
 
 def _install_clip_hook() -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` include the host gradients of offloaded parameters."""
+    """Data parallel: offloaded gradients are shards on the host, not in ``param.grad``, so
+    ``torch.nn.utils.clip_grad_norm_`` must be extended to them (installed when a sharded store attaches)."""
     global _CLIP_INSTALLED
     if _CLIP_INSTALLED:
         return
@@ -496,21 +645,20 @@ def _install_clip_hook() -> None:
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         distributed.wait_resident_grads()  # data parallel: resident gradients averaged over the ranks first
-        handles = {store_of(p).optimizer for p in params if store_of(p) is not None and store_of(p).optimizer is not None
+        handles = {store_of(p).optimizer for p in params if store_of(p) is not None
+                   and store_of(p).optimizer is not None and not store_of(p).aliased
                    and store_of(p).param_is_offloaded(p)}
         if not handles:
-            return original(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+            return original(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                            foreach=foreach)
         host = [g for h in handles for g in h.offloaded_grads(params)]
-        for h in handles:
-            h.overlap = False  # clipping needs every gradient before any step
         device_grads = [p.grad for p in params if p.grad is not None]
         norm_type = float(norm_type)
         norms = [torch.linalg.vector_norm(g, norm_type) for g in device_grads]
         host_norms = [torch.linalg.vector_norm(g, norm_type) for g in host]
         dev = device_grads[0].device if device_grads else torch.device("cpu")
-        if distributed.world().sharded:  # host gradients are this rank's shards: their norm spans the ranks
-            host_norms = [distributed.shard_norm(host_norms, norm_type, dev)]
-        all_norms = torch.stack([n.to(dev) for n in norms + host_norms]) if norms or host_norms else torch.zeros(1, device=dev)
+        host_norms = [distributed.shard_norm(host_norms, norm_type, dev)]  # shards: the norm spans the ranks
+        all_norms = torch.stack([n.to(dev) for n in norms + host_norms])
         total = torch.linalg.vector_norm(all_norms, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite")
@@ -525,6 +673,3 @@ def _install_clip_hook() -> None:
     clip_mod.clip_grad_norm_ = clip_grad_norm_
     nn_utils.clip_grad_norm_ = clip_grad_norm_
     _CLIP_INSTALLED = True
-
-
-_install_clip_hook()  # as early as protrain_fx is imported (the entry point imports it at torch.compile())

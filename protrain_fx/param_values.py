@@ -148,6 +148,45 @@ def host_init(device="cuda"):
     install_hooks(owners)
 
 
+def placement_snapshot(params) -> "callable":
+    """Remember where ``params`` keep their values now; the returned function puts them back there (a failed
+    compile leaves the model as it was): values held by chunk stores made since, or by host values set
+    since, return to plain tensors on their devices, and those stores are forgotten."""
+    before_store = {id(p): store_of(p) for p in params}
+    before_host = {id(p) for p in params if p in HOST_VALUES}
+    devices = {id(p): p.device for p in params}
+    refs = [weakref.ref(p) for p in params]
+
+    def restore() -> None:
+        from .worker import WORKER
+
+        WORKER.wait()
+        new_stores = {}
+        for r in refs:
+            p = r()
+            if p is None:
+                continue
+            s = store_of(p)
+            if s is not None and s is not before_store[id(p)]:
+                new_stores[id(s)] = s
+                value = s.read(p) if s.param_is_offloaded(p) else p.detach()
+            elif s is None and p in HOST_VALUES and id(p) not in before_host:
+                value = HOST_VALUES.pop(p)
+            else:
+                continue
+            if id(p) in before_host:  # built under host_init: back to a host value and a shell
+                HOST_VALUES[p] = value.detach().to("cpu", copy=True)
+                p.data = device_shell(p.shape, p.dtype, devices[id(p)])
+            else:
+                p.data = value.detach().to(devices[id(p)], copy=True)
+            p.grad = None
+        for s in new_stores.values():
+            s.unregister()
+            s.master, s.transfer, s.grad = {}, {}, {}
+
+    return restore
+
+
 def dissolve_store(store) -> None:
     """Hand ``store``'s parameters back as if built under :func:`host_init`: offloaded values become host
     values (views of the store's master copies, kept alive until the next store takes them), resident ones

@@ -60,14 +60,14 @@ def _bind(plan, options, params, root, graph, training, autocast) -> None:
             stores.append(store)
     offloaded = [s for s in stores if s.offloaded_chunks]
     if offloaded and training and not plan.profiling:  # the profiler's step drops its gradients
-        if options.optimizer is None:
-            raise ProtrainError(
-                "protrain: chunks are offloaded to the host (n_persist/memory_budget), so protrain must run their "
-                "optimizer step: pass options={'optimizer': opt} (a torch.optim.Adam or AdamW over the model's "
-                "parameters)"
-            )
-        for s in offloaded:
-            optim.attach(options.optimizer, s)
+        if options.optimizer is not None:
+            for s in offloaded:
+                optim.attach(options.optimizer, s)
+        elif not any(s.optimizer is not None for s in offloaded):
+            plan.notes.append(
+                "offloaded chunks are stepped by your optimizer through device views of host memory, which is "
+                "exact but slow on a GPU: pass options={'optimizer': opt} (torch.optim.Adam or AdamW) to let "
+                "protrain step them on the CPU during backward")
     _describe(plan, stores, params, options)
 
 
@@ -98,6 +98,8 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     del host_values
     # with several ranks resident chunks are replicated: average their gradients across ranks
     distributed.average_resident_grads([p for _, p in fqns if not store.param_is_offloaded(p)], options.optimizer)
+    if store.aliased:
+        return  # parameters are views of their values: state_dict() and load_state_dict() need no hooks
     if store.offloaded_chunks and root is not None and isinstance(root, torch.nn.Module):
         hook_owners_of(root, [p for _, p in fqns])
     elif store.offloaded_chunks:

@@ -71,18 +71,20 @@ class Plan:
     param_dtype: Any = None  # transfer dtype of offloaded chunks
     n_buffer_given: bool = False  # n_buffer came from the options (too small is an error, not raised)
     n_buffer_searched: bool = False  # n_buffer came from the plan search (too small: raised, like unset)
-    # set by chunk_gather: (store id, chunk) -> [(primal ordinal, store entry index)] of its parameters
-    grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict, repr=False)
+    # set by chunk_gather: (store id, chunk) -> [(primal ordinal, store entry index, placeholder)] of its
+    # parameters (read by optimizer_calls on the joint graph)
+    grad_slots: dict[tuple[int, int], list] = field(default_factory=dict, repr=False)
     # data parallel (world_size > 1, set by the backend): the same for resident chunks, whose gradients the
     # resident_grads pass all-reduces from inside backward
     world_size: int = 1
     resident_grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict, repr=False)
     estimate: dict[str, int] = field(default_factory=dict, repr=False)  # device bytes by component
     # set at partition: names of the forward values saved for backward (in order); set by swap_offload:
-    # saved value name -> (pool key, block), and the pool's id
+    # saved value name -> its block
     saved_names: list[str] = field(default_factory=list, repr=False)
-    swapped: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
-    swap_pool: int | None = None
+    swapped: dict[str, int] = field(default_factory=dict, repr=False)
+    # set by chunk_schedule: the most gathered chunks alive at once in any of the graph's stages
+    chunks_in_use: int = 0
     profile_blocks: bool = False  # passes/block_marks.py wraps blocks in timing marks (PROTRAIN_PROFILE_BLOCKS=1)
     profiling: bool = False  # the profiler's plan (protrain_fx/profiler.py): its step's gradients are dropped
     # set at partition when profiling: what the profiler reads of the partitioned graphs (profiler.StaticProfile)

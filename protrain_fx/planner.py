@@ -27,16 +27,16 @@ def block_policy(index: int, n_swap: int, n_checkpoint: int) -> str:
 
 
 def block_knobs(options: Options, n_blocks: int, notes: list[str]) -> tuple[int, int]:
+    """``n_swap`` / ``n_checkpoint`` for a graph with ``n_blocks`` blocks. The options are the whole
+    torch.compile call's: a model split by graph breaks has graphs with fewer blocks (or none), which take
+    as many as they have, in the interleaved order."""
     n_swap, n_checkpoint = options.n_swap or 0, options.n_checkpoint or 0
     if n_swap + n_checkpoint > n_blocks:
-        if n_blocks == 0:
-            raise ProtrainError(
-                f"n_swap={n_swap} / n_checkpoint={n_checkpoint} need transformer blocks, and none were detected in "
-                "this graph (see the plan summary); drop those options"
-            )
-        raise ProtrainError(
-            f"n_swap + n_checkpoint = {n_swap + n_checkpoint} exceeds the {n_blocks} transformer blocks detected"
-        )
+        asked = (n_swap, n_checkpoint)
+        n_swap = min(n_swap, n_blocks)
+        n_checkpoint = min(n_checkpoint, n_blocks - n_swap)
+        notes.append(f"n_swap={asked[0]} / n_checkpoint={asked[1]} asked for more blocks than the {n_blocks} "
+                     f"detected in this graph: it swaps {n_swap} and recomputes {n_checkpoint}")
     return n_swap, n_checkpoint
 
 

@@ -1,106 +1,127 @@
-"""SwapPool: pinned host memory for the saved activations of "swap" blocks, and their copies.
+"""Swapping saved activations: their copies to host memory in forward and back in backward.
 
-One pool per compiled forward/backward pair, sized once when the forward graph is compiled (the sum of the
-swapped tensors' bytes, each at a 64-byte aligned offset). In forward, ``protrain::offload`` copies a saved
-activation into its region on a device-to-host stream once the compute stream has produced it; the graph
-returns the host view instead of the device tensor, whose memory goes back to the allocator when the copy
-is done (``record_stream``). In backward, ``protrain::reload_start`` copies it back into a new device tensor
-on a host-to-device stream one block ahead of use, and ``protrain::reload_take`` hands that tensor to the
-graph after the compute stream has waited for the copy. On a CPU compute device the copies are real and
-synchronous.
+Every call of a forward graph gets its own host memory for what it swaps (``protrain::offload`` allocates
+it, pinned on CUDA, from torch's caching host allocator, which reuses it once freed and once the copies
+that used it are done), so two forwards before one backward, or one block graph called for every block,
+never overwrite each other. The host tensor is what forward saves for backward; its data pointer names the
+copy in flight. On CUDA the copies run on the device's copy streams (protrain_fx/chunk_buffers.py):
+
+* ``offload(x)``: once the compute stream has produced ``x``, copy it to the host on the device-to-host
+  stream; ``offload_wait`` later makes the compute stream wait for the copy, and until then the graph keeps
+  ``x`` alive, so Inductor cannot hand its memory to a later kernel while the copy still reads it;
+* ``reload_start(host)``: one block ahead of use, copy it into a new device tensor on the host-to-device
+  stream; ``reload_take(host)`` makes the compute stream wait for that copy and returns the tensor.
+
+On a CPU compute device the copies are real and synchronous. ``PROTRAIN_DEBUG_DEFER_OFFLOAD=1`` makes them
+as late as a CUDA copy could be: each offload copies only at its ``offload_wait``, so a graph that let a
+source's memory be reused too early computes wrong gradients on the CPU as it would on the GPU.
 """
 from __future__ import annotations
 
-import itertools
+import os
 
 import torch
 
 from . import hardware
-from .options import ProtrainError
+from .chunk_buffers import streams_of
 
-_POOLS: dict[int, "SwapPool"] = {}
-_POOL_IDS = itertools.count()
-ALIGN = 64
+DEFER = os.environ.get("PROTRAIN_DEBUG_DEFER_OFFLOAD") == "1"
 
 
-def get_pool(pool_id: int) -> "SwapPool":
-    try:
-        return _POOLS[pool_id]
-    except KeyError:
-        raise ProtrainError(f"protrain swap pool {pool_id} does not exist") from None
+class Swapper:
+    """The activation copies of one compute device (see the module docstring)."""
 
-
-class SwapPool:
     def __init__(self, device: torch.device):
-        self.id = next(_POOL_IDS)
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.regions: dict[int, tuple[int, torch.Size, torch.dtype]] = {}  # key -> (byte offset, shape, dtype)
-        self.nbytes = 0
-        self.buffer: torch.Tensor | None = None
+        self.streams = streams_of(device)
+        self._offloading: dict[int, tuple] = {}  # host data_ptr -> (event or deferred source)
         self._reloading: dict[int, tuple[torch.Tensor, object]] = {}
-        self._offload_done: dict[int, object] = {}
-        self.d2h_stream = torch.cuda.Stream(device) if self.is_cuda else None
-        self.h2d_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.stats = {"offloaded_bytes": 0, "reloaded_bytes": 0}
-        _POOLS[self.id] = self
 
-    def add_region(self, shape, dtype: torch.dtype) -> int:
-        """Reserve room for one swapped tensor (at compile time); returns its key."""
-        key = len(self.regions)
-        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
-        self.regions[key] = (self.nbytes, torch.Size(shape), dtype)
-        self.nbytes += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        return key
-
-    def allocate(self) -> None:
-        """Pin the whole pool once (after every region of the graph is known)."""
-        if self.buffer is None and self.nbytes:
-            self.buffer = hardware.host_empty(self.nbytes, torch.uint8, self.is_cuda)  # pinned at its exact size
-
-    def host_view(self, key: int) -> torch.Tensor:
-        offset, shape, dtype = self.regions[key]
-        n = int(shape.numel()) * torch.empty(0, dtype=dtype).element_size()
-        return self.buffer[offset:offset + n].view(dtype).view(shape)
-
-    def offload(self, x: torch.Tensor, key: int) -> torch.Tensor:
-        dst = self.host_view(key)
-        self.stats["offloaded_bytes"] += dst.numel() * dst.element_size()
+    def offload(self, x: torch.Tensor) -> torch.Tensor:
+        host = hardware.cached_host_empty(x.shape, x.dtype, pin=self.is_cuda)
+        self.stats["offloaded_bytes"] += host.numel() * host.element_size()
         if not self.is_cuda:
-            dst.copy_(x)
-            return dst
+            if DEFER:
+                self._offloading[host.data_ptr()] = (host, x)
+            else:
+                host.copy_(x)
+            return host
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.d2h_stream):
-            self.d2h_stream.wait_event(ready)
-            dst.copy_(x, non_blocking=True)
+        with torch.cuda.stream(self.streams.d2h):
+            self.streams.d2h.wait_event(ready)
+            host.copy_(x, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.d2h_stream)
-        x.record_stream(self.d2h_stream)  # the device memory is reused only after the copy
-        self._offload_done[key] = done
-        return dst
+            done.record(self.streams.d2h)
+        self._offloading[host.data_ptr()] = (done,)
+        return host
 
-    def reload_start(self, host: torch.Tensor, key: int) -> None:
+    def offload_wait(self, hosts: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        for host in hosts:
+            item = self._offloading.pop(host.data_ptr(), None)
+            if item is None:
+                continue
+            if self.is_cuda:
+                compute.wait_event(item[0])
+            else:  # a deferred copy (PROTRAIN_DEBUG_DEFER_OFFLOAD): now, as late as the GPU could do it
+                item[0].copy_(item[1])
+
+    def reload_start(self, host: torch.Tensor) -> None:
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         self.stats["reloaded_bytes"] += out.numel() * out.element_size()
+        pending = self._offloading.pop(host.data_ptr(), None)
         if not self.is_cuda:
+            if pending is not None and len(pending) == 2:
+                pending[0].copy_(pending[1])
             out.copy_(host)
-            self._reloading[key] = (out, None)
+            self._reloading[host.data_ptr()] = (out, None)
             return
-        with torch.cuda.stream(self.h2d_stream):
-            # ``out`` was allocated on the compute stream, whose queued work may still use that memory;
-            # the host region must hold forward's copy
-            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
-            if key in self._offload_done:
-                self.h2d_stream.wait_event(self._offload_done[key])
+        with torch.cuda.stream(self.streams.h2d):
+            # ``out`` was allocated on the compute stream, whose queued work may still use that memory; the
+            # compute stream already waited for forward's copy of ``host`` (offload_wait)
+            self.streams.h2d.wait_stream(torch.cuda.current_stream(self.device))
+            if pending is not None:
+                self.streams.h2d.wait_event(pending[0])
             out.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.h2d_stream)
-        out.record_stream(self.h2d_stream)
-        self._reloading[key] = (out, done)
+            done.record(self.streams.h2d)
+        out.record_stream(self.streams.h2d)
+        self._reloading[host.data_ptr()] = (out, done)
 
-    def reload_take(self, key: int) -> torch.Tensor:
-        out, done = self._reloading.pop(key)
+    def reload_take(self, host: torch.Tensor) -> torch.Tensor:
+        item = self._reloading.pop(host.data_ptr(), None)
+        if item is None:  # reload_start did not run (a graph called by hand): copy now
+            self.reload_start(host)
+            item = self._reloading.pop(host.data_ptr())
+        out, done = item
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
         return out
+
+    def reset(self) -> None:
+        """After an exception inside a compiled graph: forget the copies of the failed call."""
+        if self.is_cuda:
+            self.streams.d2h.synchronize()
+            self.streams.h2d.synchronize()
+        self._offloading.clear()
+        self._reloading.clear()
+
+
+_SWAPPERS: dict[torch.device, Swapper] = {}
+
+
+def swapper(device: torch.device) -> Swapper:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SWAPPERS:
+        _SWAPPERS[device] = Swapper(device)
+    return _SWAPPERS[device]
+
+
+def reset_all() -> None:
+    for s in _SWAPPERS.values():
+        s.reset()

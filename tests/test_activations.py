@@ -4,6 +4,8 @@ import csv
 
 import pytest
 import torch
+
+import protrain_fx
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from models import build
@@ -27,12 +29,11 @@ def model(kind, dropout=0.0):
 def test_every_swap_checkpoint_combination_matches_eager(kind, n_swap, n_checkpoint):
     torch._dynamo.reset()
     options = {"compiler": "eager", "n_swap": n_swap, "n_checkpoint": n_checkpoint}
-    if n_swap + n_checkpoint > 4:
-        with pytest.raises(Exception, match="exceeds the 4 transformer blocks"):
-            compare_with_eager(model(kind), random_batches(1, 2, 12), options)
-        return
     r = compare_with_eager(model(kind), random_batches(3, 2, 12), options)
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
+    if n_swap + n_checkpoint > 4:  # more than the graph has: it takes what it has, in order, and says so
+        assert any("asked for more blocks than the 4 detected" in n for n in r.plan.notes)
+        n_swap, n_checkpoint = min(n_swap, 4), min(n_checkpoint, 4 - min(n_swap, 4))
     expect = ["swap"] * n_swap + ["recompute"] * n_checkpoint + ["keep"] * (4 - n_swap - n_checkpoint)
     assert [b["policy"] for b in r.plan.to_dict()["blocks"]] == expect
     assert (r.plan.to_dict()["n_swap"], r.plan.to_dict()["n_checkpoint"]) == (n_swap, n_checkpoint)
@@ -66,8 +67,8 @@ def test_inductor_swap_and_recompute_with_offloaded_chunks():
                            {"n_swap": 1, "n_checkpoint": 2, "n_persist": 1, "chunk_size": "40KB"},
                            give_optimizer=True)
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
-    pool = swap_pool.get_pool(r.plan.swap_pool)
-    assert pool.stats["offloaded_bytes"] == pool.stats["reloaded_bytes"] > 0
+    stats = swap_pool.swapper(torch.device("cpu")).stats
+    assert stats["offloaded_bytes"] == stats["reloaded_bytes"] > 0
 
 
 def _saved_bytes(monkeypatch, options):
@@ -111,7 +112,7 @@ def test_recompute_and_swap_shrink_what_forward_keeps(monkeypatch):
     assert swap_device < 0.3 * keep and swap_host > 0.7 * keep, (swap_device, swap_host, keep)
 
 
-def test_no_blocks_with_checkpoint_is_a_clear_error():
+def test_no_blocks_with_checkpoint_says_so():
     class Plain(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -121,8 +122,10 @@ def test_no_blocks_with_checkpoint_is_a_clear_error():
         def forward(self, x):
             return self.b(torch.relu(self.a(x))).sum()
 
-    with pytest.raises(Exception, match="none were detected"):
-        torch.compile(Plain(), backend="protrain", options={"n_checkpoint": 1})(torch.randn(2, 8))
+    compiled = torch.compile(Plain(), backend="protrain", options={"n_checkpoint": 1})
+    compiled(torch.randn(2, 8)).backward()
+    plan = protrain_fx.get_plan(compiled)
+    assert any("asked for more blocks than the 0 detected" in n for n in plan.notes), plan.notes
 
 
 def test_dumps_show_swap_and_recompute(tmp_path):

@@ -1,0 +1,78 @@
+"""The host worker: one thread that runs, in order, what backward hands to the host (accumulating a chunk's
+gradient copy into its host gradient, the CPU optimizer step of that chunk), so the compute device never
+waits for them.
+
+Tasks are tagged with the chunk they touch; :meth:`Worker.wait_chunk` waits for one chunk's tasks (before
+its host values are read), :meth:`Worker.wait` for all. The thread exists while some chunk store uses it
+and stops when the last one is gone, so a deleted model leaves no thread behind.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+
+class Worker:
+    def __init__(self):
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: deque[Future] = deque()
+        self._last: dict[tuple, Future] = {}  # chunk key -> its newest task
+        self._users: "weakref.WeakSet" = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def attach(self, user) -> None:
+        self._users.add(user)
+
+    def detach(self, user) -> None:
+        self._users.discard(user)
+        if not len(self._users):
+            self.shutdown()
+
+    def submit(self, key: tuple, fn, *args) -> Future:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-host")
+            fut = self._executor.submit(fn, *args)
+            self._futures.append(fut)
+            self._last[key] = fut
+        return fut
+
+    def wait_chunk(self, key: tuple) -> None:
+        fut = self._last.get(key)
+        if fut is not None:
+            fut.result()
+            with self._lock:
+                if self._last.get(key) is fut:
+                    del self._last[key]
+
+    def wait(self) -> None:
+        """Block until every task handed over so far is done; the first task's exception is raised."""
+        error = None
+        while True:
+            with self._lock:
+                if not self._futures:
+                    break
+                fut = self._futures.popleft()
+            try:
+                fut.result()
+            except BaseException as e:  # keep draining: nothing may stay queued behind an error
+                error = error or e
+        with self._lock:
+            self._last = {k: f for k, f in self._last.items() if not f.done()}
+        if error is not None:
+            raise error
+
+    def busy(self) -> bool:
+        return any(not f.done() for f in list(self._futures))
+
+    def shutdown(self) -> None:
+        ex, self._executor = self._executor, None
+        if ex is not None:  # never wait for itself (a store collected on the worker thread)
+            ex.shutdown(wait=not threading.current_thread().name.startswith("protrain-host"))
+        self._futures.clear()
+        self._last.clear()
+
+
+WORKER = Worker()
