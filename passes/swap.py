@@ -62,8 +62,8 @@ def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         ann, val = annotation_of(x), x.meta.get("val")
         if ann is None or ann.block not in swap or not isinstance(val, torch.Tensor):
             continue
-        if not val.is_floating_point() or not all(isinstance(s, int) for s in val.shape):
-            continue  # masks and RNG states stay (small); symbolic shapes are kept on the device
+        if not val.is_floating_point():
+            continue  # masks and RNG states stay (small)
         if val.device != compute:
             continue
         with gm.graph.inserting_after(x):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import distributed, hardware
-from .chunk_layout import choose_chunk_size
+from .chunk_layout import choose_chunk_size, pack
 from .chunks import store_of
 from .cost_model import Hardware, LayoutCosts
 from .options import Options, ProtrainError, format_bytes
@@ -150,7 +150,9 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     notes = []
     if existing:
         store = next(iter(existing.values()))
-        fixed.update(chunk_size=store.layout.chunk_size, n_persist=store.n_persist)
+        own = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
+        n_own = pack(own, store.layout.chunk_size).n_chunks  # this graph may hold fewer chunks than the store
+        fixed.update(chunk_size=store.layout.chunk_size, n_persist=min(store.n_persist, n_own))
         notes.append("chunk placement kept from this model's earlier graph; activation knobs searched")
     all_resident = opts.optimizer is None and fixed["n_persist"] is None  # offloading needs the optimizer
     if all_resident:

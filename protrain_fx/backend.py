@@ -34,6 +34,7 @@ from protrain_fx.passes.optimizer_calls import optimizer_calls
 from protrain_fx.passes.resident_grads import resident_grads
 from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.swap import swap_offload, swap_reload
+from protrain_fx.passes.user_checkpoints import user_checkpoints
 
 from . import _compat, autoplan, distributed, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
 from .blocks import detect_blocks
@@ -52,7 +53,7 @@ Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 # The passes of each stage, in the order they run.
 PIPELINE: dict[str, tuple[Pass, ...]] = {
     "dynamo": (block_marks,),
-    "joint": (annotate, chunk_gather, optimizer_calls, recompute),
+    "joint": (annotate, user_checkpoints, chunk_gather, optimizer_calls, recompute),
     "forward": (swap_offload, chunk_schedule),
     "backward": (swap_reload, resident_grads, chunk_schedule),
     "inference": (annotate, chunk_gather, chunk_schedule),

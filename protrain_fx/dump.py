@@ -40,10 +40,10 @@ def _out_bytes(node: fx.Node) -> str:
     total = 0
     for v in vals:
         if isinstance(v, torch.Tensor):
-            try:
-                total += int(v.numel()) * v.element_size()
-            except (TypeError, RuntimeError):  # symbolic sizes
+            n = v.numel()
+            if not isinstance(n, int):  # symbolic sizes: int() would specialize the graph to one shape
                 return "symbolic"
+            total += n * v.element_size()
     return str(total)
 
 

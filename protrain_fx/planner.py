@@ -126,9 +126,12 @@ def saved_values(fw, bw) -> list:
 
 
 def _tensor_bytes(node) -> int:
+    """Bytes of a node's tensor value (at the hint sizes when its shape is symbolic)."""
+    from . import _compat
+
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape):
-        return val.numel() * val.element_size()
+    if isinstance(val, torch.Tensor):
+        return _compat.numel_hint(val) * val.element_size()
     return 0
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from . import block_timer, ops
+from . import _compat, block_timer, ops
 from .chunk_layout import pack
 from .cost_model import FRAGMENTATION, BlockProfile, ChunkProfile, GraphProfile
 from .passes.annotate import annotation_of
@@ -120,9 +120,9 @@ def node_flops(node: fx.Node) -> int:
     if formula is None:
         return 0
     args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
-    try:
-        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # noqa: BLE001  (a formula that cannot read symbolic or missing shapes: count none)
+    try:  # at the sizes' hints: int() on a symbolic count would specialize the graph to one shape
+        return _compat.size_hint(formula(*args, **kwargs, out_val=node.meta.get("val")), fallback=0)
+    except Exception:  # noqa: BLE001  (a formula that cannot read missing shapes: count none)
         return 0
 
 
@@ -255,6 +255,12 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
     and return its per-block times (see module docstring). Leaves no trace: gradients of offloaded chunks
     are dropped by the stores, other gradients restored, mutated inputs and RNG state restored."""
     t0 = time.perf_counter()
+    # the graph's own inputs, cut from any autograd history: an activation from an earlier graph (a graph
+    # break) must not be backpropagated into that graph's real backward, nor have its version bumped by the
+    # restore below (its graph saved it); sizes at their hints (dynamic shapes)
+    inputs = [_compat.size_hint(t) if isinstance(t, torch.SymInt)
+              else t.data.requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
+              and not isinstance(t, torch.nn.Parameter) else t for t in inputs]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
     grads = [t.grad for t in leaves]
     snapshot = [(t, t.detach().clone()) for t in inputs if isinstance(t, torch.Tensor)
