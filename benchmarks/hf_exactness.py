@@ -91,6 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scenarios", default="swap-many,llama3.2-3b")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="", help="comma-separated SYSTEM:ALLOC runs to do (default: all)")
+    ap.add_argument("--merge", nargs="+", help="join the rows of earlier OUT.json files into OUT")
     ap.add_argument("--run", nargs=3, metavar=("SCENARIO", "SYSTEM", "ALLOC"))
     ap.add_argument("--result")
     args = ap.parse_args()
@@ -100,11 +102,18 @@ def main() -> None:
             json.dump(row, f)
         return
     rows = []
-    for name in args.scenarios.split(","):
+    if args.merge:
+        for path in args.merge:
+            with open(path) as f:
+                rows += json.load(f)["rows"]
+    only = {tuple(x.split(":")) for x in args.only.split(",") if x}
+    for name in ([] if args.merge else args.scenarios.split(",")):
         runs = [("compile", "default"), ("protrain", "default")]
         if SCENARIOS[name]["cap_gib"]:
             runs.append(("protrain", "expandable_segments"))
         for system, alloc in runs:
+            if only and (system, alloc) not in only:
+                continue
             env = dict(os.environ)
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             if alloc == "expandable_segments":
@@ -131,7 +140,8 @@ def main() -> None:
             r["finite"] = all(l == l and abs(l) != float("inf") for l in r["losses"])
     import torch
 
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tolerance_rel": BF16_REL,
+    out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "merged",
+           "torch": torch.__version__, "tolerance_rel": BF16_REL,
            "date": time.strftime("%Y-%m-%d"), "rows": rows}
     with open(args.out + ".json", "w") as f:
         json.dump(out, f, indent=1)

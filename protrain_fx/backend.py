@@ -41,7 +41,7 @@ from .blocks import detect_blocks
 from .dump import GraphDump
 from .graph_inputs import capture_graph_inputs
 from .binding import GraphBinding, runtime_guard
-from .options import Options, OptionsError, ProtrainError
+from .options import Options, OptionsError, ProtrainError, forget_optimizer
 from .placement import autocast_dtypes, bind_chunks
 from .plan import Plan, register_plan
 from .param_values import placement_snapshot
@@ -230,6 +230,7 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
     if mode not in (None, "default"):
         raise OptionsError(f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead")
     opts = Options.from_dict(options)
+    forget_optimizer(options)  # dynamo keeps the options dict: it must not keep the optimizer (and the model)
     graph_inputs, params = capture_graph_inputs(gm, example_inputs)  # before dynamo drops grapharg
     live = [p for p in params if p is not None]
     eager_graph = _copy_graph_module(gm)  # as dynamo traced it: what a call with other parameters runs

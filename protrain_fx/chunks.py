@@ -129,7 +129,7 @@ def _end_of_backward() -> None:
         if store is None:
             continue
         p = store._params[i]()
-        if p is not None and p.grad is not None and p.grad._version != version:
+        if p is not None and p.grad is store._grad_alias.get(i) and store._grad_plain[i]._version != version:
             raise ProtrainError(
                 f"protrain: parameter {store.entries[i].fqn!r} received gradients both from a protrain-compiled "
                 "graph and from code outside it in the same backward pass, which protrain cannot order; compile "
@@ -202,6 +202,7 @@ class ChunkStore:
         self.transfer: dict[int, torch.Tensor] = {}
         self.grad: dict[int, torch.Tensor] = {}  # host gradient accumulators, from a chunk's first gradient on
         self._grad_alias: dict[int, torch.Tensor] = {}  # entry -> its param.grad (a view of the accumulator)
+        self._grad_plain: dict[int, torch.Tensor] = {}  # entry -> the same view as a plain tensor
         self._synced: dict[int, int] = {}  # entry -> the parameter's version when protrain last read it
         self._has_grad: set[int] = set()  # sharded stores: entries whose gradient is present
         self._params = [weakref.ref(p) for p in params_in_order]
@@ -490,6 +491,7 @@ class ChunkStore:
             view = mapped.device_view(self.ensure_grad(e.chunk), e.offset, e.shape, self.device)
             g = self._grad_alias[index] = mapped.host_grad(view)
             g._protrain_owner = (self.id, index)
+            self._grad_plain[index] = view  # shares its version counter, read without the subclass's dispatch
         return g
 
     def ensure_grad(self, chunk: int) -> torch.Tensor:
@@ -572,7 +574,7 @@ class ChunkStore:
                 p = self._params[i]()
                 if p is not None:
                     p.grad = self.grad_alias(i)
-                    _Backward.touched[(self.id, i)] = p.grad._version
+                    _Backward.touched[(self.id, i)] = self._grad_plain[i]._version
             else:
                 self._has_grad.add(i)
         if self.optimizer is not None:

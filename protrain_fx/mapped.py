@@ -70,8 +70,9 @@ class HostGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if HostGrad.on_write is not None and _writes(func):
-            written = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, HostGrad)]
+        if HostGrad.on_write is not None and _writes(func) and args:
+            # what an in-place function writes is its first argument (a tensor, or the list of a foreach op)
+            written = [a for a in tree_flatten(args[0])[0] if isinstance(a, HostGrad)]
             if written:
                 HostGrad.on_write(written)
         with torch._C.DisableTorchFunctionSubclass():

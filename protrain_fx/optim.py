@@ -34,6 +34,7 @@ import math
 import threading
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -137,8 +138,9 @@ class HybridOptimizer:
         self.timers = Timers()
         self._members_sig = None
         self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._published: dict[int, dict] = {}  # id(param) -> the opt.state entry protrain made for it
         self._lock = threading.Lock()
-        self._orig_zero_grad = opt.zero_grad
+        self._orig_zero_grad = weakref.WeakMethod(opt.zero_grad)  # nothing of protrain's may hold the optimizer
         opt.zero_grad = types.MethodType(_zero_grad, opt)  # instance attributes: the class stays untouched
         prev_step = opt.step
         opt.step = types.MethodType(lambda o, closure=None: _step(o, prev_step, closure), opt)
@@ -146,6 +148,7 @@ class HybridOptimizer:
         opt.register_step_post_hook(lambda o, args, kwargs: handle_of(o)._after_step())
         opt.register_state_dict_post_hook(lambda o, sd: handle_of(o)._state_dict_post(sd))
         opt.register_load_state_dict_pre_hook(lambda o, sd: handle_of(o)._load_state_dict_pre(sd))
+        opt.register_load_state_dict_post_hook(lambda o: handle_of(o)._republish())
         mapped.HostGrad.on_write = _on_grad_write
 
     @property
@@ -193,20 +196,26 @@ class HybridOptimizer:
         loaded state dict, or a new store); state the optimizer already has for them is taken over."""
         groups = self.opt.param_groups
         sig = tuple(id(p) for g in groups for p in g["params"])
-        if sig == self._members_sig:
+        if sig != self._members_sig:
+            self._members_sig = sig
+            group_of_param = self._group_index()
+            for st in self.states.values():
+                st.members, st.group_of = [], {}
+                for p, e in st.store.chunk_entries(st.chunk):
+                    gi = group_of_param.get(id(p))
+                    if gi is not None:
+                        i = st.store.entry_index(p)
+                        st.members.append(i)
+                        st.group_of[i] = gi
+        if not self.opt.state:
             return
-        self._members_sig = sig
-        group_of_param = self._group_index()
         for st in self.states.values():
-            st.members, st.group_of = [], {}
-            for p, e in st.store.chunk_entries(st.chunk):
-                gi = group_of_param.get(id(p))
-                if gi is not None:
-                    i = st.store.entry_index(p)
-                    st.members.append(i)
-                    st.group_of[i] = gi
-                    if p in self.opt.state:  # a checkpoint loaded before the first call, or torch's own state
-                        self._import_state(st, i, self.opt.state.pop(p))
+            for i in st.members:
+                p = st.store.param(i)
+                # state torch made for it (a checkpoint loaded before the first call; a step torch took itself
+                # before protrain attached, e.g. a closure that compiled the model) moves to the host buffers
+                if p is not None and p in self.opt.state and not self._ours(p):
+                    self._import_state(st, i, self.opt.state.pop(p))
 
     def _import_state(self, st: ChunkOptState, i: int, state: dict) -> None:
         part = st.store.host_slices(i)  # this rank's share of the parameter (all of it with one rank)
@@ -218,7 +227,50 @@ class HybridOptimizer:
                 if st.max_exp_avg_sq is not None and "max_exp_avg_sq" in state:
                     st.max_exp_avg_sq[sl].copy_(state["max_exp_avg_sq"].reshape(-1)[flat])
         if "step" in state:
-            st.steps[i] = torch.tensor(float(state["step"]), dtype=torch.float32)
+            self._set_step(st, i, float(state["step"]))
+
+    # ------------------------------------------------------------------ steps and torch's state view
+    def _set_step(self, st: ChunkOptState, i: int, value: float) -> None:
+        """The parameter's step count (one tensor for its life: ``opt.state[p]["step"]`` is the same one)."""
+        if i in st.steps:
+            st.steps[i].fill_(value)
+        else:
+            st.steps[i] = torch.tensor(value, dtype=torch.float32)
+        self._publish(st, i)
+
+    def _clear_step(self, st: ChunkOptState, i: int) -> None:
+        """The parameter has no optimizer state (never stepped, or a step taken back)."""
+        st.steps.pop(i, None)
+        p = st.store.param(i)
+        if p is not None and st.store.aliased:
+            self.opt.state.pop(p, None)
+
+    def _publish(self, st: ChunkOptState, i: int) -> None:
+        """``opt.state[p]`` of an offloaded parameter that has state, as eager torch would hold it: the step
+        count and device views of the host moments (so a reader such as torch.distributed.checkpoint, which
+        takes an empty ``opt.state`` for an optimizer that never stepped, sees the real state)."""
+        store = st.store
+        p = store.param(i)
+        if p is None or not store.aliased:
+            return
+        entry = self.opt.state.get(p)
+        if entry is not None and entry.get("step") is st.steps[i]:
+            return
+        e = store.entries[i]
+        view = {name: mapped.device_view(getattr(st, name), e.offset, e.shape, store.device)
+                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if getattr(st, name) is not None}
+        self.opt.state[p] = {"step": st.steps[i], **view}
+        self._published[id(p)] = self.opt.state[p]
+
+    def _republish(self) -> None:
+        """After torch's loader replaced ``opt.state``: the offloaded parameters' entries again."""
+        for st in self.states.values():
+            for i in list(st.steps):
+                self._publish(st, i)
+
+    def _ours(self, p) -> bool:
+        entry = self.opt.state.get(p)
+        return entry is not None and self._published.get(id(p)) is entry
 
     # ----------------------------------------------------------------- gradients (graph side)
     def before_chunk_grad(self, store: ChunkStore, chunk: int) -> None:
@@ -290,18 +342,20 @@ class HybridOptimizer:
             g = groups[gi]
             if not self._one_pass_step(st, step, g):  # it writes the transfer copy itself
                 vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
-                _adam(g, [master], [grad], [st.exp_avg], [st.exp_avg_sq], vmax, [step], fused=True)
+                _adam(g, [master], [grad], [st.exp_avg], [st.exp_avg_sq], vmax, [step], impl=_impl(store, g))
                 store.refresh_transfer(st.chunk)
             else:
                 store.invalidate(st.chunk)
             for i in idxs:  # every parameter took this step
-                st.steps[i] = step.clone()
+                self._set_step(st, i, float(step))
             self.timers.whole_chunk_steps += 1
             return True
         for gi, idxs in by_group.items():
             params, grads, m, v, vmax, steps = [], [], [], [], [], []
             for i in idxs:
-                step_count = st.steps.setdefault(i, torch.tensor(0.0, dtype=torch.float32))
+                if i not in st.steps:
+                    self._set_step(st, i, 0.0)
+                step_count = st.steps[i]
                 part = store.host_slices(i)
                 if part is None:  # all of it in other ranks' shards: only its step count moves here
                     step_count.add_(1)
@@ -315,10 +369,7 @@ class HybridOptimizer:
                     vmax.append(st.max_exp_avg_sq[sl])
                 steps.append(step_count)
             if params:
-                # fp32 masters take torch's fused CPU kernel (as the whole-chunk path); other dtypes step
-                # exactly as eager Adam does on CPU tensors of that dtype
-                fused = master.dtype == torch.float32 or bool(groups[gi].get("fused"))
-                _adam(groups[gi], params, grads, m, v, vmax, steps, fused=fused)
+                _adam(groups[gi], params, grads, m, v, vmax, steps, impl=_impl(store, groups[gi]))
         store.refresh_transfer(st.chunk)
         return False
 
@@ -329,7 +380,7 @@ class HybridOptimizer:
         master, transfer = store.master[st.chunk], store.transfer[st.chunk]
         if (st.max_exp_avg_sq is not None or g["amsgrad"] or master.dtype != torch.float32
                 or master.device.type != "cpu" or transfer is not master and transfer.dtype != torch.bfloat16
-                or not cpu_adam.available()):
+                or not cpu_adam.available() or _impl(store, g) != "fused"):
             return False
         step += 1  # torch counts the step before using it
         beta1, beta2 = g["betas"]
@@ -359,9 +410,9 @@ class HybridOptimizer:
         for i in rec.entries:
             before = rec.steps_before[i]
             if before == 0:
-                st.steps.pop(i, None)
+                self._clear_step(st, i)
             else:
-                st.steps[i] = torch.tensor(before, dtype=torch.float32)
+                self._set_step(st, i, before)
         store.refresh_transfer(st.chunk)
         self.timers.undone_steps += 1
 
@@ -433,7 +484,7 @@ class HybridOptimizer:
                 st.store.clear_grads(st.chunk)
         self._zeroing = True
         try:
-            self._orig_zero_grad(set_to_none=set_to_none)
+            self._orig_zero_grad()(set_to_none=set_to_none)
         finally:
             self._zeroing = False
 
@@ -486,6 +537,9 @@ class HybridOptimizer:
 
     def _state_dict_post(self, sd: dict) -> dict:
         WORKER.wait()
+        for st in self.states.values():
+            if st.provisional is not None:  # not committed: the state is as before the step
+                self._undo(st)
         index = {id(p): k for k, p in enumerate(self._indexed_params())}
         whole: dict[tuple[int, str], torch.Tensor] = {}  # a chunk's moments, every rank's shard gathered
 
@@ -527,7 +581,7 @@ class HybridOptimizer:
             for i in st.members:
                 if (id(st), i) in loaded:
                     continue
-                st.steps.pop(i, None)
+                self._clear_step(st, i)
                 part = st.store.host_slices(i)
                 if part is not None:
                     sl = part[0]
@@ -543,8 +597,6 @@ class _WeakOpt:
     """A weak reference to the optimizer (its hooks hold the handle; the handle must not hold it)."""
 
     def __init__(self, opt):
-        import weakref
-
         self._ref = weakref.ref(opt)
 
     def __call__(self):
@@ -591,16 +643,29 @@ def _hyper(g: dict, decoupled: bool) -> dict:
     out["betas"] = tuple(float(b) for b in out["betas"])
     out["decoupled_weight_decay"] = bool(g.get("decoupled_weight_decay", decoupled))
     out["amsgrad"], out["maximize"] = bool(out["amsgrad"]), bool(out["maximize"])
-    out["fused"] = g.get("fused")
+    out["fused"], out["foreach"] = g.get("fused"), g.get("foreach")
     return out
 
 
-def _adam(g: dict, params, grads, m, v, vmax, steps, *, fused: bool) -> None:
-    """torch's CPU Adam/AdamW over lists of host tensors, with hyperparameters ``g`` (see _hyper)."""
+def _impl(store: ChunkStore, g: dict) -> str:
+    """How the CPU step of an offloaded chunk runs. With a CUDA compute device: fused (protrain's one-pass
+    kernel, or torch's fused CPU Adam), the fastest. With a CPU compute device, eager PyTorch steps the same
+    tensors on the same device, so protrain runs the implementation the user's optimizer would (its
+    ``fused`` / ``foreach`` settings; torch's default there is the for-loop), for the same rounding:
+    parameters whose gradient is pure rounding noise (an attention key bias) turn one-ulp differences into
+    steps of size ``lr``."""
+    if store.device.type != "cpu" or store.master_dtype != torch.float32 and not g.get("fused"):
+        return "fused" if store.master_dtype == torch.float32 or g.get("fused") else "single"
+    return "fused" if g.get("fused") else "foreach" if g.get("foreach") else "single"
+
+
+def _adam(g: dict, params, grads, m, v, vmax, steps, *, impl: str) -> None:
+    """torch's CPU Adam/AdamW over lists of host tensors, with hyperparameters ``g`` (see _hyper), in the
+    implementation ``impl`` ("fused", "foreach" or "single")."""
     from torch.optim.adam import adam
 
     beta1, beta2 = g["betas"]
-    adam(params, grads, m, v, vmax, steps, foreach=False, fused=fused,
+    adam(params, grads, m, v, vmax, steps, foreach=impl == "foreach", fused=impl == "fused",
          decoupled_weight_decay=g["decoupled_weight_decay"], amsgrad=g["amsgrad"], beta1=beta1, beta2=beta2,
          lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"])
 

@@ -64,6 +64,39 @@ def format_bytes(n: float | int | None) -> str:
 
 
 COMPILERS = ("inductor", "eager")
+
+
+class WeakOptimizer:
+    """What the user's options dict holds in place of the optimizer once protrain has read it: dynamo keeps
+    that dict for the life of its cache (beyond the model), and the optimizer holds the model's parameters.
+    Attribute access goes to the optimizer while it lives."""
+
+    def __init__(self, opt):
+        import weakref
+
+        self._ref = weakref.ref(opt)
+
+    def __call__(self):
+        return self._ref()
+
+    def __getattr__(self, name):
+        opt = self._ref()
+        if opt is None:
+            raise AttributeError(f"the optimizer was freed ({name})")
+        return getattr(opt, name)
+
+    def __repr__(self) -> str:
+        return f"WeakOptimizer({self._ref()!r})"
+
+
+def _resolve(value):
+    return value() if isinstance(value, WeakOptimizer) else value
+
+
+def forget_optimizer(options) -> None:
+    """Replace the optimizer in the user's options dict by a :class:`WeakOptimizer` (see there)."""
+    if isinstance(options, dict) and isinstance(options.get("optimizer"), torch.optim.Optimizer):
+        options["optimizer"] = WeakOptimizer(options["optimizer"])
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Options whose feature is not part of this version yet: name -> the feature that will read it.
@@ -95,7 +128,11 @@ class Options:
     def from_dict(cls, options: dict[str, Any] | None) -> "Options":
         """Validate a user's ``options`` dict. ``PROTRAIN_DUMP_DIR`` in the environment sets ``dump_dir``
         when the dict does not."""
-        raw = dict(options or {})
+        if options is not None and not isinstance(options, dict):
+            raise OptionsError(
+                f"options must be a dict such as {{'memory_budget': '24GiB'}}, got {type(options).__name__} "
+                f"{options!r:.60}")
+        raw = {k: _resolve(v) for k, v in (options or {}).items()}
         valid = cls.valid_keys()
         unknown = sorted(k for k in raw if k not in valid)
         if unknown:

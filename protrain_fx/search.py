@@ -128,7 +128,8 @@ def _search(profiles, hw, device_budget, host_budget, *, n_persist, n_buffer, n_
                 f"{format_bytes(min_peak)} on the device; the smallest budget that would work is {min_peak} bytes "
                 f"({format_bytes(min_peak)})", min_device_bytes=min_peak, min_host_bytes=min_host)
         raise NoPlanFits(
-            f"host memory {format_bytes(host_budget)} is too small for the pinned buffers of any plan that fits "
+            f"the host memory protrain may pin ({format_bytes(max(0, host_budget))}: what is available less a "
+            f"reserve) is too small for the pinned buffers of any plan that fits "
             f"the device budget: the smallest needs {format_bytes(min_host)} of pinned host memory; free host "
             "memory or give a larger memory_budget (more resident chunks need less host memory)",
             min_device_bytes=min_peak, min_host_bytes=min_host)

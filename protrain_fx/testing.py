@@ -75,7 +75,7 @@ class ParityResult:
     ref_opt: torch.optim.Optimizer
 
 
-def compare_with_eager(base: torch.nn.Module, data, options=None, *, give_optimizer: bool = False,
+def compare_with_eager(base: torch.nn.Module, data, options=None, *, give_optimizer: bool = False, fused=None,
                        **train_kw) -> ParityResult:
     """Train one copy of ``base`` eagerly and another through backend="protrain" on ``data``. With
     ``give_optimizer`` the protrain copy's AdamW is passed as ``options["optimizer"]`` (needed whenever
@@ -84,6 +84,7 @@ def compare_with_eager(base: torch.nn.Module, data, options=None, *, give_optimi
     ref = copy.deepcopy(base)
     mine = copy.deepcopy(base)
     opt_kw = {k: train_kw[k] for k in ("lr", "weight_decay", "groups") if k in train_kw}
+    opt_kw["fused"] = fused
     ref_opt, opt = make_adamw(ref, **opt_kw), make_adamw(mine, **opt_kw)
     options = dict(options or {})
     if give_optimizer:

@@ -61,8 +61,9 @@ def test_offloaded_chunks_match_eager(compiler, n_persist):
     assert timers.in_backward_steps > 0  # steps 2.. overlapped backward
     assert timers.undone_steps == 0  # ... and opt.step() committed them
     assert timers.whole_chunk_steps == timers.in_backward_steps + timers.deferred_steps  # one group: flat steps
-    if cpu_adam.available():  # and those ran the one-pass kernel (fp32 here: no separate transfer copy)
-        assert timers.one_pass_steps == timers.whole_chunk_steps
+    # on a CPU compute device protrain steps like the user's optimizer (torch's default: the for-loop), not
+    # with its one-pass kernel (the CUDA path), so that rounding matches eager's
+    assert timers.one_pass_steps == 0
 
 
 # Any n_buffer works: gathers copy their chunk out of the buffer, so two chunks in use at once (a Linear whose
@@ -228,10 +229,10 @@ def test_bf16_transfer_copies():
     """Under bf16 autocast offloaded chunks travel as bf16 (like FSDP2's param_dtype); the tolerance is
     the bf16 one from test_parity.py."""
     r = compare_with_eager(gpt(), random_batches(3, 2, 16), {"compiler": "eager", "n_persist": 1},
-                           give_optimizer=True, autocast_dtype=torch.bfloat16)
+                           give_optimizer=True, autocast_dtype=torch.bfloat16, fused=True)
     store = store_of_model(r.model)
     assert store.param_dtype == torch.bfloat16
-    if cpu_adam.available():  # the kernel wrote the bf16 copies: they equal the masters rounded
+    if cpu_adam.available():  # with fused=True the one-pass kernel steps them and writes the bf16 copies
         assert optim.handle_of(r.opt).timers.one_pass_steps > 0
     for c in store.offloaded_chunks:
         assert torch.equal(store.transfer[c], store.master[c].to(torch.bfloat16))

@@ -1,0 +1,152 @@
+"""Training-loop habits on CUDA against eager PyTorch (fp32): the paths that differ from the CPU ones
+(offloaded parameters and gradients as device views of pinned host memory, copy streams, swap copies).
+
+    python benchmarks/cuda_habits.py --out benchmarks/results/cuda_habits_h200.json
+
+Each case trains a copy of one model eagerly and one through backend="protrain" (Inductor, offloaded chunks
+and a swapped block) with the same habit, and reports the largest loss and parameter differences.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.nn.utils import clip_grad_norm_  # bound before protrain is imported, as scripts do
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from models import build  # noqa: E402
+
+LR = 1e-3
+OPTIONS = {"n_persist": 1, "chunk_size": 8 << 20, "n_swap": 1}
+
+
+def model():
+    torch.manual_seed(0)
+    return build("gpt", n_layer=4, n_embd=256, n_head=8, block_size=128, vocab_size=8192).cuda()
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 8192, (4, 128), generator=g).cuda(), torch.randint(0, 8192, (4, 128), generator=g).cuda())
+            for _ in range(n)]
+
+
+def plain(m, call, opt, data, i):
+    loss = call(*data[i])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return [loss.item()]
+
+
+def clip(m, call, opt, data, i):
+    loss = call(*data[i])
+    loss.backward()
+    norm = clip_grad_norm_(m.parameters(), 0.5)
+    opt.step()
+    opt.zero_grad()
+    return [loss.item(), norm.item()]
+
+
+def touch(m, call, opt, data, i):
+    out = plain(m, call, opt, data, i)
+    with torch.no_grad():
+        p = m.blocks[-1].mlp.fc.weight  # in an offloaded chunk
+        out.append(p.norm().item())
+        p.mul_(0.99)
+        repr(p)
+    return out
+
+
+def two_forwards(m, call, opt, data, i):
+    loss = call(*data[i]) + call(*data[(i + 1) % len(data)])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return [loss.item()]
+
+
+class Boom(Exception):
+    pass
+
+
+def exception(m, call, opt, data, i):
+    loss = call(*data[i])
+    if i == 1:
+        h = loss.register_hook(lambda g: (_ for _ in ()).throw(Boom()))
+        try:
+            loss.backward()
+        except Boom:
+            opt.zero_grad()
+            h.remove()
+            return [loss.item()]
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return [loss.item()]
+
+
+def hyper_between(m, call, opt, data, i):
+    loss = call(*data[i])
+    loss.backward()
+    for g in opt.param_groups:
+        g["lr"] = LR * (0.5 + 0.25 * i)
+    opt.step()
+    opt.zero_grad()
+    return [loss.item()]
+
+
+CASES = {"plain": plain, "clip": clip, "touch": touch, "two_forwards": two_forwards, "exception": exception,
+         "lr_between_backward_and_step": hyper_between}
+
+
+def run_case(name: str, steps: int, regional: bool = False) -> dict:
+    fn = CASES[name]
+    torch._dynamo.reset()
+    base = model()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = torch.optim.AdamW(mine.parameters(), lr=LR)
+    if regional:
+        for b in mine.blocks:
+            b.compile(backend="protrain", options={**OPTIONS, "optimizer": opt})
+        call = mine
+    else:
+        call = torch.compile(mine, backend="protrain", options={**OPTIONS, "optimizer": opt})
+    data = batches(steps + 1)
+    t0 = time.perf_counter()
+    ours, theirs = [], []
+    for i in range(steps):
+        theirs += fn(ref, ref, ref_opt, data, i)
+        ours += fn(mine, call, opt, data, i)
+    rs, ms = ref.state_dict(), mine.state_dict()
+    return {"case": name + (" (regional)" if regional else ""), "steps": steps,
+            "max_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs)),
+            "max_param_abs": max((rs[k] - ms[k]).abs().max().item() for k in rs),
+            "max_update": max((rs[k] - base.state_dict()[k]).abs().max().item() for k in rs),
+            "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args()
+    rows = []
+    for name in CASES:
+        rows.append(run_case(name, args.steps))
+        print(json.dumps(rows[-1]), flush=True)
+    rows.append(run_case("plain", args.steps, regional=True))
+    print(json.dumps(rows[-1]), flush=True)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "options": OPTIONS, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
