@@ -148,6 +148,12 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
     fixed = {k: getattr(opts, k) for k in KNOBS}
     notes = []
+    n_blocks = len(structure.blocks)
+    if (fixed["n_swap"] or 0) + (fixed["n_checkpoint"] or 0) > n_blocks:  # a graph break's piece of the model
+        n_swap = min(fixed["n_swap"] or 0, n_blocks)
+        fixed.update(n_swap=n_swap if fixed["n_swap"] is not None else None,
+                     n_checkpoint=min(fixed["n_checkpoint"], n_blocks - n_swap) if fixed["n_checkpoint"] is not None
+                     else None)
     if existing:
         store = next(iter(existing.values()))
         own = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
@@ -170,7 +176,6 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
             f"plan from the plan cache ({path}); no profiling"], path)
 
     # ---- profile under the most frugal plan
-    n_blocks = len(structure.blocks)
     param_entries = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
     default_size = fixed["chunk_size"] or choose_chunk_size(param_entries)
     frugal = dataclasses.replace(opts, chunk_size=default_size, n_persist=0, n_buffer=fixed["n_buffer"],

@@ -258,7 +258,7 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
 
 
 def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options):
-    structure = detect_blocks(gm)
+    structure = detect_blocks(gm, _traced_root(graph_inputs))
     live = [p for p in params if p is not None]
     device = live[0].device if live else None
     choice = None

@@ -62,14 +62,38 @@ class BlockStructure:
         return None
 
 
+class WholeGraphBlock(BlockStructure):
+    """The structure of a graph that is one block by itself: regional compilation
+    (``block.compile(backend="protrain")`` for every block) traces each block alone, with no container
+    around it, and every node of the graph belongs to that block."""
+
+    def __init__(self, module_class: str):
+        super().__init__("", [Block(0, "", module_class)])
+
+    def block_of_path(self, path: str) -> Block | None:
+        return self.blocks[0]
+
+    def block_of_node(self, node: fx.Node) -> Block | None:
+        return self.blocks[0]
+
+
 def _class_name(cls) -> str:
     if isinstance(cls, type):
         return f"{cls.__module__}.{cls.__qualname__}"
     return str(cls)
 
 
-def detect_blocks(gm: fx.GraphModule) -> BlockStructure:
-    """Find the repeated blocks of the forward graph ``gm`` (a dynamo graph or a joint graph)."""
+def detect_blocks(gm: fx.GraphModule, root=None) -> BlockStructure:
+    """Find the repeated blocks of the forward graph ``gm`` (a dynamo graph or a joint graph). ``root``: the
+    module dynamo traced, when known; a module compiled on its own (``module.compile()``: regional
+    compilation) whose graph holds no repeated children is one block (:class:`WholeGraphBlock`)."""
+    found = _detect(gm)
+    if not found.blocks and root is not None and getattr(root, "_compiled_call_impl", None) is not None:
+        return WholeGraphBlock(_class_name(type(root)))
+    return found
+
+
+def _detect(gm: fx.GraphModule) -> BlockStructure:
     # container -> child index -> class; container -> number of forward nodes under its children
     children: dict[str, dict[int, str]] = defaultdict(dict)
     coverage: dict[str, int] = defaultdict(int)

@@ -923,3 +923,14 @@ def test_20_10_host_memory_error_never_negative(monkeypatch):
     units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
     sizes = [float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?) ([KMGT]iB|B)\b", text)]
     assert len(sizes) >= 2 and sizes[1] > sizes[0], f"needs no more than it has? {text}"
+
+
+@pytest.mark.parametrize("policy", ["n_swap", "n_checkpoint"])
+def test_19_1_regional_compilation_with_block_policies(policy):
+    """A block compiled on its own is one block: swap or recompute apply to it (every block's graph), with
+    offloaded chunks, exactly."""
+    base = gpt()
+    p = parity(base, offload(base, **{policy: 1}), compile_fn=regional("blocks"))
+    p.check()
+    plan = protrain_fx.get_plan(p.mine.blocks[0])
+    assert [b.policy for b in plan.blocks] == ["swap" if policy == "n_swap" else "recompute"]
