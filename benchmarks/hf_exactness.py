@@ -26,6 +26,14 @@ import time
 SCENARIOS = {
     "llama3.2-3b": dict(hidden=3072, layers=28, heads=24, kv=8, ffn=8192, vocab=128256, batch=4, seq=1024, steps=20,
                         cap_gib=24, options={}),
+    # the automatic plan of an earlier version for this case, which trained with NaN losses from step 1
+    "llama3.2-3b-swap25": dict(hidden=3072, layers=28, heads=24, kv=8, ffn=8192, vocab=128256, batch=4, seq=1024,
+                               steps=20, cap_gib=24, options={"n_swap": 25, "n_checkpoint": 3}),
+    # the same plan given in full (PROTRAIN_AUTOPLAN=0 skips the profiling compile)
+    "llama3.2-3b-swap25-given": dict(hidden=3072, layers=28, heads=24, kv=8, ffn=8192, vocab=128256, batch=4,
+                                     seq=1024, steps=20, cap_gib=24,
+                                     options={"chunk_size": 1612947456, "n_persist": 2, "n_buffer": 1, "n_swap": 25,
+                                              "n_checkpoint": 3}),
     "swap-many": dict(hidden=1024, layers=12, heads=16, kv=4, ffn=2816, vocab=32000, batch=4, seq=512, steps=10,
                       cap_gib=None, options={"n_persist": 0, "n_swap": 10, "n_checkpoint": 0}),
 }
@@ -49,7 +57,9 @@ def build(sc: dict):
 def run_one(name: str, system: str, alloc: str) -> dict:
     import torch
 
-    sc = SCENARIOS[name]
+    sc = dict(SCENARIOS[name])
+    if os.environ.get("HF_EXACTNESS_STEPS"):
+        sc["steps"] = int(os.environ["HF_EXACTNESS_STEPS"])
     dev = torch.device("cuda")
     if system == "protrain" and sc["cap_gib"]:
         torch.cuda.set_per_process_memory_fraction(sc["cap_gib"] * 2**30 / torch.cuda.get_device_properties(dev).total_memory)

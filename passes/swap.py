@@ -4,10 +4,10 @@ and backward.
 ``swap_offload`` (forward graph): every floating-point tensor the forward saves for backward that a swap
 block produced (on the compute device; a host scalar saved beside CUDA work stays) gets ``protrain::offload``
 right after its producer: a device-to-host copy into new host memory of its own (each call of the graph its
-own, protrain_fx/swap_pool.py), started as soon as the value exists. The forward returns the host copy
-instead. Before block b+2's forward begins (or at the graph's end), ``protrain::offload_wait`` takes block
-b's sources and host copies: the compute stream waits for those copies, and the sources stay alive until
-then, so Inductor cannot reuse their memory while a copy still reads it; their memory is freed after it.
+own), started as soon as the value exists, from a device copy that the runtime owns (protrain_fx/swap_pool.py
+says why). The forward returns the host copy instead. Before block b+2's forward begins (or at the graph's
+end), ``protrain::offload_wait`` makes the compute stream wait for block b's copies, which bounds how far
+they lag behind the compute.
 
 ``swap_reload`` (backward graph): each of those inputs gets ``protrain::reload_take`` right before its
 first use and ``protrain::reload_start`` one block earlier: before the backward of the next block (block
@@ -77,7 +77,7 @@ def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for block, pairs in sorted(by_block.items()):
         where = _wait_point(gm, block, max((h for _, h in pairs), key=pos.__getitem__))
         with gm.graph.inserting_before(where):
-            wait = call(gm, ops.OFFLOAD_WAIT, ([h for _, h in pairs], [x for x, _ in pairs], []))
+            wait = call(gm, ops.OFFLOAD_WAIT, ([h for _, h in pairs], [], compute))
         wait.meta[META_KEY] = NodeAnnotation("forward", "block", block, plan.blocks[block].name)
     return gm
 

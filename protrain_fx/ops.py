@@ -19,9 +19,9 @@ not see it).
 * ``chunk_grad(grads, params, tokens) -> token``: the gradients of ``params`` (parameters of one offloaded
   chunk): pack, copy to the host, accumulate, maybe step (:meth:`protrain_fx.chunks.ChunkStore.grad_ready`).
 * ``offload(x, tokens) -> host``: device-to-host copy of a swap block's saved activation into new (pinned)
-  host memory, started when ``x`` exists; forward returns ``host`` instead of ``x``.
-* ``offload_wait(hosts, sources, tokens) -> token``: the compute stream waits for those copies. It keeps the
-  sources alive until then: Inductor may not give their memory to later kernels while a copy reads it.
+  host memory, started when ``x`` exists, from a copy of ``x`` of protrain's own (protrain_fx/swap_pool.py);
+  forward returns ``host`` instead of ``x``.
+* ``offload_wait(hosts, tokens, device) -> token``: the compute stream waits for those copies.
 * ``reload_start(host, tokens, device) -> token`` / ``reload_take(host, tokens, device) -> x``: copy it back
   one block ahead of use, and hand it to backward once the copy is done.
 * ``resident_grads(grads, tokens, store, chunk, members) -> token``: data parallel only: start averaging a
@@ -103,15 +103,14 @@ def _(x, tokens):
 
 
 @custom_op("protrain::offload_wait", mutates_args=())
-def offload_wait(hosts: List[torch.Tensor], sources: List[torch.Tensor], tokens: List[torch.Tensor]) -> torch.Tensor:
-    device = sources[0].device
-    swap_pool.swapper(device).offload_wait(hosts, sources)
+def offload_wait(hosts: List[torch.Tensor], tokens: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    swap_pool.swapper(device).offload_wait(hosts)
     return _token(device)
 
 
 @offload_wait.register_fake
-def _(hosts, sources, tokens):
-    return torch.empty(0, device=sources[0].device)
+def _(hosts, tokens, device):
+    return torch.empty(0, device=device)
 
 
 @custom_op("protrain::reload_start", mutates_args=())
@@ -174,7 +173,7 @@ TOKEN_OPS = (PREFETCH, CHUNK_GRAD, RESIDENT_GRADS, RESIDENT_GRADS_WAIT, RELOAD_S
 ALL_OPS = (GATHER, *TOKEN_OPS)
 # where each op keeps its token list (argument index)
 TOKEN_ARG = {GATHER: 0, PREFETCH: 0, CHUNK_GRAD: 2, RESIDENT_GRADS: 1, RESIDENT_GRADS_WAIT: 0,
-             RELOAD_START: 1, RELOAD_TAKE: 1, OFFLOAD: 1, OFFLOAD_WAIT: 2}
+             RELOAD_START: 1, RELOAD_TAKE: 1, OFFLOAD: 1, OFFLOAD_WAIT: 1}
 
 for _target in TOKEN_OPS:
     torch.fx.node.has_side_effect(_target)
@@ -192,7 +191,7 @@ def fake_value(target, args):
     if target is CHUNK_GRAD:
         return torch.empty(0, device=args[1][0].meta["val"].device)
     if target is OFFLOAD_WAIT:
-        return torch.empty(0, device=args[1][0].meta["val"].device)
+        return torch.empty(0, device=args[2])
     if target is RELOAD_START:
         return torch.empty(0, device=args[2])
     if target is RESIDENT_GRADS_WAIT:

@@ -6,15 +6,20 @@ that used it are done), so two forwards before one backward, or one block graph 
 never overwrite each other. The host tensor is what forward saves for backward; its data pointer names the
 copy in flight. On CUDA the copies run on the device's copy streams (protrain_fx/chunk_buffers.py):
 
-* ``offload(x)``: once the compute stream has produced ``x``, copy it to the host on the device-to-host
-  stream; ``offload_wait`` later makes the compute stream wait for the copy, and until then the graph keeps
-  ``x`` alive, so Inductor cannot hand its memory to a later kernel while the copy still reads it;
+* ``offload(x)``: copy ``x`` on the compute stream into device memory of protrain's own (a fast on-device
+  copy), then from there to the host on the device-to-host stream. The copy must not read memory that
+  Inductor owns: Inductor gives a buffer to later kernels once its last reader has been *called*, and it may
+  hand the op a private copy of ``x`` made only for it (on CUDA, where its buffers have padded strides and
+  the op wants eager's), which no later op keeps alive; an H200 run read such reused memory and trained
+  with NaN losses. The staged copy is released to torch's allocator only once the transfer is done
+  (``record_stream``). ``offload_wait`` later makes the compute stream wait for the copies of a block (two
+  blocks on), which bounds how far they may lag;
 * ``reload_start(host)``: one block ahead of use, copy it into a new device tensor on the host-to-device
   stream; ``reload_take(host)`` makes the compute stream wait for that copy and returns the tensor.
 
 On a CPU compute device the copies are real and synchronous. ``PROTRAIN_DEBUG_DEFER_OFFLOAD=1`` makes them
 as late as a CUDA copy could be: each offload copies only at its ``offload_wait``, so a graph that let a
-source's memory be reused too early computes wrong gradients on the CPU as it would on the GPU.
+copy read memory it does not own computes wrong gradients on the CPU as it would on the GPU.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from . import hardware
 from .chunk_buffers import streams_of
 
 DEFER = os.environ.get("PROTRAIN_DEBUG_DEFER_OFFLOAD") == "1"
+# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device after every copy (no overlap, no race)
+SYNC = os.environ.get("PROTRAIN_DEBUG_SYNC") == "1"
 
 
 class Swapper:
@@ -43,22 +50,28 @@ class Swapper:
         host = hardware.cached_host_empty(x.shape, x.dtype, pin=self.is_cuda)
         self.stats["offloaded_bytes"] += host.numel() * host.element_size()
         if not self.is_cuda:
-            if DEFER:
-                self._offloading[host.data_ptr()] = (host, x)
+            if DEFER:  # a late copy must read memory of its own, as on the GPU
+                self._offloading[host.data_ptr()] = (host, x.clone(memory_format=torch.contiguous_format))
             else:
                 host.copy_(x)
             return host
+        compute = torch.cuda.current_stream(self.device)
+        staged = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        staged.copy_(x)  # on the compute stream, right behind x's producer
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
+        ready.record(compute)
         with torch.cuda.stream(self.streams.d2h):
             self.streams.d2h.wait_event(ready)
-            host.copy_(x, non_blocking=True)
+            host.copy_(staged, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.streams.d2h)
+        staged.record_stream(self.streams.d2h)  # freed now, reused only after the transfer
         self._offloading[host.data_ptr()] = (done,)
+        if SYNC:
+            torch.cuda.synchronize(self.device)
         return host
 
-    def offload_wait(self, hosts: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    def offload_wait(self, hosts: list[torch.Tensor]) -> None:
         compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
         for host in hosts:
             item = self._offloading.pop(host.data_ptr(), None)
@@ -90,6 +103,8 @@ class Swapper:
             done.record(self.streams.h2d)
         out.record_stream(self.streams.h2d)
         self._reloading[host.data_ptr()] = (out, done)
+        if SYNC:
+            torch.cuda.synchronize(self.device)
 
     def reload_take(self, host: torch.Tensor) -> torch.Tensor:
         item = self._reloading.pop(host.data_ptr(), None)
