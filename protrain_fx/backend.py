@@ -273,10 +273,38 @@ def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options):
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
     plan = make_plan(_graph_name(), graph_inputs, structure, opts)
+    if choice is None:  # the automatic plan checked the host's memory; knobs given by hand are checked here
+        _check_host_memory(plan, opts, params, device)
     plan.n_buffer_searched = choice is not None and searched_n_buffer
     register_plan(plan, live, options)
     compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
     return compiled, plan, device, choice
+
+
+def _check_host_memory(plan: Plan, opts: Options, params: list, device) -> None:
+    """Before anything is allocated: the host memory that offloading the chunks of parameters without a store
+    yet needs (master, gradient, two moments, the transfer copy) fits what the host has, less a reserve."""
+    from . import hardware
+    from .chunks import store_of
+    from .options import format_bytes
+    from .search import NoPlanFits
+
+    live = [p for p in params if p is not None]
+    if opts.n_persist is None or not live or any(store_of(p) is not None for p in live):
+        return
+    layout, elem = plan.layout, live[0].element_size()
+    offloaded = sum(layout.used_bytes(c) for c in range(min(opts.n_persist, layout.n_chunks), layout.n_chunks))
+    transfer = opts.param_dtype.itemsize if opts.param_dtype is not None else elem
+    per_param_bytes = 4 * elem + (transfer if transfer != elem else 0)
+    need = offloaded // elem * per_param_bytes
+    _, _, available, total = hardware.current_memory(device)
+    reserve = max(2 << 30, int(0.05 * total))
+    if need > available - reserve:
+        raise NoPlanFits(
+            f"protrain: n_persist={opts.n_persist} offloads {format_bytes(offloaded)} of parameters, which need "
+            f"{format_bytes(need)} of host memory (master, gradient, two Adam moments, transfer copy); the host has "
+            f"{format_bytes(available)} available and protrain keeps a {format_bytes(reserve)} reserve: keep more "
+            "chunks resident (a larger n_persist) or free host memory", min_host_bytes=need + reserve)
 
 
 def _after_resident_grads(compiled):

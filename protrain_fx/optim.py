@@ -143,7 +143,13 @@ class HybridOptimizer:
         self._orig_zero_grad = weakref.WeakMethod(opt.zero_grad)  # nothing of protrain's may hold the optimizer
         opt.zero_grad = types.MethodType(_zero_grad, opt)  # instance attributes: the class stays untouched
         prev_step = opt.step
-        opt.step = types.MethodType(lambda o, closure=None: _step(o, prev_step, closure), opt)
+
+        def step(o, closure=None):
+            return _step(o, prev_step, closure)
+
+        if getattr(prev_step, "_wrapped_by_lr_sched", False):  # an LR scheduler's counter stays visible to it
+            step._wrapped_by_lr_sched = True
+        opt.step = types.MethodType(step, opt)
         opt.register_step_pre_hook(lambda o, args, kwargs: handle_of(o)._before_step())
         opt.register_step_post_hook(lambda o, args, kwargs: handle_of(o)._after_step())
         opt.register_state_dict_post_hook(lambda o, sd: handle_of(o)._state_dict_post(sd))

@@ -209,8 +209,11 @@ def breaking_gpt(n_layer=2):
 
 
 @pytest.mark.parametrize("placement", ["offloaded", "resident"])
-def test_19_1_regional_compilation_gpt(placement):
-    base = gpt(n_layer=3)
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_19_1_regional_compilation_gpt(placement, kind):
+    torch.manual_seed(0)
+    base = gpt(n_layer=3) if kind == "gpt" else build("llama", n_layer=3, dim=32, n_head=2, n_kv_head=1, ffn_dim=64,
+                                                      max_seq_len=32)
     opts = offload(base) if placement == "offloaded" else resident()
     p = parity(base, opts, compile_fn=regional("blocks")).check()
     if placement == "offloaded":
@@ -934,3 +937,18 @@ def test_19_1_regional_compilation_with_block_policies(policy):
     p.check()
     plan = protrain_fx.get_plan(p.mine.blocks[0])
     assert [b.policy for b in plan.blocks] == ["swap" if policy == "n_swap" else "recompute"]
+
+
+def test_20_10_manual_knobs_that_cannot_fit_the_host_fail_before_allocating(monkeypatch):
+    """n_persist given by hand (no automatic plan runs on the CPU without a budget): the host-memory check
+    runs anyway, and the model is left as it was."""
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "64MiB")
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = torch.compile(model, backend="protrain", options=offload(model))
+    with pytest.raises(Exception) as err:
+        compiled(*gpt_data(1)[0])
+    pe = protrain_error_of(err.value)
+    assert pe is not None and "need" in str(pe) and "of host memory" in str(pe), err.value
+    assert not re.search(r"(?<![\w.])-\s*\d", str(pe))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
