@@ -55,7 +55,9 @@ def device_view(host: torch.Tensor, offset: int, shape, device: torch.device) ->
         raw.owner = host
         return torch.frombuffer(raw, dtype=host.dtype).view(shape)
     if device.type != "cuda":
-        raise NotImplementedError(f"protrain cannot map host memory into {device.type} devices")
+        from .options import ProtrainError
+
+        raise ProtrainError(f"protrain offloads to the host from CUDA or CPU devices only, not {device.type}")
     raw = torch.as_tensor(_CudaInterface(host, offset * elem, nbytes), device=device)
     return raw.view(host.dtype).view(shape)
 

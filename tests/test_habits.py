@@ -303,25 +303,44 @@ def test_19_3_reading_an_offloaded_parameter(capsys):
     assert p.ref.ln_f.weight.abs().max().item() != 1.0  # the step moved it away from its init
 
 
-def in_place_writes(call, module, opts, data):
-    losses = []
-    for i, (x, y) in enumerate(data):
-        loss = call(x, y)
-        loss.backward()
-        losses.append(loss.item())
-        opts[0].step()
-        opts[0].zero_grad()
-        with torch.no_grad():
-            if i == 0:
-                for p in module.blocks[0].parameters():
-                    p.clamp_(-0.05, 0.05)
-            if i == 1:
-                for p in module.parameters():  # EMA-style shrink
-                    p.mul_(0.9)
-                torch.nn.init.zeros_(module.blocks[1].mlp.out.weight)
-            if i == 2:
-                module.ln_f.weight.fill_(0.5)
-    return losses
+def loop_with(before_step=None, after_step=None, zero_grad=lambda o: o.zero_grad(), step=lambda o, c: o.step(),
+              end=None):
+    """A training loop with hooks: ``before_step(opt, i)`` between backward and opt.step(), ``step(opt,
+    closure)`` instead of opt.step(), ``after_step(opt, i)`` after it, ``end(module, opt, i)`` after
+    zero_grad."""
+    def habit(call, module, opts, data):
+        opt, losses = opts[0], []
+        for i, (x, y) in enumerate(data):
+            loss = call(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            if before_step:
+                before_step(opt, i)
+            step(opt, None)
+            if after_step:
+                after_step(opt, i)
+            zero_grad(opt)
+            if end:
+                end(module, opt, i)
+        return losses
+
+    return habit
+
+
+def write_in_place(module, opt, i):
+    with torch.no_grad():
+        if i == 0:
+            for p in module.blocks[0].parameters():
+                p.clamp_(-0.05, 0.05)
+        if i == 1:
+            for p in module.parameters():  # EMA-style shrink
+                p.mul_(0.9)
+            torch.nn.init.zeros_(module.blocks[1].mlp.out.weight)
+        if i == 2:
+            module.ln_f.weight.fill_(0.5)
+
+
+in_place_writes = loop_with(end=write_in_place)
 
 
 @isolated  # today: segfault
@@ -500,21 +519,16 @@ def test_20_2_second_optimizer_sgd_offloaded():
     assert moved > 1e-3, "the SGD's parameters never moved"
 
 
-def add_group_after_first_step(call, module, opts, data):
+def add_mlp_group(module, opt, i):
     """The optimizer starts without the blocks' MLPs; they join as a new param group after step 1."""
-    losses = []
-    for i, (x, y) in enumerate(data):
-        loss = call(x, y)
-        loss.backward()
-        losses.append(loss.item())
-        opts[0].step()
-        opts[0].zero_grad()
-        if i == 0:
-            mlp = [p for b in module.blocks for p in b.mlp.parameters()]
-            for p in mlp:
-                p.grad = None  # the first backward gave them gradients nobody stepped
-            opts[0].add_param_group({"params": mlp, "lr": 2e-2, "weight_decay": 0.0})
-    return losses
+    if i == 0:
+        mlp = [p for b in module.blocks for p in b.mlp.parameters()]
+        for p in mlp:
+            p.grad = None  # the first backward gave them gradients nobody stepped
+        opt.add_param_group({"params": mlp, "lr": 2e-2, "weight_decay": 0.0})
+
+
+add_group_after_first_step = loop_with(end=add_mlp_group)
 
 
 def without_mlps(model):
@@ -531,26 +545,6 @@ def test_20_2_add_param_group_after_first_compiled_step():
 
 
 # -------------------------------------------------------------- 20.3 hyperparameters and step variants
-def loop_with(before_step=None, after_step=None, zero_grad=lambda o: o.zero_grad(), step=lambda o, c: o.step()):
-    """A training loop with hooks: ``before_step(opt, i)`` between backward and opt.step(), ``step(opt,
-    closure)`` instead of opt.step(), ``after_step(opt, i)`` after it."""
-    def habit(call, module, opts, data):
-        opt, losses = opts[0], []
-        for i, (x, y) in enumerate(data):
-            loss = call(x, y)
-            loss.backward()
-            losses.append(loss.item())
-            if before_step:
-                before_step(opt, i)
-            step(opt, None)
-            if after_step:
-                after_step(opt, i)
-            zero_grad(opt)
-        return losses
-
-    return habit
-
-
 def change_hyperparameters(opt, i):
     if i in (1, 2):  # steps 2 and 3, between backward and opt.step()
         for g in opt.param_groups:
