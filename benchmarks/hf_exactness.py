@@ -5,8 +5,10 @@ protrain under a device cap and with plain torch.compile uncapped, on the same i
 per run, and compares the losses step by step. Scenarios:
 
 * ``llama3.2-3b``: Llama-3.2-3B's shape (hidden 3072, 28 layers, 24/8 heads, FFN 8192, vocab 128256, tied
-  embeddings), batch 4 x 1024, 20 steps, protrain's automatic plan at 24 GiB, with the default CUDA
-  allocator and with expandable segments;
+  embeddings), batch 4 x 1024, 20 steps, protrain's automatic plan at 24 GiB, under each allocator setting of
+  ``--allocs``;
+* ``llama3.2-1b``: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32/8 heads, FFN 8192, tied 128k vocabulary)
+  at 16 GiB, likewise;
 * ``swap-many``: a 12-layer, width-1024 Llama with every chunk offloaded and 10 of 12 blocks swapped
   (forced), batch 4 x 512, 10 steps: the swap path under load.
 
@@ -34,6 +36,8 @@ SCENARIOS = {
                                      seq=1024, steps=20, cap_gib=24,
                                      options={"chunk_size": 1612947456, "n_persist": 2, "n_buffer": 1, "n_swap": 25,
                                               "n_checkpoint": 3}),
+    "llama3.2-1b": dict(hidden=2048, layers=16, heads=32, kv=8, ffn=8192, vocab=128256, batch=4, seq=1024, steps=20,
+                        cap_gib=16, options={}),
     "swap-many": dict(hidden=1024, layers=12, heads=16, kv=4, ffn=2816, vocab=32000, batch=4, seq=512, steps=10,
                       cap_gib=None, options={"n_persist": 0, "n_swap": 10, "n_checkpoint": 0}),
 }
@@ -67,6 +71,10 @@ def run_one(name: str, system: str, alloc: str) -> dict:
     model = build(sc)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if system == "protrain":
+        import protrain_fx.backend
+
+        if "protrain" not in torch._dynamo.list_backends(exclude_tags=()):  # not pip-installed: no entry point
+            torch._dynamo.register_backend(protrain_fx.backend.protrain_backend, name="protrain")
         compiled = torch.compile(model, backend="protrain", options={"optimizer": opt, **sc["options"]})
     else:
         compiled = torch.compile(model)
@@ -85,7 +93,8 @@ def run_one(name: str, system: str, alloc: str) -> dict:
             first = time.perf_counter() - t0
     row = {"scenario": name, "system": system, "alloc": alloc, "losses": losses, "first_step_s": first,
            "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30,
-           "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
+           "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+           "expandable_segments_seen": any(seg.get("is_expandable") for seg in torch.cuda.memory_snapshot())}
     if system == "protrain":
         import protrain_fx
 
@@ -94,6 +103,11 @@ def run_one(name: str, system: str, alloc: str) -> dict:
         row["plan"] = {k: d[k] for k in ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")}
         row["plan"]["chunks"] = len(d["chunks"])
         row["summary"] = plan.summary()
+        pred, meas = plan.predicted or {}, plan.measured or {}
+        row["predicted_peak_reserved_gib"] = pred.get("peak_bytes", 0) / 2**30 or None
+        row["predicted_peak_allocated_gib"] = pred.get("peak_allocated_bytes", 0) / 2**30 or None
+        row["predicted_step_s"], row["measured_step_s"] = pred.get("iter_s"), meas.get("iter_s")
+        row["allocator"] = pred.get("allocator")
     return row
 
 
@@ -105,6 +119,10 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", help="join the rows of earlier OUT.json files into OUT")
     ap.add_argument("--run", nargs=3, metavar=("SCENARIO", "SYSTEM", "ALLOC"))
     ap.add_argument("--result")
+    ap.add_argument("--allocs", default="default,expandable_segments",
+                    help="allocator settings for capped protrain runs: default (unset: protrain turns expandable "
+                         "segments on), expandable_segments (set by the user), fixed_segments (the user turns "
+                         "them off)")
     args = ap.parse_args()
     if args.run:
         row = run_one(*args.run)
@@ -118,9 +136,11 @@ def main() -> None:
                 rows += json.load(f)["rows"]
     only = {tuple(x.split(":")) for x in args.only.split(",") if x}
     for name in ([] if args.merge else args.scenarios.split(",")):
-        runs = [("compile", "default"), ("protrain", "default")]
+        runs = [("compile", "default")]
         if SCENARIOS[name]["cap_gib"]:
-            runs.append(("protrain", "expandable_segments"))
+            runs += [("protrain", a) for a in args.allocs.split(",")]
+        else:
+            runs.append(("protrain", "default"))
         for system, alloc in runs:
             if only and (system, alloc) not in only:
                 continue
@@ -128,6 +148,8 @@ def main() -> None:
             env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             if alloc == "expandable_segments":
                 env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+            elif alloc == "fixed_segments":
+                env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"
             result = f"{args.out}.{name}.{system}.{alloc}.tmp.json"
             t0 = time.perf_counter()
             p = subprocess.run([sys.executable, __file__, "--run", name, system, alloc, "--result", result,
@@ -164,8 +186,12 @@ def table(out: dict) -> str:
     lines = [f"# Hugging Face Llama exactness ({out['device']}, torch {out['torch']}, {out['date']})", "",
              f"Losses against torch.compile uncapped on the same init and data; tolerance {out['tolerance_rel']:.4f} "
              "relative per step (bf16).", "",
+             "Allocator `default`: PYTORCH_CUDA_ALLOC_CONF unset (protrain turns expandable segments on itself); "
+             "`expandable_segments`: set by the user; `fixed_segments`: the user turns them off (protrain then budgets "
+             "reserved memory at 1.25x allocated). Peaks: predicted / measured.", "",
              "| scenario | system | allocator | steps | first loss | last loss | max rel vs compile | first step s | "
-             "peak reserved GiB | plan | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak reserved GiB | peak allocated GiB | step s | plan | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["rows"]:
         ls = r.get("losses") or []
         plan = r.get("plan")
@@ -174,9 +200,16 @@ def table(out: dict) -> str:
         err = (r.get("error") or "").strip().splitlines()[-1:] or [""]
         first, last = (f"{ls[0]:.4f}", f"{ls[-1]:.4f}") if ls else ("-", "-")
         rel = r.get("max_loss_rel_vs_compile")
+        def pair(pred, meas, fmt="{:.2f}"):
+            a, b = r.get(pred), r.get(meas)
+            return " / ".join("-" if v is None else fmt.format(v) for v in (a, b)) if a is not None else (
+                "-" if b is None else fmt.format(b))
+
         lines.append(f"| {r['scenario']} | {r['system']} | {r['alloc']} | {len(ls)} | {first} | {last} | "
                      f"{'-' if rel is None else f'{rel:.2e}'} | {r.get('first_step_s') or float('nan'):.0f} | "
-                     f"{r.get('peak_reserved_gib', float('nan')):.1f} | {plan_s} | {err[0][:120]} |")
+                     f"{pair('predicted_peak_reserved_gib', 'peak_reserved_gib')} | "
+                     f"{pair('predicted_peak_allocated_gib', 'peak_allocated_gib')} | "
+                     f"{pair('predicted_step_s', 'measured_step_s', '{:.3f}')} | {plan_s} | {err[0][:120]} |")
     return "\n".join(lines) + "\n"
 
 

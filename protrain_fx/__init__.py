@@ -5,13 +5,12 @@
 
 Importing this package is optional: the ``torch_dynamo_backends`` entry point registers the backend.
 """
+from ._version import __version__
 from .memory_plot import plot_memory
 from .optim import set_grad_accumulation
 from .options import Options, OptionsError, ProtrainError, parse_bytes
 from .param_values import host_init
 from .plan import BlockPlan, ChunkPlan, Plan, get_plan
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BlockPlan",

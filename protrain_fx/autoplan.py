@@ -3,7 +3,10 @@
 For a new training graph (on a CUDA device, or wherever a ``memory_budget`` is given) :func:`choose`:
 
 1. looks the graph up in the plan cache (keyed by the graph's code and input shapes, the options, the
-   hardware profile and the budget): a hit skips profiling;
+   hardware profile, the allocator's settings, the budget's 64 MiB bin and torch's, protrain's and the cost
+   model's versions): a hit skips profiling, unless the cached plan ran out of memory or gave a non-finite
+   loss (never served again: the new search keeps its predictions under 90% of the failed plan's peak) or
+   its predicted peak exceeds the budget asked for now;
 2. otherwise compiles the graph under the most frugal plan (every chunk offloaded, every block recomputed),
    runs one profiled step on the real inputs (protrain_fx/profiler.py; nothing it does reaches training),
    and gives the parameters back (the chosen plan places them afresh);
@@ -30,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import distributed, hardware
+from . import allocator, distributed, hardware
+from ._version import __version__
 from .chunk_layout import choose_chunk_size, pack
 from .chunks import store_of
 from .cost_model import Hardware, LayoutCosts
@@ -51,6 +55,7 @@ class Choice:
     predicted: dict
     notes: list[str] = field(default_factory=list)
     cache_path: str | None = None
+    failed_peaks: list[int] = field(default_factory=list)  # of earlier plans of this graph that ran out of memory
 
 
 def wanted(opts: Options, params: list, device: torch.device | None) -> bool:
@@ -90,13 +95,13 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
                     f"{format_bytes(others)} allocated by others and a {format_bytes(reserve_bytes(limit))} reserve")
 
 
-def _cache_key(gm, example_inputs, opts: Options, hw_key: str, budget: int) -> str:
+def _cache_key(gm, example_inputs, opts: Options, hw_key: str, budget: int, allocator_key: str) -> str:
     shapes = [(tuple(t.shape), str(t.dtype), tuple(t.stride())) if isinstance(t, torch.Tensor) else repr(t)
               for t in example_inputs]
     given = {k: getattr(opts, k) for k in KNOBS}
     autocast = {d: str(torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)}
-    blob = json.dumps([COST_MODEL_VERSION, torch.__version__, gm.code, shapes, given, hw_key, budget >> 26,
-                       distributed.world().size,
+    blob = json.dumps([COST_MODEL_VERSION, __version__, torch.__version__, allocator_key, gm.code, shapes, given,
+                       hw_key, budget >> 26, distributed.world().size,
                        str(opts.param_dtype), autocast, opts.optimizer is not None], default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -105,7 +110,7 @@ def cache_path(key: str) -> str:
     return os.path.join(hardware.cache_root(), "plans", f"{key}.json")
 
 
-def _load(path: str) -> dict | None:
+def _read(path: str) -> dict | None:
     if os.environ.get("PROTRAIN_PLAN_CACHE", "1") == "0":
         return None
     try:
@@ -116,8 +121,31 @@ def _load(path: str) -> dict | None:
         return None
 
 
+# a plan that ran out of memory (or its cache entry's record of one) makes the next search keep its
+# predictions under this share of the failed plan's predicted peak
+FAILED_PEAK_MARGIN = 0.9
+
+
+def _usable(entry: dict | None, budget: int) -> tuple[dict | None, list[int], str | None]:
+    """``(entry to serve or None, predicted peaks of plans that failed, why the entry is not served)``. A
+    plan that ran out of memory or gave a non-finite loss is never served again; nor one whose predicted peak
+    exceeds the budget asked for now."""
+    if entry is None:
+        return None, [], None
+    failed = [int(x) for x in entry.get("failed_peaks", [])]
+    outcome = (entry.get("outcome") or {}).get("status")
+    if outcome in ("oom", "nonfinite"):
+        what = "ran out of device memory" if outcome == "oom" else "gave a non-finite loss"
+        return None, failed, f"the cached plan for this graph {what} before: not served again; planned anew"
+    peak = (entry.get("predicted") or {}).get("peak_bytes")
+    if peak is None or peak > budget:
+        return None, failed, (f"the cached plan needs {format_bytes(peak)}, more than the budget "
+                              f"({format_bytes(budget)}): planned anew")
+    return entry, failed, None
+
+
 def save_entry(path: str, entry: dict) -> None:
-    """Write a plan cache entry (plan.json: knobs, predicted and measured), atomically."""
+    """Write a plan cache entry (plan.json: knobs, predicted and measured, outcome), atomically."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -128,21 +156,33 @@ def save_entry(path: str, entry: dict) -> None:
         log.warning("protrain: could not write the plan cache entry %s: %s", path, e)
 
 
-def cache_entry(graph: str, knobs: dict, predicted: dict, measured: dict | None, chunks: list | None = None) -> dict:
-    """plan.json: the knobs, predicted and measured time and peak (and the chunk table once compiled)."""
+def cache_entry(graph: str, knobs: dict, predicted: dict, measured: dict | None, chunks: list | None = None,
+                failed_peaks: list | None = None, outcome: dict | None = None) -> dict:
+    """plan.json: the knobs, predicted and measured time and peak (and the chunk table once compiled), the
+    predicted peaks of earlier plans for this graph that ran out of memory, and this plan's outcome (None
+    while it trains fine; ``{"status": "oom" | "nonfinite", "detail": ...}`` once it did not)."""
     return {"version": COST_MODEL_VERSION, "graph": graph, "knobs": knobs, "predicted": predicted,
-            "measured": measured, "chunks": chunks}
+            "measured": measured, "chunks": chunks, "failed_peaks": list(failed_peaks or []), "outcome": outcome}
 
 
-def save_plan(path: str, plan) -> None:
-    """Rewrite a cache entry from a compiled plan (its measured side filled by the step meter)."""
+def save_plan(path: str, plan, outcome: dict | None = None) -> None:
+    """Rewrite a cache entry from a compiled plan (its measured side filled by the step meter). An outcome
+    once recorded stays; one that ran out of memory adds its predicted peak to ``failed_peaks``."""
+    old = _read(path) or {}
+    failed = list(old.get("failed_peaks", []))
+    outcome = outcome or old.get("outcome")
+    peak = (plan.predicted or {}).get("peak_bytes")
+    if outcome and outcome.get("status") == "oom" and peak is not None and peak not in failed:
+        failed.append(peak)
     save_entry(path, cache_entry(plan.graph_name, {k: getattr(plan, k) for k in KNOBS}, plan.predicted,
-                                 plan.measured, [c.to_dict() for c in plan.chunks]))
+                                 plan.measured, [c.to_dict() for c in plan.chunks], failed, outcome))
 
 
-def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Options, compile_profiling) -> Choice:
+def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Options, compile_profiling,
+           failed_peaks: tuple[int, ...] = ()) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy of the
-    graph under the profiling plan with the given options."""
+    graph under the profiling plan with the given options. ``failed_peaks``: predicted peaks of plans of this
+    graph that ran out of memory in this process (the plan cache remembers those of earlier runs)."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
@@ -164,16 +204,27 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     if all_resident:
         notes.append("no optimizer in the options, so every chunk stays resident (pass options={'optimizer': "
                      "opt} to let the plan offload chunks)")
+    alloc = allocator.prepare(device)  # before anything of the plan is allocated
     budget, budget_why = device_budget(opts, device, params)
     hw_profile = hardware.hardware_profile(device)
-    key = _cache_key(gm, example_inputs, opts, hw_profile.key, budget)
+    key = _cache_key(gm, example_inputs, opts, hw_profile.key, budget, alloc.key)
     path = cache_path(key)
-    cached = distributed.broadcast_object(_load(path))  # rank 0's cache decides for every rank
-    if cached is not None:
+    # rank 0's cache decides for every rank
+    cached, failed, refused = distributed.broadcast_object(_usable(_read(path), budget))
+    if refused:
+        notes.append(refused)
+    failed = sorted(set(failed) | set(failed_peaks))
+    if cached is not None and not failed_peaks:
         knobs = cached["knobs"]
         predicted = dict(cached["predicted"], from_cache=True)
         return Choice(dataclasses.replace(opts, **{k: knobs[k] for k in KNOBS}), predicted, notes + [
-            f"plan from the plan cache ({path}); no profiling"], path)
+            f"plan from the plan cache ({path}); no profiling"], path, failed)
+    if failed:
+        margin = int(min(failed) * FAILED_PEAK_MARGIN)
+        if margin < budget:
+            budget, budget_why = margin, (f"{FAILED_PEAK_MARGIN:.0%} of the predicted peak of a plan of this graph "
+                                          f"that ran out of memory ({format_bytes(min(failed))})")
+            notes.append(f"budget lowered to {format_bytes(budget)}: {budget_why}")
 
     # ---- profile under the most frugal plan
     param_entries = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
@@ -215,8 +266,9 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
         block_of[fqn] = b.index if b is not None else None
     entries = [(fqn, nbytes, block_of[fqn]) for fqn, nbytes in param_entries]
     sizes = [default_size] if fixed["chunk_size"] else [default_size, default_size * 3 // 2, default_size * 2]
+    frag = allocator.fragmentation(alloc)
     profiles = [graph_profile(step, static, entries, cs, master_elem=master_elem, transfer_elem=transfer_elem,
-                              resident_cast_elem=cast_elem) for cs in sizes]
+                              resident_cast_elem=cast_elem, fragmentation=frag) for cs in sizes]
     _, _, host_avail, host_total = hardware.current_memory(device)
     # the profiling store's masters (host_init's values moved into them) are freed as the plan's store
     # takes each chunk over
@@ -239,24 +291,27 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
         outcome = distributed.broadcast_object(("failed", failure))
     else:
         outcome = distributed.broadcast_object(("ok", _prediction(res, profiles, hw, budget, budget_why, compile_s,
-                                                                  step, static)))
+                                                                  step, static, alloc)))
     if outcome[0] == "failed":
         raise NoPlanFits(*outcome[1]) from None
     knobs, predicted = outcome[1]
     if distributed.world().rank == 0:
-        save_entry(path, cache_entry(plan.graph_name, knobs, predicted, None))
+        save_entry(path, cache_entry(plan.graph_name, knobs, predicted, None, failed_peaks=failed))
     log.info("protrain: profiled in %.1f s (+%.1f s compile), searched %d plans in %.3f s: %s", step.seconds,
              compile_s, predicted["plans_evaluated"], predicted["search_s"], knobs)
-    return Choice(dataclasses.replace(opts, **knobs), predicted, notes, path)
+    return Choice(dataclasses.replace(opts, **knobs), predicted, notes, path, failed)
 
 
-def _prediction(res, profiles, hw, budget: int, budget_why: str, compile_s: float, step, static) -> tuple[dict, dict]:
+def _prediction(res, profiles, hw, budget: int, budget_why: str, compile_s: float, step, static,
+                alloc: allocator.AllocatorState) -> tuple[dict, dict]:
     """The chosen knobs and what plan.predicted records of them."""
     best = res.best
     prof = next(p for p in profiles if p.chunk_size == best.knobs.chunk_size)
     lc = LayoutCosts(prof, hw, best.knobs.n_buffer, best.knobs.n_swap, best.knobs.n_checkpoint)
     predicted = {
-        "iter_s": best.time_s, "peak_bytes": best.peak_bytes, "host_bytes": best.host_bytes,
+        "iter_s": best.time_s, "peak_bytes": best.peak_bytes,  # reserved: what the cap bounds
+        "peak_allocated_bytes": int(best.peak_bytes / lc.fragmentation), "allocator": allocator.describe(alloc),
+        "host_bytes": best.host_bytes,
         "budget_bytes": budget, "budget": budget_why, "breakdown": best.breakdown,
         "timeline": lc.timeline(best.knobs.n_persist),
         "profile_compile_s": compile_s, "profile_s": step.seconds, "search_s": res.seconds,

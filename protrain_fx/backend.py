@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import weakref
 from typing import Callable, Sequence
 
+import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
@@ -36,12 +38,12 @@ from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.swap import swap_offload, swap_reload
 from protrain_fx.passes.user_checkpoints import user_checkpoints
 
-from . import _compat, autoplan, distributed, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
+from . import _compat, allocator, autoplan, distributed, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
 from .blocks import detect_blocks
 from .dump import GraphDump
 from .graph_inputs import capture_graph_inputs
 from .binding import GraphBinding, runtime_guard
-from .options import Options, OptionsError, ProtrainError, forget_optimizer
+from .options import Options, OptionsError, ProtrainError, forget_optimizer, format_bytes
 from .placement import autocast_dtypes, bind_chunks
 from .plan import Plan, register_plan
 from .param_values import placement_snapshot
@@ -49,6 +51,7 @@ from .planner import _copy_graph_module, make_plan, saved_names
 from .step_meter import StepMeter
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
+log = logging.getLogger("protrain_fx")
 
 # The passes of each stage, in the order they run.
 PIPELINE: dict[str, tuple[Pass, ...]] = {
@@ -158,7 +161,8 @@ class GraphCompiler:
         gm = run_passes(stage, gm, self.plan)
         self.dump.stage(dump_name, gm)
         self.dump.write_plan()
-        return runtime_guard(self._final_compile(stage, gm, example_inputs))
+        compiled = runtime_guard(self._final_compile(stage, gm, example_inputs))
+        return _backward_oom_guard(compiled, self.plan) if stage == "backward" else compiled
 
     def _final_compile(self, stage: str, gm: fx.GraphModule, example_inputs: Sequence):
         if not self.use_inductor:
@@ -184,6 +188,37 @@ class GraphCompiler:
             is_inference=is_inference,
             static_input_idxs=_compat.forward_static_input_idxs(self.num_dynamo_inputs, len(example_inputs)),
         )
+
+
+def _backward_oom_guard(fn, plan: Plan):
+    """A compiled backward whose out-of-memory error goes to the graph's ProtrainGraph (set as
+    ``plan.on_backward_oom``, a weak method), which marks the plan failed and says what to do."""
+    def handle(e):
+        hook = getattr(plan, "on_backward_oom", None)
+        hook = hook() if hook is not None else None
+        return hook(e) if hook is not None else e
+
+    if getattr(fn, "_boxed_call", False):
+        def run(args):
+            try:
+                return fn(args)
+            except torch.OutOfMemoryError as e:
+                new = handle(e)
+                if new is e:
+                    raise
+                raise new from e
+        run._boxed_call = True
+    else:
+        def run(*args):
+            try:
+                return fn(*args)
+            except torch.OutOfMemoryError as e:
+                new = handle(e)
+                if new is e:
+                    raise
+                raise new from e
+    run.__wrapped__ = fn
+    return run
 
 
 def _traced_root(graph_inputs):
@@ -240,39 +275,131 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
     except BaseException:
         restore()  # a failed compile leaves the model as it was
         raise
-    positions = [gi.index for gi, p in zip(graph_inputs, params) if p is not None]
-    binding = GraphBinding(plan.graph_name, positions, live, opts.optimizer, eager_graph)
-    if distributed.world().sharded:
-        compiled = _after_resident_grads(compiled)
-    if choice is not None:
-        plan.predicted = choice.predicted
-        plan.notes += choice.notes
-        path = choice.cache_path
-        compiled = StepMeter(plan, device, lambda p: autoplan.save_plan(path, p)).wrap(compiled)
-
-    @functools.wraps(compiled)
-    def run(*args):
-        return binding(compiled, args)
-
-    return run
+    graph = ProtrainGraph(eager_graph, graph_inputs, params, options)
+    graph.install(compiled, plan, device, choice, opts)
+    return graph
 
 
-def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options):
+class ProtrainGraph:
+    """One dynamo graph as protrain runs it: the compiled code, bound at each call to the parameters it is
+    called with (binding.py), measured by its StepMeter, and what a CUDA out-of-memory error inside it does.
+
+    A forward that runs out of memory under an automatic plan has changed nothing yet (runtime_guard has
+    reset the buffers): the plan is marked failed in the plan cache (never served again), the graph is
+    planned anew with its predictions kept under 90% of the failed plan's predicted peak (the chunk
+    placement stays: the optimizer's state lives in it; activation knobs and buffers are searched), and
+    the forward is redone on the same inputs; one line says so. A backward that runs out of memory cannot
+    be redone without the user's forward: the plan is marked failed, the next forward re-plans first, and
+    :class:`StepOutOfMemory` (a ``torch.OutOfMemoryError``) says that the step's gradients are dropped and
+    the batch can be redone after ``opt.zero_grad()`` (nothing of the step was applied)."""
+
+    MAX_REPLANS = 3
+
+    def __init__(self, eager_graph, graph_inputs, params: list, options):
+        self._eager_graph = eager_graph  # as dynamo traced it: for re-planning
+        self._graph_inputs = graph_inputs
+        self._params = [None if p is None else weakref.ref(p) for p in params]
+        self._options = options  # the user's dict (its optimizer held weakly, options.forget_optimizer)
+        self.replans = 0
+        self._pending: str | None = None  # a backward ran out of memory: re-plan before the next forward
+
+    def install(self, compiled, plan: Plan, device, choice, opts: Options) -> None:
+        live = [r() for r in self._params if r is not None]
+        positions = [gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None]
+        self.binding = GraphBinding(plan.graph_name, positions, live, opts.optimizer, self._eager_graph)
+        if distributed.world().sharded:
+            compiled = _after_resident_grads(compiled)
+        self.plan, self.device, self.choice = plan, device, choice
+        if choice is not None:
+            plan.predicted = choice.predicted
+            plan.notes += choice.notes
+            path = choice.cache_path
+            compiled = StepMeter(plan, device, lambda p, outcome=None: autoplan.save_plan(path, p, outcome)).wrap(
+                compiled)
+        self.compiled = compiled
+        plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
+
+    def __call__(self, *args):
+        if self._pending is not None:
+            detail, self._pending = self._pending, None
+            self._replan(args, detail, "backward")
+        try:
+            return self.binding(self.compiled, args)
+        except torch.OutOfMemoryError as e:
+            if self.choice is None or self.replans >= self.MAX_REPLANS or isinstance(e, StepOutOfMemory):
+                raise
+            self._replan(args, str(e).splitlines()[0], "forward")
+            return self(*args)
+
+    def _backward_ran_out(self, e: BaseException) -> BaseException:
+        """From the backward's guard: what to raise instead of ``e``."""
+        if self.choice is None or self.replans >= self.MAX_REPLANS:
+            return e
+        detail = str(e).splitlines()[0]
+        self._mark_failed(detail)
+        self._pending = detail
+        return StepOutOfMemory(
+            f"protrain: out of device memory in the backward of graph {self.plan.graph_name} ({detail}); the plan "
+            "(predicted peak " + format_bytes((self.plan.predicted or {}).get("peak_bytes")) + ") is marked failed "
+            "and the next forward re-plans with a margin. Nothing of this step was applied: call opt.zero_grad() "
+            "and redo the batch (or skip it)")
+
+    def _mark_failed(self, detail: str) -> None:
+        if self.choice is not None and self.choice.cache_path:
+            autoplan.save_plan(self.choice.cache_path, self.plan, {"status": "oom", "detail": detail})
+
+    def _replan(self, args, detail: str, where: str) -> None:
+        self.replans += 1
+        failed = (self.plan.predicted or {}).get("peak_bytes")
+        if where == "forward":
+            self._mark_failed(detail)
+        log.warning("protrain: out of device memory in the %s of graph %s (%s) under a plan predicted to peak at "
+                    "%s; re-planning with its predictions under %.0f%% of that and %s", where, self.plan.graph_name,
+                    detail, format_bytes(failed), 100 * autoplan.FAILED_PEAK_MARGIN,
+                    "redoing the forward on the same inputs" if where == "forward" else "going on")
+        import gc
+
+        gc.collect()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        params = [None if r is None else args[gi.index] for gi, r in zip(self._graph_inputs, self._params)]
+        self._params = [None if p is None else weakref.ref(p) for p in params]
+        opts = Options.from_dict(self._options)
+        peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
+        gm = _copy_graph_module(self._eager_graph)
+        compiled, plan, device, choice = _compile(gm, list(args), self._graph_inputs, params, opts, self._options,
+                                                  failed_peaks=peaks, graph_name=self.plan.graph_name)
+        plan.notes.append(f"re-planned after running out of device memory in the {where} ({detail})")
+        self.install(compiled, plan, device, choice, opts)
+
+
+class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
+    """A backward under an automatic plan ran out of device memory (see :class:`ProtrainGraph`)."""
+
+
+def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options, failed_peaks: tuple = (),
+             graph_name: str | None = None):
     structure = detect_blocks(gm, _traced_root(graph_inputs))
     live = [p for p in params if p is not None]
     device = live[0].device if live else None
+    name = graph_name or _graph_name()
     choice = None
     if autoplan.wanted(opts, params, device):
         def compile_profiling(copy: fx.GraphModule, frugal: Options):
-            plan = make_plan(_graph_name(), graph_inputs, structure, frugal)
+            plan = make_plan(name, graph_inputs, structure, frugal)
             plan.profiling = plan.profile_blocks = True
             with _compat.eager_backward_compile():  # the profiler runs backward inside this compile
                 return _compile_plan(copy, example_inputs, graph_inputs, params, plan, frugal), plan
 
-        choice = autoplan.choose(gm, example_inputs, graph_inputs, params, structure, opts, compile_profiling)
+        choice = autoplan.choose(gm, example_inputs, graph_inputs, params, structure, opts, compile_profiling,
+                                 failed_peaks)
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
-    plan = make_plan(_graph_name(), graph_inputs, structure, opts)
+    elif device is not None:
+        allocator.prepare(device)  # knobs given by hand: still no fragmentation from protrain's buffers
+    plan = make_plan(name, graph_inputs, structure, opts)
+    if device is not None:
+        plan.notes.append(f"allocator: {allocator.describe(allocator.prepare(device))}")
     if choice is None:  # the automatic plan checked the host's memory; knobs given by hand are checked here
         _check_host_memory(plan, opts, params, device)
     plan.n_buffer_searched = choice is not None and searched_n_buffer

@@ -136,9 +136,15 @@ class Plan:
         lines += self._auto_lines()
         lines.append(
             f"  iteration time: predicted {_fmt_s(self.predicted, 'iter_s')}, measured {_fmt_s(self.measured, 'iter_s')}"
-            f"; peak memory: predicted {format_bytes((self.predicted or {}).get('peak_bytes'))}, "
+            f"; peak memory reserved: predicted {format_bytes((self.predicted or {}).get('peak_bytes'))}, "
             f"measured {format_bytes((self.measured or {}).get('peak_bytes'))}"
         )
+        alloc_pred = (self.predicted or {}).get("peak_allocated_bytes")
+        alloc_meas = (self.measured or {}).get("peak_allocated_bytes")
+        if alloc_pred is not None or alloc_meas is not None:
+            lines.append(f"  peak memory allocated: predicted {format_bytes(alloc_pred)}, measured {format_bytes(alloc_meas)}"
+                         + (f" (allocator: {self.predicted['allocator']})" if (self.predicted or {}).get("allocator")
+                            else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -342,17 +342,14 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
 
 
 # ------------------------------------------------------------------------------------ GraphProfile
-# The allocator factor on CUDA (reserved over allocated peak), calibrated on the H200 with expandable segments:
-# 1.003-1.03 for plans that keep or recompute (benchmarks/results/autoplan_h200.md). The profiled step's own
-# ratio is recorded but not used: its allocation pattern (everything offloaded and recomputed) is not the
-# plan's (the LLaMA profile measured 1.10 where its plan then ran at 1.03).
-DEVICE_FRAGMENTATION = 1.02
-
-
 def graph_profile(step: StepProfile, static: StaticProfile, params: list[tuple[str, int, int | None]],
-                  chunk_size: int, *, master_elem: int, transfer_elem: int, resident_cast_elem: int) -> GraphProfile:
+                  chunk_size: int, *, master_elem: int, transfer_elem: int, resident_cast_elem: int,
+                  fragmentation: float | None = None) -> GraphProfile:
     """The cost model's profile for ``chunk_size``. ``params``: ``(fqn, bytes, block index or None)`` in
-    first-use order (how the chunks are packed)."""
+    first-use order (how the chunks are packed). ``fragmentation``: the allocator's reserved over allocated
+    factor to budget (protrain_fx/allocator.py; None: the cost model's default). The profiled step's own
+    ratio is recorded but not used: its allocation pattern (everything offloaded and recomputed) is not the
+    plan's (the LLaMA profile measured 1.10 where its plan then ran at 1.03)."""
     saved = static.saved
     n_blocks = len(step.block_fwd_s)
     block_fwd, block_bwd = identical_block_times(step, static)
@@ -388,4 +385,4 @@ def graph_profile(step: StepProfile, static: StaticProfile, params: list[tuple[s
                         nonblock_fwd_s=step.nonblock_fwd_s, nonblock_bwd_s=step.nonblock_bwd_s,
                         nonblock_saved_bytes=saved.nonblock_keep, transient_bytes=max(0, transient),
                         master_elem=master_elem, transfer_elem=transfer_elem, resident_cast_elem=resident_cast_elem,
-                        fragmentation=FRAGMENTATION if step.reserved_ratio is None else DEVICE_FRAGMENTATION)
+                        fragmentation=FRAGMENTATION if fragmentation is None else fragmentation)

@@ -1,6 +1,7 @@
 """StepMeter: the measured side of a plan. Wraps a compiled graph and, without synchronizing the device,
 measures the time between successive calls (one training micro-step each) and the device's peak memory, into
-``plan.measured``; the plan cache entry (plan.json) is rewritten with them now and then.
+``plan.measured``; the plan cache entry (plan.json) is rewritten with them now and then. A non-finite loss
+marks the entry (a plan that gave one is never served from the cache again).
 
 On CUDA each call records an event; an interval is read only once its closing event has completed
 (``Event.query``), so the meter never waits. The first calls (compilation, the optimizer learning the
@@ -30,14 +31,57 @@ class StepMeter:
         self.points: list = []  # (call index, event or perf_counter) not yet turned into intervals
         self.intervals: list[float] = []
         self.timeline: list = []  # the memory timeline of a recent step, when blocks are profiled
+        self.flags: list = []  # (event, pinned finite flag, pinned loss) of recent calls on CUDA
+        self.nonfinite = False
 
     def wrap(self, compiled):
         @functools.wraps(compiled)
         def run(*args):
             self.tick()
-            return compiled(*args)
+            out = compiled(*args)
+            self._watch_loss(out)
+            return out
 
         return run
+
+    def _watch_loss(self, out) -> None:
+        """The graph's first scalar floating output (the loss, where the graph computes it) checked for being
+        finite without synchronizing: on CUDA the flag is copied to pinned memory and read once its event
+        has completed. A non-finite loss marks the plan in the plan cache (never served again) and is
+        said once; training is not changed (eager may give the same)."""
+        if self.nonfinite:
+            return
+        loss = next((t for t in (out if isinstance(out, (list, tuple)) else [out])
+                     if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()), None)
+        if loss is None:
+            return
+        if loss.device.type != "cuda":
+            if not bool(torch.isfinite(loss.detach())):
+                self._nonfinite(float(loss.detach()))
+            return
+        while self.flags and self.flags[0][0].query():
+            _, flag, value = self.flags.pop(0)
+            if not bool(flag):
+                return self._nonfinite(float(value))
+        if len(self.flags) < 4:
+            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            value = torch.empty((), dtype=torch.float32, pin_memory=True)
+            flag.copy_(torch.isfinite(loss.detach()), non_blocking=True)
+            value.copy_(loss.detach(), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.flags.append((ev, flag, value))
+
+    def _nonfinite(self, value: float) -> None:
+        import logging
+
+        self.nonfinite = True
+        logging.getLogger("protrain_fx").warning(
+            "protrain: graph %s gave a non-finite loss (%s) at call %d; its plan will not be served from the plan "
+            "cache again (if eager PyTorch gives a finite loss on the same step, please report it)",
+            self.plan.graph_name, value, self.calls)
+        if self.save is not None:
+            self.save(self.plan, {"status": "nonfinite", "detail": f"loss {value} at call {self.calls}"})
 
     def _now(self):
         if self.device.type == "cuda":
