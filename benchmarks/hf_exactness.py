@@ -64,6 +64,8 @@ def run_one(name: str, system: str, alloc: str) -> dict:
     sc = dict(SCENARIOS[name])
     if os.environ.get("HF_EXACTNESS_STEPS"):
         sc["steps"] = int(os.environ["HF_EXACTNESS_STEPS"])
+    if os.environ.get("HF_EXACTNESS_CAP_GIB"):  # the same run under another cap (a diagnosis)
+        sc["cap_gib"] = float(os.environ["HF_EXACTNESS_CAP_GIB"])
     dev = torch.device("cuda")
     if system == "protrain" and sc["cap_gib"]:
         torch.cuda.set_per_process_memory_fraction(sc["cap_gib"] * 2**30 / torch.cuda.get_device_properties(dev).total_memory)
@@ -89,6 +91,7 @@ def run_one(name: str, system: str, alloc: str) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        print(f"step {len(losses) - 1}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
         if first is None:
             first = time.perf_counter() - t0
     row = {"scenario": name, "system": system, "alloc": alloc, "losses": losses, "first_step_s": first,

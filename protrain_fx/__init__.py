@@ -6,6 +6,7 @@
 Importing this package is optional: the ``torch_dynamo_backends`` entry point registers the backend.
 """
 from ._version import __version__
+from .config import configure
 from .memory_plot import plot_memory
 from .optim import set_grad_accumulation
 from .options import Options, OptionsError, ProtrainError, parse_bytes
@@ -18,6 +19,7 @@ __all__ = [
     "Options",
     "OptionsError",
     "Plan",
+    "configure",
     "ProtrainError",
     "get_plan",
     "host_init",

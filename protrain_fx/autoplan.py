@@ -45,7 +45,7 @@ from .profiler import graph_profile, profile_step
 from .search import NoPlanFits, search
 
 log = logging.getLogger("protrain_fx")
-COST_MODEL_VERSION = 10  # bump when the profile or the cost model changes meaning: old cache entries miss
+COST_MODEL_VERSION = 11  # bump when the profile or the cost model changes meaning: old cache entries miss
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 
 
@@ -274,6 +274,8 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     # takes each chunk over
     host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))
     hw = Hardware.of(hw_profile)
+    if device.type == "cpu":  # the CPU optimizer would run on the cores that compute
+        hw = dataclasses.replace(hw, shared_compute=True)
     w = distributed.world()
     if w.sharded:  # the collectives' rate, measured now by every rank together
         hw = dataclasses.replace(hw, world_size=w.size, collective_bytes_per_s=distributed.collective_bytes_per_s(device))
@@ -287,7 +289,10 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
         else:
             res = search(profiles, hw, budget, host_budget, n_persist=fixed["n_persist"], **knobs_given)
     except NoPlanFits as e:
-        failure = (f"{e} (budget: {budget_why})", e.min_device_bytes, e.min_host_bytes)
+        hint = ("; every chunk was kept resident because protrain has no optimizer to step offloaded ones: "
+                "create the torch.optim.Adam/AdamW before the model's first call (protrain finds it) or pass "
+                "options={'optimizer': opt} to let the plan offload chunks") if all_resident else ""
+        failure = (f"{e} (budget: {budget_why}){hint}", e.min_device_bytes, e.min_host_bytes)
         outcome = distributed.broadcast_object(("failed", failure))
     else:
         outcome = distributed.broadcast_object(("ok", _prediction(res, profiles, hw, budget, budget_why, compile_s,

@@ -18,6 +18,7 @@ decompositions or Inductor: bit-exact against eager PyTorch, for debugging and f
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -25,6 +26,7 @@ import weakref
 from typing import Callable, Sequence
 
 import torch
+import torch._guards
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
@@ -38,10 +40,11 @@ from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.swap import swap_offload, swap_reload
 from protrain_fx.passes.user_checkpoints import user_checkpoints
 
-from . import _compat, allocator, autoplan, distributed, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
+from . import _compat, allocator, autoplan, config, distributed, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
 from .blocks import detect_blocks
 from .dump import GraphDump
 from .graph_inputs import capture_graph_inputs
+from .optimizer_lookup import find_optimizer
 from .binding import GraphBinding, runtime_guard
 from .options import Options, OptionsError, ProtrainError, forget_optimizer, format_bytes
 from .placement import autocast_dtypes, bind_chunks
@@ -264,18 +267,28 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
     """torch.compile backend "protrain" (registered through the ``torch_dynamo_backends`` entry point)."""
     if mode not in (None, "default"):
         raise OptionsError(f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead")
-    opts = Options.from_dict(options)
-    forget_optimizer(options)  # dynamo keeps the options dict: it must not keep the optimizer (and the model)
+    merged = config.with_defaults(options)  # protrain_fx.configure() and PROTRAIN_MEMORY_BUDGET under them
+    opts = Options.from_dict(merged)
+    for d in (options, merged):
+        forget_optimizer(d)  # dynamo keeps the options dict: it must not keep the optimizer (and the model)
     graph_inputs, params = capture_graph_inputs(gm, example_inputs)  # before dynamo drops grapharg
     live = [p for p in params if p is not None]
+    found_note = None
+    if opts.optimizer is None and torch.is_grad_enabled():
+        found, found_note = find_optimizer(live)  # the user's Adam/AdamW, when the options name none
+        if found is not None:
+            opts = dataclasses.replace(opts, optimizer=found)
+            del found
     eager_graph = _copy_graph_module(gm)  # as dynamo traced it: what a call with other parameters runs
     restore = placement_snapshot(live)
     try:
         compiled, plan, device, choice = _compile(gm, example_inputs, graph_inputs, params, opts, options)
+        if found_note:
+            plan.notes.insert(0, found_note)
     except BaseException:
         restore()  # a failed compile leaves the model as it was
         raise
-    graph = ProtrainGraph(eager_graph, graph_inputs, params, options)
+    graph = ProtrainGraph(eager_graph, graph_inputs, params, options, merged, opts.optimizer, example_inputs)
     graph.install(compiled, plan, device, choice, opts)
     return graph
 
@@ -295,11 +308,20 @@ class ProtrainGraph:
 
     MAX_REPLANS = 3
 
-    def __init__(self, eager_graph, graph_inputs, params: list, options):
+    def __init__(self, eager_graph, graph_inputs, params: list, options, merged, optimizer, example_inputs):
         self._eager_graph = eager_graph  # as dynamo traced it: for re-planning
         self._graph_inputs = graph_inputs
         self._params = [None if p is None else weakref.ref(p) for p in params]
-        self._options = options  # the user's dict (its optimizer held weakly, options.forget_optimizer)
+        # a graph with symbolic sizes (dynamic shapes) is re-planned as it was compiled: under dynamo's tracing
+        # context (its fake mode knows the example inputs' symbolic sizes) on its example inputs (the
+        # parameters among them held weakly); a re-plan from a call's concrete inputs would specialize it
+        self._symbolic = any(isinstance(e, torch.SymInt) for e in example_inputs)
+        param_positions = {gi.index for gi, p in zip(graph_inputs, params) if p is not None}
+        self._examples = [None if i in param_positions else e for i, e in enumerate(example_inputs)]
+        self._tracing = torch._guards.TracingContext.try_get() if self._symbolic else None
+        # the user's dict (get_plan finds plans by it) and it over the defaults; their optimizer held weakly
+        self._options, self._merged = options, merged
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None  # given or found
         self.replans = 0
         self._pending: str | None = None  # a backward ran out of memory: re-plan before the next forward
 
@@ -309,7 +331,9 @@ class ProtrainGraph:
         self.binding = GraphBinding(plan.graph_name, positions, live, opts.optimizer, self._eager_graph)
         if distributed.world().sharded:
             compiled = _after_resident_grads(compiled)
-        self.plan, self.device, self.choice = plan, device, choice
+        self.plan, self.device = plan, device
+        # of an automatic plan (nothing that holds the optimizer): where it is cached, what failed before
+        self.choice = None if choice is None else dataclasses.replace(choice, options=None)
         if choice is not None:
             plan.predicted = choice.predicted
             plan.notes += choice.notes
@@ -364,11 +388,17 @@ class ProtrainGraph:
             torch.cuda.empty_cache()
         params = [None if r is None else args[gi.index] for gi, r in zip(self._graph_inputs, self._params)]
         self._params = [None if p is None else weakref.ref(p) for p in params]
-        opts = Options.from_dict(self._options)
+        opts = Options.from_dict(self._merged)
+        if opts.optimizer is None and self._optimizer is not None and self._optimizer() is not None:
+            opts = dataclasses.replace(opts, optimizer=self._optimizer())  # the one found at compile time
         peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
         gm = _copy_graph_module(self._eager_graph)
-        compiled, plan, device, choice = _compile(gm, list(args), self._graph_inputs, params, opts, self._options,
-                                                  failed_peaks=peaks, graph_name=self.plan.graph_name)
+        examples = list(args)
+        if self._symbolic and self._tracing is not None:
+            examples = [a if e is None else e for a, e in zip(args, self._examples)]
+        with torch._guards.tracing(self._tracing) if self._tracing is not None else contextlib.nullcontext():
+            compiled, plan, device, choice = _compile(gm, examples, self._graph_inputs, params, opts, self._options,
+                                                      failed_peaks=peaks, graph_name=self.plan.graph_name)
         plan.notes.append(f"re-planned after running out of device memory in the {where} ({detail})")
         self.install(compiled, plan, device, choice, opts)
 

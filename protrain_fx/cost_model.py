@@ -125,6 +125,9 @@ class Hardware:
     cpu_contention: float = CPU_CONTENTION
     # compute seconds lost per second of a collective overlapping it
     collective_contention: float = COLLECTIVE_CONTENTION
+    # the compute device is the host's CPU: the offloaded chunks' CPU optimizer shares the cores that compute,
+    # so it adds to the step instead of running beside backward (offloading then only pays under a budget)
+    shared_compute: bool = False
 
     def collective_s(self, nbytes: float, passes: int = 1) -> float:
         """Seconds of ``passes`` all-gathers / reduce-scatters of ``nbytes`` (0 with one rank)."""
@@ -368,7 +371,7 @@ class LayoutCosts:
         t_gpu = resident / hw.gpu_adam_params_per_s
         t_cpu = offloaded / hw.world_size / hw.cpu_adam_params_per_s * hw.cpu_contention if offloaded else 0.0
         t_first = self.first_grad_s if offloaded else 0.0
-        t = t_fwd + max(t_bwd + t_gpu, t_first + t_cpu)
+        t = t_fwd + (t_bwd + t_gpu + t_cpu if hw.shared_compute else max(t_bwd + t_gpu, t_first + t_cpu))
         if not detail:
             return t
         return t, {"fwd_s": t_fwd, "bwd_s": t_bwd, "gpu_optim_s": t_gpu, "cpu_optim_s": t_cpu,

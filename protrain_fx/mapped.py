@@ -75,10 +75,27 @@ class HostGrad(torch.Tensor):
         if HostGrad.on_write is not None and _writes(func) and args:
             # what an in-place function writes is its first argument (a tensor, or the list of a foreach op)
             written = [a for a in tree_flatten(args[0])[0] if isinstance(a, HostGrad)]
-            if written:
+            if written and not _identity_scale(func, args):
                 HostGrad.on_write(written)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _identity_scale(func, args) -> bool:
+    """A multiply by exactly one, which changes nothing: ``clip_grad_norm_`` with a norm under ``max_norm``
+    (Hugging Face's Trainer calls it with ``max_norm=inf`` every step to log the norm). Reading a device
+    scalar synchronizes; the gradients are complete by then anyway."""
+    if getattr(func, "__name__", "") not in ("mul_", "_foreach_mul_") or len(args) < 2:
+        return False
+    scale = args[1]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
+        return False
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or isinstance(scale, HostGrad) or scale.is_complex():
+            return False
+        with torch._C.DisableTorchFunctionSubclass():
+            return bool(scale == 1)
+    return scale == 1
 
 
 def _writes(func) -> bool:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from . import block_timer
+from . import block_timer, hardware
 
 SKIP = 2  # calls before measuring
 WINDOW = 20  # intervals kept
@@ -64,8 +64,8 @@ class StepMeter:
             if not bool(flag):
                 return self._nonfinite(float(value))
         if len(self.flags) < 4:
-            flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-            value = torch.empty((), dtype=torch.float32, pin_memory=True)
+            flag = hardware.pinned_empty(1, torch.bool)
+            value = hardware.pinned_empty(1, torch.float32)
             flag.copy_(torch.isfinite(loss.detach()), non_blocking=True)
             value.copy_(loss.detach(), non_blocking=True)
             ev = torch.cuda.Event()

@@ -31,8 +31,10 @@ from . import hardware
 from .chunk_buffers import streams_of
 
 DEFER = os.environ.get("PROTRAIN_DEBUG_DEFER_OFFLOAD") == "1"
-# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device after every copy (no overlap, no race)
-SYNC = os.environ.get("PROTRAIN_DEBUG_SYNC") == "1"
+# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device after every copy (no overlap, no race);
+# =offload or =reload after those copies only (which side a race is on)
+_SYNC = os.environ.get("PROTRAIN_DEBUG_SYNC", "")
+SYNC_OFFLOAD, SYNC_RELOAD = _SYNC in ("1", "offload"), _SYNC in ("1", "reload")
 
 
 class Swapper:
@@ -67,7 +69,7 @@ class Swapper:
             done.record(self.streams.d2h)
         staged.record_stream(self.streams.d2h)  # freed now, reused only after the transfer
         self._offloading[host.data_ptr()] = (done,)
-        if SYNC:
+        if SYNC_OFFLOAD:
             torch.cuda.synchronize(self.device)
         return host
 
@@ -103,7 +105,7 @@ class Swapper:
             done.record(self.streams.h2d)
         out.record_stream(self.streams.h2d)
         self._reloading[host.data_ptr()] = (out, done)
-        if SYNC:
+        if SYNC_RELOAD:
             torch.cuda.synchronize(self.device)
 
     def reload_take(self, host: torch.Tensor) -> torch.Tensor:

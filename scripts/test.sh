@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec "${PROTRAIN_VENV:-.venv}/bin/python" -m pytest -q tests "$@"
+# -n auto: one pytest worker per core (pytest-xdist), each test file whole on one worker
+exec "${PROTRAIN_VENV:-.venv}/bin/python" -m pytest -q -n auto --dist loadfile tests "$@"

@@ -74,12 +74,42 @@ def test_one_byte_budget_names_the_smallest_that_works():
 
 
 def test_without_an_optimizer_everything_stays_resident():
+    """No optimizer exists when the model is first called (created later): every chunk stays resident."""
     model = gpt()
     compiled = torch.compile(model, backend="protrain", options=dict(OPTS, memory_budget="1GiB"))
-    train_steps(model, compiled, random_batches(1, 2, 16, vocab=64), opt=make_adamw(model))
+    x, y = random_batches(1, 2, 16, vocab=64)[0]
+    compiled(x, y).backward()
     plan = protrain_fx.get_plan(compiled)
     assert plan.n_persist == len(plan.chunks)
     assert any("no optimizer" in n for n in plan.notes)
+
+
+def test_the_users_adamw_is_found_when_not_given():
+    """The one-line promise: no options but a budget, and the AdamW made before the first call is found and
+    taken over from the first step (exact), so that chunks can be offloaded."""
+    model = gpt()
+    r = compare_with_eager(model, random_batches(3, 2, 16, vocab=64),
+                           dict(OPTS, memory_budget=2 * state_bytes(model)))
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3 and r.max_param_update > 1e-3
+    assert r.plan.n_persist < len(r.plan.chunks)
+    assert any(n.startswith("optimizer found: the AdamW") for n in r.plan.notes), r.plan.notes
+    from protrain_fx import optim
+    assert optim.handle_of(r.opt) is not None
+
+
+def test_a_budget_that_needs_offloading_without_an_optimizer_says_to_pass_it():
+    model = gpt()
+    compiled = torch.compile(model, backend="protrain", options=dict(OPTS, memory_budget=2 * state_bytes(model)))
+    with pytest.raises(Exception, match=r"no optimizer to step offloaded ones.*options=\{'optimizer': opt\}"):
+        compiled(*random_batches(1, 2, 16, vocab=64)[0])
+
+
+def test_on_the_cpu_a_generous_budget_keeps_every_chunk_resident():
+    """On a CPU compute device offloading cannot be faster (the optimizer runs on the cores that compute)."""
+    model = gpt()
+    r = compare_with_eager(model, random_batches(2, 2, 16, vocab=64), dict(OPTS, memory_budget="1GiB"),
+                           give_optimizer=True)
+    assert r.plan.n_persist == len(r.plan.chunks)
 
 
 def test_plan_cache_skips_profiling(monkeypatch, tmp_path):
@@ -124,7 +154,9 @@ def test_new_shapes_replan_activations_and_keep_training_like_eager():
     model = gpt()
     data = (random_batches(2, 2, 16, vocab=64) + random_batches(2, 2, 8, vocab=64, seed=1)
             + random_batches(2, 3, 12, vocab=64, seed=2))
-    r = compare_with_eager(model, data, dict(OPTS, memory_budget=4 * state_bytes(model)), give_optimizer=True)
+    # chunks offloaded (n_persist 1) so that each shape's activations are planned beside the same placement
+    r = compare_with_eager(model, data, dict(OPTS, memory_budget=4 * state_bytes(model), n_persist=1),
+                           give_optimizer=True)
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3
     assert any("chunk placement kept" in n for n in r.plan.notes)
 

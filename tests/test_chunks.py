@@ -270,12 +270,25 @@ def test_budget_too_small_names_the_minimum():
 
 
 def test_offloading_without_the_optimizer_is_exact():
-    """Without options['optimizer'] the user's optimizer steps offloaded parameters itself, through their
-    device views of host memory (exact; slow on a GPU, and the plan says so)."""
-    r = compare_with_eager(gpt(), random_batches(3, 2, 16), {"compiler": "eager", "n_persist": 0})
-    assert_parity(r)
-    assert optim.handle_of(r.opt) is None
-    assert any("stepped by your optimizer through device views" in n for n in r.plan.notes)
+    """With an optimizer protrain cannot run (SGD) and none given, the user's optimizer steps offloaded
+    parameters itself, through their device views of host memory (exact; slow on a GPU, and the plan says
+    so); SGD given by name is refused."""
+    base = gpt()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, mine))
+    compiled = torch.compile(mine, backend="protrain", options={"compiler": "eager", "n_persist": 0})
+    data = random_batches(3, 2, 16)
+    ref_losses = train_steps(ref, ref, data, opt=ref_opt)
+    losses = train_steps(mine, compiled, data, opt=opt)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= LOSS_REL
+    sd, ref_sd = mine.state_dict(), ref.state_dict()
+    assert max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd) <= PARAM_ABS
+    assert max((ref_sd[k] - v).abs().max().item() for k, v in base.state_dict().items()) > 1e-4
+    assert optim.handle_of(opt) is None
+    plan = protrain_fx.get_plan(compiled)
+    assert set(c["placement"] for c in plan.to_dict()["chunks"]) == {"host"}
+    assert any("stepped by your optimizer through device views" in n for n in plan.notes)
+    assert any("cannot step offloaded chunks" in n and "SGD" in n for n in plan.notes), plan.notes
     with pytest.raises(OptionsError, match="torch.optim.Adam and torch.optim.AdamW"):
         protrain_fx.Options.from_dict({"optimizer": torch.optim.SGD(gpt().parameters(), lr=0.1)})
 

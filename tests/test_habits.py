@@ -684,6 +684,26 @@ def test_20_4_gradient_clipping_offloaded(how):
     p.check()
 
 
+def test_20_4_norm_logged_with_an_infinite_max_norm_keeps_the_overlap():
+    """Hugging Face's Trainer calls clip_grad_norm_(params, inf) every step to log the norm: torch multiplies
+    the gradients by exactly 1, which writes nothing; the CPU steps inside backward are not taken back."""
+    def habit(call, module, opts, data):
+        trace = []
+        for x, y in data:
+            loss = call(x, y)
+            loss.backward()
+            trace.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), float("inf"))))
+            opts[0].step()
+            opts[0].zero_grad()
+        return trace
+
+    base = gpt()
+    p = parity(base, offload(base), habit=habit, data=gpt_data(4))
+    p.check()
+    timers = protrain_fx.optim.handle_of(p.opts[0]).timers
+    assert timers.in_backward_steps > 0 and timers.undone_steps == 0, vars(timers)
+
+
 # --------------------------------------------------------------------------- 20.5 exceptions mid-step
 class EmbeddedGPT(GPT):
     """Our GPT fed with token embeddings computed outside the compiled model (so that something outside it

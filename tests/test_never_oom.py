@@ -82,6 +82,9 @@ def compare(sd, ref_sd):
 
 
 def compiled_gpt(budget, **extra):
+    """Every chunk offloaded (on the CPU a resident chunk is never cheaper, so the plan would fill the budget
+    with resident chunks, and a re-plan may only change activation knobs): the budget is the activations'."""
+    extra = {"n_persist": 0, **extra}
     model = gpt()
     opt = make_adamw(model)
     compiled = torch.compile(model, backend="protrain", options=dict(OPTS, optimizer=opt, memory_budget=budget,

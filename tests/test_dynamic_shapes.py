@@ -1,0 +1,97 @@
+"""Shapes that vary (issue 26): sixteen sequence lengths and three batch sizes compile a few times, not once
+per shape, train exactly like eager at every shape with offloaded chunks, and a dynamic graph re-planned
+after an out-of-memory error stays dynamic."""
+import copy
+
+import pytest
+import torch
+from models import build
+
+import protrain_fx
+from protrain_fx import backend
+from protrain_fx.chunks import ChunkStore
+from protrain_fx.testing import make_adamw, random_batches
+
+
+def gpt():
+    torch.manual_seed(0)
+    return build("gpt", n_layer=2, n_embd=32, n_head=2, block_size=32, vocab_size=64)
+
+
+def count_compiles(monkeypatch):
+    calls = []
+    real = backend._compile
+
+    def counted(*a, **k):
+        calls.append(a[1][-1].shape if a[1] and isinstance(a[1][-1], torch.Tensor) else None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(backend, "_compile", counted)
+    return calls
+
+
+def sweep_data():
+    data = []
+    for i, seq in enumerate(range(4, 20)):  # 16 lengths, batch sizes 2, 1 and 3 among them
+        batch = (2, 1, 3)[i % 3]
+        data.append(random_batches(1, batch, seq, vocab=64, seed=seq)[0])
+    return data
+
+
+def train(call, opt, data):
+    losses = []
+    for x, y in data:
+        loss = call(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("compiler", ["eager"])  # Inductor: 4 compiles of ~1 min each on 2 cores, outside CI
+def test_sixteen_lengths_compile_a_few_times_and_match_eager(monkeypatch, compiler):
+    base = gpt()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt, opt = make_adamw(ref), make_adamw(mine)
+    compiles = count_compiles(monkeypatch)
+    budget = 3 * sum(p.numel() * 4 for p in base.parameters())
+    compiled = torch.compile(mine, backend="protrain",
+                             options={"compiler": compiler, "optimizer": opt, "memory_budget": budget,
+                                      "n_persist": 0})
+    data = sweep_data()
+    ref_losses, losses = train(ref, ref_opt, data), train(compiled, opt, data)
+    assert len(compiles) <= 3, f"{len(compiles)} compiles for 16 shapes"
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    assert rel <= 1e-5, (losses, ref_losses)
+    sd, ref_sd = mine.state_dict(), ref.state_dict()
+    assert max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd) <= 1e-3
+    assert "host" in [c["placement"] for c in protrain_fx.get_plan(compiled).to_dict()["chunks"]]
+
+
+def test_a_dynamic_graph_replanned_after_an_oom_stays_dynamic(monkeypatch):
+    base = gpt()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt, opt = make_adamw(ref), make_adamw(mine)
+    budget = 3 * sum(p.numel() * 4 for p in base.parameters())
+    compiled = torch.compile(mine, backend="protrain",
+                             options={"compiler": "eager", "optimizer": opt, "memory_budget": budget,
+                                      "n_persist": 0})
+    data = sweep_data()
+    losses = train(compiled, opt, data[:3])  # the third shape compiles the dynamic graph
+    real, state = ChunkStore.gather, {"n": 0}
+
+    def flaky(self, *a, **k):
+        state["n"] += 1
+        if state["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ChunkStore, "gather", flaky)
+    compiles = count_compiles(monkeypatch)
+    losses += train(compiled, opt, data[3:])  # re-planned once, then every other length on the new plan
+    assert state["n"] > 1 and len(compiles) == 1, compiles
+    ref_losses = train(ref, ref_opt, data)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    plan = protrain_fx.get_plan(compiled)
+    assert any("re-planned after running out of device memory" in n for n in plan.notes)
