@@ -25,10 +25,11 @@ keeps them exact (README, "What protrain guarantees"). What protrain cannot trai
 ``train()``.
 
 Notes. The Trainer (transformers 5.x) computes the gradient norm every step through
-``clip_grad_norm_``, with ``max_norm=inf`` when ``max_grad_norm`` is 0, and that multiplies every
-gradient in place (by 1 when nothing is clipped): protrain sees gradients written between backward
-and the optimizer step and steps offloaded chunks at ``optimizer.step()`` rather than inside
-backward from the second step on (exact; on a GPU the CPU step then no longer overlaps backward).
+``clip_grad_norm_``, with ``max_norm=inf`` when ``max_grad_norm`` is 0; that multiplies every
+gradient by exactly 1, which protrain recognises as no write, so offloaded chunks keep stepping
+inside backward. A norm that really clips (``max_grad_norm`` above the norm) writes the gradients:
+protrain then steps offloaded chunks at ``optimizer.step()`` (exact; on a GPU that step no longer
+overlaps backward).
 With ``gradient_checkpointing=True`` protrain's per-block plan (keep, swap or recompute, chosen to
 fit the memory budget) replaces Hugging Face's recompute inside the transformer blocks; the callback
 logs one line saying so.
