@@ -18,10 +18,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$(cd "$VENV" && pwd)/bin/python"
 if ! "$VPY" -c "import torch" 2>/dev/null; then
+  echo "bootstrap: installing torch==2.13.0 (CPU) into $VENV (first run only)" >&2
   "$VENV/bin/python" -m pip install -q torch==2.13.0
 fi
 # checked from / so the source folder on the path does not pass for an installed package (the entry point)
 if ! (cd / && "$VPY" -c "import importlib.metadata as m; m.distribution('protrain-fx'); import pytest, xdist, hypothesis, networkx, pynvml, transformers, peft") 2>/dev/null; then
+  echo "bootstrap: installing protrain-fx (editable) and its test extras into $VENV (first run only)" >&2
   if [ -f "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_protrain_outer_site.pth" ]; then
     # an existing environment (perhaps offline): build with what it has
     "$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[test,bench]"
