@@ -36,21 +36,23 @@ def batches(n, seed=0):
             for _ in range(n)]
 
 
-def plain(m, call, opt, data, i):
+def step(m, call, opt, data, i, between=None):
+    """One training step on batch ``i``; ``between(m, opt)`` runs between backward and opt.step() and its
+    numbers join the loss in what is compared."""
     loss = call(*data[i])
     loss.backward()
+    extra = between(m, opt) if between is not None else []
     opt.step()
     opt.zero_grad()
-    return [loss.item()]
+    return [loss.item()] + extra
+
+
+def plain(m, call, opt, data, i):
+    return step(m, call, opt, data, i)
 
 
 def clip(m, call, opt, data, i):
-    loss = call(*data[i])
-    loss.backward()
-    norm = clip_grad_norm_(m.parameters(), 0.5)
-    opt.step()
-    opt.zero_grad()
-    return [loss.item(), norm.item()]
+    return step(m, call, opt, data, i, lambda m, opt: [clip_grad_norm_(m.parameters(), 0.5).item()])
 
 
 def touch(m, call, opt, data, i):
@@ -92,13 +94,12 @@ def exception(m, call, opt, data, i):
 
 
 def hyper_between(m, call, opt, data, i):
-    loss = call(*data[i])
-    loss.backward()
-    for g in opt.param_groups:
-        g["lr"] = LR * (0.5 + 0.25 * i)
-    opt.step()
-    opt.zero_grad()
-    return [loss.item()]
+    def set_lr(m, opt):
+        for g in opt.param_groups:
+            g["lr"] = LR * (0.5 + 0.25 * i)
+        return []
+
+    return step(m, call, opt, data, i, set_lr)
 
 
 CASES = {"plain": plain, "clip": clip, "touch": touch, "two_forwards": two_forwards, "exception": exception,

@@ -45,7 +45,7 @@ from .blocks import detect_blocks
 from .dump import GraphDump
 from .graph_inputs import capture_graph_inputs
 from .optimizer_lookup import find_optimizer
-from .binding import GraphBinding, runtime_guard
+from .binding import GraphBinding, on_error, runtime_guard
 from .options import Options, OptionsError, ProtrainError, forget_optimizer, format_bytes
 from .placement import autocast_dtypes, bind_chunks
 from .plan import Plan, register_plan
@@ -201,27 +201,7 @@ def _backward_oom_guard(fn, plan: Plan):
         hook = hook() if hook is not None else None
         return hook(e) if hook is not None else e
 
-    if getattr(fn, "_boxed_call", False):
-        def run(args):
-            try:
-                return fn(args)
-            except torch.OutOfMemoryError as e:
-                new = handle(e)
-                if new is e:
-                    raise
-                raise new from e
-        run._boxed_call = True
-    else:
-        def run(*args):
-            try:
-                return fn(*args)
-            except torch.OutOfMemoryError as e:
-                new = handle(e)
-                if new is e:
-                    raise
-                raise new from e
-    run.__wrapped__ = fn
-    return run
+    return on_error(fn, torch.OutOfMemoryError, handle)
 
 
 def _traced_root(graph_inputs):
@@ -425,10 +405,8 @@ def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options, f
                                  failed_peaks)
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
-    elif device is not None:
-        allocator.prepare(device)  # knobs given by hand: still no fragmentation from protrain's buffers
     plan = make_plan(name, graph_inputs, structure, opts)
-    if device is not None:
+    if device is not None:  # knobs given by hand too: no fragmentation from protrain's buffers
         plan.notes.append(f"allocator: {allocator.describe(allocator.prepare(device))}")
     if choice is None:  # the automatic plan checked the host's memory; knobs given by hand are checked here
         _check_host_memory(plan, opts, params, device)

@@ -29,29 +29,37 @@ from .options import ProtrainError
 log = logging.getLogger("protrain_fx")
 
 
-def runtime_guard(fn):
-    """``fn`` (a compiled graph, boxed or not) that resets protrain's run-time state if it raises."""
-    def reset():
-        chunk_buffers.reset_all()
-        swap_pool.reset_all()
+def on_error(fn, catch, handle):
+    """``fn`` (a compiled graph, boxed or not) whose ``catch`` exceptions go to ``handle(e)``, which returns
+    the exception to raise (``e`` itself: re-raised as it is)."""
+    def call(invoke):
+        try:
+            return invoke()
+        except catch as e:
+            new = handle(e)
+            if new is e:
+                raise
+            raise new from e
 
     if getattr(fn, "_boxed_call", False):
         def run(args):
-            try:
-                return fn(args)
-            except BaseException:
-                reset()
-                raise
+            return call(lambda: fn(args))
         run._boxed_call = True
     else:
         def run(*args):
-            try:
-                return fn(*args)
-            except BaseException:
-                reset()
-                raise
+            return call(lambda: fn(*args))
     run.__wrapped__ = fn
     return run
+
+
+def runtime_guard(fn):
+    """``fn`` (a compiled graph, boxed or not) that resets protrain's run-time state if it raises."""
+    def reset(e):
+        chunk_buffers.reset_all()
+        swap_pool.reset_all()
+        return e
+
+    return on_error(fn, BaseException, reset)
 
 
 class GraphBinding:

@@ -32,6 +32,7 @@ class StepMeter:
         self.intervals: list[float] = []
         self.timeline: list = []  # the memory timeline of a recent step, when blocks are profiled
         self.flags: list = []  # (event, pinned finite flag, pinned loss) of recent calls on CUDA
+        self.free_flags: list = []  # (flag, loss) pairs whose copies are done
         self.nonfinite = False
 
     def wrap(self, compiled):
@@ -63,9 +64,10 @@ class StepMeter:
             _, flag, value = self.flags.pop(0)
             if not bool(flag):
                 return self._nonfinite(float(value))
+            self.free_flags.append((flag, value))  # pinned pairs reused, not allocated per call
         if len(self.flags) < 4:
-            flag = hardware.pinned_empty(1, torch.bool)
-            value = hardware.pinned_empty(1, torch.float32)
+            flag, value = self.free_flags.pop() if self.free_flags else (
+                hardware.pinned_empty(1, torch.bool), hardware.pinned_empty(1, torch.float32))
             flag.copy_(torch.isfinite(loss.detach()), non_blocking=True)
             value.copy_(loss.detach(), non_blocking=True)
             ev = torch.cuda.Event()
