@@ -136,6 +136,8 @@ class ChunkBuffers:
             self._clock += 1
             s.last_used = self._clock
             if self.is_cuda and not on_compute:
+                if s.free is None:  # a new slot: its memory may be what queued compute work freed just now
+                    self.streams.h2d.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.streams.h2d):
                     if s.free is not None:
                         self.streams.h2d.wait_event(s.free)

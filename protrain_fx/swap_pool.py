@@ -94,10 +94,14 @@ class Swapper:
             out.copy_(host)
             self._reloading[host.data_ptr()] = (out, None)
             return
+        # ``out`` was allocated on the compute stream, whose queued work may still use that memory, so the copy
+        # waits for everything queued there so far (the compute stream already waited for forward's copy of
+        # ``host``, offload_wait). The compute stream is named before the copy stream becomes the current one:
+        # inside ``torch.cuda.stream(h2d)`` the current stream *is* h2d, and waiting for it is no wait at all
+        # (the H200 race of issue 19 item 7: reloads wrote into memory that queued backward kernels still used)
+        compute = torch.cuda.current_stream(self.device)
+        self.streams.h2d.wait_stream(compute)
         with torch.cuda.stream(self.streams.h2d):
-            # ``out`` was allocated on the compute stream, whose queued work may still use that memory; the
-            # compute stream already waited for forward's copy of ``host`` (offload_wait)
-            self.streams.h2d.wait_stream(torch.cuda.current_stream(self.device))
             if pending is not None:
                 self.streams.h2d.wait_event(pending[0])
             out.copy_(host, non_blocking=True)

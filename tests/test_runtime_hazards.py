@@ -107,3 +107,49 @@ def test_deferred_offload_copies_keep_parity(monkeypatch, compiler):
                            lr=1e-2)
     assert_parity(r)
     assert swap_pool.swapper(torch.device("cpu")).stats["offloaded_bytes"] > 0
+
+
+# ------------------------------------------------------------------------ copy-stream ordering (CUDA)
+def _stream_context_violations(source: str, filename: str) -> list[str]:
+    """Calls of ``torch.cuda.current_stream`` lexically inside ``with torch.cuda.stream(...)``: there the
+    current stream is the copy stream itself, so "wait for the compute stream" written that way waits for
+    nothing. That was issue 19 item 7 (a swap reload copied into memory that queued backward kernels still
+    used; NaN losses on the H200), which no CPU run can show: on the CPU the copies are synchronous."""
+    import ast
+
+    def is_call(node, dotted):
+        return isinstance(node, ast.Call) and ast.unparse(node.func) == dotted
+
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.With):
+            continue
+        if not any(is_call(item.context_expr, "torch.cuda.stream") for item in node.items):
+            continue
+        for stmt in node.body:
+            for inner in ast.walk(stmt):
+                if is_call(inner, "torch.cuda.current_stream"):
+                    found.append(f"{filename}:{inner.lineno}: {ast.unparse(inner)}")
+    return found
+
+
+def test_no_current_stream_inside_a_copy_stream_context():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = sorted((root / "protrain_fx").rglob("*.py")) + sorted((root / "passes").rglob("*.py"))
+    assert len(files) > 20
+    found = [v for f in files for v in _stream_context_violations(f.read_text(), str(f.relative_to(root)))]
+    assert not found, "current_stream() inside torch.cuda.stream(...) is the copy stream:\n" + "\n".join(found)
+
+
+def test_the_stream_check_catches_the_old_reload():
+    old = ("with torch.cuda.stream(self.streams.h2d):\n"
+           "    self.streams.h2d.wait_stream(torch.cuda.current_stream(self.device))\n"
+           "    out.copy_(host, non_blocking=True)\n")
+    assert len(_stream_context_violations(old, "old.py")) == 1
+    fixed = ("compute = torch.cuda.current_stream(self.device)\n"
+             "self.streams.h2d.wait_stream(compute)\n"
+             "with torch.cuda.stream(self.streams.h2d):\n"
+             "    out.copy_(host, non_blocking=True)\n")
+    assert _stream_context_violations(fixed, "fixed.py") == []
