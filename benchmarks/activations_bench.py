@@ -48,7 +48,8 @@ def layouts(n_layer: int) -> list[tuple[str, int, int]]:
 
 
 def run_one(args) -> dict:
-    from protrain_fx import backend, get_plan, swap_pool
+    from protrain_fx import backend, get_plan
+    from protrain_fx.runtime import swap_pool
 
     device = torch.device(args.device)
     cfg = TINY if args.tiny else ANCHOR
@@ -144,8 +145,8 @@ def _timed_plain(step, plain: dict) -> None:
 
 def _saved_per_block(gm, plan) -> dict:
     """Bytes forward returns for backward, by block: {block name: {"device": ..., "host": ...}}."""
-    from protrain_fx import ops
-    from protrain_fx.passes.annotate import annotation_of
+    from protrain_fx.runtime import ops
+    from protrain_fx.graph.annotation import annotation_of
 
     outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     out: dict[str, dict[str, int]] = {}

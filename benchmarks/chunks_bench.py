@@ -60,7 +60,8 @@ def batch(args, vocab):
 # --------------------------------------------------------------------------------------- protrain
 def run_protrain(args) -> dict:
     import protrain_fx
-    from protrain_fx import chunks, cpu_adam, optim
+    from protrain_fx.runtime import chunk_store, hybrid_optim
+    from protrain_fx.machine import cpu_adam
 
     cap_memory(args.cap)
     cfg = anchor_config(args)
@@ -103,8 +104,8 @@ def run_protrain(args) -> dict:
     step(None)  # compiles; the first optimizer step is always deferred (it learns the step pattern)
     t_compile = time.perf_counter() - t_compile
     step(None)
-    h = optim.handle_of(opt)
-    store = chunks.store_of(next(model.parameters()))
+    h = hybrid_optim.handle_of(opt)
+    store = chunk_store.store_of(next(model.parameters()))
     if h is None:
         raise RuntimeError(f"nothing was offloaded (n_persist {store.n_persist} of {store.n_chunks} chunks): "
                            "no CPU optimizer to measure; lower the cap or n_persist")
@@ -112,7 +113,7 @@ def run_protrain(args) -> dict:
            "n_persist": store.n_persist, "n_chunks": store.n_chunks, "n_buffer": store.n_buffer,
            "chunk_size": store.layout.chunk_size, "first_step_s": t_compile,
            "cpu_adam": "one-pass kernel" if cpu_adam.available() else f"torch fused + copy ({cpu_adam.build_error()})",
-           "async_step": optim.handle_of(opt).async_step if optim.handle_of(opt) else None}
+           "async_step": hybrid_optim.handle_of(opt).async_step if hybrid_optim.handle_of(opt) else None}
     with timeshare.measuring():
         phases = measure_phases(args, step, h, store)
         transfers = transfer_alone(store, phases["overlap"])
@@ -127,13 +128,13 @@ def run_protrain(args) -> dict:
 
 
 def measure_phases(args, step, h, store) -> dict:
-    from protrain_fx import optim
+    from protrain_fx.runtime import hybrid_optim
 
     phases = {}
     for phase, overlap in (("alone", False), ("overlap", True)):
         h.overlap = overlap
         step(None)  # settle into the mode
-        h.timers = optim.Timers()
+        h.timers = hybrid_optim.Timers()
         stats0 = dict(store.stats)
         torch.cuda.reset_peak_memory_stats()
         timing: dict = {}

@@ -27,10 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from models import GPT, GPTConfig  # noqa: E402
 
-from protrain_fx.cost_model import (ADAM_BYTES_PER_PARAM, SWAP_FRAGMENTATION, GraphProfile, Hardware,  # noqa: E402
-                                    Knobs, predict)
-from protrain_fx.profiler import SavedBytes, StaticProfile, StepProfile, graph_profile  # noqa: E402
-from protrain_fx.search import search  # noqa: E402
+from protrain_fx.plan.cost_model import ADAM_BYTES_PER_PARAM, SWAP_FRAGMENTATION, GraphProfile, Hardware, Knobs, predict
+from protrain_fx.profiling.profiler import SavedBytes, StaticProfile, StepProfile, graph_profile
+from protrain_fx.plan.search import search
 
 RESULTS = os.path.join(HERE, "results")
 ANCHOR = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=1024, tie_embeddings=False)

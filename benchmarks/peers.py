@@ -33,8 +33,10 @@ LR, WEIGHT_DECAY = 1e-4, 0.1
 # the automatic plan: the budget is the memory the process may use (the cap) less protrain's own reserve.
 PROTRAIN_OPTIONS: dict = {}
 
-# ---- memory each system needs per parameter, for run.py's guards and admission (GiB = bytes * params / 2**30)
-# Host bytes per *offloaded* parameter (model states only; run.py adds HOST_OVERHEAD_GIB per process):
+# ---- memory each system needs per parameter, for run.py's guards and admission
+# (benchmarks/suite/admission.py; GiB = bytes * params / 2**30)
+# Host bytes per *offloaded* parameter (model states only; admission adds HOST_OVERHEAD_GIB per
+# process):
 #   protrain: fp32 master + 2 Adam moments + fp32 gradient accumulator + bf16 transfer copy = 18
 #   FSDP2 CPUOffloadPolicy: fp32 sharded parameter + fp32 gradient + 2 moments = 16
 #   ZeRO-2 + offload_optimizer: fp32 master + 2 moments + fp32 gradient partition = 16
@@ -51,7 +53,7 @@ HOST_OVERHEAD_GIB = 4.0  # one process: torch and CUDA libraries, compile worker
 DEVICE_BYTES_LOWER_BOUND = {"eager": 16, "compile": 16, "compile_ac": 16, "torchao_offload": 8,
                             "ds_zero2_offload": 2}
 # Rough device need when uncapped, for admission only (a wrong guess costs time, never a wrong row): bytes per
-# parameter on the device, plus activations (run.py's activation estimate)
+# parameter on the device, plus activations (suite/admission.py's activation_gib)
 DEVICE_BYTES_ESTIMATE = {"eager": 16, "compile": 16, "compile_ac": 16, "protrain": 16, "torchao_offload": 8,
                          "ds_zero2_offload": 4, "ds_zero3_offload": 0, "fsdp2_offload": 0}
 
@@ -206,12 +208,12 @@ def protrain(spec, x, y):
         out["plan_predicted"] = {k: v for k, v in pred.items() if k not in ("timeline", "profiled")}
         out["plan_profiled"] = {k: v for k, v in (pred.get("profiled") or {}).items() if k != "timeline"}
         out["plan_measured"] = plan.measured
-        from protrain_fx import chunks, optim
+        from protrain_fx.runtime import chunk_store, hybrid_optim
 
-        handle = optim.handle_of(opt)
+        handle = hybrid_optim.handle_of(opt)
         if handle is not None:  # where the step's time went (host-side seconds, cumulative over the run)
             out["optimizer_timers"] = dict(handle.timers.__dict__)
-        store = next((chunks.store_of(p) for p in model.parameters() if chunks.store_of(p) is not None), None)
+        store = next((chunk_store.store_of(p) for p in model.parameters() if chunk_store.store_of(p) is not None), None)
         if store is not None:
             out["chunk_stats"] = dict(store.stats)
         return out
@@ -321,7 +323,8 @@ def torchao_offload(spec, x, y):
 class System(NamedTuple):
     fn: Callable
     cuda_only: bool  # runs on a GPU only (a CPU run is an error row)
-    wheels: bool  # imports a package from .whl/ (installed into run.py's PEER_SITE on the GPU machine)
+    # imports a package from .whl/ (installed into suite/machine.py's PEER_SITE on the GPU machine)
+    wheels: bool
     describe: str
 
 

@@ -4,6 +4,7 @@ passes run on which stage; they are also usable on their own.
 
 Installed as ``protrain_fx.passes`` (the source folder is the top-level ``passes/``).
 """
-from .annotate import META_KEY, NodeAnnotation, annotate, annotation_of
+from protrain_fx.graph.annotation import META_KEY, NodeAnnotation, annotation_of
+from protrain_fx.passes.annotate import annotate
 
 __all__ = ["META_KEY", "NodeAnnotation", "annotate", "annotation_of"]

@@ -1,6 +1,6 @@
 """block_marks (dynamo graph, block profiling only): put every transformer block between ``protrain::mark``
 ops, so that one real step records each block's forward and backward time and transient peak as the
-compiled kernels run them (protrain_fx/block_timer.py).
+compiled kernels run them (protrain_fx/runtime/block_timer.py).
 
 Each value a block reads from outside it (its input, e.g. the residual stream; parameters and graph inputs
 excepted) goes through ``mark(x, block, 0)`` before the block's first node, and each value it hands to the
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from protrain_fx import block_timer, ops
-from protrain_fx.plan import Plan
+from protrain_fx.runtime import block_timer, ops
+from protrain_fx.plan.plan import Plan
 
 
 def _is_tensor(node) -> bool:

@@ -9,7 +9,7 @@ parameter's placeholder (forward and backward uses alike) then reads that view; 
 lower than the parameter dtype an upcast follows, so the graph computes exactly what it did, except that
 casts the graph already had to the transfer dtype (autocast's) read the low-precision view directly.
 1-D parameters (biases, norm weights) in the parameter dtype come from ``protrain::vectors`` as tensors of
-their own instead (see protrain_fx.ops).
+their own instead (see protrain_fx.runtime.ops).
 
 Why in the joint graph: gradients keep flowing to the parameter placeholders as before (the backward nodes
 are already there), so the optimizer-calls pass can collect them per chunk; and the recompute pass can tag
@@ -26,12 +26,12 @@ from collections import defaultdict
 
 import torch
 import torch.fx as fx
-from protrain_fx.passes._fx import call, cast_dtype, node_positions
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation, annotation_of
+from protrain_fx.graph.fx import call, cast_dtype, node_positions
+from protrain_fx.graph.annotation import META_KEY, NodeAnnotation, annotation_of
 
-from protrain_fx import chunks, ops
-from protrain_fx.graph_inputs import joint_input_index
-from protrain_fx.plan import Plan
+from protrain_fx.runtime import chunk_store, ops
+from protrain_fx.graph.inputs import joint_input_index
+from protrain_fx.plan.plan import Plan
 
 
 def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -50,7 +50,7 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         is_primal = not node.name.startswith("tangents")
         if idx is not None and idx in plan.input_entry:
             store_id, entry = plan.input_entry[idx]
-            store = chunks.get_store(store_id)
+            store = chunk_store.get_store(store_id)
             chunk = store.entries[entry].chunk
             if store.is_offloaded(chunk):
                 members[(store_id, chunk)].append((node, entry, primal_ordinal))
@@ -66,7 +66,7 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         users = [u for ph, _, _ in params for u in ph.users]
         if not users:
             continue
-        store = chunks.get_store(store_id)
+        store = chunk_store.get_store(store_id)
         first_user = min(users, key=pos.__getitem__)
         ann = annotation_of(first_user)
         meta = {"partitioner_tag": "is_forward"} if tagged else {}

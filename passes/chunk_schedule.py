@@ -19,11 +19,12 @@ the cost model counts beside the buffers).
 from __future__ import annotations
 
 import torch.fx as fx
-from protrain_fx.passes._fx import alias_closure, call, node_positions
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
+from protrain_fx.graph.fx import alias_closure, call, node_positions
+from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
 
-from protrain_fx import _compat, chunks, ops
-from protrain_fx.plan import Plan
+from protrain_fx import _compat
+from protrain_fx.runtime import chunk_store, ops
+from protrain_fx.plan.plan import Plan
 
 
 def _last_reader(gather: fx.Node, pos: dict) -> fx.Node:
@@ -62,7 +63,7 @@ def chunk_schedule(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     plan.n_buffer = n_buffer
     with _compat.real_tensor_mode():  # compile callbacks run under aot_autograd's fake mode
         for store_id in {sid for sid, _ in plan.input_entry.values()}:
-            chunks.get_store(store_id).ensure_buffers(n_buffer)
+            chunk_store.get_store(store_id).ensure_buffers(n_buffer)
 
     def ann(g):
         a = g.meta.get(META_KEY)

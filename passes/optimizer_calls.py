@@ -4,7 +4,7 @@ Runs on the joint graph, after chunk_gather. The joint graph returns one gradien
 the forward outputs; for the parameters of an offloaded chunk (``plan.grad_slots``) the pass inserts, right
 after the last of them is computed, ``protrain::chunk_grad(grads, params)``, which packs them into a device
 gradient buffer in the chunk layout (master dtype), copies that to the host on the copy stream and lets the
-host worker accumulate it and maybe step the chunk (protrain_fx/chunks.py). The joint graph then returns
+host worker accumulate it and maybe step the chunk (protrain_fx/runtime/chunk_store.py). The joint graph then returns
 ``None`` for those parameters: their gradients live on the host, and autograd leaves ``param.grad`` to the
 runtime. Because the op takes the parameters themselves, the partitioner keeps them as inputs of the
 backward graph, so the runtime finds the chunk from the parameters each call was made with.
@@ -12,11 +12,11 @@ backward graph, so the runtime finds the chunk from the parameters each call was
 from __future__ import annotations
 
 import torch.fx as fx
-from protrain_fx.passes._fx import call, node_positions, output_node
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
+from protrain_fx.graph.fx import call, node_positions, output_node
+from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
 
-from protrain_fx import ops
-from protrain_fx.plan import Plan
+from protrain_fx.runtime import ops
+from protrain_fx.plan.plan import Plan
 
 
 def optimizer_calls(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import operator
 
 import torch.fx as fx
-from protrain_fx.passes._fx import cast_dtype, is_view_op
-from protrain_fx.passes.annotate import annotation_of
+from protrain_fx.graph.fx import cast_dtype, is_view_op
+from protrain_fx.graph.annotation import annotation_of
 from torch.utils.checkpoint import CheckpointPolicy
 
-from protrain_fx import ops
-from protrain_fx.plan import Plan
+from protrain_fx.runtime import ops
+from protrain_fx.plan.plan import Plan
 
 # Gathers share one id above every block's: the partitioner turns a tagged node into MUST_SAVE when a
 # tagged user has a *larger* id, which must never happen to a gathered view (block ids are 0..n-1).

@@ -16,11 +16,11 @@ autograd and the optimizer read averaged gradients; only the tail of the last ch
 from __future__ import annotations
 
 import torch.fx as fx
-from protrain_fx.passes._fx import call, output_node, take_chunk_grads
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation
+from protrain_fx.graph.fx import call, output_node, take_chunk_grads
+from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
 
-from protrain_fx import ops
-from protrain_fx.plan import Plan
+from protrain_fx.runtime import ops
+from protrain_fx.plan.plan import Plan
 
 
 def resident_grads(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

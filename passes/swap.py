@@ -4,7 +4,7 @@ and backward.
 ``swap_offload`` (forward graph): every floating-point tensor the forward saves for backward that a swap
 block produced (on the compute device; a host scalar saved beside CUDA work stays) gets ``protrain::offload``
 right after its producer: a device-to-host copy into new host memory of its own (each call of the graph its
-own), started as soon as the value exists, from a device copy that the runtime owns (protrain_fx/swap_pool.py
+own), started as soon as the value exists, from a device copy that the runtime owns (protrain_fx/runtime/swap_pool.py
 says why). The forward returns the host copy instead. Before block b+2's forward begins (or at the graph's
 end), ``protrain::offload_wait`` makes the compute stream wait for block b's copies, which bounds how far
 they lag behind the compute.
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from protrain_fx.passes._fx import call, node_positions, output_node
-from protrain_fx.passes.annotate import META_KEY, NodeAnnotation, annotation_of
+from protrain_fx.graph.fx import call, node_positions, output_node
+from protrain_fx.graph.annotation import META_KEY, NodeAnnotation, annotation_of
 
-from protrain_fx import ops
-from protrain_fx.plan import Plan
+from protrain_fx.runtime import ops
+from protrain_fx.plan.plan import Plan
 
 
 def _swap_blocks(plan: Plan) -> set[int]:

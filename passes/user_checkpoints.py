@@ -11,10 +11,10 @@ how many nodes it freed in ``plan.notes``.
 from __future__ import annotations
 
 import torch.fx as fx
-from protrain_fx.passes.annotate import annotation_of
+from protrain_fx.graph.annotation import annotation_of
 from torch.utils.checkpoint import CheckpointPolicy
 
-from protrain_fx.plan import Plan
+from protrain_fx.plan.plan import Plan
 
 _RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 

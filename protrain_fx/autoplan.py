@@ -8,9 +8,9 @@ For a new training graph (on a CUDA device, or wherever a ``memory_budget`` is g
    loss (never served again: the new search keeps its predictions under 90% of the failed plan's peak) or
    its predicted peak exceeds the budget asked for now;
 2. otherwise compiles the graph under the most frugal plan (every chunk offloaded, every block recomputed),
-   runs one profiled step on the real inputs (protrain_fx/profiler.py; nothing it does reaches training),
+   runs one profiled step on the real inputs (protrain_fx/profiling/profiler.py; nothing it does reaches training),
    and gives the parameters back (the chosen plan places them afresh);
-3. searches every plan with the cost model (protrain_fx/search.py) under the budget (``memory_budget``, or
+3. searches every plan with the cost model (protrain_fx/plan/search.py) under the budget (``memory_budget``, or
    the device memory this process can use less :func:`reserve_bytes`) and the host memory, honouring the
    knobs given in the options;
 4. returns the options with every knob set, and the prediction (time, peak, timeline) for the plan.
@@ -33,16 +33,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import allocator, distributed, hardware
-from ._version import __version__
-from .chunk_layout import choose_chunk_size, pack
-from .chunks import store_of
-from .cost_model import Hardware, LayoutCosts
-from .options import Options, ProtrainError, format_bytes
-from .param_values import dissolve_store
-from .planner import _copy_graph_module
-from .profiler import graph_profile, profile_step
-from .search import NoPlanFits, search
+from protrain_fx.machine import allocator
+from protrain_fx.runtime import distributed
+from protrain_fx._version import __version__
+from protrain_fx.plan.layout import choose_chunk_size, pack
+from protrain_fx.runtime.chunk_store import store_of
+from protrain_fx.plan.cost_model import Hardware, LayoutCosts
+from protrain_fx.options import Options, format_bytes
+from protrain_fx.errors import ProtrainError
+from protrain_fx.runtime.param_values import dissolve_store
+from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.profiling.profiler import graph_profile, profile_step
+from protrain_fx.errors import NoPlanFits
+from protrain_fx.plan.search import search
+from protrain_fx.machine import measure
+from protrain_fx.machine import memory
+from protrain_fx.machine import pinned
+from protrain_fx.machine import profile
 
 log = logging.getLogger("protrain_fx")
 COST_MODEL_VERSION = 11  # bump when the profile or the cost model changes meaning: old cache entries miss
@@ -82,7 +89,7 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     everything already allocated except this graph's parameters (which the plan places) and the reserve."""
     if opts.memory_budget is not None:
         return opts.memory_budget, "memory_budget"
-    free, total, _, _ = hardware.current_memory(device)
+    free, total, _, _ = memory.current_memory(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
     limit = int(total * fraction)
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
@@ -107,7 +114,7 @@ def _cache_key(gm, example_inputs, opts: Options, hw_key: str, budget: int, allo
 
 
 def cache_path(key: str) -> str:
-    return os.path.join(hardware.cache_root(), "plans", f"{key}.json")
+    return os.path.join(profile.cache_root(), "plans", f"{key}.json")
 
 
 def _read(path: str) -> dict | None:
@@ -206,7 +213,7 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
                      "opt} to let the plan offload chunks)")
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
     budget, budget_why = device_budget(opts, device, params)
-    hw_profile = hardware.hardware_profile(device)
+    hw_profile = measure.hardware_profile(device)
     key = _cache_key(gm, example_inputs, opts, hw_profile.key, budget, alloc.key)
     path = cache_path(key)
     # rank 0's cache decides for every rank
@@ -232,7 +239,7 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     frugal = dataclasses.replace(opts, chunk_size=default_size, n_persist=0, n_buffer=fixed["n_buffer"],
                                  n_swap=0, n_checkpoint=n_blocks, dump_dir=opts.dump_dir and os.path.join(opts.dump_dir, "profiling"))
     t0 = time.perf_counter()
-    compiled, plan = compile_profiling(_copy_graph_module(gm), frugal)
+    compiled, plan = compile_profiling(copy_graph_module(gm), frugal)
     compile_s = time.perf_counter() - t0
     stores = list({id(s): s for s in (store_of(p) for p in live) if s is not None}.values())
     try:
@@ -253,7 +260,7 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     del stores
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    hardware.release_cached_pinned_memory()  # so that the host memory measured below is what is free
+    pinned.release_cached_pinned_memory()  # so that the host memory measured below is what is free
 
     # ---- search
     master_elem = live[0].dtype.itemsize
@@ -269,7 +276,7 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     frag = allocator.fragmentation(alloc)
     profiles = [graph_profile(step, static, entries, cs, master_elem=master_elem, transfer_elem=transfer_elem,
                               resident_cast_elem=cast_elem, fragmentation=frag) for cs in sizes]
-    _, _, host_avail, host_total = hardware.current_memory(device)
+    _, _, host_avail, host_total = memory.current_memory(device)
     # the profiling store's masters (host_init's values moved into them) are freed as the plan's store
     # takes each chunk over
     host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))

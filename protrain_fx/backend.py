@@ -40,18 +40,24 @@ from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.swap import swap_offload, swap_reload
 from protrain_fx.passes.user_checkpoints import user_checkpoints
 
-from . import _compat, allocator, autoplan, config, distributed, ops, profiler  # noqa: F401  (ops: registers the protrain:: custom ops)
-from .blocks import detect_blocks
-from .dump import GraphDump
-from .graph_inputs import capture_graph_inputs
-from .optimizer_lookup import find_optimizer
-from .binding import GraphBinding, on_error, runtime_guard
-from .options import Options, OptionsError, ProtrainError, forget_optimizer, format_bytes
-from .placement import autocast_dtypes, bind_chunks
-from .plan import Plan, register_plan
-from .param_values import placement_snapshot
-from .planner import _copy_graph_module, make_plan, saved_names
-from .step_meter import StepMeter
+from protrain_fx import _compat, autoplan, config
+from protrain_fx.machine import allocator
+from protrain_fx.runtime import distributed, ops  # noqa: F401  (ops: registers the protrain:: custom ops)
+from protrain_fx.profiling import profiler
+from protrain_fx.graph.blocks import detect_blocks
+from protrain_fx.report.dump import GraphDump
+from protrain_fx.graph.inputs import capture_graph_inputs
+from protrain_fx.runtime.optimizer_lookup import find_optimizer
+from protrain_fx.runtime.binding import GraphBinding, on_error, runtime_guard
+from protrain_fx.options import Options, forget_optimizer, format_bytes
+from protrain_fx.errors import OptionsError, ProtrainError
+from protrain_fx.placement import autocast_dtypes, bind_chunks
+from protrain_fx.plan.plan import Plan, register_plan
+from protrain_fx.runtime.param_values import placement_snapshot
+from protrain_fx.graph.fx import copy_graph_module, saved_names
+from protrain_fx.graph.build_plan import make_plan
+from protrain_fx.profiling.step_meter import StepMeter
+from protrain_fx.machine import memory
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 log = logging.getLogger("protrain_fx")
@@ -259,7 +265,7 @@ def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = 
         if found is not None:
             opts = dataclasses.replace(opts, optimizer=found)
             del found
-    eager_graph = _copy_graph_module(gm)  # as dynamo traced it: what a call with other parameters runs
+    eager_graph = copy_graph_module(gm)  # as dynamo traced it: what a call with other parameters runs
     restore = placement_snapshot(live)
     try:
         compiled, plan, device, choice = _compile(gm, example_inputs, graph_inputs, params, opts, options)
@@ -372,7 +378,7 @@ class ProtrainGraph:
         if opts.optimizer is None and self._optimizer is not None and self._optimizer() is not None:
             opts = dataclasses.replace(opts, optimizer=self._optimizer())  # the one found at compile time
         peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
-        gm = _copy_graph_module(self._eager_graph)
+        gm = copy_graph_module(self._eager_graph)
         examples = list(args)
         if self._symbolic and self._tracing is not None:
             examples = [a if e is None else e for a, e in zip(args, self._examples)]
@@ -419,10 +425,9 @@ def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options, f
 def _check_host_memory(plan: Plan, opts: Options, params: list, device) -> None:
     """Before anything is allocated: the host memory that offloading the chunks of parameters without a store
     yet needs (master, gradient, two moments, the transfer copy) fits what the host has, less a reserve."""
-    from . import hardware
-    from .chunks import store_of
-    from .options import format_bytes
-    from .search import NoPlanFits
+    from protrain_fx.runtime.chunk_store import store_of
+    from protrain_fx.options import format_bytes
+    from protrain_fx.errors import NoPlanFits
 
     live = [p for p in params if p is not None]
     if opts.n_persist is None or not live or any(store_of(p) is not None for p in live):
@@ -432,7 +437,7 @@ def _check_host_memory(plan: Plan, opts: Options, params: list, device) -> None:
     transfer = opts.param_dtype.itemsize if opts.param_dtype is not None else elem
     per_param_bytes = 4 * elem + (transfer if transfer != elem else 0)
     need = offloaded // elem * per_param_bytes
-    _, _, available, total = hardware.current_memory(device)
+    _, _, available, total = memory.current_memory(device)
     reserve = max(2 << 30, int(0.05 * total))
     if need > available - reserve:
         raise NoPlanFits(

@@ -19,7 +19,8 @@ def configure(**options: Any) -> None:
     """Set default options for every later protrain compile in this process (``None`` unsets one), e.g.
     ``protrain_fx.configure(memory_budget="24GiB")``. The optimizer cannot be a default: protrain finds the
     user's Adam/AdamW by itself, or it is given per compile."""
-    from .options import Options, OptionsError
+    from protrain_fx.options import Options
+    from protrain_fx.errors import OptionsError
 
     valid = [k for k in Options.valid_keys() if k != "optimizer"]
     unknown = sorted(k for k in options if k not in valid)

@@ -13,13 +13,7 @@ from typing import Any
 
 import torch
 
-
-class ProtrainError(RuntimeError):
-    """Base class of the errors protrain-fx raises on bad input."""
-
-
-class OptionsError(ProtrainError, ValueError):
-    """An option is unknown or has a bad value."""
+from protrain_fx.errors import OptionsError
 
 
 _UNITS = {

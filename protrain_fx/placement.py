@@ -12,14 +12,17 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from . import _compat, distributed, optim
-from .chunk_layout import pack
-from .chunks import ChunkStore, store_of
-from .options import Options, ProtrainError
-from .param_values import HOST_VALUES, hook_owners_of
-from .plan import ChunkPlan, Plan
-from .cost_model import ADAM_STATES
-from .planner import estimate_device_bytes, saved_activation_bytes
+from protrain_fx import _compat
+from protrain_fx.runtime import distributed, hybrid_optim
+from protrain_fx.plan.layout import pack
+from protrain_fx.runtime.chunk_store import ChunkStore, store_of
+from protrain_fx.options import Options
+from protrain_fx.errors import ProtrainError
+from protrain_fx.runtime.param_values import HOST_VALUES, hook_owners_of
+from protrain_fx.plan.plan import ChunkPlan, Plan
+from protrain_fx.plan.cost_model import ADAM_STATES
+from protrain_fx.plan.cost_model import estimate_device_bytes
+from protrain_fx.graph.fx import saved_activation_bytes
 
 
 def autocast_dtypes() -> dict[str, torch.dtype]:
@@ -62,7 +65,7 @@ def _bind(plan, options, params, root, graph, training, autocast) -> None:
     if offloaded and training and not plan.profiling:  # the profiler's step drops its gradients
         if options.optimizer is not None:
             for s in offloaded:
-                optim.attach(options.optimizer, s)
+                hybrid_optim.attach(options.optimizer, s)
         elif not any(s.optimizer is not None for s in offloaded):
             plan.notes.append(
                 "offloaded chunks are stepped by your optimizer through device views of host memory, which is "
@@ -105,7 +108,7 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     elif store.offloaded_chunks:
         plan.notes.append(
             "could not find the compiled module, so model.state_dict() cannot read offloaded parameters; "
-            "read them with protrain_fx.param_values.value_of(param)"
+            "read them with protrain_fx.runtime.param_values.value_of(param)"
         )
 
 

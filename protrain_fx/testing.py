@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import Plan, get_plan
+from protrain_fx.plan.plan import Plan, get_plan
 
 
 def random_batches(n: int, batch: int, seq: int, vocab: int = 256, seed: int = 0, device="cpu"):

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from models import build
 
-from protrain_fx import backend, ops, swap_pool
+from protrain_fx import backend
+from protrain_fx.runtime import ops, swap_pool
 from protrain_fx.testing import compare_with_eager, random_batches, train_steps
 
 LOSS_REL, PARAM_ABS = 1e-5, 1e-3

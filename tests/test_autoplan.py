@@ -6,7 +6,7 @@ from models import build
 
 import protrain_fx
 from protrain_fx import autoplan
-from protrain_fx.search import NoPlanFits
+from protrain_fx.errors import NoPlanFits
 from protrain_fx.testing import compare_with_eager, make_adamw, random_batches, train_steps
 
 OPTS = {"compiler": "eager"}
@@ -93,8 +93,8 @@ def test_the_users_adamw_is_found_when_not_given():
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3 and r.max_param_update > 1e-3
     assert r.plan.n_persist < len(r.plan.chunks)
     assert any(n.startswith("optimizer found: the AdamW") for n in r.plan.notes), r.plan.notes
-    from protrain_fx import optim
-    assert optim.handle_of(r.opt) is not None
+    from protrain_fx.runtime import hybrid_optim
+    assert hybrid_optim.handle_of(r.opt) is not None
 
 
 def test_a_budget_that_needs_offloading_without_an_optimizer_says_to_pass_it():
@@ -165,7 +165,7 @@ def test_profiled_blocks_give_a_measured_timeline(monkeypatch, tmp_path):
     """PROTRAIN_PROFILE_BLOCKS=1: the chosen plan keeps its block marks, and a recent step's marks become
     plan.measured["timeline"], drawn against the prediction (marks are cleared every step)."""
     monkeypatch.setenv("PROTRAIN_PROFILE_BLOCKS", "1")
-    from protrain_fx import block_timer
+    from protrain_fx.runtime import block_timer
 
     model = gpt()
     r = compare_with_eager(model, random_batches(5, 2, 16, vocab=64), dict(OPTS, memory_budget="1GiB"),

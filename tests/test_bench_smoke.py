@@ -19,6 +19,8 @@ BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 import run  # noqa: E402
 import timeshare  # noqa: E402
+from suite import admission, failures, machine, merging, resume, scenarios  # noqa: E402
+from suite import scheduler, size_search  # noqa: E402
 
 H200_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
             "{free} is free. Including non-PyTorch memory, this process has 23.10 GiB memory in use.")
@@ -33,7 +35,7 @@ def test_smoke_writes_a_row_per_system_and_the_files(tmp_path):
     rows = {r["system"]: r for r in data["rows"]}
     assert set(rows) == set(run.SYSTEMS) and len(data["rows"]) == len(run.SYSTEMS), p.stdout
     for name, r in rows.items():
-        assert set(run.ROW_KEYS) <= set(r), name
+        assert set(scenarios.ROW_KEYS) <= set(r), name
         ok = r["error"] is None and r["tokens_per_s"] and r["tokens_per_s"] > 0
         assert ok or (isinstance(r["error"], str) and r["error"]), (name, r)
     for name in ("protrain", "eager", "compile", "compile_ac"):  # these run on the CPU
@@ -63,7 +65,7 @@ def test_smoke_writes_a_row_per_system_and_the_files(tmp_path):
     ("import time; time.sleep(30)", "timed out after 2 s"),
 ])
 def test_a_failing_child_becomes_an_error(code, expect):
-    res = run.run_child([sys.executable, "-c", code], dict(os.environ), timeout=2)
+    res = scheduler.run_child([sys.executable, "-c", code], dict(os.environ), timeout=2)
     if expect is None:
         assert res == {"tokens_per_s": 5.0}
     else:
@@ -73,34 +75,37 @@ def test_a_failing_child_becomes_an_error(code, expect):
 # ----------------------------------------------------------------------------- the GPU path, children faked
 def _gpu_ctx(argv=(), total=139.8, host=120.0):
     args = run.parse_args(["--device", "cuda", *argv])
-    return run.Ctx(args, total, host)
+    return scheduler.Ctx(args, total, host)
 
 
 def test_predicted_failures_are_rows_not_runs():
     ctx = _gpu_ctx()
-    sc = run.scenarios(ctx.args)["llama-cap40"]
+    sc = scenarios.scenarios(ctx.args)["llama-cap40"]
     expect = {"compile": "OOM (predicted", "eager": "OOM (predicted", "compile_ac": "OOM (predicted",
               "torchao_offload": "OOM (predicted", "ds_zero2_offload": None, "ds_zero3_offload": None,
               "fsdp2_offload": None, "protrain": None}
     for system, want in expect.items():
-        row = run.base_row("llama-cap40", system, sc)
-        got = run.predicted_failure(system, row, ctx)
+        row = scenarios.base_row("llama-cap40", system, sc)
+        got = admission.predicted_failure(system, row, ctx)
         assert (got is None) if want is None else got.startswith(want), (system, got)
-    row = run.base_row("llama-cap40", "ds_zero3_offload", sc)
+    row = scenarios.base_row("llama-cap40", "ds_zero3_offload", sc)
     small_host = _gpu_ctx(host=50.0)
-    assert run.predicted_failure("ds_zero3_offload", row, small_host).startswith("host OOM (predicted")
-    assert run.short_error(run.predicted_failure("ds_zero3_offload", row, small_host)) == "host OOM*"
-    assert run.predicted_failure("ds_zero3_offload", row, _gpu_ctx(["--no-predict"], host=50.0)) is None
-    cpu = run.Ctx(run.parse_args(["--device", "cpu"]), 0.0, 20.0)
-    assert "needs CUDA" in run.predicted_failure("fsdp2_offload", row, cpu)
+    host_oom = admission.predicted_failure("ds_zero3_offload", row, small_host)
+    assert host_oom.startswith("host OOM (predicted")
+    assert failures.short_error(host_oom) == "host OOM*"
+    no_predict = _gpu_ctx(["--no-predict"], host=50.0)
+    assert admission.predicted_failure("ds_zero3_offload", row, no_predict) is None
+    cpu = scheduler.Ctx(run.parse_args(["--device", "cpu"]), 0.0, 20.0)
+    assert "needs CUDA" in admission.predicted_failure("fsdp2_offload", row, cpu)
 
 
 def test_own_limit_hit_reads_torch_oom_messages():
-    assert run.own_limit_hit(H200_OOM.format(free="80.00 GiB"))  # the process's cap stopped it
-    assert not run.own_limit_hit(H200_OOM.format(free="1.50 GiB"))  # the device was full
-    assert not run.own_limit_hit(H200_OOM.format(free="512.00 MiB"))
-    assert not run.own_limit_hit("OOM: something else ran out of memory")
-    assert run.memory_failure("killed by SIGKILL (the host's OOM killer?)") and not run.memory_failure("boom")
+    assert failures.own_limit_hit(H200_OOM.format(free="80.00 GiB"))  # the process's cap did
+    assert not failures.own_limit_hit(H200_OOM.format(free="1.50 GiB"))  # the device was full
+    assert not failures.own_limit_hit(H200_OOM.format(free="512.00 MiB"))
+    assert not failures.own_limit_hit("OOM: something else ran out of memory")
+    assert failures.memory_failure("killed by SIGKILL (the host's OOM killer?)")
+    assert not failures.memory_failure("boom")
 
 
 def test_gpu_run_with_children_faked(tmp_path, monkeypatch):
@@ -131,10 +136,11 @@ def test_gpu_run_with_children_faked(tmp_path, monkeypatch):
         return {"params": 123, "tokens_per_s": 1000.0 + len(system), "peak_gib": 20.0, "step_ms": 8.0,
                 "step_ms_min": 7.0, "step_ms_max": 9.0}
 
-    monkeypatch.setattr(run, "run_child", fake_run_child)
-    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(scheduler, "run_child", fake_run_child)
+    monkeypatch.setattr(machine, "gpu_info", lambda: ("NVIDIA H200", 139.8))
     monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")  # what the host-memory checks read
-    monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: log.update(status="fake") or "/fake/site")
+    monkeypatch.setattr(machine, "install_peer_wheels",
+                        lambda lock_path, log: log.update(status="fake") or "/fake/site")
     out = tmp_path / "gpu"
     run.main(["--device", "cuda", "--jobs", "3", "--scenarios", "gpt1.4b,gpt1.4b-cap24,llama-cap40",
               "--out", str(out)])
@@ -178,17 +184,18 @@ def test_resume_keeps_what_ran_and_runs_the_rest(tmp_path, monkeypatch):
         return dict(MEASURED, tokens_per_s=1000.0 + len(system))
 
     MEASURED = {"params": 123, "peak_gib": 1.0, "step_ms": 8.0, "step_ms_min": 7.0, "step_ms_max": 9.0}
-    monkeypatch.setattr(run, "run_child", fake_run_child)
-    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(scheduler, "run_child", fake_run_child)
+    monkeypatch.setattr(machine, "gpu_info", lambda: ("NVIDIA H200", 139.8))
     monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")
     out = str(tmp_path / "suite")
-    first = {"rows": [dict(run.base_row("gpt1.4b", "compile", run.scenarios(run.parse_args([]))["gpt1.4b"]),
+    gpt = scenarios.scenarios(run.parse_args([]))["gpt1.4b"]
+    first = {"rows": [dict(scenarios.base_row("gpt1.4b", "compile", gpt),
                            **dict(MEASURED, tokens_per_s=555.0), error=None, wall_s=1.0),
-                      dict(run.base_row("gpt1.4b", "eager", run.scenarios(run.parse_args([]))["gpt1.4b"]),
+                      dict(scenarios.base_row("gpt1.4b", "eager", gpt),
                            error="OOM: earlier", wall_s=1.0),
-                      dict(run.base_row("gpt1.4b", "protrain", run.scenarios(run.parse_args([]))["gpt1.4b"]),
+                      dict(scenarios.base_row("gpt1.4b", "protrain", gpt),
                            error="not run: the run's deadline passed", wall_s=0.0),
-                      dict(run.base_row("gpt1.4b", "compile_ac", run.scenarios(run.parse_args([]))["gpt1.4b"]),
+                      dict(scenarios.base_row("gpt1.4b", "compile_ac", gpt),
                            error="ModuleNotFoundError: No module named 'x' (not installed)", wall_s=1.0)]}
     (tmp_path / "suite.json").write_text(json.dumps(first))
     argv = ["--device", "cuda", "--scenarios", "gpt1.4b", "--systems", "compile,eager,protrain,compile_ac",
@@ -204,7 +211,7 @@ def test_resume_keeps_what_ran_and_runs_the_rest(tmp_path, monkeypatch):
     assert "earlier device call" in (tmp_path / "suite.md").read_text()
     run.main(argv)  # everything ran: a third call starts nothing
     assert started == ["protrain"]
-    assert run.resumed_rows(str(tmp_path / "missing.json"), [("gpt1.4b", "compile")]) == {}
+    assert resume.resumed_rows(str(tmp_path / "missing.json"), [("gpt1.4b", "compile")]) == {}
 
 
 def test_resume_goes_on_with_a_search_the_deadline_cut(tmp_path, monkeypatch):
@@ -222,9 +229,9 @@ def test_resume_goes_on_with_a_search_the_deadline_cut(tmp_path, monkeypatch):
         return {"params": n_layer * 10**8, "peak_gib": float(n_layer), "step_ms": 8.0, "step_ms_min": 7.0,
                 "step_ms_max": 9.0, "tokens_per_s": 1000.0 / n_layer}
 
-    monkeypatch.setattr(run, "run_child", fake_run_child)
-    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
-    monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: None)
+    monkeypatch.setattr(scheduler, "run_child", fake_run_child)
+    monkeypatch.setattr(machine, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(machine, "install_peer_wheels", lambda lock_path, log: None)
     monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "120GiB")
     out = str(tmp_path / "suite")
     argv = ["--device", "cuda", "--scenarios", "maxmodel", "--systems", "protrain", "--search-start", "16",
@@ -262,29 +269,31 @@ def test_resume_goes_on_with_a_search_the_deadline_cut(tmp_path, monkeypatch):
     assert "L48 measured again (--rerun-attempt)" in (tmp_path / "suite.md").read_text()
     started.clear()
     # forgetting the depth a search reports starts it over; a bad spec or no --resume is refused
-    assert run.forget_attempts(again, {56}) is None and run.forget_attempts(again, {8}) is again
+    assert resume.forget_attempts(again, {56}) is None
+    assert resume.forget_attempts(again, {8}) is again
     for bad in (["--rerun-attempt", "protrain@x", "--resume", "r.json"], ["--rerun-attempt", "protrain@48"]):
         with pytest.raises(SystemExit):
             run.parse_args(bad)
     older = dict(row, search_stopped="deadline or interrupt", search=row["search"][:2])
     del older["layers"]  # a row written before the depth was recorded: the largest attempt that trained
-    assert run.earlier_attempts(older)[32]["model"] == row["model"]
+    assert size_search.earlier_attempts(older)[32]["model"] == row["model"]
 
 
 def test_deadline_and_interrupt_rows():
-    sc = dict(kind="gpt", cfg=run.TINY_GPT, batch=2, seq=32, cap_gib=0.0, systems=tuple(run.SYSTEMS))
-    ctx = run.Ctx(run.parse_args(["--device", "cpu", "--deadline", "10"]), 0.0, 20.0)
+    sc = dict(kind="gpt", cfg=scenarios.TINY_GPT, batch=2, seq=32, cap_gib=0.0,
+              systems=tuple(run.SYSTEMS))
+    ctx = scheduler.Ctx(run.parse_args(["--device", "cpu", "--deadline", "10"]), 0.0, 20.0)
     ctx.deadline_at = time.monotonic() - 1
-    row = run.run_job("s", "eager", sc, ctx)
-    assert row["error"].startswith("not run:") and run.short_error(row["error"]) == "deadline"
+    row = scheduler.run_job("s", "eager", sc, ctx)
+    assert row["error"].startswith("not run:") and failures.short_error(row["error"]) == "deadline"
     assert row["params"] > 0 and row["tokens_per_s"] is None
     for spent in ("0", "-3"):  # a deadline already spent (a wrapper's time left): nothing starts
-        ctx = run.Ctx(run.parse_args(["--device", "cpu", "--deadline", spent]), 0.0, 20.0)
-        assert run.short_error(run.run_job("s", "eager", sc, ctx)["error"]) == "deadline"
-    ctx = run.Ctx(run.parse_args(["--device", "cpu"]), 0.0, 20.0)
+        ctx = scheduler.Ctx(run.parse_args(["--device", "cpu", "--deadline", spent]), 0.0, 20.0)
+        assert failures.short_error(scheduler.run_job("s", "eager", sc, ctx)["error"]) == "deadline"
+    ctx = scheduler.Ctx(run.parse_args(["--device", "cpu"]), 0.0, 20.0)
     assert ctx.deadline_at is None
     ctx.stopping = True
-    assert run.short_error(run.run_job("s", "eager", sc, ctx)["error"]) == "stopped"
+    assert failures.short_error(scheduler.run_job("s", "eager", sc, ctx)["error"]) == "stopped"
 
 
 @pytest.mark.parametrize("refine, largest, first_fail, tried", [
@@ -297,18 +306,18 @@ def test_size_search_doubles_until_the_first_failure(monkeypatch, refine, larges
     def fake_run_job(scenario, system, sc, ctx, priority=0):  # trains up to 12 layers, fails above
         n = sc["cfg"]["n_layer"]
         calls.append(n)
-        row = run.base_row(scenario, system, sc)
+        row = scenarios.base_row(scenario, system, sc)
         if n <= 12:
             row.update(tokens_per_s=100.0 / n, peak_gib=float(n))
         else:
             row["error"] = f"OOM: CUDA out of memory at {n} layers"
         return row
 
-    monkeypatch.setattr(run, "run_job", fake_run_job)
+    monkeypatch.setattr(size_search, "run_job", fake_run_job)
     args = run.parse_args(["--device", "cpu", "--search-width", "64", "--search-start", "2",
                            "--search-refine", str(refine)])
-    sc = run.scenarios(args)["maxmodel"]
-    row = run.search("eager", sc, SimpleNamespace(args=args), lambda r, what: None)
+    sc = scenarios.scenarios(args)["maxmodel"]
+    row = size_search.search("eager", sc, SimpleNamespace(args=args), lambda r, what: None)
     assert calls == tried
     assert row["error"] is None and row["model"] == f"GPT d64 L{largest} v50304"
     assert row["first_failure"]["layers"] == first_fail and "OOM" in row["first_failure"]["error"]
@@ -317,23 +326,24 @@ def test_size_search_doubles_until_the_first_failure(monkeypatch, refine, larges
 
 def test_size_search_stopped_by_the_deadline_is_not_a_failure(monkeypatch):
     def fake_run_job(scenario, system, sc, ctx, priority=0):
-        row = run.base_row(scenario, system, sc)
+        row = scenarios.base_row(scenario, system, sc)
         if sc["cfg"]["n_layer"] <= 4:
             row.update(tokens_per_s=1.0)
         else:
             row["error"] = "not run: the run's --deadline (10 s) was reached"
         return row
 
-    monkeypatch.setattr(run, "run_job", fake_run_job)
+    monkeypatch.setattr(size_search, "run_job", fake_run_job)
     args = run.parse_args(["--device", "cpu", "--search-width", "64", "--search-start", "2"])
-    row = run.search("eager", run.scenarios(args)["maxmodel"], SimpleNamespace(args=args), lambda r, what: None)
+    row = size_search.search("eager", scenarios.scenarios(args)["maxmodel"],
+                             SimpleNamespace(args=args), lambda r, what: None)
     assert row["error"] is None and row["first_failure"] is None and row["search_stopped"] == "deadline or interrupt"
     assert row["model"] == "GPT d64 L4 v50304"
 
 
 def test_merge_recomputes_ratios(tmp_path):
     def row(scenario, system, tps, cap=0.0):
-        r = dict.fromkeys(run.ROW_KEYS)
+        r = dict.fromkeys(scenarios.ROW_KEYS)
         r.update(scenario=scenario, system=system, model="GPT d64 L2 v256", params=10**6, cap_gib=cap, batch=2,
                  seq=32, tokens_per_s=tps, tflops=None if tps is None else tps * 1e-9, peak_gib=1.0)
         if tps is None:
@@ -349,8 +359,9 @@ def test_merge_recomputes_ratios(tmp_path):
     late = row("s", "compile", None)
     late["error"] = "not run: the run's --deadline (500 s) was reached"
     (tmp_path / "c.json").write_text(json.dumps(dict(meta, rows=[late])))  # never replaces a measured row
-    run.merge(SimpleNamespace(merge=[str(tmp_path / n) for n in ("a.json", "b.json", "c.json")],
-                              out=str(tmp_path / "merged"), note=["run 2 measured protrain alone"]))
+    merged = [str(tmp_path / n) for n in ("a.json", "b.json", "c.json")]
+    merging.merge(SimpleNamespace(merge=merged, out=str(tmp_path / "merged"),
+                                  note=["run 2 measured protrain alone"]), run.parse_args)
     data = json.loads((tmp_path / "merged.json").read_text())
     rows = {r["system"]: r for r in data["rows"]}
     assert len(data["rows"]) == 3 and len(data["merged_from"]) == 3
@@ -365,14 +376,17 @@ def test_merge_gives_every_system_a_row(tmp_path):
     """A merge of runs that never reached some systems still has a row for each, saying so; a row whose system
     could not be imported gives way to a later one, even one that was not run."""
     args = run.parse_args(["--search-start", "16"])
-    sc = run.scenarios(args)
-    gpt = dict(run.base_row("gpt1.4b", "compile", sc["gpt1.4b"]), tokens_per_s=100.0, error=None)
-    broken = dict(run.base_row("gpt1.4b", "ds_zero2_offload", sc["gpt1.4b"]),
+    sc = scenarios.scenarios(args)
+    gpt = dict(scenarios.base_row("gpt1.4b", "compile", sc["gpt1.4b"]), tokens_per_s=100.0,
+               error=None)
+    broken = dict(scenarios.base_row("gpt1.4b", "ds_zero2_offload", sc["gpt1.4b"]),
                   error="ModuleNotFoundError: No module named 'deepspeed'")
     late = dict(broken, error="not run: the run's --deadline (500 s) was reached")
-    big = dict(run.base_row("maxmodel", "protrain", dict(sc["maxmodel"], cfg=run.search_cfg(args, 32))),
+    l32 = dict(sc["maxmodel"], cfg=scenarios.search_cfg(args, 32))
+    big = dict(scenarios.base_row("maxmodel", "protrain", l32),
                tokens_per_s=5.0, error=None, layers=32, search=[])
-    capped = dict(run.base_row("llama-cap40", "protrain", sc["llama-cap40"]), tokens_per_s=2.0, error=None)
+    capped = dict(scenarios.base_row("llama-cap40", "protrain", sc["llama-cap40"]),
+                  tokens_per_s=2.0, error=None)
     meta = dict(date="d", device="NVIDIA H200", device_gib=139.8, torch="t", argv=[], host="h", ac_budget=0.5,
                 warmup=1, steps=1, jobs=1,
                 llama="l", search={k: getattr(args, "search_" + k) for k in ("width", "start", "max_layers", "batch",
@@ -380,8 +394,8 @@ def test_merge_gives_every_system_a_row(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(dict(meta, host="h240", host_gib_for_checks=240.0,
                                                      rows=[gpt, broken, big, capped])))
     (tmp_path / "b.json").write_text(json.dumps(dict(meta, host="h125", host_gib_for_checks=125.0, rows=[late])))
-    run.merge(SimpleNamespace(merge=[str(tmp_path / "a.json"), str(tmp_path / "b.json")],
-                              out=str(tmp_path / "merged"), note=[]))
+    merging.merge(SimpleNamespace(merge=[str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                                  out=str(tmp_path / "merged"), note=[]), run.parse_args)
     rows = {(r["scenario"], r["system"]): r for r in json.loads((tmp_path / "merged.json").read_text())["rows"]}
     # rows from machines with different host memory say which they ran on
     md = (tmp_path / "merged.md").read_text()
@@ -393,7 +407,7 @@ def test_merge_gives_every_system_a_row(tmp_path):
     assert rows[("gpt1.4b", "ds_zero2_offload")]["error"] == late["error"]
     assert rows[("gpt1.4b", "eager")]["error"] == "not run: none of the merged runs reached it"
     assert rows[("maxmodel", "ds_zero2_offload")]["error"] == "not run: none of the merged runs reached it"
-    assert run.short_error(rows[("maxmodel", "ds_zero2_offload")]["error"]) == "not run"
+    assert failures.short_error(rows[("maxmodel", "ds_zero2_offload")]["error"]) == "not run"
     assert rows[("maxmodel", "eager")]["layers"] == 16 and rows[("maxmodel", "eager")]["params"] > 0
     assert rows[("maxmodel", "protrain")]["tokens_per_s"] == 5.0
 
@@ -566,9 +580,9 @@ def test_two_parents_share_the_locks_and_leave_their_folder(tmp_path, monkeypatc
         return {"params": 123, "tokens_per_s": 1000.0, "peak_gib": 20.0, "step_ms": 8.0, "step_ms_min": 8.0,
                 "step_ms_max": 8.0}
 
-    monkeypatch.setattr(run, "run_child", fake_run_child)
-    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
-    monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: None)
+    monkeypatch.setattr(scheduler, "run_child", fake_run_child)
+    monkeypatch.setattr(machine, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(machine, "install_peer_wheels", lambda lock_path, log: None)
     run.main(["--device", "cuda", "--jobs", "3", "--scenarios", "gpt1.4b", "--out", str(tmp_path / "gpu")])
     assert set(envs) == set(run.SYSTEMS)
     for system, env in envs.items():
@@ -596,9 +610,9 @@ def test_a_heavy_child_waits_for_its_turn_without_spending_its_time_limit(tmp_pa
         return {"params": 123, "tokens_per_s": 1000.0, "peak_gib": 20.0, "step_ms": 8.0, "step_ms_min": 8.0,
                 "step_ms_max": 8.0}
 
-    monkeypatch.setattr(run, "run_child", fake_run_child)
-    monkeypatch.setattr(run, "gpu_info", lambda: ("NVIDIA H200", 139.8))
-    monkeypatch.setattr(run, "install_peer_wheels", lambda lock_path, log: None)
+    monkeypatch.setattr(scheduler, "run_child", fake_run_child)
+    monkeypatch.setattr(machine, "gpu_info", lambda: ("NVIDIA H200", 139.8))
+    monkeypatch.setattr(machine, "install_peer_wheels", lambda lock_path, log: None)
     try:
         run.main(["--device", "cuda", "--jobs", "3", "--scenarios", "gpt1.4b", "--deadline", "32",
                   "--systems", "compile,fsdp2_offload", "--out", str(tmp_path / "gpu")])
@@ -608,7 +622,7 @@ def test_a_heavy_child_waits_for_its_turn_without_spending_its_time_limit(tmp_pa
     assert started == ["compile"]
     assert rows["compile"]["error"] is None
     assert "waiting for the host-heavy turn" in rows["fsdp2_offload"]["error"]
-    assert run.not_run(rows["fsdp2_offload"])
+    assert failures.not_run(rows["fsdp2_offload"])
 
 
 def test_host_heavy_turns_go_first_come_first_served(tmp_path):

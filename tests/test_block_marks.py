@@ -3,7 +3,7 @@ protrain::mark ops in the compiled graphs, and training is unchanged."""
 import pytest
 import torch
 
-from protrain_fx import block_timer
+from protrain_fx.runtime import block_timer
 from protrain_fx.testing import compare_with_eager, random_batches
 from models import build
 

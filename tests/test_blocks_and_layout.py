@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 from models import build
 
 import protrain_fx
-from protrain_fx.chunk_layout import ALIGN_BYTES, choose_chunk_size, pack
-from protrain_fx.graph_inputs import fqn_from_source
-from protrain_fx.options import OptionsError
+from protrain_fx.plan.layout import ALIGN_BYTES, choose_chunk_size, pack
+from protrain_fx.graph.inputs import fqn_from_source
+from protrain_fx.errors import OptionsError
 from protrain_fx.testing import compare_with_eager, random_batches
 
 

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from models import build
 
 import protrain_fx
-from protrain_fx import chunks, cpu_adam, optim
-from protrain_fx.options import OptionsError, ProtrainError
+from protrain_fx.runtime import chunk_store, hybrid_optim
+from protrain_fx.machine import cpu_adam
+from protrain_fx.errors import OptionsError, ProtrainError
 from protrain_fx.testing import compare_with_eager, make_adamw, random_batches, train_steps
 
 LOSS_REL, PARAM_ABS = 1e-5, 1e-3
@@ -29,8 +30,8 @@ def llama(**kw):
                              "max_seq_len": 32, **kw})
 
 
-def store_of_model(model) -> chunks.ChunkStore:
-    return chunks.store_of(next(model.parameters()))
+def store_of_model(model) -> chunk_store.ChunkStore:
+    return chunk_store.store_of(next(model.parameters()))
 
 
 def assert_parity(r):
@@ -57,7 +58,7 @@ def test_offloaded_chunks_match_eager(compiler, n_persist):
     master = store.master[e.chunk]
     assert last.data_ptr() == master.data_ptr() + e.offset * 4 and last.shape == r.ref.ln_f.bias.shape
     assert torch.equal(last.detach(), r.ref.ln_f.bias.detach()) or r.max_param_abs <= PARAM_ABS
-    timers = optim.handle_of(r.opt).timers
+    timers = hybrid_optim.handle_of(r.opt).timers
     assert timers.in_backward_steps > 0  # steps 2.. overlapped backward
     assert timers.undone_steps == 0  # ... and opt.step() committed them
     assert timers.whole_chunk_steps == timers.in_backward_steps + timers.deferred_steps  # one group: flat steps
@@ -75,7 +76,7 @@ def test_offloaded_chunks_match_eager(compiler, n_persist):
 def test_knob_combinations_match_eager(kind, persist, n_buffer, chunk_kb):
     torch._dynamo.reset()
     model = gpt() if kind == "gpt" else llama()
-    n_chunks = protrain_fx.chunk_layout.pack(
+    n_chunks = protrain_fx.plan.layout.pack(
         [(n, p.numel() * 4) for n, p in model.named_parameters()], chunk_kb * 1000).n_chunks
     n_persist = {"none": 0, "some": max(1, n_chunks // 2), "all": n_chunks}[persist]
     options = {"compiler": "eager", "n_persist": n_persist, "n_buffer": n_buffer, "chunk_size": chunk_kb * 1000}
@@ -95,7 +96,7 @@ def test_two_param_groups_lr_scheduler_and_tied_embeddings():
     assert_parity(r)
     assert [g["lr"] for g in r.opt.param_groups] == [g["lr"] for g in r.ref_opt.param_groups]
     assert math.isclose(r.opt.param_groups[0]["lr"], 3e-3 * 0.5**5)
-    t = optim.handle_of(r.opt).timers
+    t = hybrid_optim.handle_of(r.opt).timers
     assert t.whole_chunk_steps < t.in_backward_steps + t.deferred_steps  # chunks that mix groups: per-group steps
     # the tied weight is one parameter, stored once, in an offloaded chunk
     sd = r.model.state_dict()
@@ -117,7 +118,7 @@ def test_gradient_accumulation(declared):
     losses = train_steps(mine, compiled, data, opt=opt, micro_steps=4)
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= LOSS_REL
     assert max((mine.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= PARAM_ABS
-    timers = optim.handle_of(opt).timers
+    timers = hybrid_optim.handle_of(opt).timers
     n_offloaded = len(store_of_model(mine).offloaded_chunks)
     # declared: all 3 steps overlap backward; learned: the first step is deferred, steps 2 and 3 overlap
     assert timers.in_backward_steps == (3 if declared else 2) * n_offloaded
@@ -141,7 +142,7 @@ def test_more_micro_steps_than_learned_stays_exact():
         o.zero_grad()
         train_steps(mine if o is opt else ref, m, data[4:], opt=o, micro_steps=1)
     assert max((mine.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= PARAM_ABS
-    t = optim.handle_of(opt).timers
+    t = hybrid_optim.handle_of(opt).timers
     assert t.undone_steps > 0 and t.in_backward_steps > 0
 
 
@@ -150,7 +151,7 @@ def test_gradient_clipping_includes_host_gradients():
                            give_optimizer=True, clip=0.05, lr=3e-3)
     assert_parity(r)
     # clipping must have been active: the unclipped norm is larger than 0.05
-    h = optim.handle_of(r.opt)
+    h = hybrid_optim.handle_of(r.opt)
     assert h.overlap is False and h.timers.in_backward_steps == 0
 
 
@@ -221,7 +222,7 @@ def test_inference_and_new_shapes_share_the_store():
     x = data[0][0]
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
-    assert len({id(s) for s in chunks._STORES.values() if s.params[0] is not None and s.params[0] in
+    assert len({id(s) for s in chunk_store._STORES.values() if s.params[0] is not None and s.params[0] in
                 set(model.parameters())}) == 1
 
 
@@ -233,7 +234,7 @@ def test_bf16_transfer_copies():
     store = store_of_model(r.model)
     assert store.param_dtype == torch.bfloat16
     if cpu_adam.available():  # with fused=True the one-pass kernel steps them and writes the bf16 copies
-        assert optim.handle_of(r.opt).timers.one_pass_steps > 0
+        assert hybrid_optim.handle_of(r.opt).timers.one_pass_steps > 0
     for c in store.offloaded_chunks:
         assert torch.equal(store.transfer[c], store.master[c].to(torch.bfloat16))
     assert r.max_loss_rel <= 2 * 2**-8, (r.losses, r.ref_losses)
@@ -284,7 +285,7 @@ def test_offloading_without_the_optimizer_is_exact():
     sd, ref_sd = mine.state_dict(), ref.state_dict()
     assert max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd) <= PARAM_ABS
     assert max((ref_sd[k] - v).abs().max().item() for k, v in base.state_dict().items()) > 1e-4
-    assert optim.handle_of(opt) is None
+    assert hybrid_optim.handle_of(opt) is None
     plan = protrain_fx.get_plan(compiled)
     assert set(c["placement"] for c in plan.to_dict()["chunks"]) == {"host"}
     assert any("stepped by your optimizer through device views" in n for n in plan.notes)
@@ -320,7 +321,7 @@ def test_state_read_right_after_a_step_is_current():
             m(x, y).backward()
             o.step()
             o.zero_grad()
-        h = optim.handle_of(opt)
+        h = hybrid_optim.handle_of(opt)
         sd, ref_sd = model.state_dict(), ref.state_dict()  # right after the step
         for k in ref_sd:
             torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-4)  # a missed step: ~lr = 1e-2
@@ -331,9 +332,9 @@ def _store_inputs(n_params=6, numel=1024):
     """Parameters as host_init leaves them (shells) with their values on the host, packed two per chunk."""
     torch.manual_seed(0)
     values = [torch.randn(numel) for _ in range(n_params)]
-    params = [(f"w{i}", torch.nn.Parameter(chunks.device_shell((numel,), torch.float32, torch.device("cpu"))))
+    params = [(f"w{i}", torch.nn.Parameter(chunk_store.device_shell((numel,), torch.float32, torch.device("cpu"))))
               for i in range(n_params)]
-    layout = protrain_fx.chunk_layout.pack([(f, numel * 4) for f, _ in params], 2 * numel * 4)
+    layout = protrain_fx.plan.layout.pack([(f, numel * 4) for f, _ in params], 2 * numel * 4)
     return values, params, layout
 
 
@@ -344,20 +345,20 @@ def test_store_frees_each_host_value_once_its_chunk_holds_it(monkeypatch):
 
     values, params, layout = _store_inputs()
     events = []
-    real = chunks.hardware.host_empty
-    monkeypatch.setattr(chunks.hardware, "host_empty",
+    real = chunk_store.pinned.host_empty
+    monkeypatch.setattr(chunk_store.pinned, "host_empty",
                         lambda n, dtype, pin: events.append("alloc") or real(n, dtype, pin))
     host_values = {}
     for (fqn, p), v in zip(params, values):
         host_values[id(p)] = v.clone()
         weakref.finalize(host_values[id(p)], events.append, f"freed {fqn}")
-    store = chunks.ChunkStore(params, layout, 1, torch.float32, host_values)
+    store = chunk_store.ChunkStore(params, layout, 1, torch.float32, host_values)
     assert host_values == {}  # every value taken over
     # chunk 0 resident (its values moved to the "device"), chunks 1 and 2 offloaded: values of chunk 1 are
     # freed before chunk 2's master is allocated
     assert events == ["freed w0", "freed w1", "alloc", "freed w2", "freed w3", "alloc", "freed w4", "freed w5"]
     for (fqn, p), v in zip(params, values):
-        assert torch.equal(protrain_fx.param_values.value_of(p), v)
+        assert torch.equal(protrain_fx.runtime.param_values.value_of(p), v)
     assert store.n_persist == 1
 
 
@@ -365,7 +366,7 @@ def test_a_store_failing_half_built_gives_the_values_back(monkeypatch):
     """Out of host memory in the middle of building the store: the parameters keep their values (the chunks
     already built hand theirs back), and nothing is registered."""
     values, params, layout = _store_inputs()
-    real, calls = chunks.hardware.host_empty, []
+    real, calls = chunk_store.pinned.host_empty, []
 
     def failing(n, dtype, pin):
         calls.append(n)
@@ -373,10 +374,10 @@ def test_a_store_failing_half_built_gives_the_values_back(monkeypatch):
             raise RuntimeError("out of pinned memory")
         return real(n, dtype, pin)
 
-    monkeypatch.setattr(chunks.hardware, "host_empty", failing)
+    monkeypatch.setattr(chunk_store.pinned, "host_empty", failing)
     host_values = {id(p): v.clone() for (_, p), v in zip(params, values)}
     with pytest.raises(RuntimeError, match="out of pinned memory"):
-        chunks.ChunkStore(params, layout, 0, torch.float32, host_values)
+        chunk_store.ChunkStore(params, layout, 0, torch.float32, host_values)
     assert set(host_values) == {id(p) for _, p in params}
     for (_, p), v in zip(params, values):
-        assert torch.equal(host_values[id(p)], v) and chunks.store_of(p) is None
+        assert torch.equal(host_values[id(p)], v) and chunk_store.store_of(p) is None

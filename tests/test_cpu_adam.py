@@ -1,9 +1,9 @@
-"""protrain_fx.cpu_adam: the one-pass CPU AdamW (+ bf16 transfer copy) against torch's fused CPU Adam."""
+"""protrain_fx.machine.cpu_adam: the one-pass CPU AdamW (+ bf16 transfer copy) against torch's fused CPU Adam."""
 import pytest
 import torch
 from torch.optim.adam import adam
 
-from protrain_fx import cpu_adam
+from protrain_fx.machine import cpu_adam
 
 pytestmark = pytest.mark.skipif(not cpu_adam.available(), reason=f"kernel not built: {cpu_adam.build_error()}")
 

@@ -62,7 +62,7 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
     import torch.distributed as dist
 
     import protrain_fx
-    from protrain_fx import chunks
+    from protrain_fx.runtime import chunk_store
     from protrain_fx.testing import make_adamw
 
     model = model_of(kind)
@@ -87,7 +87,7 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
     sd = model.state_dict()  # a collective for sharded chunks: every rank calls it
     osd = opt.state_dict()  # so is this: the moments of offloaded chunks are gathered
     plan = protrain_fx.get_plan(compiled)
-    store = chunks.store_of(next(model.parameters()))
+    store = chunk_store.store_of(next(model.parameters()))
     off = store.offloaded_chunks
     return {"losses": losses, "state": sd, "opt_state": osd["state"], "n_persist": plan.n_persist,
             "n_chunks": len(plan.chunks), "world": store.world.size,

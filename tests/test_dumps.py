@@ -10,7 +10,7 @@ import torch
 from models import build
 
 import protrain_fx
-from protrain_fx.dump import TSV_COLUMNS
+from protrain_fx.report.dump import TSV_COLUMNS
 from protrain_fx.testing import random_batches, train_steps
 
 

@@ -9,7 +9,7 @@ from models import build
 
 import protrain_fx
 from protrain_fx import backend
-from protrain_fx.chunks import ChunkStore
+from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.testing import make_adamw, random_batches
 
 

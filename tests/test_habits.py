@@ -706,7 +706,7 @@ def test_20_4_norm_logged_with_an_infinite_max_norm_keeps_the_overlap():
     base = gpt()
     p = parity(base, offload(base), habit=habit, data=gpt_data(4))
     p.check()
-    timers = protrain_fx.optim.handle_of(p.opts[0]).timers
+    timers = protrain_fx.runtime.hybrid_optim.handle_of(p.opts[0]).timers
     assert timers.in_backward_steps > 0 and timers.undone_steps == 0, vars(timers)
 
 

@@ -1,4 +1,4 @@
-"""Hardware profile (protrain_fx/hardware.py) on the CPU: measurement, the on-disk cache, live memory."""
+"""Hardware profile (protrain_fx/machine/) on the CPU: measurement, the on-disk cache, live memory."""
 import dataclasses
 import json
 import math
@@ -7,8 +7,10 @@ import os
 import pytest
 import torch
 
-from protrain_fx import hardware
-from protrain_fx.hardware import HardwareProfile, current_memory, hardware_profile
+from protrain_fx.machine import measure, memory, pinned, profile
+from protrain_fx.machine.measure import hardware_profile
+from protrain_fx.machine.memory import current_memory
+from protrain_fx.machine.profile import HardwareProfile
 
 RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "cpu_adam_params_per_s",
          "gpu_adam_params_per_s")
@@ -16,8 +18,8 @@ RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "cpu_adam_p
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    monkeypatch.delenv(hardware.ENV_REFRESH, raising=False)
-    monkeypatch.delenv(hardware.ENV_CACHE_DIR, raising=False)
+    monkeypatch.delenv(profile.ENV_REFRESH, raising=False)
+    monkeypatch.delenv(profile.ENV_CACHE_DIR, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def counting_measure(monkeypatch, measured):
         calls.append(device)
         return dataclasses.replace(measured[0], cpu_adam_params_per_s=1e9 + len(calls))
 
-    monkeypatch.setattr(hardware, "measure_hardware", fake)
+    monkeypatch.setattr(measure, "measure_hardware", fake)
     return calls
 
 
@@ -57,7 +59,7 @@ def test_profile_on_cpu_is_positive_and_finite(measured):
     (path,) = [f for f in os.listdir(folder) if f.endswith(".json")]
     with open(os.path.join(folder, path)) as f:
         data = json.load(f)
-    assert data["schema"] == hardware.SCHEMA_VERSION
+    assert data["schema"] == profile.SCHEMA_VERSION
     assert HardwareProfile.from_dict(data) == p
     assert HardwareProfile.from_dict(p.to_dict()) == p
     assert not [f for f in os.listdir(folder) if f.endswith(".tmp")]  # atomic write left nothing behind
@@ -67,7 +69,7 @@ def test_key_names_device_and_torch_version(measured):
     p, _ = measured
     assert torch.__version__ in p.key and p.torch_version == torch.__version__
     assert p.device_name and p.device_name in p.key
-    assert p.key == hardware.profile_key("cpu")
+    assert p.key == profile.profile_key("cpu")
     assert f"cores={p.cpu_cores}" in p.key and f"threads={torch.get_num_threads()}" in p.key
 
 
@@ -77,7 +79,7 @@ def test_cache_hit_does_not_measure(measured, monkeypatch):
     def boom(device=None):
         raise AssertionError("measured although a valid cache file exists")
 
-    monkeypatch.setattr(hardware, "measure_hardware", boom)
+    monkeypatch.setattr(measure, "measure_hardware", boom)
     again = hardware_profile("cpu", cache_dir=folder)
     assert again == p
     assert hardware_profile(None, cache_dir=folder) == p  # no CUDA here: None means the CPU
@@ -91,10 +93,10 @@ def test_refresh_measures_again(tmp_path, counting_measure, monkeypatch):
     second = hardware_profile("cpu", cache_dir=str(tmp_path), refresh=True)
     assert len(counting_measure) == 2 and second != first
     assert hardware_profile("cpu", cache_dir=str(tmp_path)) == second  # the refreshed one was stored
-    monkeypatch.setenv(hardware.ENV_REFRESH, "1")
+    monkeypatch.setenv(profile.ENV_REFRESH, "1")
     hardware_profile("cpu", cache_dir=str(tmp_path))
     assert len(counting_measure) == 3
-    monkeypatch.setenv(hardware.ENV_REFRESH, "0")
+    monkeypatch.setenv(profile.ENV_REFRESH, "0")
     hardware_profile("cpu", cache_dir=str(tmp_path))
     assert len(counting_measure) == 3
 
@@ -112,10 +114,10 @@ def test_refresh_measures_again(tmp_path, counting_measure, monkeypatch):
     "",
 ])
 def test_corrupt_or_stale_cache_is_measured_again(tmp_path, counting_measure, measured, content):
-    path = hardware.cache_path(hardware.profile_key("cpu"), str(tmp_path))
+    path = profile.cache_path(profile.profile_key("cpu"), str(tmp_path))
     good = measured[0].to_dict()
     if content == "OLD_SCHEMA":
-        content = json.dumps({**good, "schema": hardware.SCHEMA_VERSION - 1})
+        content = json.dumps({**good, "schema": profile.SCHEMA_VERSION - 1})
     elif content == "MISSING_FIELD":
         content = json.dumps({k: v for k, v in good.items() if k != "h2d_bytes_per_s"})
     elif content == "WRONG_TYPE":
@@ -134,7 +136,7 @@ def test_corrupt_or_stale_cache_is_measured_again(tmp_path, counting_measure, me
 
 
 def test_env_cache_dir_and_unwritable_dir(tmp_path, counting_measure, monkeypatch):
-    monkeypatch.setenv(hardware.ENV_CACHE_DIR, str(tmp_path / "root"))
+    monkeypatch.setenv(profile.ENV_CACHE_DIR, str(tmp_path / "root"))
     hardware_profile("cpu")
     assert [f for f in os.listdir(tmp_path / "root" / "hardware") if f.endswith(".json")]
     # a cache "folder" that is a file: the profile is still returned, just not cached
@@ -171,24 +173,24 @@ def test_current_memory_is_live_and_sane():
 
 def test_stated_host_memory_replaces_a_ballooned_total(monkeypatch):
     """$PROTRAIN_HOST_MEMORY: the stated total, less what is in use now (a cgroup limit still caps it)."""
-    monkeypatch.setattr(hardware, "_read_meminfo", lambda: (20 << 30, 31 << 30))  # 11 GiB in use
-    monkeypatch.setattr(hardware, "_cgroup_memory", lambda: None)
-    assert hardware.host_memory() == (20 << 30, 31 << 30)
+    monkeypatch.setattr(memory, "_read_meminfo", lambda: (20 << 30, 31 << 30))  # 11 GiB in use
+    monkeypatch.setattr(memory, "_cgroup_memory", lambda: None)
+    assert memory.host_memory() == (20 << 30, 31 << 30)
     monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "240GiB")
-    assert hardware.host_memory() == (229 << 30, 240 << 30)
-    monkeypatch.setattr(hardware, "_cgroup_memory", lambda: (100 << 30, 128 << 30))
-    assert hardware.host_memory() == (100 << 30, 128 << 30)
+    assert memory.host_memory() == (229 << 30, 240 << 30)
+    monkeypatch.setattr(memory, "_cgroup_memory", lambda: (100 << 30, 128 << 30))
+    assert memory.host_memory() == (100 << 30, 128 << 30)
     monkeypatch.setenv("PROTRAIN_HOST_MEMORY", "lots")
-    with pytest.raises(hardware.ProtrainError, match="PROTRAIN_HOST_MEMORY"):
-        hardware.host_memory()
+    with pytest.raises(memory.ProtrainError, match="PROTRAIN_HOST_MEMORY"):
+        memory.host_memory()
 
 
 def test_unsupported_devices():
-    with pytest.raises(hardware.ProtrainError):
-        hardware.resolve_device("meta")
+    with pytest.raises(memory.ProtrainError):
+        memory.resolve_device("meta")
     if not torch.cuda.is_available():
-        with pytest.raises(hardware.ProtrainError):
-            hardware.resolve_device("cuda")
+        with pytest.raises(memory.ProtrainError):
+            memory.resolve_device("cuda")
 
 
 def test_registered_host_memory_is_exact_and_unregistered_with_its_last_view(monkeypatch):
@@ -196,11 +198,11 @@ def test_registered_host_memory_is_exact_and_unregistered_with_its_last_view(mon
     chunk-sized blocks are anonymous memory of their exact size, page-locked in place; the registration
     ends (and the memory goes) when the last tensor over it is freed, not before."""
     calls = []
-    monkeypatch.setattr(hardware, "_host_register", lambda ptr, n: calls.append(("register", ptr, n)))
-    monkeypatch.setattr(hardware, "_host_unregister", lambda ptr: calls.append(("unregister", ptr)))
-    monkeypatch.setattr(hardware, "_pinned_exact", False)
-    monkeypatch.setattr(hardware, "PINNED_EXACT_ABOVE_MB", 0)
-    t = hardware.pinned_empty(1000, torch.float32)
+    monkeypatch.setattr(pinned, "_host_register", lambda ptr, n: calls.append(("register", ptr, n)))
+    monkeypatch.setattr(pinned, "_host_unregister", lambda ptr: calls.append(("unregister", ptr)))
+    monkeypatch.setattr(pinned, "_pinned_exact", False)
+    monkeypatch.setattr(pinned, "PINNED_EXACT_ABOVE_MB", 0)
+    t = pinned.pinned_empty(1000, torch.float32)
     assert t.shape == (1000,) and t.dtype == torch.float32
     assert calls == [("register", t.data_ptr(), 4000)]
     t.copy_(torch.arange(1000.0))
@@ -213,11 +215,11 @@ def test_registered_host_memory_is_exact_and_unregistered_with_its_last_view(mon
     del view
     gc.collect()
     assert calls[-1][0] == "unregister" and calls[-1][1] == calls[0][1]
-    assert hardware.registered_host_empty(0, torch.bfloat16).numel() == 0
+    assert pinned.registered_host_empty(0, torch.bfloat16).numel() == 0
     small = []  # blocks at or under the threshold stay with torch's allocator
-    monkeypatch.setattr(hardware, "PINNED_EXACT_ABOVE_MB", 1)
-    monkeypatch.setattr(hardware.torch, "empty", lambda *a, **k: small.append(k) or torch.zeros(1))
-    hardware.pinned_empty(1000, torch.float32)
+    monkeypatch.setattr(pinned, "PINNED_EXACT_ABOVE_MB", 1)
+    monkeypatch.setattr(pinned.torch, "empty", lambda *a, **k: small.append(k) or torch.zeros(1))
+    pinned.pinned_empty(1000, torch.float32)
     assert small == [{"dtype": torch.float32, "pin_memory": True}]
 
 
@@ -227,25 +229,26 @@ def test_a_torch_without_the_pinned_rounding_settings_is_not_an_error(monkeypatc
     def refuse(settings):
         raise ValueError("Unrecognized key 'pinned_max_round_threshold_mb' in Accelerator allocator config.")
 
-    monkeypatch.setattr(hardware, "_pinned_exact", None)
+    monkeypatch.setattr(pinned, "_pinned_exact", None)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
-    assert hardware.exact_pinned_blocks() is False
+    assert pinned.exact_pinned_blocks() is False
 
 
 def test_every_pinned_host_buffer_goes_through_pinned_empty():
     """torch 2.11 pins a block at the next power of two: a chunk's Adam moments and gradient pinned through
     ``torch.empty(..., pin_memory=True)`` took twice the plan's host bytes (run 5's 96-layer model was killed
-    by the host's OOM killer). Only hardware.py allocates pinned memory; everything else asks
-    hardware.pinned_empty, which is exact-size."""
+    by the host's OOM killer). Only machine/pinned.py (and the bandwidth measurement) allocates pinned memory; everything else asks
+    pinned.pinned_empty, which is exact-size."""
     import pathlib
     import re
 
-    root = pathlib.Path(hardware.__file__).parent
+    root = pathlib.Path(profile.__file__).parent.parent
     offenders = []
-    for path in list(root.glob("*.py")) + list((root.parent / "passes").glob("*.py")):
-        if path.name == "hardware.py":
+    for path in list(root.rglob("*.py")) + list((root.parent / "passes").glob("*.py")):
+        if path.relative_to(root.parent).as_posix() in ("protrain_fx/machine/pinned.py",
+                                                         "protrain_fx/machine/measure.py"):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"pin_memory\s*=|\.pin_memory\(", line.split("#")[0]):

@@ -4,9 +4,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from protrain_fx.memory_plot import plot_memory  # noqa: E402
-from protrain_fx.options import ProtrainError  # noqa: E402
-from protrain_fx.plan import Plan  # noqa: E402
+from protrain_fx.report.memory_plot import plot_memory
+from protrain_fx.errors import ProtrainError
+from protrain_fx.plan.plan import Plan
 
 GIB = 2**30
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -9,10 +9,11 @@ import torch
 from models import build
 
 import protrain_fx
-from protrain_fx import allocator, autoplan
+from protrain_fx.machine import allocator
+from protrain_fx import autoplan
 from protrain_fx.backend import StepOutOfMemory
-from protrain_fx.chunks import ChunkStore
-from protrain_fx.search import NoPlanFits
+from protrain_fx.runtime.chunk_store import ChunkStore
+from protrain_fx.errors import NoPlanFits
 from protrain_fx.testing import make_adamw, random_batches
 
 OPTS = {"compiler": "eager"}

@@ -4,7 +4,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from models import build
-from protrain_fx.passes import annotation_of
+from protrain_fx.graph.annotation import annotation_of
 
 import protrain_fx
 from protrain_fx import backend
@@ -112,11 +112,11 @@ def test_parity_and_block_ids_over_shapes(monkeypatch, kind, layers, heads, head
         stack = node.meta.get("nn_module_stack")
         if node.op != "call_function" or not stack:
             continue
-        in_blocks = [p for p, _ in stack.values() if protrain_fx.graph_inputs.module_path(p).startswith("blocks.")]
+        in_blocks = [p for p, _ in stack.values() if protrain_fx.graph.inputs.module_path(p).startswith("blocks.")]
         ann = annotation_of(node)
         assert ann.phase == "forward"
         if in_blocks:
-            expect = ".".join(protrain_fx.graph_inputs.module_path(in_blocks[0]).split(".")[:2])
+            expect = ".".join(protrain_fx.graph.inputs.module_path(in_blocks[0]).split(".")[:2])
             assert ann.block_name == expect and plan.blocks[ann.block].name == expect, node.format_node()
             checked += 1
         else:

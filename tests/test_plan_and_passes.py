@@ -3,14 +3,15 @@
 import pytest
 import torch
 from models import build
-from protrain_fx.passes import annotate, annotation_of
+from protrain_fx.graph.annotation import annotation_of
+from protrain_fx.passes.annotate import annotate
 
 import protrain_fx
 from protrain_fx import ProtrainError, backend
-from protrain_fx.blocks import detect_blocks
-from protrain_fx.graph_inputs import capture_graph_inputs
+from protrain_fx.graph.blocks import detect_blocks
+from protrain_fx.graph.inputs import capture_graph_inputs
 from protrain_fx.options import Options
-from protrain_fx.planner import make_plan
+from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.testing import random_batches, train_steps
 
 SCHEMA = {"chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "chunks", "blocks", "predicted", "measured"}

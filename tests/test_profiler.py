@@ -3,8 +3,8 @@ import torch
 from models import GPT, GPTConfig
 
 from protrain_fx import _compat, backend
-from protrain_fx.planner import saved_activation_bytes
-from protrain_fx.profiler import saved_bytes_by_block
+from protrain_fx.graph.fx import saved_activation_bytes
+from protrain_fx.profiling.profiler import saved_bytes_by_block
 
 
 def test_saved_bytes_by_block(monkeypatch):
@@ -44,7 +44,7 @@ def test_identical_blocks_share_the_fastest_time(monkeypatch):
     """A GPT's blocks have one signature (same ops, same FLOPs), so a stall that slowed some of them in the
     profiled step does not reach the cost model: every block gets the fastest one's times. Blocks that differ
     keep their own."""
-    from protrain_fx.profiler import SavedBytes, StaticProfile, StepProfile, block_signatures, identical_block_times
+    from protrain_fx.profiling.profiler import SavedBytes, StaticProfile, StepProfile, block_signatures, identical_block_times
 
     seen = {}
     partition = backend.GraphCompiler.partition

@@ -15,7 +15,7 @@ import pytest
 import torch
 from models import build
 
-from protrain_fx import chunk_buffers, swap_pool
+from protrain_fx.runtime import chunk_buffers, swap_pool
 from protrain_fx.testing import compare_with_eager, random_batches
 
 LOSS_REL, PARAM_ABS = 1e-5, 1e-3

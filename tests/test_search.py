@@ -6,8 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protrain_fx.cost_model import BlockProfile, ChunkProfile, GraphProfile, Hardware, Knobs, predict
-from protrain_fx.search import NoPlanFits, brute_force, search
+from protrain_fx.plan.cost_model import BlockProfile, ChunkProfile, GraphProfile, Hardware, Knobs, predict
+from protrain_fx.errors import NoPlanFits
+from protrain_fx.plan.search import brute_force, search
 
 HW = Hardware(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=90e9, cpu_adam_params_per_s=4e9,
               gpu_adam_params_per_s=120e9)

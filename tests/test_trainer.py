@@ -24,8 +24,8 @@ pytest.importorskip("accelerate")
 
 import protrain_fx  # noqa: E402
 from protrain_fx.integrations.transformers import ProtrainCallback  # noqa: E402
-from protrain_fx.optim import handle_of  # noqa: E402
-from protrain_fx.options import OptionsError, ProtrainError  # noqa: E402
+from protrain_fx.runtime.hybrid_optim import handle_of
+from protrain_fx.errors import OptionsError, ProtrainError
 
 LR = 1e-2
 LOSS_REL, PARAM_ABS, MIN_UPDATE = 1e-5, 1e-3, 1e-4

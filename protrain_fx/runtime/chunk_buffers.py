@@ -1,0 +1,263 @@
+"""Device chunk buffers ("slots"): where offloaded chunks land on the compute device, shared by every chunk
+store whose chunks have the same (device, dtype, size).
+
+A compiled graph reads an offloaded chunk through ``protrain::gather``, which returns a *fresh* tensor that
+Inductor owns: the slot's contents copied on the compute stream. Inductor alone then decides when that
+memory is dead (after the last kernel that reads it, fusions and inlined reads included), so a chunk's data
+can never be overwritten while compiled code still reads it. The slots only stage host-to-device copies:
+
+    EMPTY --prefetch--> RESERVED(c) --gather--> CACHED(c) --prefetch of another chunk--> RESERVED(d)
+                           ^                       |
+                           +----prefetch of c------+   (a hit: no copy; backward's first chunks are
+                                                         forward's last)
+
+``prefetch`` issues the host-to-device copy on the copy stream into a slot that is EMPTY or the least
+recently used CACHED one; ``gather`` waits for it, copies the slot out and records when the compute stream
+is done reading the slot (the next copy into it waits for that). ``invalidate`` forgets a chunk whose host
+values changed; ``reset`` (after an exception inside a compiled graph) drops every reservation. On a CPU
+compute device the copies are real and synchronous.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from protrain_fx.errors import ProtrainError
+
+# debugging aid: PROTRAIN_DEBUG_POISON=1 fills a slot with NaN once gather has copied it out and never serves
+# a chunk from a slot without copying it again: compiled code that still read a slot would compute with NaN
+POISON = os.environ.get("PROTRAIN_DEBUG_POISON") == "1"
+
+
+class SlotState(enum.Enum):
+    EMPTY = "empty"
+    RESERVED = "reserved"  # prefetched (copy issued or a cached hit), waiting for its gather
+    CACHED = "cached"  # holds a chunk's data, free to be reused
+
+
+# the transitions a slot may take; anything else is a bug in the schedule
+_ALLOWED = {
+    (SlotState.EMPTY, SlotState.RESERVED),
+    (SlotState.CACHED, SlotState.RESERVED),
+    (SlotState.RESERVED, SlotState.CACHED),
+    (SlotState.CACHED, SlotState.EMPTY),
+    (SlotState.RESERVED, SlotState.EMPTY),  # reset after an exception
+    (SlotState.EMPTY, SlotState.EMPTY),
+}
+
+
+@dataclass
+class Slot:
+    buffer: torch.Tensor
+    state: SlotState = SlotState.EMPTY
+    key: tuple | None = None  # (store id, chunk) whose data it holds or awaits
+    ready: object = None  # copy-stream event: the host-to-device copy is done
+    free: object = None  # compute-stream event: gather's read of the slot is done
+    last_used: int = 0
+
+    def move(self, state: SlotState, key=None) -> None:
+        if (self.state, state) not in _ALLOWED:
+            raise ProtrainError(f"protrain internal error: chunk buffer {self.state.value} -> {state.value}")
+        self.state, self.key = state, key
+
+
+class DeviceStreams:
+    """The copy streams of one device, shared by every store and swap on it (CUDA only)."""
+
+    def __init__(self, device: torch.device):
+        self.h2d = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.d2h = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+_STREAMS: dict[torch.device, DeviceStreams] = {}
+
+
+def streams_of(device: torch.device) -> DeviceStreams:
+    if device not in _STREAMS:
+        _STREAMS[device] = DeviceStreams(device)
+    return _STREAMS[device]
+
+
+class ChunkBuffers:
+    """The slots of one (device, dtype, numel); see the module docstring."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, numel: int):
+        self.device, self.dtype, self.numel = device, dtype, numel
+        self.is_cuda = device.type == "cuda"
+        self.slots: list[Slot] = []
+        self.streams = streams_of(device)
+        self._clock = 0
+        self._lock = threading.Lock()
+        self.stats = {"h2d_copies": 0, "h2d_bytes": 0, "slot_hits": 0, "unprefetched_gathers": 0}
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.slots) * self.numel * self.dtype.itemsize
+
+    def ensure(self, n: int) -> None:
+        """Have at least ``n`` slots (called when a graph that needs them is compiled)."""
+        while len(self.slots) < n:
+            self.slots.append(Slot(torch.empty(self.numel, dtype=self.dtype, device=self.device)))
+
+    def _find(self, key) -> Slot | None:
+        return next((s for s in self.slots if s.key == key and s.state is not SlotState.EMPTY), None)
+
+    def holds(self, key) -> bool:
+        return self._find(key) is not None
+
+    def is_reserved(self, key) -> bool:
+        s = self._find(key)
+        return s is not None and s.state is SlotState.RESERVED
+
+    def prefetch(self, key, fill, on_compute: bool = False) -> None:
+        """Reserve a slot for chunk ``key`` and start ``fill(dst)`` (the host-to-device copy) unless a slot
+        already holds it; on the copy stream, or with ``on_compute`` on the compute stream (the profiler)."""
+        with self._lock:
+            s = self._find(key)
+            if s is not None and s.state is SlotState.RESERVED:
+                return  # already prefetched (a gather without a schedule, or prefetched twice)
+            if s is not None and not POISON:
+                s.move(SlotState.RESERVED, key)
+                self.stats["slot_hits"] += 1
+                return
+            free = [x for x in self.slots if x.state is not SlotState.RESERVED]
+            if not free:
+                raise ProtrainError(
+                    f"protrain: all {len(self.slots)} device chunk buffers are awaiting their gathers, so chunk "
+                    f"{key[1]} cannot be prefetched (the schedule prefetches more chunks than the plan's n_buffer)")
+            s = min(free, key=lambda x: (x.state is not SlotState.EMPTY, x.last_used))
+            if s.state is SlotState.CACHED:
+                s.move(SlotState.EMPTY)
+            s.move(SlotState.RESERVED, key)
+            self._clock += 1
+            s.last_used = self._clock
+            if self.is_cuda and not on_compute:
+                if s.free is None:  # a new slot: its memory may be what queued compute work freed just now
+                    self.streams.h2d.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.streams.h2d):
+                    if s.free is not None:
+                        self.streams.h2d.wait_event(s.free)
+                    n = fill(s.buffer)
+                    s.ready = torch.cuda.Event()
+                    s.ready.record(self.streams.h2d)
+            else:
+                if s.free is not None:  # on the compute stream itself: ordered after gather's read
+                    s.free = None
+                n = fill(s.buffer)
+                s.ready = None
+            self.stats["h2d_copies"] += 1
+            self.stats["h2d_bytes"] += n
+
+    def gather(self, key, numel: int, fill, on_compute: bool = False) -> torch.Tensor:
+        """The chunk's data as a fresh tensor on the compute device (prefetching it now if no slot has it)."""
+        s = self._find(key)
+        if s is None or s.state is not SlotState.RESERVED:
+            self.stats["unprefetched_gathers"] += int(s is None)
+            self.prefetch(key, fill, on_compute)
+            s = self._find(key)
+        compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        if s.ready is not None:
+            compute.wait_event(s.ready)
+        out = torch.empty(numel, dtype=self.dtype, device=self.device)
+        out.copy_(s.buffer[:numel])
+        with self._lock:
+            if self.is_cuda:
+                s.free = torch.cuda.Event()
+                s.free.record(compute)
+            s.move(SlotState.CACHED, key)
+            if POISON:
+                s.buffer.fill_(float("nan"))
+                s.move(SlotState.EMPTY)
+        return out
+
+    def invalidate(self, key) -> None:
+        """Forget the cached copy of chunk ``key`` (its host values changed)."""
+        with self._lock:
+            s = self._find(key)
+            if s is not None and s.state is SlotState.CACHED:
+                s.move(SlotState.EMPTY)
+
+    def forget_store(self, store_id: int) -> None:
+        with self._lock:
+            for s in self.slots:
+                if s.key is not None and s.key[0] == store_id and s.state is SlotState.CACHED:
+                    s.move(SlotState.EMPTY)
+
+    def reset(self) -> None:
+        """After an exception inside a compiled graph: no slot stays reserved (copies in flight finish first)."""
+        if self.is_cuda:
+            self.streams.h2d.synchronize()
+        with self._lock:
+            for s in self.slots:
+                if s.state is SlotState.RESERVED:
+                    s.move(SlotState.EMPTY)
+
+    def reserved(self) -> list:
+        return [s.key for s in self.slots if s.state is SlotState.RESERVED]
+
+
+class GradBuffers:
+    """Device buffers the packed gradients of offloaded chunks wait in until their copy to the host is done,
+    used in rotation (one (device, dtype, numel) set shared by every store)."""
+
+    N = 2
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, numel: int):
+        self.device, self.dtype, self.numel = device, dtype, numel
+        self.bufs: list[torch.Tensor] = []
+        self.done: list = []
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.bufs) * self.numel * self.dtype.itemsize
+
+    def take(self) -> tuple[int, torch.Tensor]:
+        """The next buffer, once its last copy to the host is done (the compute stream waits for it)."""
+        if not self.bufs:
+            with torch.no_grad():
+                self.bufs = [torch.empty(self.numel, dtype=self.dtype, device=self.device) for _ in range(self.N)]
+            self.done = [None] * self.N
+        k = self._next
+        self._next = (k + 1) % self.N
+        if self.done[k] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.done[k])
+            self.done[k] = None
+        return k, self.bufs[k]
+
+    def copied(self, k: int, event) -> None:
+        self.done[k] = event
+
+
+_BUFFERS: dict[tuple, ChunkBuffers] = {}
+_GRAD_BUFFERS: dict[tuple, GradBuffers] = {}
+
+
+def chunk_buffers(device: torch.device, dtype: torch.dtype, numel: int) -> ChunkBuffers:
+    key = (device, dtype, numel)
+    if key not in _BUFFERS:
+        _BUFFERS[key] = ChunkBuffers(device, dtype, numel)
+    return _BUFFERS[key]
+
+
+def grad_buffers(device: torch.device, dtype: torch.dtype, numel: int) -> GradBuffers:
+    key = (device, dtype, numel)
+    if key not in _GRAD_BUFFERS:
+        _GRAD_BUFFERS[key] = GradBuffers(device, dtype, numel)
+    return _GRAD_BUFFERS[key]
+
+
+def release_unused(live_keys: set) -> None:
+    """Free the buffers of sizes no live store uses any more (a deleted model's)."""
+    for table in (_BUFFERS, _GRAD_BUFFERS):
+        for key in [k for k in table if k not in live_keys]:
+            del table[key]
+
+
+def reset_all() -> None:
+    for b in _BUFFERS.values():
+        b.reset()

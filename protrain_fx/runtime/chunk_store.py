@@ -1,0 +1,665 @@
+"""ChunkStore: the runtime owner of parameter values packed in chunks.
+
+Resident chunks (the first ``n_persist`` in first-use order) keep their parameters as ordinary device
+tensors: autograd fills ``param.grad`` and the user's optimizer steps them on the device. An offloaded chunk
+keeps in host memory (pinned on CUDA) its master copy, a copy in the transfer dtype (``param_dtype``; the
+master itself when they agree) and, from its first gradient on, a gradient accumulator. Its parameters and
+their gradients are views of that host memory on the compute device (protrain_fx/runtime/mapped.py), so eager code
+sees the right values; compiled graphs instead read the chunk through ``protrain::gather``, which copies it
+out of a device chunk buffer filled ahead of use by ``protrain::prefetch`` (protrain_fx/runtime/chunk_buffers.py).
+
+Which store and chunk an op means is found at run time from the parameter tensors the graph is called with
+(:func:`store_of`), so one compiled graph can serve every block that shares its structure.
+
+Gradients of offloaded chunks arrive flat through ``protrain::chunk_grad``: packed into a device gradient
+buffer, copied to the host on the copy stream and added (or copied, for a parameter whose ``.grad`` is
+None) into the accumulator on the host worker (protrain_fx/runtime/worker.py); the parameters' ``.grad`` then is the
+accumulator's view, exactly as eager autograd would have left it. A callback at the end of every backward
+waits for the worker, so after ``loss.backward()`` returns, values and gradients are final. The attached
+optimizer (protrain_fx/runtime/hybrid_optim.py) may queue the chunk's CPU step right behind its gradient.
+
+With several data-parallel ranks (protrain_fx/runtime/distributed.py) a rank keeps only its shard of each host
+tensor; parameters are then empty device *shells* and offloaded gradients stay on the host (read through
+``model.state_dict()`` hooks and protrain's clipping).
+
+On a CPU compute device the same code runs with real copies and no streams.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from protrain_fx.runtime import block_timer, distributed, mapped
+from protrain_fx._weakmap import IdentityWeakMap
+from protrain_fx.runtime.chunk_buffers import chunk_buffers, grad_buffers, release_unused, streams_of
+from protrain_fx.plan.layout import ALIGN_BYTES, ChunkLayout
+from protrain_fx.errors import ProtrainError
+from protrain_fx.options import format_bytes
+from protrain_fx.runtime.worker import WORKER
+from protrain_fx.machine import pinned
+
+# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no overlap)
+DEBUG_SYNC = os.environ.get("PROTRAIN_DEBUG_SYNC") == "1"
+_STORES: dict[int, "ChunkStore"] = {}
+_STORE_IDS = itertools.count()
+# parameter -> its store (weak: a dead model takes its store with it)
+_PARAM_STORE = IdentityWeakMap()
+N_STAGING = 4
+
+
+def get_store(store_id: int) -> "ChunkStore":
+    try:
+        return _STORES[store_id]
+    except KeyError:
+        raise ProtrainError(f"protrain chunk store {store_id} no longer exists (its model was freed)") from None
+
+
+def store_of(param: torch.Tensor) -> "ChunkStore | None":
+    return _PARAM_STORE.get(param)
+
+
+def bound_chunk(anchor: torch.Tensor) -> tuple["ChunkStore", int]:
+    """The store and chunk of the parameter ``anchor`` (an op's way to know its chunk at run time)."""
+    store = _PARAM_STORE.get(anchor)
+    if store is None:
+        raise ProtrainError("protrain internal error: a compiled graph was called with a parameter that belongs "
+                            "to no chunk store (the graph's binding check did not run)")
+    return store, store.entry(anchor).chunk
+
+
+def live_stores() -> list["ChunkStore"]:
+    return list(_STORES.values())
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release a tensor's memory but keep its shape and strides (what dynamo's guards check)."""
+    t.untyped_storage().resize_(0)
+
+
+def device_shell(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    shell = torch.empty(shape, dtype=dtype, device=device)
+    free_storage(shell)
+    return shell
+
+
+@dataclass
+class ParamEntry:
+    fqn: str
+    chunk: int
+    offset: int  # element offset in the chunk
+    numel: int
+    shape: torch.Size
+
+
+class _Staging:
+    """Host buffers a gradient waits in when it must be added to (not copied into) its accumulator."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool):
+        self.free = [pinned.host_empty(numel, dtype, pin) for _ in range(N_STAGING)]
+        self._cond = threading.Condition()
+
+    def take(self) -> torch.Tensor:
+        with self._cond:
+            while not self.free:
+                self._cond.wait()
+            return self.free.pop()
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self.free.append(buf)
+            self._cond.notify()
+
+
+class _Backward:
+    """What the running backward pass handed to the host: waited for once, at its end."""
+
+    queued = False
+    touched: dict = {}  # (store id, entry) -> gradient version when protrain set it
+
+
+def _end_of_backward() -> None:
+    _Backward.queued = False
+    touched, _Backward.touched = _Backward.touched, {}
+    WORKER.wait()
+    for (store_id, i), version in touched.items():
+        store = _STORES.get(store_id)
+        if store is None:
+            continue
+        p = store._params[i]()
+        if p is not None and p.grad is store._grad_alias.get(i) and store._grad_plain[i]._version != version:
+            raise ProtrainError(
+                f"protrain: parameter {store.entries[i].fqn!r} received gradients both from a protrain-compiled "
+                "graph and from code outside it in the same backward pass, which protrain cannot order; compile "
+                "the code that uses it with backend='protrain' too")
+
+
+def _queue_end_of_backward() -> None:
+    if _Backward.queued:
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
+        _Backward.queued = True
+    except RuntimeError:  # not inside a backward pass (a graph run by hand): finish now
+        WORKER.wait()
+
+
+class ChunkStore:
+    """Parameter values of one set of parameters, chunked; see the module docstring."""
+
+    def __init__(
+        self,
+        params: list[tuple[str, torch.nn.Parameter]],
+        layout: ChunkLayout,
+        n_persist: int,
+        param_dtype: torch.dtype,
+        host_values: dict | None = None,
+    ):
+        if not params:
+            raise ProtrainError("a chunk store needs parameters")
+        first = params[0][1]
+        self.device = first.device
+        self.master_dtype = first.dtype
+        for fqn, p in params:
+            if p.device != self.device or p.dtype != self.master_dtype:
+                raise ProtrainError(
+                    f"protrain-fx needs all parameters of a graph on one device in one dtype; {fqn!r} is "
+                    f"{p.dtype} on {p.device}, {params[0][0]!r} is {self.master_dtype} on {self.device}"
+                )
+        if not self.master_dtype.is_floating_point:
+            raise ProtrainError(f"parameters must be floating point, got {self.master_dtype}")
+        self.id = next(_STORE_IDS)
+        self.param_dtype = param_dtype
+        self.layout = layout
+        self.n_chunks = layout.n_chunks
+        self.n_persist = min(n_persist, self.n_chunks)
+        elem = first.element_size()
+        # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to a multiple
+        self.world = distributed.world()
+        self.aliased = not self.world.sharded  # parameters are views of their host values (not shells)
+        align_elems = max(1, ALIGN_BYTES // elem) * self.world.size
+        by_fqn = dict(params)
+        params_in_order: list[torch.nn.Parameter] = []
+        self.entries: list[ParamEntry] = []
+        self._entry_of: dict[int, int] = {}  # id(param) -> index in entries
+        for slot in layout.slots:
+            p = by_fqn[slot.fqn]
+            self._entry_of[id(p)] = len(self.entries)
+            params_in_order.append(p)
+            self.entries.append(ParamEntry(slot.fqn, slot.chunk, slot.offset // elem, p.numel(), p.shape))
+        self._chunk_entries: list[list[int]] = [[] for _ in range(self.n_chunks)]
+        for i, e in enumerate(self.entries):
+            self._chunk_entries[e.chunk].append(i)
+        self._chunk_numel = []
+        for c in range(self.n_chunks):
+            end = max(self.entries[i].offset + self.entries[i].numel for i in self._chunk_entries[c])
+            self._chunk_numel.append((end + align_elems - 1) // align_elems * align_elems)
+
+        self.is_cuda = self.device.type == "cuda"
+        self.master: dict[int, torch.Tensor] = {}
+        self.transfer: dict[int, torch.Tensor] = {}
+        self.grad: dict[int, torch.Tensor] = {}  # host gradient accumulators, from a chunk's first gradient on
+        self._grad_alias: dict[int, torch.Tensor] = {}  # entry -> its param.grad (a view of the accumulator)
+        self._grad_plain: dict[int, torch.Tensor] = {}  # entry -> the same view as a plain tensor
+        self._synced: dict[int, int] = {}  # entry -> the parameter's version when protrain last read it
+        self._has_grad: set[int] = set()  # sharded stores: entries whose gradient is present
+        self._params = [weakref.ref(p) for p in params_in_order]
+        try:
+            self._take_values(params_in_order, host_values if host_values is not None else {})
+        except BaseException:
+            self._give_values_back(params_in_order, host_values)
+            raise
+        for p in params_in_order:
+            _PARAM_STORE[p] = self
+        _STORES[self.id] = self
+        WORKER.attach(self)
+        weakref.finalize(params_in_order[0], _forget_store, self.id)
+
+        big = max((self._chunk_numel[c] for c in self.offloaded_chunks), default=0)
+        self.buffers = chunk_buffers(self.device, self.param_dtype, big) if big else None
+        self.grad_buffers = grad_buffers(self.device, self.master_dtype, big) if big else None
+        self.streams = streams_of(self.device)
+        self._staging: _Staging | None = None
+        self.optimizer = None  # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
+        # set while the profiler runs a step (protrain_fx/profiling/profiler.py): chunk copies go on the compute stream
+        # between copy marks (so block times exclude them) and gradients are dropped
+        self.profiling = False
+        self._stats = {"d2h_copies": 0, "d2h_bytes": 0, "resident_all_reduces": 0, "transfer_refreshes": 0}
+
+    @property
+    def stats(self) -> dict:
+        """Copy counters: this store's gradient copies, and its chunk buffers' (shared with stores of the same
+        chunk size) host-to-device copies and hits."""
+        return {**self._stats, **(self.buffers.stats if self.buffers is not None else {})}
+
+    # ------------------------------------------------------------------------------------ layout
+    def chunk_numel(self, chunk: int) -> int:
+        return self._chunk_numel[chunk]
+
+    def _take_values(self, params_in_order: list, host_values: dict) -> None:
+        """Fill the chunks, one at a time, from ``host_values`` (id(param) -> its value on the host, for
+        parameters built under host_init or handed back by dissolve_store) or else the parameter itself.
+        Each value is dropped from ``host_values`` once its chunk holds it, so the old copies are freed while
+        the new ones are made: the host holds the values and the store together only one chunk at a time."""
+        pin = self.is_cuda
+        for c in range(self.n_chunks):
+            members = [params_in_order[i] for i in self._chunk_entries[c]]
+            if c < self.n_persist:  # resident: the parameter is the device tensor
+                for p in members:
+                    if id(p) in host_values:
+                        p.data = host_values.pop(id(p)).to(self.device, copy=True)
+                continue
+            master = pinned.host_empty(self.host_numel(c), self.master_dtype, pin)
+            master.zero_()
+            for i in self._chunk_entries[c]:
+                part = self.host_slices(i)
+                if part is not None:
+                    p = params_in_order[i]
+                    master[part[0]].copy_(host_values.get(id(p), p.data).reshape(-1)[part[1]])
+            self.master[c] = master
+            if self.param_dtype == self.master_dtype:
+                self.transfer[c] = master
+            else:
+                self.transfer[c] = pinned.host_empty(self.host_numel(c), self.param_dtype, pin)
+                self.transfer[c].copy_(master)
+            dropped_pinned = False
+            for i in self._chunk_entries[c]:
+                p = params_in_order[i]
+                old = host_values.pop(id(p), None)
+                dropped_pinned |= old is not None and old.is_pinned()
+                del old
+                if self.aliased:
+                    e = self.entries[i]
+                    p.data = mapped.device_view(master, e.offset, e.shape, self.device)
+                    self._synced[i] = p._version
+                else:
+                    p.data = device_shell(p.shape, p.dtype, self.device)
+            if dropped_pinned:  # a dissolved store's chunk: its pinned block goes back to the OS now
+                pinned.release_cached_pinned_memory()
+
+    def _give_values_back(self, params_in_order: list, host_values: dict | None) -> None:
+        """A store that failed half-built: put the values of its finished offloaded chunks back into
+        ``host_values`` (views of their masters), so the parameters keep their values. Resident ones already
+        hold theirs. With several ranks a chunk keeps only this rank's shard: those values are lost."""
+        if host_values is None or self.world.size > 1:
+            return
+        for c, master in self.master.items():
+            for i in self._chunk_entries[c]:
+                p, e = params_in_order[i], self.entries[i]
+                host_values[id(p)] = master[e.offset:e.offset + e.numel].view(e.shape)
+
+    def host_numel(self, chunk: int) -> int:
+        """Elements of the chunk this rank keeps on the host (all of them with one rank)."""
+        return self._chunk_numel[chunk] // self.world.size
+
+    def host_range(self, chunk: int) -> tuple[int, int]:
+        """This rank's shard of the chunk, in chunk elements."""
+        n = self.host_numel(chunk)
+        return self.world.rank * n, (self.world.rank + 1) * n
+
+    def host_slices(self, index: int) -> tuple[slice, slice] | None:
+        """Where store entry ``index`` meets this rank's shard: (slice of the host tensors, slice of the
+        parameter's flat elements), or None when none of its elements are here."""
+        e = self.entries[index]
+        lo, hi = self.host_range(e.chunk)
+        a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+        return None if a >= b else (slice(a - lo, b - lo), slice(a - e.offset, b - e.offset))
+
+    def host_chunk(self, chunk: int, shard: torch.Tensor | None = None) -> torch.Tensor:
+        """A whole offloaded chunk's host values: of its master copy, or of ``shard`` (another per-chunk host
+        tensor, e.g. an Adam moment). The tensor itself with one rank, every rank's shard gathered with
+        several (a collective: every rank calls it, in the same order)."""
+        t = self.master[chunk] if shard is None else shard
+        if not self.world.sharded:
+            return t
+        return distributed.gather_host(t, self.world.size, self.device)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [r() for r in self._params]
+
+    def param(self, index: int) -> torch.nn.Parameter | None:
+        return self._params[index]()
+
+    def chunk_entries(self, chunk: int) -> list[tuple[torch.nn.Parameter, ParamEntry]]:
+        return [(self._params[i](), self.entries[i]) for i in self._chunk_entries[chunk]]
+
+    def chunk_entry_indices(self, chunk: int) -> list[int]:
+        return self._chunk_entries[chunk]
+
+    def entry(self, param: torch.Tensor) -> ParamEntry:
+        return self.entries[self._entry_of[id(param)]]
+
+    def entry_index(self, param: torch.Tensor) -> int:
+        return self._entry_of[id(param)]
+
+    def is_offloaded(self, chunk: int) -> bool:
+        return chunk >= self.n_persist
+
+    @property
+    def offloaded_chunks(self) -> list[int]:
+        return list(range(self.n_persist, self.n_chunks))
+
+    def param_is_offloaded(self, param: torch.Tensor) -> bool:
+        return self.is_offloaded(self.entry(param).chunk)
+
+    # ------------------------------------------------------------------------------- values
+    def read(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter's current value as a plain tensor (host copy for offloaded parameters; with several
+        ranks a collective, see :meth:`host_chunk`)."""
+        if not self.param_is_offloaded(param):
+            return param.detach()
+        e = self.entry(param)
+        WORKER.wait_chunk((self.id, e.chunk))
+        self.sync_writes(e.chunk)
+        return self.host_chunk(e.chunk)[e.offset:e.offset + e.numel].view(e.shape).clone()
+
+    def write(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Set an offloaded parameter's value (load_state_dict)."""
+        e = self.entry(param)
+        WORKER.wait_chunk((self.id, e.chunk))
+        if tuple(value.shape) != tuple(e.shape):
+            raise ProtrainError(f"{e.fqn}: shape {tuple(value.shape)} does not match the parameter {tuple(e.shape)}")
+        part = self.host_slices(self.entry_index(param))
+        if part is not None:  # this rank's share of it
+            with torch.no_grad():
+                self.master[e.chunk][part[0]].copy_(value.reshape(-1)[part[1]])
+        self.refresh_transfer(e.chunk)
+
+    def refresh_transfer(self, chunk: int) -> None:
+        """After the master changed: rewrite the transfer-dtype copy and forget device copies of the chunk."""
+        if self.transfer[chunk] is not self.master[chunk]:
+            self.transfer[chunk].copy_(self.master[chunk])
+        self.invalidate(chunk)
+
+    def sync_writes(self, chunk: int) -> bool:
+        """Take in what eager code wrote into the chunk's parameters (``p.mul_(0.9)`` under no_grad, a
+        ``load_state_dict``, another optimizer): the parameters are views of the master, so only the transfer
+        copy and the device copies are stale. Returns whether anything was written."""
+        if not self.aliased:
+            return False
+        changed = False
+        for i in self._chunk_entries[chunk]:
+            p = self._params[i]()
+            if p is not None and p._version != self._synced.get(i):
+                self._synced[i] = p._version
+                changed = True
+        if changed:
+            if self.is_cuda:  # the write may still be queued on the device
+                torch.cuda.current_stream(self.device).synchronize()
+            self._stats["transfer_refreshes"] += 1
+            self.refresh_transfer(chunk)
+        return changed
+
+    def written_since(self, index: int, version: int) -> bool:
+        p = self._params[index]()
+        return p is not None and p._version != version
+
+    def param_version(self, index: int) -> int:
+        p = self._params[index]()
+        return -1 if p is None else p._version
+
+    # ------------------------------------------------------------------------------ buffers
+    def ensure_buffers(self, n_buffer: int) -> None:
+        """Have at least ``n_buffer`` device chunk buffers (called when a graph that gathers is compiled)."""
+        if self.buffers is not None:
+            self.buffers.ensure(n_buffer)
+
+    @property
+    def n_buffer(self) -> int:
+        return len(self.buffers.slots) if self.buffers is not None else 0
+
+    def invalidate(self, chunk: int | None = None) -> None:
+        """Forget device copies of ``chunk`` (all chunks when None): their host values changed."""
+        if self.buffers is None:
+            return
+        if chunk is None:
+            self.buffers.forget_store(self.id)
+        else:
+            self.buffers.invalidate((self.id, chunk))
+
+    def _fill(self, chunk: int):
+        def fill(dst: torch.Tensor) -> int:
+            """Copy the host values into the device buffer: the whole chunk, or with several ranks this rank's
+            shard into its place and an all-gather of the others (on the current stream)."""
+            src = self.transfer[chunk]
+            n = self._chunk_numel[chunk]
+            if self.profiling:
+                block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_START, self.device)
+            if not self.world.sharded:
+                dst[:n].copy_(src, non_blocking=True)
+            else:
+                lo, hi = self.host_range(chunk)
+                dst[lo:hi].copy_(src, non_blocking=True)
+                distributed.all_gather_into(dst[:n], dst[lo:hi])
+            if self.profiling:
+                block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_END, self.device)
+            return src.numel() * src.element_size()
+        return fill
+
+    def _ready_for_copy(self, chunk: int) -> None:
+        WORKER.wait_chunk((self.id, chunk))  # a CPU step of the chunk may still be running
+        if self.optimizer is not None:  # a graph reads the chunk before opt.step(): a provisional step goes
+            self.optimizer.before_chunk_read(self, chunk)
+        self.sync_writes(chunk)
+
+    def prefetch(self, chunk: int) -> None:
+        """Start copying ``chunk`` into a device buffer (no copy when a buffer still holds it)."""
+        if not self.is_offloaded(chunk):
+            return
+        if DEBUG_SYNC and self.is_cuda:
+            torch.cuda.synchronize()
+        self._ready_for_copy(chunk)
+        # while profiling, copies go on the compute stream, between the profiler's copy marks
+        self.buffers.prefetch((self.id, chunk), self._fill(chunk), on_compute=self.profiling)
+
+    def gather(self, chunk: int) -> torch.Tensor:
+        """The chunk's parameters on the compute device: a fresh flat tensor in the transfer dtype that the
+        caller owns (see protrain_fx/runtime/chunk_buffers.py)."""
+        key = (self.id, chunk)
+        if not self.buffers.is_reserved(key):
+            self._ready_for_copy(chunk)
+        out = self.buffers.gather(key, self._chunk_numel[chunk], self._fill(chunk), on_compute=self.profiling)
+        if DEBUG_SYNC and self.is_cuda:
+            torch.cuda.synchronize()
+        return out
+
+    def reset_after_error(self) -> None:
+        """An exception escaped a compiled graph: no chunk buffer stays reserved, no copy stays queued."""
+        if self.buffers is not None:
+            self.buffers.reset()
+        try:
+            WORKER.wait()
+        except Exception:  # the graph's own error is the one that matters
+            pass
+
+    # -------------------------------------------------------------------------------- grads
+    def has_grad(self, index: int) -> bool:
+        """Whether the parameter's gradient is present (``.grad`` not None), as eager autograd sees it."""
+        if not self.aliased:
+            return index in self._has_grad
+        p = self._params[index]()
+        return p is not None and p.grad is not None
+
+    def grad_alias(self, index: int) -> torch.Tensor:
+        """``param.grad`` of an offloaded parameter: a view of its chunk's accumulator on the compute device."""
+        g = self._grad_alias.get(index)
+        if g is None:
+            e = self.entries[index]
+            view = mapped.device_view(self.ensure_grad(e.chunk), e.offset, e.shape, self.device)
+            g = self._grad_alias[index] = mapped.host_grad(view)
+            g._protrain_owner = (self.id, index)
+            self._grad_plain[index] = view  # shares its version counter, read without the subclass's dispatch
+        return g
+
+    def ensure_grad(self, chunk: int) -> torch.Tensor:
+        acc = self.grad.get(chunk)
+        if acc is None:
+            acc = self.grad[chunk] = pinned.host_empty(self.host_numel(chunk), self.master_dtype, self.is_cuda)
+            acc.zero_()
+        return acc
+
+    def fold_foreign_grads(self, chunk: int) -> None:
+        """Gradients that eager autograd put into ``.grad`` of the chunk's parameters (a graph dynamo ran
+        eagerly, code outside the compiled region) go into the accumulator, and ``.grad`` becomes its view."""
+        if not self.aliased:
+            return
+        for i in self._chunk_entries[chunk]:
+            p = self._params[i]()
+            if p is None or p.grad is None or p.grad is self._grad_alias.get(i):
+                continue
+            foreign = p.grad
+            WORKER.wait_chunk((self.id, chunk))
+            e = self.entries[i]
+            with torch.no_grad():
+                self.ensure_grad(chunk)[e.offset:e.offset + e.numel].copy_(foreign.detach().reshape(-1))
+            p.grad = self.grad_alias(i)
+
+    def foreign_grads(self) -> bool:
+        return any(self._params[i]() is not None and self._params[i]().grad is not None
+                   and self._params[i]().grad is not self._grad_alias.get(i)
+                   for c in self.offloaded_chunks for i in self._chunk_entries[c])
+
+    def clear_grads(self, chunk: int) -> None:
+        """Sharded stores: ``opt.zero_grad()`` (aliased stores see ``.grad = None`` instead)."""
+        for i in self._chunk_entries[chunk]:
+            self._has_grad.discard(i)
+
+    def grad_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
+        """A backward pass produced the gradients of the chunk's parameters ``members`` (store entries): pack
+        them into a device gradient buffer in the chunk layout and master dtype, copy it to the host and add
+        it to (or, for parameters without a gradient yet, copy it into) the accumulator on the host worker.
+        While profiling, gradients are dropped."""
+        if self.profiling:
+            return
+        if self.optimizer is not None:
+            self.optimizer.before_chunk_grad(self, chunk)  # takes back a step of this chunk not yet committed
+        self.fold_foreign_grads(chunk)
+        fresh = [not self.has_grad(i) for i in members]
+        all_entries = self._chunk_entries[chunk]
+        others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)
+        n = self._chunk_numel[chunk]
+        k, buf = self.grad_buffers.take()
+        buf = buf[:n]
+        with torch.no_grad():
+            if len(members) < len(all_entries):
+                buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
+            views = [buf[e.offset:e.offset + e.numel].view(e.shape) for e in (self.entries[i] for i in members)]
+            torch._foreach_copy_(views, [g.detach() for g in grads])
+            if self.world.sharded:
+                shard = torch.empty(self.host_numel(chunk), dtype=buf.dtype, device=buf.device)
+                distributed.reduce_scatter_mean(shard, buf, self.world.size)
+                buf = shard
+        acc = self.ensure_grad(chunk)
+        direct = all(fresh) and others_absent
+        WORKER.wait_chunk((self.id, chunk)) if not direct else None
+        if direct:  # straight into the accumulator
+            dst = acc
+        else:
+            if self._staging is None:
+                big = max(self.host_numel(c) for c in self.offloaded_chunks)
+                self._staging = _Staging(big, self.master_dtype, self.is_cuda)
+            dst = self._staging.take()
+        event = self.copy_to_host(buf, dst)
+        self.grad_buffers.copied(k, event)
+        if not direct:
+            parts = [(self.host_slices(i), f) for i, f in zip(members, fresh)]
+            WORKER.submit((self.id, chunk), self._accumulate, acc, dst, parts, event)
+        elif event is not None:
+            WORKER.submit((self.id, chunk), event.synchronize)
+        for i in members:
+            if self.aliased:
+                p = self._params[i]()
+                if p is not None:
+                    p.grad = self.grad_alias(i)
+                    _Backward.touched[(self.id, i)] = self._grad_plain[i]._version
+            else:
+                self._has_grad.add(i)
+        if self.optimizer is not None:
+            self.optimizer.after_chunk_grad(self, chunk, members)
+        _queue_end_of_backward()
+
+    def _accumulate(self, acc: torch.Tensor, staged: torch.Tensor, parts, event) -> None:
+        if event is not None:
+            event.synchronize()
+        with torch.no_grad():
+            for part, fresh in parts:
+                if part is None:
+                    continue
+                sl = part[0]
+                if fresh:
+                    acc[sl].copy_(staged[sl])
+                else:
+                    acc[sl].add_(staged[sl])
+        self._staging.give(staged)
+
+    def resident_grads_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
+        """Data parallel: start averaging a resident chunk's parameter gradients (store entries ``members``)
+        over the ranks, in place: the graph still returns them to autograd, after waiting for the collective
+        at its end (:func:`protrain_fx.runtime.distributed.start_resident_all_reduce`). While profiling, nothing."""
+        if self.profiling:
+            return
+        distributed.start_resident_all_reduce([self._params[i]() for i in members], [g.detach() for g in grads])
+        self._stats["resident_all_reduces"] += 1
+
+    def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):
+        """Device-to-host copy of a device gradient buffer on the copy stream; returns the event that marks it
+        done (None on CPU, where the copy is synchronous)."""
+        n = flat.numel()
+        self._stats["d2h_copies"] += 1
+        self._stats["d2h_bytes"] += n * flat.element_size()
+        if not self.is_cuda:
+            dst[:n].copy_(flat)
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.streams.d2h):
+            self.streams.d2h.wait_event(ready)
+            dst[:n].copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.streams.d2h)
+        flat.record_stream(self.streams.d2h)
+        return done
+
+    def unregister(self) -> None:
+        """Forget this store (its parameters then belong to none; protrain_fx.runtime.param_values.dissolve_store)."""
+        for p in self.params:
+            if p is not None:
+                _PARAM_STORE.pop(p, None)
+        _forget_store(self.id)
+
+    # ------------------------------------------------------------------------------ report
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes this store holds (masters, transfer copies, gradient accumulators, staging)."""
+        tensors = list(self.master.values()) + [t for c, t in self.transfer.items() if t is not self.master[c]]
+        tensors += list(self.grad.values()) + (self._staging.free if self._staging is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def describe(self) -> str:
+        off = self.offloaded_chunks
+        host = sum(self.host_numel(c) for c in off)
+        return (f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident, {len(off)} offloaded "
+                f"({format_bytes(host * self.master_dtype.itemsize)} of "
+                f"{str(self.master_dtype).replace('torch.', '')} master on the host)")
+
+
+def _forget_store(store_id: int) -> None:
+    """A store's model is gone (or it was dissolved): stop its worker use, free device buffers nobody else
+    of that size uses."""
+    store = _STORES.pop(store_id, None)
+    if store is None:
+        return
+    WORKER.detach(store)
+    if store.buffers is not None:
+        store.buffers.forget_store(store_id)
+    live = set()
+    for s in _STORES.values():
+        if s.buffers is not None:
+            live.add((s.device, s.param_dtype, s.buffers.numel))
+            live.add((s.device, s.master_dtype, s.grad_buffers.numel))
+    release_unused(live)

@@ -1,0 +1,148 @@
+"""Swapping saved activations: their copies to host memory in forward and back in backward.
+
+Every call of a forward graph gets its own host memory for what it swaps (``protrain::offload`` allocates
+it, pinned on CUDA, from torch's caching host allocator, which reuses it once freed and once the copies
+that used it are done), so two forwards before one backward, or one block graph called for every block,
+never overwrite each other. The host tensor is what forward saves for backward; its data pointer names the
+copy in flight. On CUDA the copies run on the device's copy streams (protrain_fx/runtime/chunk_buffers.py):
+
+* ``offload(x)``: copy ``x`` on the compute stream into device memory of protrain's own (a fast on-device
+  copy), then from there to the host on the device-to-host stream. The copy must not read memory that
+  Inductor owns: Inductor gives a buffer to later kernels once its last reader has been *called*, and it may
+  hand the op a private copy of ``x`` made only for it (on CUDA, where its buffers have padded strides and
+  the op wants eager's), which no later op keeps alive; an H200 run read such reused memory and trained
+  with NaN losses. The staged copy is released to torch's allocator only once the transfer is done
+  (``record_stream``). ``offload_wait`` later makes the compute stream wait for the copies of a block (two
+  blocks on), which bounds how far they may lag;
+* ``reload_start(host)``: one block ahead of use, copy it into a new device tensor on the host-to-device
+  stream; ``reload_take(host)`` makes the compute stream wait for that copy and returns the tensor.
+
+On a CPU compute device the copies are real and synchronous. ``PROTRAIN_DEBUG_DEFER_OFFLOAD=1`` makes them
+as late as a CUDA copy could be: each offload copies only at its ``offload_wait``, so a graph that let a
+copy read memory it does not own computes wrong gradients on the CPU as it would on the GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from protrain_fx.runtime.chunk_buffers import streams_of
+from protrain_fx.machine import pinned
+
+DEFER = os.environ.get("PROTRAIN_DEBUG_DEFER_OFFLOAD") == "1"
+# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device after every copy (no overlap, no race);
+# =offload or =reload after those copies only (which side a race is on)
+_SYNC = os.environ.get("PROTRAIN_DEBUG_SYNC", "")
+SYNC_OFFLOAD, SYNC_RELOAD = _SYNC in ("1", "offload"), _SYNC in ("1", "reload")
+
+
+class Swapper:
+    """The activation copies of one compute device (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.streams = streams_of(device)
+        self._offloading: dict[int, tuple] = {}  # host data_ptr -> (event or deferred source)
+        self._reloading: dict[int, tuple[torch.Tensor, object]] = {}
+        self.stats = {"offloaded_bytes": 0, "reloaded_bytes": 0}
+
+    def offload(self, x: torch.Tensor) -> torch.Tensor:
+        host = pinned.cached_host_empty(x.shape, x.dtype, pin=self.is_cuda)
+        self.stats["offloaded_bytes"] += host.numel() * host.element_size()
+        if not self.is_cuda:
+            if DEFER:  # a late copy must read memory of its own, as on the GPU
+                self._offloading[host.data_ptr()] = (host, x.clone(memory_format=torch.contiguous_format))
+            else:
+                host.copy_(x)
+            return host
+        compute = torch.cuda.current_stream(self.device)
+        staged = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        staged.copy_(x)  # on the compute stream, right behind x's producer
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        with torch.cuda.stream(self.streams.d2h):
+            self.streams.d2h.wait_event(ready)
+            host.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.streams.d2h)
+        staged.record_stream(self.streams.d2h)  # freed now, reused only after the transfer
+        self._offloading[host.data_ptr()] = (done,)
+        if SYNC_OFFLOAD:
+            torch.cuda.synchronize(self.device)
+        return host
+
+    def offload_wait(self, hosts: list[torch.Tensor]) -> None:
+        compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        for host in hosts:
+            item = self._offloading.pop(host.data_ptr(), None)
+            if item is None:
+                continue
+            if self.is_cuda:
+                compute.wait_event(item[0])
+            else:  # a deferred copy (PROTRAIN_DEBUG_DEFER_OFFLOAD): now, as late as the GPU could do it
+                item[0].copy_(item[1])
+
+    def reload_start(self, host: torch.Tensor) -> None:
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        self.stats["reloaded_bytes"] += out.numel() * out.element_size()
+        pending = self._offloading.pop(host.data_ptr(), None)
+        if not self.is_cuda:
+            if pending is not None and len(pending) == 2:
+                pending[0].copy_(pending[1])
+            out.copy_(host)
+            self._reloading[host.data_ptr()] = (out, None)
+            return
+        # ``out`` was allocated on the compute stream, whose queued work may still use that memory, so the copy
+        # waits for everything queued there so far (the compute stream already waited for forward's copy of
+        # ``host``, offload_wait). The compute stream is named before the copy stream becomes the current one:
+        # inside ``torch.cuda.stream(h2d)`` the current stream *is* h2d, and waiting for it is no wait at all
+        # (the H200 race of issue 19 item 7: reloads wrote into memory that queued backward kernels still used)
+        compute = torch.cuda.current_stream(self.device)
+        self.streams.h2d.wait_stream(compute)
+        with torch.cuda.stream(self.streams.h2d):
+            if pending is not None:
+                self.streams.h2d.wait_event(pending[0])
+            out.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.streams.h2d)
+        out.record_stream(self.streams.h2d)
+        self._reloading[host.data_ptr()] = (out, done)
+        if SYNC_RELOAD:
+            torch.cuda.synchronize(self.device)
+
+    def reload_take(self, host: torch.Tensor) -> torch.Tensor:
+        item = self._reloading.pop(host.data_ptr(), None)
+        if item is None:  # reload_start did not run (a graph called by hand): copy now
+            self.reload_start(host)
+            item = self._reloading.pop(host.data_ptr())
+        out, done = item
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return out
+
+    def reset(self) -> None:
+        """After an exception inside a compiled graph: forget the copies of the failed call."""
+        if self.is_cuda:
+            self.streams.d2h.synchronize()
+            self.streams.h2d.synchronize()
+        self._offloading.clear()
+        self._reloading.clear()
+
+
+_SWAPPERS: dict[torch.device, Swapper] = {}
+
+
+def swapper(device: torch.device) -> Swapper:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SWAPPERS:
+        _SWAPPERS[device] = Swapper(device)
+    return _SWAPPERS[device]
+
+
+def reset_all() -> None:
+    for s in _SWAPPERS.values():
+        s.reset()
