@@ -48,7 +48,7 @@ def layouts(n_layer: int) -> list[tuple[str, int, int]]:
 
 
 def run_one(args) -> dict:
-    from protrain_fx import backend, get_plan
+    from protrain_fx import get_plan, pipeline
     from protrain_fx.runtime import swap_pool
 
     device = torch.device(args.device)
@@ -64,7 +64,7 @@ def run_one(args) -> dict:
         saved.append(gm)
         return gm
 
-    backend.PIPELINE["forward"] = backend.PIPELINE["forward"] + (record,)
+    pipeline.probe("forward", record).__enter__()  # for the whole run
     compiled = torch.compile(model, backend="protrain", options={"n_swap": args.n_swap, "n_checkpoint": args.n_checkpoint})
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg["vocab_size"], (args.batch, seq), generator=g).to(device)

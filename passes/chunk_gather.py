@@ -72,6 +72,7 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         meta = {"partitioner_tag": "is_forward"} if tagged else {}
         anchor = min(params, key=lambda t: t[2])[0]
         old_users = {ph: list(ph.users) for ph, _, _ in params}  # before the gather makes the anchor a user
+        replaced_casts = []  # erased after every insertion: the insertion point may be one of them
         with graph.inserting_before(first_user):
             flat = call(gm, ops.GATHER, ([], anchor, store.chunk_numel(chunk), store.param_dtype), meta=dict(meta))
             flat.meta[META_KEY] = NodeAnnotation("forward", ann.region if ann else "non_block",
@@ -110,9 +111,11 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 for user in old_users[ph]:
                     if low is not None and cast_dtype(user) == store.param_dtype:
                         user.replace_all_uses_with(low)  # an existing cast to the transfer dtype: read it directly
-                        graph.erase_node(user)
+                        replaced_casts.append(user)
                     else:
                         user.replace_input_with(ph, value)
+        for cast in replaced_casts:
+            graph.erase_node(cast)
         grad_slots[(store_id, chunk)] = [(ordinal, entry_index, ph) for ph, entry_index, ordinal in params]
     plan.grad_slots = grad_slots
     return gm

@@ -14,7 +14,8 @@ the pass inserts
 
 The runtime skips the copy when a buffer still holds the chunk (backward's first chunks are forward's
 last). The pass records how many gathered chunks are alive at once (``plan.chunks_in_use``: device memory
-the cost model counts beside the buffers).
+the cost model counts beside the buffers). It allocates nothing: the ``n_buffer`` device buffers the
+prefetches fill are allocated by the runtime once the passes are done (protrain_fx/placement.py).
 """
 from __future__ import annotations
 
@@ -59,11 +60,7 @@ def chunk_schedule(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if not gathers:
         return gm
     plan.chunks_in_use = max(plan.chunks_in_use, chunks_in_use(gm))
-    n_buffer = max(1, plan.n_buffer)
-    plan.n_buffer = n_buffer
-    with _compat.real_tensor_mode():  # compile callbacks run under aot_autograd's fake mode
-        for store_id in {sid for sid, _ in plan.input_entry.values()}:
-            chunk_store.get_store(store_id).ensure_buffers(n_buffer)
+    n_buffer = max(1, plan.n_buffer)  # the device buffers themselves: placement.allocate_buffers, after the passes
 
     def ann(g):
         a = g.meta.get(META_KEY)

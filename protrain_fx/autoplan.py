@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from protrain_fx import config
+
 from protrain_fx.machine import allocator
 from protrain_fx.runtime import distributed
 from protrain_fx._version import __version__
@@ -69,7 +71,7 @@ def wanted(opts: Options, params: list, device: torch.device | None) -> bool:
     """Whether this graph gets an automatic plan (see module docstring)."""
     if device is None or not torch.is_grad_enabled() or not any(p is not None and p.requires_grad for p in params):
         return False
-    if os.environ.get("PROTRAIN_AUTOPLAN", "1") == "0":
+    if not config.settings().autoplan:
         if opts.memory_budget is not None:
             raise ProtrainError("memory_budget is met by the automatic plan, which PROTRAIN_AUTOPLAN=0 turns off: "
                                 "unset one of them (or give n_persist / n_swap / n_checkpoint instead)")
@@ -118,7 +120,7 @@ def cache_path(key: str) -> str:
 
 
 def _read(path: str) -> dict | None:
-    if os.environ.get("PROTRAIN_PLAN_CACHE", "1") == "0":
+    if not config.settings().plan_cache:
         return None
     try:
         with open(path) as f:

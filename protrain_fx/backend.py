@@ -3,17 +3,18 @@
 Pipeline of one dynamo graph::
 
     dynamo graph ──capture parameter sources, detect blocks, make the Plan──▶ aot_autograd
-      joint graph ──[Inductor joint passes: pattern matcher + user joint_custom_*_pass]──[PIPELINE["joint"]]
-      min-cut partition ──▶ forward graph  ──[PIPELINE["forward"]]──▶ Inductor compile_fx_inner
-                        └─▶ backward graph ──[PIPELINE["backward"]]─▶ Inductor compile_fx_inner
-      (no grad needed)  ──▶ inference graph ─[PIPELINE["inference"]]─▶ Inductor compile_fx_inner
+      joint graph ──[Inductor joint passes: pattern matcher + user joint_custom_*_pass]──[stage "joint"]
+      min-cut partition ──▶ forward graph  ──[stage "forward"]──▶ Inductor compile_fx_inner
+                        └─▶ backward graph ──[stage "backward"]─▶ Inductor compile_fx_inner
+      (no grad needed)  ──▶ inference graph ─[stage "inference"]─▶ Inductor compile_fx_inner
 
-The dynamo graph itself goes through ``PIPELINE["dynamo"]`` first (block profiling marks, when asked for).
+The dynamo graph itself goes through stage "dynamo" first (block profiling marks, when asked for).
 Before any of it, a new training graph on CUDA (or with a ``memory_budget``) gets its knobs from the
 automatic plan (autoplan.py: a copy of the graph compiled by this same pipeline under the profiling plan, one
 profiled step, a search); the graph compiled with them is wrapped in a StepMeter (measured time and peak).
-``PIPELINE`` below is the one place that says which passes run on which stage, in order. Each pass is
-``(gm, plan) -> gm``. With ``options={"compiler": "eager"}`` the rewritten graphs run as they are, without
+protrain_fx/pipeline.py is the one place that says which passes run on which stage, in order, and what
+each reads and writes; after a stage's passes the runtime allocates what they require (device chunk
+buffers, protrain_fx/placement.py). This module wires aot_autograd and decides no policy. With ``options={"compiler": "eager"}`` the rewritten graphs run as they are, without
 decompositions or Inductor: bit-exact against eager PyTorch, for debugging and fast property tests.
 """
 from __future__ import annotations
@@ -30,17 +31,8 @@ import torch._guards
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from protrain_fx.passes.annotate import annotate
-from protrain_fx.passes.block_marks import block_marks
-from protrain_fx.passes.chunk_gather import chunk_gather
-from protrain_fx.passes.chunk_schedule import chunk_schedule
-from protrain_fx.passes.optimizer_calls import optimizer_calls
-from protrain_fx.passes.resident_grads import resident_grads
-from protrain_fx.passes.recompute import recompute
-from protrain_fx.passes.swap import swap_offload, swap_reload
-from protrain_fx.passes.user_checkpoints import user_checkpoints
 
-from protrain_fx import _compat, autoplan, config
+from protrain_fx import _compat, autoplan, config, pipeline, placement
 from protrain_fx.machine import allocator
 from protrain_fx.runtime import distributed, ops  # noqa: F401  (ops: registers the protrain:: custom ops)
 from protrain_fx.profiling import profiler
@@ -59,25 +51,7 @@ from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.profiling.step_meter import StepMeter
 from protrain_fx.machine import memory
 
-Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 log = logging.getLogger("protrain_fx")
-
-# The passes of each stage, in the order they run.
-PIPELINE: dict[str, tuple[Pass, ...]] = {
-    "dynamo": (block_marks,),
-    "joint": (annotate, user_checkpoints, chunk_gather, optimizer_calls, recompute),
-    "forward": (swap_offload, chunk_schedule),
-    "backward": (swap_reload, resident_grads, chunk_schedule),
-    "inference": (annotate, chunk_gather, chunk_schedule),
-}
-
-
-def run_passes(stage: str, gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    for p in PIPELINE[stage]:
-        gm = p(gm, plan)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
 
 
 def _num_outputs(gm: fx.GraphModule) -> int:
@@ -140,7 +114,7 @@ class GraphCompiler:
         if self.use_inductor:
             joint = _compat.inductor_joint_passes(joint)
         bind_chunks(self.plan, self.bound_options(), self.params, self.root, joint, True, self.autocast)
-        joint = run_passes("joint", joint, self.plan)
+        joint = pipeline.run_stage("joint", joint, self.plan, self.dump)
         self.dump.stage("joint", joint)
         if self.plan.profiling:
             saved = profiler.saved_bytes_by_block(
@@ -167,7 +141,8 @@ class GraphCompiler:
             if self.use_inductor:
                 gm = _compat.inductor_joint_passes(gm)  # as compile_fx does for inference graphs
             bind_chunks(self.plan, self.bound_options(), self.params, self.root, gm, False, self.autocast)
-        gm = run_passes(stage, gm, self.plan)
+        gm = pipeline.run_stage(stage, gm, self.plan, self.dump)
+        placement.allocate_buffers(self.plan, gm)  # what the passes require, allocated by the runtime
         self.dump.stage(dump_name, gm)
         self.dump.write_plan()
         compiled = runtime_guard(self._final_compile(stage, gm, example_inputs))
@@ -230,7 +205,7 @@ def _graph_name() -> str:
 def _compile_plan(gm: fx.GraphModule, example_inputs, graph_inputs, params, plan: Plan, opts: Options):
     """Run the dynamo-stage passes and hand the graph to aot_autograd with this plan's callbacks."""
     dump = GraphDump(opts.dump_dir, plan)
-    gm = run_passes("dynamo", gm, plan)
+    gm = pipeline.run_stage("dynamo", gm, plan, dump)
     dump.stage("dynamo", gm)
     dump.write_plan()
 

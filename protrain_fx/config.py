@@ -1,32 +1,154 @@
-"""Process-wide defaults for protrain's options: where ``torch.compile(model, backend="protrain")`` is called
-with no options (a training framework compiles the model, a script cannot pass a dict), the options come
-from here.
+"""Configuration in one place: process-wide default options and every environment variable protrain reads.
 
-Precedence, highest first: the ``options`` dict of the ``torch.compile`` call, :func:`configure`, the
-environment (``PROTRAIN_MEMORY_BUDGET``, e.g. ``24GiB``: the device memory the automatic plan may use).
-Every value is validated like the dict's (protrain_fx/options.py) when a graph is compiled.
+Options come, highest first, from the ``options`` dict of the ``torch.compile`` call, from
+:func:`configure` (for frameworks that compile the model themselves, where a script cannot pass a dict),
+and from the environment (``PROTRAIN_MEMORY_BUDGET``, e.g. ``24GiB``). Every value is validated like the
+dict's (protrain_fx/options.py) when a graph is compiled.
+
+The environment is read here and nowhere else (a test keeps it so): :func:`settings` parses every variable
+protrain knows, with one reading of true and false, into a typed :class:`Settings`, each time it is called,
+so a variable set before a compile is seen by that compile. The debugging switches (``PROTRAIN_DEBUG_*``)
+are read once, when the runtime module that uses them is imported. :data:`VARIABLES` documents each one.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
-ENV_MEMORY_BUDGET = "PROTRAIN_MEMORY_BUDGET"
+from protrain_fx.errors import OptionsError
+
+# name -> what it does (README and docs/design.md list the same)
+VARIABLES = {
+    "PROTRAIN_MEMORY_BUDGET": "default memory_budget (e.g. 24GiB): the device memory the automatic plan may use",
+    "PROTRAIN_AUTOPLAN": "0: no automatic plan (knobs not given mean everything resident, activations kept)",
+    "PROTRAIN_PLAN_CACHE": "0: never read or write the plan cache",
+    "PROTRAIN_CACHE_DIR": "where the hardware profile, plan cache and CPU Adam kernel are kept",
+    "PROTRAIN_REFRESH_HARDWARE": "1: measure the hardware again instead of reading its cached profile",
+    "PROTRAIN_HOST_MEMORY": "host memory protrain may plan with (e.g. 100GiB), instead of what the host reports",
+    "PROTRAIN_DUMP_DIR": "default dump_dir: graph dumps per stage and the plan",
+    "PROTRAIN_CPU_ADAM": "torch: the CPU optimizer step uses torch's AdamW instead of protrain's one-pass kernel",
+    "PROTRAIN_PROFILE_BLOCKS": "1: time every block in the chosen plan's steps too (block marks in the graph)",
+    "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default 0.05)",
+    "PROTRAIN_DEBUG_SYNC": "1: synchronize the device around every chunk and swap copy; offload / reload: "
+                           "after those swap copies only",
+    "PROTRAIN_DEBUG_POISON": "1: fill a chunk buffer with NaN once its gather has copied it out",
+    "PROTRAIN_DEBUG_DEFER_OFFLOAD": "1: on the CPU, copy a swapped activation only at its offload_wait",
+    "PROTRAIN_DISABLE_PASSES": "comma-separated graph passes to skip (debugging; protrain_fx/pipeline.py)",
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise OptionsError(f"{name}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, "").strip().lower()
+    if value not in choices:
+        raise OptionsError(f"{name}={value!r}: expected one of {', '.join(repr(c) for c in choices)}")
+    return value
+
+
+def _float(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise OptionsError(f"{name}={raw!r}: expected a number of seconds") from None
+
+
+def _text(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The environment as protrain reads it (see :data:`VARIABLES`)."""
+
+    memory_budget: str | None
+    autoplan: bool
+    plan_cache: bool
+    cache_dir: str | None
+    refresh_hardware: bool
+    host_memory: str | None  # parsed by protrain_fx.machine.memory, which names the variable in its error
+    dump_dir: str | None
+    cpu_adam: str  # "" or "torch"
+    profile_blocks: bool
+    profile_spin_s: float | None
+    debug_sync: str  # "", "1", "offload" or "reload"
+    debug_poison: bool
+    debug_defer_offload: bool
+    disable_passes: tuple[str, ...]
+    # not protrain's, read here too so that no other module touches os.environ
+    xdg_cache_home: str | None
+    cc: str | None
+    pytorch_alloc_conf: str  # PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF, comma-joined
+
+    @property
+    def sync_chunks(self) -> bool:
+        return self.debug_sync == "1"
+
+    @property
+    def sync_offload(self) -> bool:
+        return self.debug_sync in ("1", "offload")
+
+    @property
+    def sync_reload(self) -> bool:
+        return self.debug_sync in ("1", "reload")
+
+
+def settings() -> Settings:
+    """The environment now, parsed (a bad value is an OptionsError that names the variable)."""
+    return Settings(
+        memory_budget=_text("PROTRAIN_MEMORY_BUDGET"),
+        autoplan=_flag("PROTRAIN_AUTOPLAN", True),
+        plan_cache=_flag("PROTRAIN_PLAN_CACHE", True),
+        cache_dir=_text("PROTRAIN_CACHE_DIR"),
+        refresh_hardware=_flag("PROTRAIN_REFRESH_HARDWARE", False),
+        host_memory=_text("PROTRAIN_HOST_MEMORY"),
+        dump_dir=_text("PROTRAIN_DUMP_DIR"),
+        cpu_adam=_choice("PROTRAIN_CPU_ADAM", ("", "torch")),
+        profile_blocks=_flag("PROTRAIN_PROFILE_BLOCKS", False),
+        profile_spin_s=_float("PROTRAIN_PROFILE_SPIN_S"),
+        debug_sync=_choice("PROTRAIN_DEBUG_SYNC", ("", "0", "1", "offload", "reload")).replace("0", ""),
+        debug_poison=_flag("PROTRAIN_DEBUG_POISON", False),
+        debug_defer_offload=_flag("PROTRAIN_DEBUG_DEFER_OFFLOAD", False),
+        disable_passes=tuple(p.strip() for p in os.environ.get("PROTRAIN_DISABLE_PASSES", "").split(",")
+                             if p.strip()),
+        xdg_cache_home=_text("XDG_CACHE_HOME"),
+        cc=_text("CC"),
+        pytorch_alloc_conf=",".join(os.environ.get(k, "") for k in ("PYTORCH_ALLOC_CONF",
+                                                                      "PYTORCH_CUDA_ALLOC_CONF")),
+    )
+
+
+# ------------------------------------------------------------------------------ default options
 _configured: dict[str, Any] = {}
 
 
 def configure(**options: Any) -> None:
     """Set default options for every later protrain compile in this process (``None`` unsets one), e.g.
-    ``protrain_fx.configure(memory_budget="24GiB")``. The optimizer cannot be a default: protrain finds the
-    user's Adam/AdamW by itself, or it is given per compile."""
+    ``protrain_fx.configure(memory_budget="24GiB")``. The optimizer cannot be a default: protrain finds
+    the user's Adam/AdamW by itself, or it is given per compile."""
     from protrain_fx.options import Options
-    from protrain_fx.errors import OptionsError
 
     valid = [k for k in Options.valid_keys() if k != "optimizer"]
     unknown = sorted(k for k in options if k not in valid)
     if unknown:
-        raise OptionsError(f"configure(): unknown option(s) {unknown}; valid options are: {', '.join(valid)}")
-    Options.from_dict({k: v for k, v in options.items() if v is not None})  # validated now, not at compile
+        raise OptionsError(f"configure(): unknown option(s) {unknown}; valid options are: "
+                           f"{', '.join(valid)}")
+    Options.from_dict({k: v for k, v in options.items() if v is not None})  # validated now
     for k, v in options.items():
         if v is None:
             _configured.pop(k, None)
@@ -37,7 +159,7 @@ def configure(**options: Any) -> None:
 def defaults() -> dict[str, Any]:
     """The default options: the environment's, then configure()'s over them."""
     out: dict[str, Any] = {}
-    budget = os.environ.get(ENV_MEMORY_BUDGET)
+    budget = settings().memory_budget
     if budget:
         out["memory_budget"] = budget
     out.update(_configured)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from protrain_fx import config
+
 from protrain_fx.errors import OptionsError
 
 
@@ -159,7 +161,7 @@ class Options:
                     f"param_dtype: expected one of {list(PARAM_DTYPES)} (or the torch dtype), got {v!r}"
                 )
             kw["param_dtype"] = dt
-        dump_dir = raw.get("dump_dir") or os.environ.get("PROTRAIN_DUMP_DIR") or None
+        dump_dir = raw.get("dump_dir") or config.settings().dump_dir
         if dump_dir is not None:
             if not isinstance(dump_dir, (str, os.PathLike)):
                 raise OptionsError(f"dump_dir: expected a path, got {type(dump_dir).__name__}")

@@ -15,9 +15,8 @@ import torch.fx as fx
 from protrain_fx import _compat
 from protrain_fx.runtime import distributed, hybrid_optim
 from protrain_fx.plan.layout import pack
-from protrain_fx.runtime.chunk_store import ChunkStore, store_of
+from protrain_fx.runtime.chunk_store import ChunkStore, get_store, store_of
 from protrain_fx.options import Options
-from protrain_fx.errors import ProtrainError
 from protrain_fx.runtime.param_values import HOST_VALUES, hook_owners_of
 from protrain_fx.plan.plan import ChunkPlan, Plan
 from protrain_fx.plan.cost_model import ADAM_STATES
@@ -118,7 +117,7 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
     plan.param_dtype = store.param_dtype
     plan.chunk_size = store.layout.chunk_size
     plan.n_persist = store.n_persist
-    plan.n_buffer = max(store.n_buffer, options.n_buffer if options.n_buffer is not None else 2) \
+    plan.n_buffer = max(1, store.n_buffer, options.n_buffer if options.n_buffer is not None else 2) \
         if store.offloaded_chunks else 0
     plan.n_buffer_given = options.n_buffer is not None and not plan.n_buffer_searched
     plan.chunks = [
@@ -136,3 +135,15 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
     if store.offloaded_chunks:
         plan.notes.append(f"offloaded chunks travel as {str(store.param_dtype).replace('torch.', '')}; "
                           f"{store.describe()}")
+
+
+def allocate_buffers(plan: Plan, gm: fx.GraphModule) -> None:
+    """After a graph's passes: the device chunk buffers its prefetches fill (``plan.n_buffer`` per chunk
+    store it reads), allocated by the runtime, never by a pass."""
+    from protrain_fx.runtime import ops
+
+    if not any(n.op == "call_function" and n.target is ops.GATHER for n in gm.graph.nodes):
+        return
+    with _compat.real_tensor_mode():  # compile callbacks run under aot_autograd's fake mode
+        for store_id in sorted({sid for sid, _ in plan.input_entry.values()}):
+            get_store(store_id).ensure_buffers(max(1, plan.n_buffer))

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from models import build
 
-from protrain_fx import backend
+from protrain_fx import pipeline
 from protrain_fx.runtime import ops, swap_pool
 from protrain_fx.testing import compare_with_eager, random_batches, train_steps
 
@@ -81,8 +81,7 @@ def _saved_bytes(monkeypatch, options):
         seen.append((gm, plan))
         return gm
 
-    with monkeypatch.context() as mp:
-        mp.setitem(backend.PIPELINE, "forward", backend.PIPELINE["forward"] + (record,))
+    with pipeline.probe("forward", record):
         m = model("llama")
         compiled = torch.compile(m, backend="protrain", options={"compiler": "eager", **options})
         compiled(*random_batches(1, 4, 32)[0]).backward()

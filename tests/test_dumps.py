@@ -30,8 +30,15 @@ def test_dump_layout(tmp_path):
     graphs = sorted(os.listdir(tmp_path))
     assert len(graphs) == 2, graphs  # the training graph and the inference graph
     train_dir, infer_dir = (tmp_path / g for g in graphs)
-    assert sorted(os.listdir(train_dir)) == ["annotations.tsv", "bw.py", "dynamo.py", "fw.py", "joint.py", "plan.json"]
-    assert sorted(os.listdir(infer_dir)) == ["annotations.tsv", "dynamo.py", "inference.py", "plan.json"]
+    assert sorted(os.listdir(train_dir)) == ["annotations.tsv", "bw.py", "dynamo.py", "fw.py", "joint.py", "passes",
+                                             "plan.json"]
+    assert sorted(os.listdir(infer_dir)) == ["annotations.tsv", "dynamo.py", "inference.py", "passes", "plan.json"]
+    from protrain_fx import pipeline
+
+    # the graph after every pass of every stage, in order (protrain_fx/pipeline.py)
+    assert sorted(os.listdir(train_dir / "passes")) == sorted(
+        f"{stage}_{i:02d}_{name}.py" for stage in pipeline.TRAINING_ORDER
+        for i, name in enumerate(pipeline.STAGES[stage]))
     assert json.loads((train_dir / "plan.json").read_text()) == train_plan.to_dict()
     assert json.loads((infer_dir / "plan.json").read_text()) == protrain_fx.get_plan(compiled).to_dict()
     assert "def forward(self" in (train_dir / "dynamo.py").read_text()

@@ -73,7 +73,10 @@ def _record_stage(monkeypatch, stage: str, sink: list):
         sink.append((gm, plan))
         return gm
 
-    monkeypatch.setitem(backend.PIPELINE, stage, backend.PIPELINE[stage] + (record,))
+    from protrain_fx import pipeline
+
+    monkeypatch.setitem(pipeline.PASSES, "record", pipeline.PassSpec("record", record, frozenset()))
+    monkeypatch.setitem(pipeline.STAGES, stage, pipeline.STAGES[stage] + ("record",))
 
 
 # Each example compiles a new graph (seconds), so no shrinking: a failure prints the generated shapes.

@@ -1,5 +1,7 @@
 """Plan schema, summary, get_plan; the annotate pass on a tiny graph; the pipeline declaration."""
 
+import copy
+
 import pytest
 import torch
 from models import build
@@ -54,11 +56,13 @@ def test_get_plan_finds_the_models_plan():
 
 
 def test_pipeline_is_declared_in_one_place():
-    assert set(backend.PIPELINE) == {"dynamo", "joint", "forward", "backward", "inference"}
-    assert backend.PIPELINE["joint"][0] is annotate
-    for passes in backend.PIPELINE.values():
-        for p in passes:
-            assert p.__doc__, p
+    from protrain_fx import pipeline
+
+    assert set(pipeline.STAGES) == {"dynamo", "joint", "forward", "backward", "inference"}
+    assert pipeline.PASSES[pipeline.STAGES["joint"][0]].run is annotate
+    for names in pipeline.STAGES.values():
+        for name in names:
+            assert pipeline.PASSES[name].run.__doc__, name
 
 
 def test_annotate_on_a_tiny_graph():
@@ -109,3 +113,20 @@ def test_annotate_on_a_tiny_graph():
     bwd = {annotation_of(n).block_name for n in mms if annotation_of(n).phase == "backward"}
     assert bwd == {"layers.0", "layers.1", None}
     assert any(annotation_of(n).input_kind == "tangent" for n in joint.graph.nodes if n.op == "placeholder")
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_autocast_no_grad_forward_of_a_chunk_whose_first_reader_is_a_cast(compiler):
+    """A chunk of two weights whose first reader is autocast's cast to the transfer dtype: chunk_gather
+    once erased that cast while it still inserted the second weight's views before it, and the no-grad
+    forward crashed ("Expected a proper Tensor but got None"). Now it matches eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="protrain",
+                             options={"compiler": compiler, "n_persist": 0, "chunk_size": 1024,
+                                      "param_dtype": "bfloat16"})
+    x = torch.randn(4, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compiled(x), ref(x)
+    assert torch.equal(got.float(), want.float())

@@ -2,28 +2,28 @@
 import torch
 from models import GPT, GPTConfig
 
-from protrain_fx import _compat, backend
+from protrain_fx import _compat, backend, pipeline
 from protrain_fx.graph.fx import saved_activation_bytes
 from protrain_fx.profiling.profiler import saved_bytes_by_block
 
 
 def test_saved_bytes_by_block(monkeypatch):
     seen = {}
-    partition, run_passes = backend.GraphCompiler.partition, backend.run_passes
+    partition, run_stage = backend.GraphCompiler.partition, pipeline.run_stage
 
     def capture_inputs(self, joint, joint_inputs, **kw):
         seen["partition"] = lambda g: _compat.min_cut_partition(g, joint_inputs, **kw)
         return partition(self, joint, joint_inputs, **kw)
 
-    def probe_after_joint_passes(stage, gm, plan):  # inside the compile, where the partitioner can run
-        gm = run_passes(stage, gm, plan)
+    def probe_after_joint_passes(stage, gm, plan, dump=None):  # inside the compile, where it can partition
+        gm = run_stage(stage, gm, plan, dump)
         if stage == "joint":
             seen["bytes"] = saved_bytes_by_block(gm, len(plan.blocks), seen["partition"])
             seen["total"] = saved_activation_bytes(gm, seen["partition"])
         return gm
 
     monkeypatch.setattr(backend.GraphCompiler, "partition", capture_inputs)
-    monkeypatch.setattr(backend, "run_passes", probe_after_joint_passes)
+    monkeypatch.setattr(pipeline, "run_stage", probe_after_joint_passes)
     torch.manual_seed(0)
     batch, seq, width = 2, 32, 64
     model = GPT(GPTConfig(n_layer=4, n_embd=width, n_head=4, vocab_size=256, block_size=seq, tie_embeddings=False))

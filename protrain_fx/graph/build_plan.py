@@ -4,16 +4,15 @@ block policies, and what the backend and the profiler read of the partitioned gr
 """
 from __future__ import annotations
 
-import os
 
-import torch
+
+from protrain_fx import config
 
 from protrain_fx.runtime import distributed
 from protrain_fx.graph.blocks import BlockStructure
 from protrain_fx.plan.layout import choose_chunk_size, pack
 from protrain_fx.graph.inputs import GraphInput
 from protrain_fx.options import Options
-from protrain_fx.errors import ProtrainError
 from protrain_fx.plan.cost_model import block_policy
 from protrain_fx.plan.plan import BlockPlan, ChunkPlan, Plan
 
@@ -79,7 +78,7 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
         graph_inputs=list(inputs),
         block_structure=structure,
         layout=layout,
-        profile_blocks=os.environ.get("PROTRAIN_PROFILE_BLOCKS", "0") == "1",
+        profile_blocks=config.settings().profile_blocks,
         world_size=distributed.world().size,
     )
 

@@ -18,10 +18,11 @@ model then budgets, and :func:`describe` what the plan summary says about it.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
+
+from protrain_fx import config
 
 log = logging.getLogger("protrain_fx")
 
@@ -50,7 +51,7 @@ _state: AllocatorState | None = None  # decided once per process, at the first C
 
 
 def user_settings() -> str:
-    return ",".join(os.environ.get(k, "") for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    return config.settings().pytorch_alloc_conf
 
 
 def decide(user: str, backend: str) -> tuple[bool, bool]:

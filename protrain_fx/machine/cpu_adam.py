@@ -28,6 +28,8 @@ import threading
 
 import torch
 
+from protrain_fx import config
+
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -97,7 +99,7 @@ def _cpu_flags() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = config.settings().cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     flags = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
@@ -126,7 +128,7 @@ def _build() -> ctypes.CDLL:
 def available() -> bool:
     """Whether the one-pass kernel can be used (built on first call)."""
     global _lib, _tried, _build_error
-    if os.environ.get("PROTRAIN_CPU_ADAM", "").lower() == "torch":
+    if config.settings().cpu_adam == "torch":
         return False
     if _tried:  # decided (built or not): no lock on the per-chunk path
         return _lib is not None

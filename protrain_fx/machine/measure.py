@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 import statistics
 import threading
 import time
 
 import torch
+
+from protrain_fx import config
 
 from protrain_fx.machine.memory import (
     cpu_model,
@@ -25,7 +26,6 @@ from protrain_fx.machine.memory import (
 )
 from protrain_fx.machine.pinned import no_dispatch_modes, release_cached_pinned_memory
 from protrain_fx.machine.profile import (
-    ENV_REFRESH,
     HardwareProfile,
     _for_device,
     _key_lock,
@@ -318,7 +318,7 @@ def hardware_profile(device: str | torch.device | None = None, *, refresh: bool 
     dev = resolve_device(device)
     key = profile_key(dev)
     path = cache_path(key, cache_dir)
-    refresh = refresh or os.environ.get(ENV_REFRESH, "").strip().lower() not in ("", "0", "false", "no")
+    refresh = refresh or config.settings().refresh_hardware
     if not refresh:
         cached = _load(path, key)
         if cached is not None:

@@ -12,6 +12,8 @@ import re
 
 import torch
 
+from protrain_fx import config
+
 from protrain_fx.errors import ProtrainError
 
 from protrain_fx.options import parse_bytes
@@ -83,7 +85,7 @@ def host_memory() -> tuple[int, int]:
         available, total = meminfo
     else:
         available, total = _portable_host_memory()
-    stated = os.environ.get("PROTRAIN_HOST_MEMORY")
+    stated = config.settings().host_memory
     if stated:
         in_use = max(0, total - available)
         total = parse_bytes(stated.strip(), what="PROTRAIN_HOST_MEMORY")

@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
-import os
 
 import torch
+
+from protrain_fx import config
 
 from protrain_fx.errors import ProtrainError
 
@@ -48,7 +49,7 @@ def exact_pinned_blocks() -> bool:
     _pinned_exact = False
     mb = PINNED_EXACT_ABOVE_MB
     try:
-        user = os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        user = config.settings().pytorch_alloc_conf
         if "pinned_max_round_threshold" not in user:
             torch._C._accelerator_setAllocatorSettings(  # private; in torch 2.11 and 2.13
                 f"pinned_max_round_threshold_mb:{mb},pinned_max_cached_size_mb:{mb}")

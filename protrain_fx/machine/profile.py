@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from protrain_fx import config
+
 from protrain_fx.machine.memory import (
     cpu_model,
     device_name,
@@ -171,9 +173,9 @@ def profile_key(device: str | torch.device | None = None) -> str:
 
 def cache_root() -> str:
     """Where protrain keeps what it measures or builds per machine (this profile, the CPU Adam kernel)."""
-    root = os.environ.get(ENV_CACHE_DIR)
+    root = config.settings().cache_dir
     if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        xdg = config.settings().xdg_cache_home or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(xdg, "protrain_fx")
     return root
 

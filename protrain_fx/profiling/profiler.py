@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from protrain_fx import config
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
@@ -218,7 +220,8 @@ SPIN_LEAD_S = 0.003
 
 
 def spin_lead_s() -> float:
-    return float(os.environ.get("PROTRAIN_PROFILE_SPIN_S", SPIN_LEAD_S))
+    spin = config.settings().profile_spin_s
+    return SPIN_LEAD_S if spin is None else spin
 
 
 def _loadavg() -> float | None:

@@ -5,6 +5,7 @@
         joint.py          the joint forward+backward graph after protrain's joint passes
         fw.py, bw.py      forward and backward graphs after protrain's passes, before Inductor
         inference.py      (inference-only graphs) the graph after protrain's passes
+        passes/           the graph after each pass: <stage>_<NN>_<pass>.py (protrain_fx/pipeline.py)
         plan.json         Plan.to_dict()
         annotations.tsv   one row per node of each stage: phase, block and its activation policy, whether the
                           partitioner must recompute it, chunk, parameter, output bytes, profile columns
@@ -67,6 +68,12 @@ class GraphDump:
         if self.folder:
             with open(os.path.join(self.folder, filename), "w") as f:
                 f.write(text)
+
+    def pass_step(self, stage: str, index: int, name: str, gm: fx.GraphModule) -> None:
+        """The graph right after one pass (``passes/<stage>_<NN>_<pass>.py``), when dumping."""
+        if self.folder is not None:
+            os.makedirs(os.path.join(self.folder, "passes"), exist_ok=True)
+            self._write(os.path.join("passes", f"{stage}_{index:02d}_{name}.py"), graph_code(gm))
 
     def stage(self, stage: str, gm: fx.GraphModule) -> None:
         """Snapshot one stage's graph (code + annotation rows)."""

@@ -20,17 +20,18 @@ compute device the copies are real and synchronous.
 from __future__ import annotations
 
 import enum
-import os
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from protrain_fx import config
+
 from protrain_fx.errors import ProtrainError
 
 # debugging aid: PROTRAIN_DEBUG_POISON=1 fills a slot with NaN once gather has copied it out and never serves
 # a chunk from a slot without copying it again: compiled code that still read a slot would compute with NaN
-POISON = os.environ.get("PROTRAIN_DEBUG_POISON") == "1"
+POISON = config.settings().debug_poison
 
 
 class SlotState(enum.Enum):

@@ -27,12 +27,13 @@ On a CPU compute device the same code runs with real copies and no streams.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+from protrain_fx import config
 
 from protrain_fx.runtime import block_timer, distributed, mapped
 from protrain_fx._weakmap import IdentityWeakMap
@@ -44,7 +45,7 @@ from protrain_fx.runtime.worker import WORKER
 from protrain_fx.machine import pinned
 
 # debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no overlap)
-DEBUG_SYNC = os.environ.get("PROTRAIN_DEBUG_SYNC") == "1"
+DEBUG_SYNC = config.settings().sync_chunks
 _STORES: dict[int, "ChunkStore"] = {}
 _STORE_IDS = itertools.count()
 # parameter -> its store (weak: a dead model takes its store with it)

@@ -23,18 +23,18 @@ copy read memory it does not own computes wrong gradients on the CPU as it would
 """
 from __future__ import annotations
 
-import os
 
 import torch
+
+from protrain_fx import config
 
 from protrain_fx.runtime.chunk_buffers import streams_of
 from protrain_fx.machine import pinned
 
-DEFER = os.environ.get("PROTRAIN_DEBUG_DEFER_OFFLOAD") == "1"
+DEFER = config.settings().debug_defer_offload
 # debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device after every copy (no overlap, no race);
 # =offload or =reload after those copies only (which side a race is on)
-_SYNC = os.environ.get("PROTRAIN_DEBUG_SYNC", "")
-SYNC_OFFLOAD, SYNC_RELOAD = _SYNC in ("1", "offload"), _SYNC in ("1", "reload")
+SYNC_OFFLOAD, SYNC_RELOAD = config.settings().sync_offload, config.settings().sync_reload
 
 
 class Swapper:
