@@ -29,7 +29,7 @@ VARIABLES = {
     "PROTRAIN_DUMP_DIR": "default dump_dir: graph dumps per stage and the plan",
     "PROTRAIN_CPU_ADAM": "torch: the CPU optimizer step uses torch's AdamW instead of protrain's one-pass kernel",
     "PROTRAIN_PROFILE_BLOCKS": "1: time every block in the chosen plan's steps too (block marks in the graph)",
-    "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default 0.05)",
+    "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default 0.003)",
     "PROTRAIN_DEBUG_SYNC": "1: synchronize the device around every chunk and swap copy; offload / reload: "
                            "after those swap copies only",
     "PROTRAIN_DEBUG_POISON": "1: fill a chunk buffer with NaN once its gather has copied it out",

@@ -22,7 +22,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q torch==2.13.0
 fi
 # checked from / so the source folder on the path does not pass for an installed package (the entry point)
-if ! (cd / && "$VPY" -c "import importlib.metadata as m; m.distribution('protrain-fx'); import pytest, xdist, hypothesis, networkx, pynvml, transformers, peft") 2>/dev/null; then
+if ! (cd / && "$VPY" -c "import importlib.metadata as m; m.distribution('protrain-fx'); import pytest, xdist, hypothesis, ruff, pynvml, transformers, peft") 2>/dev/null; then
   echo "bootstrap: installing protrain-fx (editable) and its test extras into $VENV (first run only)" >&2
   if [ -f "$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_protrain_outer_site.pth" ]; then
     # an existing environment (perhaps offline): build with what it has

@@ -50,7 +50,7 @@ def test_profiling_leaves_no_trace_with_dropout():
     """The profiling step consumes random numbers (dropout) and makes gradients; both are undone: the run
     equals one with the same knobs given and no profiling."""
     data = random_batches(3, 2, 16, vocab=64)
-    losses = []
+    losses, chosen = [], None
     for options in (dict(OPTS, memory_budget="1GiB"), None):
         torch._dynamo.reset()
         model = gpt(dropout=0.2)

@@ -1,9 +1,17 @@
-"""Small FX helpers shared by the passes: new nodes with fake values, aliases, positions, chunk gradients."""
+"""FX helpers shared by the passes, the profiler and the planner: new nodes with fake values, aliases,
+positions, chunk gradients, copies of graph modules and what a partitioned forward saves for backward. Importing
+it marks protrain's ordering ops as side effects for FX's dead-code elimination.
+"""
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+
+from protrain_fx.runtime import ops
+
+for _op in ops.SIDE_EFFECT_OPS:  # dead-code elimination must keep them (they order copies and steps)
+    fx.node.has_side_effect(_op)
 
 
 def fake_mode_of(gm: fx.GraphModule):

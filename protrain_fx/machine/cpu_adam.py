@@ -4,7 +4,7 @@ The CPU step of an offloaded chunk is memory-bound: torch's fused CPU Adam reads
 both moments and writes parameter and moments (28 bytes per parameter), then refreshing the bf16 copy that
 the next host-to-device transfer sends is a second pass (6 more bytes, and another sweep through DRAM). This
 kernel does both in one pass (30 bytes). It is a few lines of C, built with the system C compiler at first
-use (``cc -O3 -fopenmp``, cached under ``hardware.cache_root()/kernels``) and called
+use (``cc -O3 -fopenmp``, cached under ``protrain_fx.machine.profile.cache_root()/kernels``) and called
 through ctypes, which releases the GIL, so the worker thread runs it while Python goes on.
 
 It follows torch's fused CPU Adam (``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``) operation by operation

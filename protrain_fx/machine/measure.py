@@ -214,7 +214,7 @@ def cpu_adam_kind() -> str:
     return "one-pass kernel + bf16 copy" if cpu_adam.available() else "torch fused + bf16 copy"
 
 def _measure_cpu_adam(numel: int) -> float:
-    """The CPU step of an offloaded chunk as optim.py runs it: AdamW over the flat chunk and its bf16
+    """The CPU step of an offloaded chunk as runtime/hybrid_optim.py runs it: AdamW over the flat chunk and its bf16
     transfer copy (protrain_fx.machine.cpu_adam's one pass where it builds, else torch's fused Adam then a copy)."""
     from protrain_fx.machine import cpu_adam
 

@@ -9,7 +9,7 @@ Measured (quickly: about 0.6 s on a 2-core CPU box; meant to stay under ~3 s on 
   so the duplex copies really run concurrently (each on its own copy engine). On a CPU device the same copies are
   real host memcpys (duplex: two threads).
 - **AdamW throughput** in parameters per second over one flat fp32 tensor with fp32 gradients and moments:
-  on the CPU the step ``optim.py`` runs for an offloaded chunk (``cpu_adam``'s one pass that also writes the
+  on the CPU the step ``runtime/hybrid_optim.py`` runs for an offloaded chunk (``cpu_adam``'s one pass that also writes the
   bf16 transfer copy, or torch's fused AdamW and a copy where the kernel does not build; timed with
   ``perf_counter``), on the device torch's fused AdamW (``torch.optim.adam.adam(..., fused=True)``, what
   resident chunks pay, timed with events; on a CPU device the CPU number).
@@ -56,7 +56,7 @@ from protrain_fx.machine.memory import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2  # 2: the CPU rate is that of the step optim.py runs (one-pass kernel or torch + copy)
+SCHEMA_VERSION = 2  # 2: the CPU rate is that of the step runtime/hybrid_optim.py runs (one-pass kernel or torch + copy)
 
 
 ENV_CACHE_DIR = "PROTRAIN_CACHE_DIR"

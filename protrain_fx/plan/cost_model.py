@@ -64,8 +64,8 @@ COLLECTIVE_CONTENTION = 0.24
 # the rate of the dtype casts below
 ADAM_BYTES_PER_PARAM = 28
 ADAM_STATES = 2
-GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (chunks.py)
-STAGING = 4  # pinned staging buffers of the CPU optimizer (optim.py)
+GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (runtime/chunk_buffers.py)
+STAGING = 4  # pinned staging buffers of the CPU optimizer (runtime/chunk_grads.py)
 
 
 @dataclass(frozen=True)

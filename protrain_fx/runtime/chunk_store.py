@@ -17,6 +17,7 @@ None) into the accumulator on the host worker (protrain_fx/runtime/worker.py); t
 accumulator's view, exactly as eager autograd would have left it. A callback at the end of every backward
 waits for the worker, so after ``loss.backward()`` returns, values and gradients are final. The attached
 optimizer (protrain_fx/runtime/hybrid_optim.py) may queue the chunk's CPU step right behind its gradient.
+That gradient path is protrain_fx/runtime/chunk_grads.py (methods :class:`ChunkStore` inherits).
 
 With several data-parallel ranks (protrain_fx/runtime/distributed.py) a rank keeps only its shard of each host
 tensor; parameters are then empty device *shells* and offloaded gradients stay on the host (read through
@@ -27,7 +28,6 @@ On a CPU compute device the same code runs with real copies and no streams.
 from __future__ import annotations
 
 import itertools
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -38,6 +38,7 @@ from protrain_fx import config
 from protrain_fx.runtime import block_timer, distributed, mapped
 from protrain_fx._weakmap import IdentityWeakMap
 from protrain_fx.runtime.chunk_buffers import chunk_buffers, grad_buffers, release_unused, streams_of
+from protrain_fx.runtime.chunk_grads import ChunkGrads, GradStaging
 from protrain_fx.plan.layout import ALIGN_BYTES, ChunkLayout
 from protrain_fx.errors import ProtrainError
 from protrain_fx.options import format_bytes
@@ -50,7 +51,6 @@ _STORES: dict[int, "ChunkStore"] = {}
 _STORE_IDS = itertools.count()
 # parameter -> its store (weak: a dead model takes its store with it)
 _PARAM_STORE = IdentityWeakMap()
-N_STAGING = 4
 
 
 def get_store(store_id: int) -> "ChunkStore":
@@ -97,59 +97,7 @@ class ParamEntry:
     shape: torch.Size
 
 
-class _Staging:
-    """Host buffers a gradient waits in when it must be added to (not copied into) its accumulator."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool):
-        self.free = [pinned.host_empty(numel, dtype, pin) for _ in range(N_STAGING)]
-        self._cond = threading.Condition()
-
-    def take(self) -> torch.Tensor:
-        with self._cond:
-            while not self.free:
-                self._cond.wait()
-            return self.free.pop()
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._cond:
-            self.free.append(buf)
-            self._cond.notify()
-
-
-class _Backward:
-    """What the running backward pass handed to the host: waited for once, at its end."""
-
-    queued = False
-    touched: dict = {}  # (store id, entry) -> gradient version when protrain set it
-
-
-def _end_of_backward() -> None:
-    _Backward.queued = False
-    touched, _Backward.touched = _Backward.touched, {}
-    WORKER.wait()
-    for (store_id, i), version in touched.items():
-        store = _STORES.get(store_id)
-        if store is None:
-            continue
-        p = store._params[i]()
-        if p is not None and p.grad is store._grad_alias.get(i) and store._grad_plain[i]._version != version:
-            raise ProtrainError(
-                f"protrain: parameter {store.entries[i].fqn!r} received gradients both from a protrain-compiled "
-                "graph and from code outside it in the same backward pass, which protrain cannot order; compile "
-                "the code that uses it with backend='protrain' too")
-
-
-def _queue_end_of_backward() -> None:
-    if _Backward.queued:
-        return
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
-        _Backward.queued = True
-    except RuntimeError:  # not inside a backward pass (a graph run by hand): finish now
-        WORKER.wait()
-
-
-class ChunkStore:
+class ChunkStore(ChunkGrads):
     """Parameter values of one set of parameters, chunked; see the module docstring."""
 
     def __init__(
@@ -224,7 +172,7 @@ class ChunkStore:
         self.buffers = chunk_buffers(self.device, self.param_dtype, big) if big else None
         self.grad_buffers = grad_buffers(self.device, self.master_dtype, big) if big else None
         self.streams = streams_of(self.device)
-        self._staging: _Staging | None = None
+        self._staging: GradStaging | None = None
         self.optimizer = None  # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
         # set while the profiler runs a step (protrain_fx/profiling/profiler.py): chunk copies go on the compute stream
         # between copy marks (so block times exclude them) and gradients are dropped
@@ -477,154 +425,6 @@ class ChunkStore:
             WORKER.wait()
         except Exception:  # the graph's own error is the one that matters
             pass
-
-    # -------------------------------------------------------------------------------- grads
-    def has_grad(self, index: int) -> bool:
-        """Whether the parameter's gradient is present (``.grad`` not None), as eager autograd sees it."""
-        if not self.aliased:
-            return index in self._has_grad
-        p = self._params[index]()
-        return p is not None and p.grad is not None
-
-    def grad_alias(self, index: int) -> torch.Tensor:
-        """``param.grad`` of an offloaded parameter: a view of its chunk's accumulator on the compute device."""
-        g = self._grad_alias.get(index)
-        if g is None:
-            e = self.entries[index]
-            view = mapped.device_view(self.ensure_grad(e.chunk), e.offset, e.shape, self.device)
-            g = self._grad_alias[index] = mapped.host_grad(view)
-            g._protrain_owner = (self.id, index)
-            self._grad_plain[index] = view  # shares its version counter, read without the subclass's dispatch
-        return g
-
-    def ensure_grad(self, chunk: int) -> torch.Tensor:
-        acc = self.grad.get(chunk)
-        if acc is None:
-            acc = self.grad[chunk] = pinned.host_empty(self.host_numel(chunk), self.master_dtype, self.is_cuda)
-            acc.zero_()
-        return acc
-
-    def fold_foreign_grads(self, chunk: int) -> None:
-        """Gradients that eager autograd put into ``.grad`` of the chunk's parameters (a graph dynamo ran
-        eagerly, code outside the compiled region) go into the accumulator, and ``.grad`` becomes its view."""
-        if not self.aliased:
-            return
-        for i in self._chunk_entries[chunk]:
-            p = self._params[i]()
-            if p is None or p.grad is None or p.grad is self._grad_alias.get(i):
-                continue
-            foreign = p.grad
-            WORKER.wait_chunk((self.id, chunk))
-            e = self.entries[i]
-            with torch.no_grad():
-                self.ensure_grad(chunk)[e.offset:e.offset + e.numel].copy_(foreign.detach().reshape(-1))
-            p.grad = self.grad_alias(i)
-
-    def foreign_grads(self) -> bool:
-        return any(self._params[i]() is not None and self._params[i]().grad is not None
-                   and self._params[i]().grad is not self._grad_alias.get(i)
-                   for c in self.offloaded_chunks for i in self._chunk_entries[c])
-
-    def clear_grads(self, chunk: int) -> None:
-        """Sharded stores: ``opt.zero_grad()`` (aliased stores see ``.grad = None`` instead)."""
-        for i in self._chunk_entries[chunk]:
-            self._has_grad.discard(i)
-
-    def grad_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
-        """A backward pass produced the gradients of the chunk's parameters ``members`` (store entries): pack
-        them into a device gradient buffer in the chunk layout and master dtype, copy it to the host and add
-        it to (or, for parameters without a gradient yet, copy it into) the accumulator on the host worker.
-        While profiling, gradients are dropped."""
-        if self.profiling:
-            return
-        if self.optimizer is not None:
-            self.optimizer.before_chunk_grad(self, chunk)  # takes back a step of this chunk not yet committed
-        self.fold_foreign_grads(chunk)
-        fresh = [not self.has_grad(i) for i in members]
-        all_entries = self._chunk_entries[chunk]
-        others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)
-        n = self._chunk_numel[chunk]
-        k, buf = self.grad_buffers.take()
-        buf = buf[:n]
-        with torch.no_grad():
-            if len(members) < len(all_entries):
-                buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
-            views = [buf[e.offset:e.offset + e.numel].view(e.shape) for e in (self.entries[i] for i in members)]
-            torch._foreach_copy_(views, [g.detach() for g in grads])
-            if self.world.sharded:
-                shard = torch.empty(self.host_numel(chunk), dtype=buf.dtype, device=buf.device)
-                distributed.reduce_scatter_mean(shard, buf, self.world.size)
-                buf = shard
-        acc = self.ensure_grad(chunk)
-        direct = all(fresh) and others_absent
-        WORKER.wait_chunk((self.id, chunk)) if not direct else None
-        if direct:  # straight into the accumulator
-            dst = acc
-        else:
-            if self._staging is None:
-                big = max(self.host_numel(c) for c in self.offloaded_chunks)
-                self._staging = _Staging(big, self.master_dtype, self.is_cuda)
-            dst = self._staging.take()
-        event = self.copy_to_host(buf, dst)
-        self.grad_buffers.copied(k, event)
-        if not direct:
-            parts = [(self.host_slices(i), f) for i, f in zip(members, fresh)]
-            WORKER.submit((self.id, chunk), self._accumulate, acc, dst, parts, event)
-        elif event is not None:
-            WORKER.submit((self.id, chunk), event.synchronize)
-        for i in members:
-            if self.aliased:
-                p = self._params[i]()
-                if p is not None:
-                    p.grad = self.grad_alias(i)
-                    _Backward.touched[(self.id, i)] = self._grad_plain[i]._version
-            else:
-                self._has_grad.add(i)
-        if self.optimizer is not None:
-            self.optimizer.after_chunk_grad(self, chunk, members)
-        _queue_end_of_backward()
-
-    def _accumulate(self, acc: torch.Tensor, staged: torch.Tensor, parts, event) -> None:
-        if event is not None:
-            event.synchronize()
-        with torch.no_grad():
-            for part, fresh in parts:
-                if part is None:
-                    continue
-                sl = part[0]
-                if fresh:
-                    acc[sl].copy_(staged[sl])
-                else:
-                    acc[sl].add_(staged[sl])
-        self._staging.give(staged)
-
-    def resident_grads_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
-        """Data parallel: start averaging a resident chunk's parameter gradients (store entries ``members``)
-        over the ranks, in place: the graph still returns them to autograd, after waiting for the collective
-        at its end (:func:`protrain_fx.runtime.distributed.start_resident_all_reduce`). While profiling, nothing."""
-        if self.profiling:
-            return
-        distributed.start_resident_all_reduce([self._params[i]() for i in members], [g.detach() for g in grads])
-        self._stats["resident_all_reduces"] += 1
-
-    def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):
-        """Device-to-host copy of a device gradient buffer on the copy stream; returns the event that marks it
-        done (None on CPU, where the copy is synchronous)."""
-        n = flat.numel()
-        self._stats["d2h_copies"] += 1
-        self._stats["d2h_bytes"] += n * flat.element_size()
-        if not self.is_cuda:
-            dst[:n].copy_(flat)
-            return None
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.streams.d2h):
-            self.streams.d2h.wait_event(ready)
-            dst[:n].copy_(flat, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.streams.d2h)
-        flat.record_stream(self.streams.d2h)
-        return done
 
     def unregister(self) -> None:
         """Forget this store (its parameters then belong to none; protrain_fx.runtime.param_values.dissolve_store)."""

@@ -27,28 +27,31 @@ float32 rounding of the originals), from the moments, the parameter and the grad
 there. ``opt.step(closure)`` runs the closure first, as Adam does. Gradients stay as eager leaves them
 (``param.grad`` is a view of the host accumulator; ``zero_grad()`` and ``set_to_none`` work as always).
 ``opt.state_dict()`` / ``opt.load_state_dict()`` keep torch's format, keyed by the original parameters.
+
+The chunk's CPU Adam step and its inverse are in protrain_fx/runtime/chunk_adam.py, torch's view of
+the state (``opt.state``, the state dicts) in protrain_fx/runtime/optim_state.py, both inherited by
+:class:`HybridOptimizer`; clipping of sharded gradients is in protrain_fx/runtime/clip.py.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from protrain_fx.machine import cpu_adam
-from protrain_fx.runtime import distributed, mapped
+from protrain_fx.runtime import clip, mapped
+from protrain_fx.runtime.chunk_adam import (ChunkAdam, ChunkOptState, Provisional,
+                                            step_hyperparameters)
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
+from protrain_fx.runtime.optim_state import TorchStateView
 from protrain_fx.errors import ProtrainError
 from protrain_fx.runtime.worker import WORKER
 from protrain_fx.machine import pinned
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
-HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
-_UNDO_PIECE = 1 << 22  # elements the float64 inverse works on at a time
 
 
 def handle_of(opt: torch.optim.Optimizer) -> "HybridOptimizer | None":
@@ -79,32 +82,6 @@ def set_grad_accumulation(opt: torch.optim.Optimizer, micro_steps: int) -> None:
 
 
 @dataclass
-class Provisional:
-    """An in-backward step of one chunk, not yet committed by ``opt.step()``."""
-
-    groups: dict  # param group index -> the hyperparameters it used
-    steps_before: dict  # entry -> step count before it
-    entries: list  # the entries it stepped
-    whole: bool  # one call over the flat chunk
-    param_versions: dict  # entry -> the parameter's version after it
-
-
-@dataclass
-class ChunkOptState:
-    store: ChunkStore
-    chunk: int
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    max_exp_avg_sq: torch.Tensor | None
-    members: list[int]  # store entries of the chunk that are in the optimizer
-    group_of: dict[int, int]  # entry -> param group index
-    steps: dict[int, torch.Tensor] = field(default_factory=dict)  # entry -> step count (from its first step)
-    arrivals: int = 0  # gradients handed to the chunk since the last opt.step()
-    learned: int | None = None  # arrivals per cycle, as seen at the last opt.step()
-    provisional: Provisional | None = None
-
-
-@dataclass
 class Timers:
     """Host-side seconds and counts, cumulative (reset by the benchmark)."""
 
@@ -118,7 +95,7 @@ class Timers:
     one_pass_steps: int = 0  # of which with protrain_fx/machine/cpu_adam.py
 
 
-class HybridOptimizer:
+class HybridOptimizer(ChunkAdam, TorchStateView):
     def __init__(self, opt: torch.optim.Optimizer):
         if type(opt) not in SUPPORTED:
             raise ProtrainError(
@@ -188,7 +165,7 @@ class HybridOptimizer:
         self._members_sig = None
         self._refresh_members()
         if store.world.sharded:
-            _install_clip_hook()  # sharded gradients are not in param.grad: clipping must find them
+            clip.install()  # sharded gradients are not in param.grad: clipping must find them
 
     def remove_store(self, store: ChunkStore) -> None:
         """Forget a store (a failed compile gave its parameters back)."""
@@ -224,61 +201,6 @@ class HybridOptimizer:
                 # before protrain attached, e.g. a closure that compiled the model) moves to the host buffers
                 if p is not None and p in self.opt.state and not self._ours(p):
                     self._import_state(st, i, self.opt.state.pop(p))
-
-    def _import_state(self, st: ChunkOptState, i: int, state: dict) -> None:
-        part = st.store.host_slices(i)  # this rank's share of the parameter (all of it with one rank)
-        if part is not None and "exp_avg" in state:
-            sl, flat = part
-            with torch.no_grad():
-                st.exp_avg[sl].copy_(state["exp_avg"].reshape(-1)[flat])
-                st.exp_avg_sq[sl].copy_(state["exp_avg_sq"].reshape(-1)[flat])
-                if st.max_exp_avg_sq is not None and "max_exp_avg_sq" in state:
-                    st.max_exp_avg_sq[sl].copy_(state["max_exp_avg_sq"].reshape(-1)[flat])
-        if "step" in state:
-            self._set_step(st, i, float(state["step"]))
-
-    # ------------------------------------------------------------------ steps and torch's state view
-    def _set_step(self, st: ChunkOptState, i: int, value: float) -> None:
-        """The parameter's step count (one tensor for its life: ``opt.state[p]["step"]`` is the same one)."""
-        if i in st.steps:
-            st.steps[i].fill_(value)
-        else:
-            st.steps[i] = torch.tensor(value, dtype=torch.float32)
-        self._publish(st, i)
-
-    def _clear_step(self, st: ChunkOptState, i: int) -> None:
-        """The parameter has no optimizer state (never stepped, or a step taken back)."""
-        st.steps.pop(i, None)
-        p = st.store.param(i)
-        if p is not None and st.store.aliased:
-            self.opt.state.pop(p, None)
-
-    def _publish(self, st: ChunkOptState, i: int) -> None:
-        """``opt.state[p]`` of an offloaded parameter that has state, as eager torch would hold it: the step
-        count and device views of the host moments (so a reader such as torch.distributed.checkpoint, which
-        takes an empty ``opt.state`` for an optimizer that never stepped, sees the real state)."""
-        store = st.store
-        p = store.param(i)
-        if p is None or not store.aliased:
-            return
-        entry = self.opt.state.get(p)
-        if entry is not None and entry.get("step") is st.steps[i]:
-            return
-        e = store.entries[i]
-        view = {name: mapped.device_view(getattr(st, name), e.offset, e.shape, store.device)
-                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if getattr(st, name) is not None}
-        self.opt.state[p] = {"step": st.steps[i], **view}
-        self._published[id(p)] = self.opt.state[p]
-
-    def _republish(self) -> None:
-        """After torch's loader replaced ``opt.state``: the offloaded parameters' entries again."""
-        for st in self.states.values():
-            for i in list(st.steps):
-                self._publish(st, i)
-
-    def _ours(self, p) -> bool:
-        entry = self.opt.state.get(p)
-        return entry is not None and self._published.get(id(p)) is entry
 
     # ----------------------------------------------------------------- gradients (graph side)
     def before_chunk_grad(self, store: ChunkStore, chunk: int) -> None:
@@ -327,102 +249,8 @@ class HybridOptimizer:
         self.timers.in_backward_steps += 1
 
     def _group_snapshot(self, st: ChunkOptState) -> dict[int, dict]:
-        return {gi: _hyper(self.opt.param_groups[gi], self.decoupled) for gi in set(st.group_of.values())}
-
-    # -------------------------------------------------------------------------------- step
-    def _step_chunk(self, st: ChunkOptState, entries: list[int], groups: dict[int, dict]) -> bool:
-        """Adam on the chunk's master copy for ``entries`` (store entries with a gradient), with the
-        hyperparameters ``groups``. When every parameter of the chunk is in one param group, has a gradient
-        and has taken the same number of steps (the usual case), one call runs over the whole flat chunk
-        (padding included, which nothing reads), with cpu_adam's one-pass kernel where it applies. Otherwise
-        one call per param group over the parameters. Returns whether it was the whole-chunk call."""
-        store = st.store
-        master, grad = store.master[st.chunk], store.grad[st.chunk]
-        by_group: dict[int, list[int]] = {}
-        for i in entries:
-            by_group.setdefault(st.group_of[i], []).append(i)
-        step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in entries}
-        whole = (len(by_group) == 1 and len(entries) == len(store.chunk_entry_indices(st.chunk))
-                 and len(step_counts) == 1 and master.dtype == torch.float32)
-        if whole:
-            (gi, idxs), = by_group.items()
-            step = torch.tensor(step_counts.pop(), dtype=torch.float32)
-            g = groups[gi]
-            if not self._one_pass_step(st, step, g):  # it writes the transfer copy itself
-                vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
-                _adam(g, [master], [grad], [st.exp_avg], [st.exp_avg_sq], vmax, [step], impl=_impl(store, g))
-                store.refresh_transfer(st.chunk)
-            else:
-                store.invalidate(st.chunk)
-            for i in idxs:  # every parameter took this step
-                self._set_step(st, i, float(step))
-            self.timers.whole_chunk_steps += 1
-            return True
-        for gi, idxs in by_group.items():
-            params, grads, m, v, vmax, steps = [], [], [], [], [], []
-            for i in idxs:
-                if i not in st.steps:
-                    self._set_step(st, i, 0.0)
-                step_count = st.steps[i]
-                part = store.host_slices(i)
-                if part is None:  # all of it in other ranks' shards: only its step count moves here
-                    step_count.add_(1)
-                    continue
-                sl = part[0]
-                params.append(master[sl])
-                grads.append(grad[sl])
-                m.append(st.exp_avg[sl])
-                v.append(st.exp_avg_sq[sl])
-                if st.max_exp_avg_sq is not None:
-                    vmax.append(st.max_exp_avg_sq[sl])
-                steps.append(step_count)
-            if params:
-                _adam(groups[gi], params, grads, m, v, vmax, steps, impl=_impl(store, groups[gi]))
-        store.refresh_transfer(st.chunk)
-        return False
-
-    def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict) -> bool:
-        """The whole-chunk step with protrain_fx/machine/cpu_adam.py's kernel, which also writes the bf16 transfer
-        copy (one pass over the chunk instead of two); it advances ``step``. False where it does not apply."""
-        store = st.store
-        master, transfer = store.master[st.chunk], store.transfer[st.chunk]
-        if (st.max_exp_avg_sq is not None or g["amsgrad"] or master.dtype != torch.float32
-                or master.device.type != "cpu" or transfer is not master and transfer.dtype != torch.bfloat16
-                or not cpu_adam.available() or _impl(store, g) != "fused"):
-            return False
-        step += 1  # torch counts the step before using it
-        beta1, beta2 = g["betas"]
-        cpu_adam.adam_step(
-            master, store.grad[st.chunk], st.exp_avg, st.exp_avg_sq, None if transfer is master else transfer,
-            float(step), lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(g["eps"]),
-            weight_decay=float(g["weight_decay"]), decoupled=g["decoupled_weight_decay"],
-            maximize=g["maximize"])
-        self.timers.one_pass_steps += 1
-        return True
-
-    def _undo(self, st: ChunkOptState) -> None:
-        """Take back the chunk's provisional step: Adam inverted (see module docstring)."""
-        WORKER.wait_chunk((st.store.id, st.chunk))
-        rec, st.provisional = st.provisional, None
-        store = st.store
-        master, grad = store.master[st.chunk], store.grad[st.chunk]
-        spans = ([(0, master.numel(), rec.entries)] if rec.whole else
-                 [(store.host_slices(i)[0].start, store.host_slices(i)[0].stop, [i])
-                  for i in rec.entries if store.host_slices(i) is not None])
-        for lo, hi, idxs in spans:
-            g = rec.groups[st.group_of[idxs[0]]]
-            t = rec.steps_before[idxs[0]] + 1
-            for a in range(lo, hi, _UNDO_PIECE):
-                b = min(hi, a + _UNDO_PIECE)
-                _adam_inverse(g, t, master[a:b], grad[a:b], st.exp_avg[a:b], st.exp_avg_sq[a:b])
-        for i in rec.entries:
-            before = rec.steps_before[i]
-            if before == 0:
-                self._clear_step(st, i)
-            else:
-                self._set_step(st, i, before)
-        store.refresh_transfer(st.chunk)
-        self.timers.undone_steps += 1
+        return {gi: step_hyperparameters(self.opt.param_groups[gi], self.decoupled)
+                for gi in set(st.group_of.values())}
 
     def _before_step(self) -> None:
         t0 = time.perf_counter()
@@ -539,67 +367,6 @@ class HybridOptimizer:
             e = store.entry(p)
             yield p, self.states[(store.id, e.chunk)], store.entry_index(p), e
 
-    def _indexed_params(self) -> list[torch.Tensor]:
-        """Parameters in torch's state_dict index order (param groups in order)."""
-        return [p for g in self.opt.param_groups for p in g["params"]]
-
-    def _state_dict_post(self, sd: dict) -> dict:
-        WORKER.wait()
-        for st in self.states.values():
-            if st.provisional is not None:  # not committed: the state is as before the step
-                self._undo(st)
-        index = {id(p): k for k, p in enumerate(self._indexed_params())}
-        whole: dict[tuple[int, str], torch.Tensor] = {}  # a chunk's moments, every rank's shard gathered
-
-        def moment(st: ChunkOptState, name: str) -> torch.Tensor:
-            key = (id(st), name)
-            if key not in whole:  # the same chunks in the same order on every rank: collectives line up
-                whole[key] = st.store.host_chunk(st.chunk, getattr(st, name))
-            return whole[key]
-
-        for p, st, i, e in self._offloaded(self._indexed_params()):
-            idx = index[id(p)]
-            if i not in st.steps:
-                continue  # never stepped: torch has no state for it either
-            sl = slice(e.offset, e.offset + e.numel)
-            names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if st.max_exp_avg_sq is not None else ())
-            entry = {"step": st.steps[i].clone()}
-            entry.update({name: moment(st, name)[sl].clone().view(e.shape) for name in names})
-            sd["state"][idx] = entry
-        sd["state"] = dict(sorted(sd["state"].items()))
-        return sd
-
-    def _load_state_dict_pre(self, sd: dict) -> dict:
-        """Offloaded parameters' state goes to the host buffers; torch's loader sees the rest."""
-        WORKER.wait()
-        for st in self.states.values():
-            if st.provisional is not None:
-                self._undo(st)
-        sd = dict(sd)
-        state = dict(sd["state"])
-        loaded: set[tuple[int, int]] = set()
-        index = {id(p): k for k, p in enumerate(self._indexed_params())}
-        for p, st, i, _ in self._offloaded(self._indexed_params()):
-            idx = index[id(p)]
-            saved = state.pop(idx, state.pop(str(idx), None))
-            if saved is not None:
-                self._import_state(st, i, saved)
-                loaded.add((id(st), i))
-        for st in self.states.values():  # as in torch: a parameter without saved state starts fresh
-            for i in st.members:
-                if (id(st), i) in loaded:
-                    continue
-                self._clear_step(st, i)
-                part = st.store.host_slices(i)
-                if part is not None:
-                    sl = part[0]
-                    st.exp_avg[sl].zero_()
-                    st.exp_avg_sq[sl].zero_()
-                    if st.max_exp_avg_sq is not None:
-                        st.max_exp_avg_sq[sl].zero_()
-        sd["state"] = state
-        return sd
-
 
 class _WeakOpt:
     """A weak reference to the optimizer (its hooks hold the handle; the handle must not hold it)."""
@@ -642,107 +409,3 @@ def _on_grad_write(grads) -> None:
         store = _STORES.get(store_id)
         if store is not None and store.optimizer is not None:
             store.optimizer.on_grad_write(keys)
-
-
-def _hyper(g: dict, decoupled: bool) -> dict:
-    """The hyperparameters of a param group that a step uses (the step's identity)."""
-    out = {k: g.get(k) for k in HYPER}
-    out["lr"] = float(out["lr"]) if torch.is_tensor(out["lr"]) else out["lr"]
-    out["betas"] = tuple(float(b) for b in out["betas"])
-    out["decoupled_weight_decay"] = bool(g.get("decoupled_weight_decay", decoupled))
-    out["amsgrad"], out["maximize"] = bool(out["amsgrad"]), bool(out["maximize"])
-    out["fused"], out["foreach"] = g.get("fused"), g.get("foreach")
-    return out
-
-
-def _impl(store: ChunkStore, g: dict) -> str:
-    """How the CPU step of an offloaded chunk runs. With a CUDA compute device: fused (protrain's one-pass
-    kernel, or torch's fused CPU Adam), the fastest. With a CPU compute device, eager PyTorch steps the same
-    tensors on the same device, so protrain runs the implementation the user's optimizer would (its
-    ``fused`` / ``foreach`` settings; torch's default there is the for-loop), for the same rounding:
-    parameters whose gradient is pure rounding noise (an attention key bias) turn one-ulp differences into
-    steps of size ``lr``."""
-    if store.device.type != "cpu" or store.master_dtype != torch.float32 and not g.get("fused"):
-        return "fused" if store.master_dtype == torch.float32 or g.get("fused") else "single"
-    return "fused" if g.get("fused") else "foreach" if g.get("foreach") else "single"
-
-
-def _adam(g: dict, params, grads, m, v, vmax, steps, *, impl: str) -> None:
-    """torch's CPU Adam/AdamW over lists of host tensors, with hyperparameters ``g`` (see _hyper), in the
-    implementation ``impl`` ("fused", "foreach" or "single")."""
-    from torch.optim.adam import adam
-
-    beta1, beta2 = g["betas"]
-    adam(params, grads, m, v, vmax, steps, foreach=impl == "foreach", fused=impl == "fused",
-         decoupled_weight_decay=g["decoupled_weight_decay"], amsgrad=g["amsgrad"], beta1=beta1, beta2=beta2,
-         lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=g["maximize"])
-
-
-def _adam_inverse(g: dict, t: float, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
-    """Undo the Adam step number ``t`` with hyperparameters ``g`` on (p, m, v), in place, in float64."""
-    beta1, beta2 = g["betas"]
-    lr, wd, eps = float(g["lr"]), float(g["weight_decay"]), float(g["eps"])
-    p1, m1, v1, gr = p.double(), m.double(), v.double(), grad.double()
-    if g["maximize"]:
-        gr = -gr
-    bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
-    update = (lr / bc1) * m1 / (v1.sqrt() / math.sqrt(bc2) + eps)
-    if g["decoupled_weight_decay"]:
-        p0 = (p1 + update) / (1 - lr * wd) if wd != 0 else p1 + update
-    else:
-        p0 = p1 + update
-        if wd != 0:
-            gr = gr + wd * p0
-    m0 = (m1 - (1 - beta1) * gr) / beta1
-    v0 = ((v1 - (1 - beta2) * gr * gr) / beta2).clamp_(min=0)
-    p.copy_(p0)
-    m.copy_(m0)
-    v.copy_(v0)
-
-
-# ------------------------------------------------------------------------- clipping (sharded stores)
-_CLIP_INSTALLED = False
-
-
-def _install_clip_hook() -> None:
-    """Data parallel: offloaded gradients are shards on the host, not in ``param.grad``, so
-    ``torch.nn.utils.clip_grad_norm_`` must be extended to them (installed when a sharded store attaches)."""
-    global _CLIP_INSTALLED
-    if _CLIP_INSTALLED:
-        return
-    import torch.nn.utils as nn_utils
-    import torch.nn.utils.clip_grad as clip_mod
-
-    original = clip_mod.clip_grad_norm_
-
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        distributed.wait_resident_grads()  # data parallel: resident gradients averaged over the ranks first
-        handles = {store_of(p).optimizer for p in params if store_of(p) is not None
-                   and store_of(p).optimizer is not None and not store_of(p).aliased
-                   and store_of(p).param_is_offloaded(p)}
-        if not handles:
-            return original(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                            foreach=foreach)
-        host = [g for h in handles for g in h.offloaded_grads(params)]
-        device_grads = [p.grad for p in params if p.grad is not None]
-        norm_type = float(norm_type)
-        norms = [torch.linalg.vector_norm(g, norm_type) for g in device_grads]
-        host_norms = [torch.linalg.vector_norm(g, norm_type) for g in host]
-        dev = device_grads[0].device if device_grads else torch.device("cpu")
-        host_norms = [distributed.shard_norm(host_norms, norm_type, dev)]  # shards: the norm spans the ranks
-        all_norms = torch.stack([n.to(dev) for n in norms + host_norms])
-        total = torch.linalg.vector_norm(all_norms, norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            for g in device_grads:
-                g.mul_(coef.to(g.device))
-            for g in host:
-                g.mul_(coef.to(g.device))
-        return total
-
-    clip_mod.clip_grad_norm_ = clip_grad_norm_
-    nn_utils.clip_grad_norm_ = clip_grad_norm_
-    _CLIP_INSTALLED = True

@@ -5,8 +5,8 @@ state. Ops name their chunk by a parameter tensor of it (the *anchor*), resolved
 Every op takes a list of *tokens*: tensors produced by the nodes it must follow (the passes choose them), so
 the order survives Inductor's scheduling (Inductor reorders independent custom ops; a data dependency it
 cannot break). Ops that only order things return a 0-element token tensor; having no consumers, they are
-registered as having side effects (at import time, before any graph is compiled: Inductor's cache key does
-not see it).
+registered as having side effects (``SIDE_EFFECT_OPS``, by protrain_fx/graph/fx.py when the passes are
+imported, before any graph is compiled: Inductor's cache key does not see it).
 
 * ``gather(tokens, anchor, numel, dtype) -> flat``: the anchor's chunk on the compute device in the transfer
   dtype, as a fresh tensor the graph owns (copied out of the device chunk buffer its prefetch filled, or
@@ -37,7 +37,6 @@ from __future__ import annotations
 from typing import List
 
 import torch
-import torch.fx
 from torch.library import custom_op
 
 from protrain_fx.runtime import block_timer, chunk_store, distributed, swap_pool
@@ -174,10 +173,9 @@ ALL_OPS = (GATHER, *TOKEN_OPS)
 # where each op keeps its token list (argument index)
 TOKEN_ARG = {GATHER: 0, PREFETCH: 0, CHUNK_GRAD: 2, RESIDENT_GRADS: 1, RESIDENT_GRADS_WAIT: 0,
              RELOAD_START: 1, RELOAD_TAKE: 1, OFFLOAD: 1, OFFLOAD_WAIT: 1}
-
-for _target in TOKEN_OPS:
-    torch.fx.node.has_side_effect(_target)
-torch.fx.node.has_side_effect(OFFLOAD)
+# FX's dead-code elimination keeps the token ops and offload although nothing may read their outputs:
+# protrain_fx/graph/fx.py registers them (the runtime does not import torch.fx)
+SIDE_EFFECT_OPS = (*TOKEN_OPS, OFFLOAD)
 
 
 def fake_value(target, args):

@@ -1,0 +1,219 @@
+"""The CPU Adam step of one offloaded chunk, and its exact inverse.
+
+An offloaded chunk's Adam state (:class:`ChunkOptState`: moments in host memory, a step count per
+parameter) sits beside the chunk's host master copy and gradient accumulator. Stepping the chunk
+runs torch's CPU Adam/AdamW over those host tensors with a param group's hyperparameters: as one
+call over the whole flat chunk when every parameter is in one group, has a gradient and has taken as
+many steps (with protrain_fx/machine/cpu_adam.py's one-pass kernel where it applies, which also
+writes the bf16 transfer copy), else one call per param group. A step taken inside backward is
+provisional (:class:`Provisional`, protrain_fx/runtime/hybrid_optim.py) and may have to be taken
+back: Adam is then inverted exactly in real arithmetic, in float64, from the moments, the parameter
+and the gradient, which are all still there (the restored values are within float32 rounding of the
+originals). :class:`ChunkAdam` holds these steps as methods of the hybrid optimizer (which inherits
+them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from protrain_fx.machine import cpu_adam
+from protrain_fx.runtime.chunk_store import ChunkStore
+from protrain_fx.runtime.worker import WORKER
+
+HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+_UNDO_PIECE = 1 << 22  # elements the float64 inverse works on at a time
+
+
+@dataclass
+class Provisional:
+    """An in-backward step of one chunk, not yet committed by ``opt.step()``."""
+
+    groups: dict  # param group index -> the hyperparameters it used
+    steps_before: dict  # entry -> step count before it
+    entries: list  # the entries it stepped
+    whole: bool  # one call over the flat chunk
+    param_versions: dict  # entry -> the parameter's version after it
+
+
+@dataclass
+class ChunkOptState:
+    store: ChunkStore
+    chunk: int
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: torch.Tensor | None
+    members: list[int]  # store entries of the chunk that are in the optimizer
+    group_of: dict[int, int]  # entry -> param group index
+    # entry -> step count (from its first step)
+    steps: dict[int, torch.Tensor] = field(default_factory=dict)
+    arrivals: int = 0  # gradients handed to the chunk since the last opt.step()
+    learned: int | None = None  # arrivals per cycle, as seen at the last opt.step()
+    provisional: Provisional | None = None
+
+
+class ChunkAdam:
+    """The chunk steps of :class:`protrain_fx.runtime.hybrid_optim.HybridOptimizer` (which inherits
+    them): it provides ``timers`` and the step-count bookkeeping ``_set_step`` / ``_clear_step``
+    (protrain_fx/runtime/optim_state.py)."""
+
+    def _step_chunk(self, st: ChunkOptState, entries: list[int], groups: dict[int, dict]) -> bool:
+        """Adam on the chunk's master copy for ``entries`` (store entries with a gradient), with the
+        hyperparameters ``groups``. When every parameter of the chunk is in one param group, has a
+        gradient and has taken the same number of steps (the usual case), one call runs over the
+        whole flat chunk (padding included, which nothing reads), with cpu_adam's one-pass kernel
+        where it applies. Otherwise one call per param group over the parameters. Returns whether it
+        was the whole-chunk call."""
+        store = st.store
+        master, grad = store.master[st.chunk], store.grad[st.chunk]
+        by_group: dict[int, list[int]] = {}
+        for i in entries:
+            by_group.setdefault(st.group_of[i], []).append(i)
+        step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in entries}
+        whole = (len(by_group) == 1 and len(entries) == len(store.chunk_entry_indices(st.chunk))
+                 and len(step_counts) == 1 and master.dtype == torch.float32)
+        if whole:
+            (gi, idxs), = by_group.items()
+            step = torch.tensor(step_counts.pop(), dtype=torch.float32)
+            g = groups[gi]
+            if not self._one_pass_step(st, step, g):  # it writes the transfer copy itself
+                vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
+                _adam(g, [master], [grad], [st.exp_avg], [st.exp_avg_sq], vmax, [step],
+                      impl=_impl(store, g))
+                store.refresh_transfer(st.chunk)
+            else:
+                store.invalidate(st.chunk)
+            for i in idxs:  # every parameter took this step
+                self._set_step(st, i, float(step))
+            self.timers.whole_chunk_steps += 1
+            return True
+        for gi, idxs in by_group.items():
+            params, grads, m, v, vmax, steps = [], [], [], [], [], []
+            for i in idxs:
+                if i not in st.steps:
+                    self._set_step(st, i, 0.0)
+                step_count = st.steps[i]
+                part = store.host_slices(i)
+                if part is None:  # all of it in other ranks' shards: only its step count moves here
+                    step_count.add_(1)
+                    continue
+                sl = part[0]
+                params.append(master[sl])
+                grads.append(grad[sl])
+                m.append(st.exp_avg[sl])
+                v.append(st.exp_avg_sq[sl])
+                if st.max_exp_avg_sq is not None:
+                    vmax.append(st.max_exp_avg_sq[sl])
+                steps.append(step_count)
+            if params:
+                _adam(groups[gi], params, grads, m, v, vmax, steps,
+                      impl=_impl(store, groups[gi]))
+        store.refresh_transfer(st.chunk)
+        return False
+
+    def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict) -> bool:
+        """The whole-chunk step with protrain_fx/machine/cpu_adam.py's kernel, which also writes the
+        bf16 transfer copy (one pass over the chunk instead of two); it advances ``step``. False
+        where it does not apply."""
+        store = st.store
+        master, transfer = store.master[st.chunk], store.transfer[st.chunk]
+        if (st.max_exp_avg_sq is not None or g["amsgrad"] or master.dtype != torch.float32
+                or master.device.type != "cpu"
+                or transfer is not master and transfer.dtype != torch.bfloat16
+                or not cpu_adam.available() or _impl(store, g) != "fused"):
+            return False
+        step += 1  # torch counts the step before using it
+        beta1, beta2 = g["betas"]
+        cpu_adam.adam_step(
+            master, store.grad[st.chunk], st.exp_avg, st.exp_avg_sq,
+            None if transfer is master else transfer,
+            float(step), lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
+            eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
+            decoupled=g["decoupled_weight_decay"], maximize=g["maximize"])
+        self.timers.one_pass_steps += 1
+        return True
+
+    def _undo(self, st: ChunkOptState) -> None:
+        """Take back the chunk's provisional step: Adam inverted (see the module docstring)."""
+        WORKER.wait_chunk((st.store.id, st.chunk))
+        rec, st.provisional = st.provisional, None
+        store = st.store
+        master, grad = store.master[st.chunk], store.grad[st.chunk]
+        spans = ([(0, master.numel(), rec.entries)] if rec.whole else
+                 [(store.host_slices(i)[0].start, store.host_slices(i)[0].stop, [i])
+                  for i in rec.entries if store.host_slices(i) is not None])
+        for lo, hi, idxs in spans:
+            g = rec.groups[st.group_of[idxs[0]]]
+            t = rec.steps_before[idxs[0]] + 1
+            for a in range(lo, hi, _UNDO_PIECE):
+                b = min(hi, a + _UNDO_PIECE)
+                _adam_inverse(g, t, master[a:b], grad[a:b], st.exp_avg[a:b], st.exp_avg_sq[a:b])
+        for i in rec.entries:
+            before = rec.steps_before[i]
+            if before == 0:
+                self._clear_step(st, i)
+            else:
+                self._set_step(st, i, before)
+        store.refresh_transfer(st.chunk)
+        self.timers.undone_steps += 1
+
+
+def step_hyperparameters(g: dict, decoupled: bool) -> dict:
+    """The hyperparameters of a param group that a step uses (the step's identity)."""
+    out = {k: g.get(k) for k in HYPER}
+    out["lr"] = float(out["lr"]) if torch.is_tensor(out["lr"]) else out["lr"]
+    out["betas"] = tuple(float(b) for b in out["betas"])
+    out["decoupled_weight_decay"] = bool(g.get("decoupled_weight_decay", decoupled))
+    out["amsgrad"], out["maximize"] = bool(out["amsgrad"]), bool(out["maximize"])
+    out["fused"], out["foreach"] = g.get("fused"), g.get("foreach")
+    return out
+
+
+def _impl(store: ChunkStore, g: dict) -> str:
+    """How the CPU step of an offloaded chunk runs. With a CUDA compute device: fused (protrain's
+    one-pass kernel, or torch's fused CPU Adam), the fastest. With a CPU compute device, eager
+    PyTorch steps the same tensors on the same device, so protrain runs the implementation the
+    user's optimizer would (its ``fused`` / ``foreach`` settings; torch's default there is the
+    for-loop), for the same rounding: parameters whose gradient is pure rounding noise (an attention
+    key bias) turn one-ulp differences into steps of size ``lr``."""
+    if store.device.type != "cpu" or store.master_dtype != torch.float32 and not g.get("fused"):
+        return "fused" if store.master_dtype == torch.float32 or g.get("fused") else "single"
+    return "fused" if g.get("fused") else "foreach" if g.get("foreach") else "single"
+
+
+def _adam(g: dict, params, grads, m, v, vmax, steps, *, impl: str) -> None:
+    """torch's CPU Adam/AdamW over lists of host tensors, with hyperparameters ``g`` (see
+    step_hyperparameters), in the implementation ``impl`` ("fused", "foreach" or "single")."""
+    from torch.optim.adam import adam
+
+    beta1, beta2 = g["betas"]
+    adam(params, grads, m, v, vmax, steps, foreach=impl == "foreach", fused=impl == "fused",
+         decoupled_weight_decay=g["decoupled_weight_decay"], amsgrad=g["amsgrad"], beta1=beta1,
+         beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
+         maximize=g["maximize"])
+
+
+def _adam_inverse(g: dict, t: float, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
+                  v: torch.Tensor) -> None:
+    """Undo the Adam step number ``t`` with hyperparameters ``g`` on (p, m, v), in place, in
+    float64."""
+    beta1, beta2 = g["betas"]
+    lr, wd, eps = float(g["lr"]), float(g["weight_decay"]), float(g["eps"])
+    p1, m1, v1, gr = p.double(), m.double(), v.double(), grad.double()
+    if g["maximize"]:
+        gr = -gr
+    bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+    update = (lr / bc1) * m1 / (v1.sqrt() / math.sqrt(bc2) + eps)
+    if g["decoupled_weight_decay"]:
+        p0 = (p1 + update) / (1 - lr * wd) if wd != 0 else p1 + update
+    else:
+        p0 = p1 + update
+        if wd != 0:
+            gr = gr + wd * p0
+    m0 = (m1 - (1 - beta1) * gr) / beta1
+    v0 = ((v1 - (1 - beta2) * gr * gr) / beta2).clamp_(min=0)
+    p.copy_(p0)
+    m.copy_(m0)
+    v.copy_(v0)

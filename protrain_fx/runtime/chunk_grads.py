@@ -1,0 +1,246 @@
+"""The gradient path of a chunk store: from a compiled backward to the host accumulator.
+
+Gradients of an offloaded chunk arrive flat through ``protrain::chunk_grad`` (:meth:`grad_ready`):
+packed into a device gradient buffer in the chunk layout and the master dtype, copied to the host on
+the copy stream (:meth:`copy_to_host`): straight into the chunk's accumulator while the chunk holds
+no gradient yet, else into a host staging buffer (:class:`GradStaging`) that the host worker adds
+(or copies, for a parameter whose ``.grad`` is None) into the accumulator. The parameters' ``.grad``
+then is the accumulator's view on the compute device (:meth:`grad_alias`), exactly as eager autograd
+would have left it; gradients that eager code put in ``.grad`` meanwhile are folded into the
+accumulator first. A callback at the end of every backward waits for the worker, so after
+``loss.backward()`` returns gradients are final, and checks that no parameter got gradients both
+from a compiled graph and from code outside it. :class:`ChunkGrads` holds these as methods of
+:class:`protrain_fx.runtime.chunk_store.ChunkStore`, which inherits it.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from protrain_fx.runtime import distributed, mapped
+from protrain_fx.errors import ProtrainError
+from protrain_fx.runtime.worker import WORKER
+from protrain_fx.machine import pinned
+
+N_STAGING = 4
+
+
+class GradStaging:
+    """Host buffers a gradient waits in when it must be added to (not copied into) its
+    accumulator."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool):
+        self.free = [pinned.host_empty(numel, dtype, pin) for _ in range(N_STAGING)]
+        self._cond = threading.Condition()
+
+    def take(self) -> torch.Tensor:
+        with self._cond:
+            while not self.free:
+                self._cond.wait()
+            return self.free.pop()
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self.free.append(buf)
+            self._cond.notify()
+
+
+class _Backward:
+    """What the running backward pass handed to the host: waited for once, at its end."""
+
+    queued = False
+    touched: dict = {}  # (store id, entry) -> gradient version when protrain set it
+
+
+def _end_of_backward() -> None:
+    from protrain_fx.runtime.chunk_store import _STORES
+
+    _Backward.queued = False
+    touched, _Backward.touched = _Backward.touched, {}
+    WORKER.wait()
+    for (store_id, i), version in touched.items():
+        store = _STORES.get(store_id)
+        if store is None:
+            continue
+        p = store._params[i]()
+        if (p is not None and p.grad is store._grad_alias.get(i)
+                and store._grad_plain[i]._version != version):
+            raise ProtrainError(
+                f"protrain: parameter {store.entries[i].fqn!r} received gradients both from a "
+                "protrain-compiled graph and from code outside it in the same backward pass, which "
+                "protrain cannot order; compile the code that uses it with backend='protrain' too")
+
+
+def _queue_end_of_backward() -> None:
+    if _Backward.queued:
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
+        _Backward.queued = True
+    except RuntimeError:  # not inside a backward pass (a graph run by hand): finish now
+        WORKER.wait()
+
+
+class ChunkGrads:
+    """The gradient methods of :class:`protrain_fx.runtime.chunk_store.ChunkStore` (which inherits
+    them); see the module docstring."""
+
+    def has_grad(self, index: int) -> bool:
+        """Whether the parameter's gradient is present (``.grad`` not None), as eager autograd sees
+        it."""
+        if not self.aliased:
+            return index in self._has_grad
+        p = self._params[index]()
+        return p is not None and p.grad is not None
+
+    def grad_alias(self, index: int) -> torch.Tensor:
+        """``param.grad`` of an offloaded parameter: a view of its chunk's accumulator on the
+        compute device."""
+        g = self._grad_alias.get(index)
+        if g is None:
+            e = self.entries[index]
+            view = mapped.device_view(self.ensure_grad(e.chunk), e.offset, e.shape, self.device)
+            g = self._grad_alias[index] = mapped.host_grad(view)
+            g._protrain_owner = (self.id, index)
+            # shares its version counter, read without the subclass's dispatch
+            self._grad_plain[index] = view
+        return g
+
+    def ensure_grad(self, chunk: int) -> torch.Tensor:
+        acc = self.grad.get(chunk)
+        if acc is None:
+            acc = self.grad[chunk] = pinned.host_empty(self.host_numel(chunk), self.master_dtype,
+                                                       self.is_cuda)
+            acc.zero_()
+        return acc
+
+    def fold_foreign_grads(self, chunk: int) -> None:
+        """Gradients that eager autograd put into ``.grad`` of the chunk's parameters (a graph
+        dynamo ran eagerly, code outside the compiled region) go into the accumulator, and ``.grad``
+        becomes its view."""
+        if not self.aliased:
+            return
+        for i in self._chunk_entries[chunk]:
+            p = self._params[i]()
+            if p is None or p.grad is None or p.grad is self._grad_alias.get(i):
+                continue
+            foreign = p.grad
+            WORKER.wait_chunk((self.id, chunk))
+            e = self.entries[i]
+            with torch.no_grad():
+                self.ensure_grad(chunk)[e.offset:e.offset + e.numel].copy_(
+                    foreign.detach().reshape(-1))
+            p.grad = self.grad_alias(i)
+
+    def foreign_grads(self) -> bool:
+        return any(self._params[i]() is not None and self._params[i]().grad is not None
+                   and self._params[i]().grad is not self._grad_alias.get(i)
+                   for c in self.offloaded_chunks for i in self._chunk_entries[c])
+
+    def clear_grads(self, chunk: int) -> None:
+        """Sharded stores: ``opt.zero_grad()`` (aliased stores see ``.grad = None`` instead)."""
+        for i in self._chunk_entries[chunk]:
+            self._has_grad.discard(i)
+
+    def grad_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
+        """A backward pass produced the gradients of the chunk's parameters ``members`` (store
+        entries): pack them into a device gradient buffer in the chunk layout and master dtype, copy
+        it to the host and add it to (or, for parameters without a gradient yet, copy it into) the
+        accumulator on the host worker. While profiling, gradients are dropped."""
+        if self.profiling:
+            return
+        if self.optimizer is not None:
+            # takes back a step of this chunk not yet committed
+            self.optimizer.before_chunk_grad(self, chunk)
+        self.fold_foreign_grads(chunk)
+        fresh = [not self.has_grad(i) for i in members]
+        all_entries = self._chunk_entries[chunk]
+        others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)
+        n = self._chunk_numel[chunk]
+        k, buf = self.grad_buffers.take()
+        buf = buf[:n]
+        with torch.no_grad():
+            if len(members) < len(all_entries):
+                buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
+            views = [buf[e.offset:e.offset + e.numel].view(e.shape)
+                     for e in (self.entries[i] for i in members)]
+            torch._foreach_copy_(views, [g.detach() for g in grads])
+            if self.world.sharded:
+                shard = torch.empty(self.host_numel(chunk), dtype=buf.dtype, device=buf.device)
+                distributed.reduce_scatter_mean(shard, buf, self.world.size)
+                buf = shard
+        acc = self.ensure_grad(chunk)
+        direct = all(fresh) and others_absent
+        WORKER.wait_chunk((self.id, chunk)) if not direct else None
+        if direct:  # straight into the accumulator
+            dst = acc
+        else:
+            if self._staging is None:
+                big = max(self.host_numel(c) for c in self.offloaded_chunks)
+                self._staging = GradStaging(big, self.master_dtype, self.is_cuda)
+            dst = self._staging.take()
+        event = self.copy_to_host(buf, dst)
+        self.grad_buffers.copied(k, event)
+        if not direct:
+            parts = [(self.host_slices(i), f) for i, f in zip(members, fresh)]
+            WORKER.submit((self.id, chunk), self._accumulate, acc, dst, parts, event)
+        elif event is not None:
+            WORKER.submit((self.id, chunk), event.synchronize)
+        for i in members:
+            if self.aliased:
+                p = self._params[i]()
+                if p is not None:
+                    p.grad = self.grad_alias(i)
+                    _Backward.touched[(self.id, i)] = self._grad_plain[i]._version
+            else:
+                self._has_grad.add(i)
+        if self.optimizer is not None:
+            self.optimizer.after_chunk_grad(self, chunk, members)
+        _queue_end_of_backward()
+
+    def _accumulate(self, acc: torch.Tensor, staged: torch.Tensor, parts, event) -> None:
+        if event is not None:
+            event.synchronize()
+        with torch.no_grad():
+            for part, fresh in parts:
+                if part is None:
+                    continue
+                sl = part[0]
+                if fresh:
+                    acc[sl].copy_(staged[sl])
+                else:
+                    acc[sl].add_(staged[sl])
+        self._staging.give(staged)
+
+    def resident_grads_ready(self, chunk: int, grads: list[torch.Tensor],
+                             members: list[int]) -> None:
+        """Data parallel: start averaging a resident chunk's parameter gradients (store entries
+        ``members``) over the ranks, in place: the graph still returns them to autograd, after
+        waiting for the collective at its end
+        (:func:`protrain_fx.runtime.distributed.start_resident_all_reduce`). While profiling,
+        nothing."""
+        if self.profiling:
+            return
+        distributed.start_resident_all_reduce([self._params[i]() for i in members],
+                                              [g.detach() for g in grads])
+        self._stats["resident_all_reduces"] += 1
+
+    def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):
+        """Device-to-host copy of a device gradient buffer on the copy stream; returns the event
+        that marks it done (None on CPU, where the copy is synchronous)."""
+        n = flat.numel()
+        self._stats["d2h_copies"] += 1
+        self._stats["d2h_bytes"] += n * flat.element_size()
+        if not self.is_cuda:
+            dst[:n].copy_(flat)
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.streams.d2h):
+            self.streams.d2h.wait_event(ready)
+            dst[:n].copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.streams.d2h)
+        flat.record_stream(self.streams.d2h)
+        return done
