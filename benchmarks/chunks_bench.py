@@ -1,22 +1,31 @@
-"""Chunk-based model states on the GPU: parity, throughput against FSDP2 CPU offload, and where the time goes.
+"""Chunk-based model states on the GPU: parity, throughput against FSDP2 CPU offload, and where the
+time goes.
 
     python benchmarks/chunks_bench.py all --cap 24 --batch 8 --persist 4,5 --with-parity
-    python benchmarks/chunks_bench.py parity --out parity.json       # CUDA parity with offloaded chunks
-    python benchmarks/chunks_bench.py protrain --cap 24 --batch 8 --budget 24   # one run, prints RESULT {json}
+    # CUDA parity with offloaded chunks
+    python benchmarks/chunks_bench.py parity --out parity.json
+    # one run, prints RESULT {json}
+    python benchmarks/chunks_bench.py protrain --cap 24 --batch 8 --budget 24
     python benchmarks/chunks_bench.py fsdp2 --cap 24 --batch 8
 
-``all`` runs every system in its own subprocess, in one invocation (compiling side by side, timed one at a
-time: benchmarks/timeshare.py), and writes ``<out>.json`` and ``<out>.md``. The model is examples/models.GPT configured like ../shared/ANCHORS.md's GPT (d 2048, 24 layers,
-16 heads, vocab 50304, untied head: 1.42 B parameters), batch x 1024 tokens, bf16 autocast, AdamW.
+``all`` runs every system in its own subprocess, in one invocation (compiling side by side, timed
+one at a time: benchmarks/timeshare.py), and writes ``<out>.json`` and ``<out>.md``. The model is
+examples/models.GPT configured like ../shared/ANCHORS.md's GPT (d 2048, 24 layers, 16 heads, vocab
+50304, untied head: 1.42 B parameters), batch x 1024 tokens, bf16 autocast, AdamW.
 
-A protrain run measures, per step, with CUDA events around forward and backward and host timers around
-``opt.step()``:
-  phase "alone"   CPU steps deferred to opt.step() (no overlap): forward, backward and the CPU optimizer (the
+A protrain run measures, per step, with CUDA events around forward and backward and host timers
+around ``opt.step()``:
+  phase "alone"   CPU steps deferred to opt.step() (no overlap): forward, backward and the CPU
+  optimizer (the
                   deferred steps) each measured without the others running;
-  phase "overlap" the normal mode (each offloaded chunk's CPU step runs inside backward): the step time, and
-                  how long opt.step() still waited for the CPU worker (the part not hidden behind backward).
-Host-to-device and device-to-host copy times of one step's chunk traffic are measured alone afterwards.
+  phase "overlap" the normal mode (each offloaded chunk's CPU step runs inside backward): the step
+  time, and
+                  how long opt.step() still waited for the CPU worker (the part not hidden behind
+                  backward).
+Host-to-device and device-to-host copy times of one step's chunk traffic are measured alone
+afterwards.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +47,9 @@ sys.path.insert(0, HERE)
 from models import GPT, GPTConfig, build  # noqa: E402
 
 SEQ = 1024
-ANCHOR = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=SEQ, tie_embeddings=False)
+ANCHOR = dict(
+    n_layer=24, n_embd=2048, n_head=16, vocab_size=50304, block_size=SEQ, tie_embeddings=False
+)
 
 
 def cap_memory(cap_gib: float) -> None:
@@ -60,8 +71,8 @@ def batch(args, vocab):
 # --------------------------------------------------------------------------------------- protrain
 def run_protrain(args) -> dict:
     import protrain_fx
-    from protrain_fx.runtime import chunk_store, hybrid_optim
     from protrain_fx.machine import cpu_adam
+    from protrain_fx.runtime import chunk_store, hybrid_optim
 
     cap_memory(args.cap)
     cfg = anchor_config(args)
@@ -107,13 +118,29 @@ def run_protrain(args) -> dict:
     h = hybrid_optim.handle_of(opt)
     store = chunk_store.store_of(next(model.parameters()))
     if h is None:
-        raise RuntimeError(f"nothing was offloaded (n_persist {store.n_persist} of {store.n_chunks} chunks): "
-                           "no CPU optimizer to measure; lower the cap or n_persist")
-    res = {"system": "protrain", "params": n_params, "cap_gib": args.cap, "batch": args.batch, "seq": SEQ,
-           "n_persist": store.n_persist, "n_chunks": store.n_chunks, "n_buffer": store.n_buffer,
-           "chunk_size": store.layout.chunk_size, "first_step_s": t_compile,
-           "cpu_adam": "one-pass kernel" if cpu_adam.available() else f"torch fused + copy ({cpu_adam.build_error()})",
-           "async_step": hybrid_optim.handle_of(opt).async_step if hybrid_optim.handle_of(opt) else None}
+        raise RuntimeError(
+            f"nothing was offloaded (n_persist {store.n_persist} of "
+            f"{store.n_chunks} chunks): "
+            "no CPU optimizer to measure; lower the cap or n_persist"
+        )
+    res = {
+        "system": "protrain",
+        "params": n_params,
+        "cap_gib": args.cap,
+        "batch": args.batch,
+        "seq": SEQ,
+        "n_persist": store.n_persist,
+        "n_chunks": store.n_chunks,
+        "n_buffer": store.n_buffer,
+        "chunk_size": store.layout.chunk_size,
+        "first_step_s": t_compile,
+        "cpu_adam": "one-pass kernel"
+        if cpu_adam.available()
+        else f"torch fused + copy ({cpu_adam.build_error()})",
+        "async_step": hybrid_optim.handle_of(opt).async_step
+        if hybrid_optim.handle_of(opt)
+        else None,
+    }
     with timeshare.measuring():
         phases = measure_phases(args, step, h, store)
         transfers = transfer_alone(store, phases["overlap"])
@@ -153,7 +180,10 @@ def measure_phases(args, step, h, store) -> dict:
             whole_chunk_steps=t.whole_chunk_steps / n,
             step_wait_ms=t.step_wait_s / n * 1e3,
             in_backward_steps=t.in_backward_steps / n,
-            h2d_bytes_per_step={k: (store.stats[k] - stats0[k]) / n for k in ("h2d_bytes", "h2d_copies", "slot_hits")},
+            h2d_bytes_per_step={
+                k: (store.stats[k] - stats0[k]) / n
+                for k in ("h2d_bytes", "h2d_copies", "slot_hits")
+            },
             d2h_bytes_per_step=(store.stats["d2h_bytes"] - stats0["d2h_bytes"]) / n,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30,
             peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
@@ -164,7 +194,8 @@ def measure_phases(args, step, h, store) -> dict:
 
 
 def transfer_alone(store, overlap_phase) -> dict:
-    """Time this step's host-to-device and device-to-host chunk traffic with nothing else running."""
+    """Time this step's host-to-device and device-to-host chunk traffic with nothing else
+    running."""
     torch.cuda.synchronize()
     offloaded = store.offloaded_chunks
     if not offloaded:
@@ -191,21 +222,32 @@ def transfer_alone(store, overlap_phase) -> dict:
     d2h_gbs = n * dev.element_size() / d2h_ms / 1e6
     h2d_bytes = overlap_phase["h2d_bytes_per_step"]["h2d_bytes"]
     d2h_bytes = overlap_phase["d2h_bytes_per_step"]
-    return {"h2d_gb_s": h2d_gbs, "d2h_gb_s": d2h_gbs,
-            "h2d_ms_alone": h2d_bytes / h2d_gbs / 1e6, "d2h_ms_alone": d2h_bytes / d2h_gbs / 1e6}
+    return {
+        "h2d_gb_s": h2d_gbs,
+        "d2h_gb_s": d2h_gbs,
+        "h2d_ms_alone": h2d_bytes / h2d_gbs / 1e6,
+        "d2h_ms_alone": d2h_bytes / d2h_gbs / 1e6,
+    }
 
 
 # ------------------------------------------------------------------------------------------ fsdp2
 def run_fsdp2(args) -> dict:
-    """FSDP2 CPUOffloadPolicy with fused CPU AdamW, set up as the benchmark suite does (peers.fsdp2_offload)."""
-    import torch.distributed as dist
-
+    """FSDP2 CPUOffloadPolicy with fused CPU AdamW, set up as the benchmark suite does
+    (peers.fsdp2_offload)."""
     import peers
+    import torch.distributed as dist
 
     cap_memory(args.cap)
     cfg = anchor_config(args)
     x, y = batch(args, cfg["vocab_size"])
-    spec = {"kind": "gpt", "cfg": cfg, "device": "cuda", "batch": args.batch, "seq": SEQ, "cap_gib": args.cap}
+    spec = {
+        "kind": "gpt",
+        "cfg": cfg,
+        "device": "cuda",
+        "batch": args.batch,
+        "seq": SEQ,
+        "cap_gib": args.cap,
+    }
     step, n_params, _ = peers.fsdp2_offload(spec, x, y)
     for _ in range(2):
         step()
@@ -222,10 +264,19 @@ def run_fsdp2(args) -> dict:
             times.append(time.perf_counter() - t0)
     dt = sorted(times)[len(times) // 2]
     dist.destroy_process_group()
-    return {"system": "fsdp2_cpu_offload", "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "params": n_params, "cap_gib": args.cap, "batch": args.batch, "seq": SEQ,
-            "step_ms": dt * 1e3, "tokens_per_s": args.batch * SEQ / dt,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "loss": float(loss)}
+    return {
+        "system": "fsdp2_cpu_offload",
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "params": n_params,
+        "cap_gib": args.cap,
+        "batch": args.batch,
+        "seq": SEQ,
+        "step_ms": dt * 1e3,
+        "tokens_per_s": args.batch * SEQ / dt,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "loss": float(loss),
+    }
 
 
 # ----------------------------------------------------------------------------------------- parity
@@ -239,45 +290,95 @@ def run_parity(args) -> dict:
                 torch._dynamo.reset()
                 torch.manual_seed(0)
                 if kind == "gpt":
-                    base = build("gpt", n_layer=4, n_embd=512, n_head=8, block_size=256, vocab_size=4096).cuda()
+                    base = build(
+                        "gpt", n_layer=4, n_embd=512, n_head=8, block_size=256, vocab_size=4096
+                    ).cuda()
                 else:
-                    base = build("llama", n_layer=4, dim=512, n_head=8, n_kv_head=4, ffn_dim=1376, max_seq_len=256,
-                                 vocab_size=4096).cuda()
+                    base = build(
+                        "llama",
+                        n_layer=4,
+                        dim=512,
+                        n_head=8,
+                        n_kv_head=4,
+                        ffn_dim=1376,
+                        max_seq_len=256,
+                        vocab_size=4096,
+                    ).cuda()
                 data = random_batches(5, 8, 256, vocab=4096, device="cuda")
                 kw = {"lr": 1e-3, "autocast_dtype": None if dtype == torch.float32 else dtype}
-                r = compare_with_eager(base, data, {"n_persist": n_persist, "chunk_size": "8MiB"},
-                                       give_optimizer=True, **kw)
-                row = {"model": kind, "dtype": str(dtype).replace("torch.", ""), "n_persist": n_persist,
-                       "n_chunks": len(r.plan.chunks), "max_loss_rel": r.max_loss_rel,
-                       "max_param_abs": r.max_param_abs, "max_param_update": r.max_param_update,
-                       "losses": r.losses, "ref_losses": r.ref_losses}
+                r = compare_with_eager(
+                    base,
+                    data,
+                    {"n_persist": n_persist, "chunk_size": "8MiB"},
+                    give_optimizer=True,
+                    **kw,
+                )
+                row = {
+                    "model": kind,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "n_persist": n_persist,
+                    "n_chunks": len(r.plan.chunks),
+                    "max_loss_rel": r.max_loss_rel,
+                    "max_param_abs": r.max_param_abs,
+                    "max_param_update": r.max_param_update,
+                    "losses": r.losses,
+                    "ref_losses": r.ref_losses,
+                }
                 rows.append(row)
-                print(f"parity {kind:5s} {row['dtype']:8s} n_persist={n_persist} chunks={row['n_chunks']} "
-                      f"loss rel {r.max_loss_rel:.2e} param abs {r.max_param_abs:.2e}", flush=True)
+                print(
+                    f"parity {kind:5s} {row['dtype']:8s} n_persist={n_persist} "
+                    f"chunks={row['n_chunks']} "
+                    f"loss rel {r.max_loss_rel:.2e} param abs {r.max_param_abs:.2e}",
+                    flush=True,
+                )
     return {"system": "parity", "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------- all
 def run_all(args) -> dict:
-    """Every system in its own subprocess, all started together (they compile side by side) and timed one
-    at a time (benchmarks/timeshare.py)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    common = ["--cap", str(args.cap), "--batch", str(args.batch), "--layers", str(args.layers),
-              "--width", str(args.width), "--steps", str(args.steps), "--n-buffer", str(args.n_buffer)]
+    """Every system in its own subprocess, all started together (they compile side by side) and
+    timed one at a time (benchmarks/timeshare.py)."""
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+    )
+    common = [
+        "--cap",
+        str(args.cap),
+        "--batch",
+        str(args.batch),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--steps",
+        str(args.steps),
+        "--n-buffer",
+        str(args.n_buffer),
+    ]
     runs = [["parity"]] if args.with_parity else []
-    for spec in args.persist:  # "5", or with a variant for comparison: "5/torch" (torch's fused CPU Adam + a
+    # "5", or with a variant for comparison: "5/torch" (torch's fused CPU Adam + a
+    for spec in args.persist:
         # copy instead of the one-pass kernel), "5/sync" (opt.step() waits for every CPU step)
         spec, _, variant = spec.partition("/")
         extra = ["--variant", variant] if variant else []
-        if spec == "budget":  # the planner's choice; a few GiB kept back for transients it does not model yet
-            runs.append(["protrain", *common, *extra, "--budget", str(max(1.0, args.cap - args.reserve))])
+        # the planner's choice; a few GiB kept back for transients it does not model yet
+        if spec == "budget":
+            runs.append(
+                ["protrain", *common, *extra, "--budget", str(max(1.0, args.cap - args.reserve))]
+            )
         else:
             runs.append(["protrain", *common, *extra, "--n-persist", spec])
     t0 = time.perf_counter()
-    done = timeshare.run_together([[sys.executable, __file__, *argv] for argv in runs], env, args.timeout)
-    # FSDP2 runs alone afterwards (nothing else alive on the machine), with the default CUDA allocator and
-    # with expandable segments; the table shows both
+    done = timeshare.run_together(
+        [[sys.executable, __file__, *argv] for argv in runs], env, args.timeout
+    )
+    # FSDP2 runs alone afterwards (nothing else alive on the machine), with the default CUDA
+    # allocator and with expandable segments; the table shows both
     for conf in args.fsdp2_allocs.split(","):
         conf = "" if conf == "default" else conf
         runs.append(["fsdp2", *common])
@@ -290,12 +391,18 @@ def run_all(args) -> dict:
         if line is None:
             res = {"system": argv[0], "argv": argv, "error": f"exit {code}: " + (se or so)[-1500:]}
         else:
-            res = json.loads(line[len("RESULT "):])
+            res = json.loads(line[len("RESULT ") :])
         res["argv"] = argv
         results.append(res)
         print(summary_line(res), flush=True)
-    out = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "argv": sys.argv[1:], "wall_s": wall, "results": results}
+    out = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "argv": sys.argv[1:],
+        "wall_s": wall,
+        "results": results,
+    }
     with open(args.out + ".json", "w") as f:
         json.dump(out, f, indent=2)
     with open(args.out + ".md", "w") as f:
@@ -309,11 +416,14 @@ def derive(r: dict) -> dict:
     cpu_alone = a["cpu_optim_deferred_ms"]
     r["overlap_bound_ms"] = a["fwd_ms"] + max(a["bwd_ms"], cpu_alone)
     r["overlap_ratio"] = o["step_ms"] / r["overlap_bound_ms"]
-    # what overlapping saved: the same step with the CPU optimizer deferred minus the overlapped one, as a
-    # share of what could be hidden at most (the shorter of backward and the CPU optimizer)
+    # what overlapping saved: the same step with the CPU optimizer deferred minus the overlapped
+    # one, as a share of what could be hidden at most (the shorter of backward and the CPU
+    # optimizer)
     r["cpu_optim_hidden_ms"] = a["step_ms"] - o["step_ms"]
     hideable = min(a["bwd_ms"], cpu_alone)
-    r["cpu_optim_hidden_fraction"] = max(0.0, r["cpu_optim_hidden_ms"] / hideable) if hideable else None
+    r["cpu_optim_hidden_fraction"] = (
+        max(0.0, r["cpu_optim_hidden_ms"] / hideable) if hideable else None
+    )
     return r
 
 
@@ -321,54 +431,94 @@ def summary_line(r: dict) -> str:
     if "error" in r:
         return f"{r.get('system')}: ERROR {r['error'][-300:]}"
     if r.get("system") == "parity":
-        return "parity: " + ", ".join(f"{x['model']}/{x['dtype']}/p{x['n_persist']}: {x['max_loss_rel']:.1e}" for x in r["rows"])
-    return (f"{r['system']}: {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_gib']:.1f} GiB"
-            + (f", n_persist {r['n_persist']}/{r['n_chunks']}, overlap ratio {r['overlap_ratio']:.2f}" if "overlap_ratio" in r else ""))
+        return "parity: " + ", ".join(
+            f"{x['model']}/{x['dtype']}/p{x['n_persist']}: {x['max_loss_rel']:.1e}"
+            for x in r["rows"]
+        )
+    return f"{r['system']}: {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_gib']:.1f} GiB" + (
+        f", n_persist {r['n_persist']}/{r['n_chunks']}, overlap ratio {r['overlap_ratio']:.2f}"
+        if "overlap_ratio" in r
+        else ""
+    )
 
 
 def markdown(out: dict) -> str:
-    lines = [f"# Chunk-based model states on {out['device']} (torch {out['torch']}, {out['date']})", "",
-             f"Command: `python benchmarks/chunks_bench.py {' '.join(out['argv'])}`", ""]
+    lines = [
+        f"# Chunk-based model states on {out['device']} (torch {out['torch']}, {out['date']})",
+        "",
+        f"Command: `python benchmarks/chunks_bench.py {' '.join(out['argv'])}`",
+        "",
+    ]
     rows = [r for r in out["results"] if r.get("system") not in ("parity",)]
-    lines += ["| system | params | cap GiB | batch | n_persist / chunks | tokens/s | step ms | peak GiB | peak reserved GiB |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| system | params | cap GiB | batch | n_persist / chunks | tokens/s | step ms | "
+        "peak GiB | peak reserved GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['system']} | | | | | error: {r['error'][:120].replace('|', '/').replace(chr(10), ' ')} | | | |")
+            lines.append(
+                f"| {r['system']} | | | | | error: "
+                f"{r['error'][:120].replace('|', '/').replace(chr(10), ' ')} | | | |"
+            )
             continue
         step = r["phases"]["overlap"]["step_ms"] if "phases" in r else r["step_ms"]
         persist = f"{r['n_persist']} / {r['n_chunks']}" if "n_persist" in r else "-"
         system = r["system"] + (f" ({r['alloc_conf']})" if r.get("alloc_conf") else "")
-        lines.append(f"| {system} | {r['params'] / 1e9:.2f} B | {r['cap_gib']} | {r['batch']} | {persist} | "
-                     f"{r['tokens_per_s']:,.0f} | {step:.0f} | {r['peak_gib']:.1f} | {r.get('peak_reserved_gib', 0):.1f} |")
+        lines.append(
+            f"| {system} | {r['params'] / 1e9:.2f} B | {r['cap_gib']} | {r['batch']} | "
+            f"{persist} | "
+            f"{r['tokens_per_s']:,.0f} | {step:.0f} | {r['peak_gib']:.1f} | "
+            f"{r.get('peak_reserved_gib', 0):.1f} |"
+        )
     pt = [r for r in rows if r.get("system") == "protrain" and "phases" in r]
     if pt:
-        lines += ["", "Per step (medians; ms). alone = CPU optimizer deferred to opt.step(); overlap = normal mode.", "",
-                  "| n_persist | CPU Adam | fwd alone | bwd alone | CPU optim alone | fwd+max(bwd,CPU) | step (overlap) | ratio | "
-                  "step (deferred) | hidden ms | hidden / min(bwd,CPU) | H2D alone | D2H alone |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Per step (medians; ms). alone = CPU optimizer deferred to opt.step(); "
+            "overlap = normal mode.",
+            "",
+            "| n_persist | CPU Adam | fwd alone | bwd alone | CPU optim alone | "
+            "fwd+max(bwd,CPU) | step (overlap) | ratio | "
+            "step (deferred) | hidden ms | hidden / min(bwd,CPU) | H2D alone | D2H alone |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in pt:
             a, o = r["phases"]["alone"], r["phases"]["overlap"]
             adam = "one pass" if r.get("cpu_adam", "").startswith("one-pass") else "torch + copy"
             adam += "" if r.get("async_step", False) else ", sync step"
-            lines.append(f"| {r['n_persist']} | {adam} | {a['fwd_ms']:.0f} | {a['bwd_ms']:.0f} | {a['cpu_optim_deferred_ms']:.0f} | "
-                         f"{r['overlap_bound_ms']:.0f} | {o['step_ms']:.0f} | {r['overlap_ratio']:.2f} | "
-                         f"{a['step_ms']:.0f} | {r['cpu_optim_hidden_ms']:.0f} | "
-                         f"{100 * (r['cpu_optim_hidden_fraction'] or 0):.0f}% | "
-                         f"{r['h2d_ms_alone']:.0f} | {r['d2h_ms_alone']:.0f} |")
+            lines.append(
+                f"| {r['n_persist']} | {adam} | {a['fwd_ms']:.0f} | {a['bwd_ms']:.0f} | "
+                f"{a['cpu_optim_deferred_ms']:.0f} | "
+                f"{r['overlap_bound_ms']:.0f} | {o['step_ms']:.0f} | "
+                f"{r['overlap_ratio']:.2f} | "
+                f"{a['step_ms']:.0f} | {r['cpu_optim_hidden_ms']:.0f} | "
+                f"{100 * (r['cpu_optim_hidden_fraction'] or 0):.0f}% | "
+                f"{r['h2d_ms_alone']:.0f} | {r['d2h_ms_alone']:.0f} |"
+            )
     par = next((r for r in out["results"] if r.get("system") == "parity" and "rows" in r), None)
     if par:
-        lines += ["", "CUDA parity with offloaded chunks (5 AdamW steps, 4 blocks of width 512, vocab 4096):", "",
-                  "| model | dtype | n_persist / chunks | max loss rel | max param abs | max eager update |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "CUDA parity with offloaded chunks (5 AdamW steps, 4 blocks of width 512, vocab 4096):",
+            "",
+            "| model | dtype | n_persist / chunks | max loss rel | max param abs | max eager "
+            "update |",
+            "|---|---|---|---|---|---|",
+        ]
         for x in par["rows"]:
-            lines.append(f"| {x['model']} | {x['dtype']} | {x['n_persist']} / {x['n_chunks']} | {x['max_loss_rel']:.2e} | "
-                         f"{x['max_param_abs']:.2e} | {x['max_param_update']:.2e} |")
+            lines.append(
+                f"| {x['model']} | {x['dtype']} | {x['n_persist']} / {x['n_chunks']} | "
+                f"{x['max_loss_rel']:.2e} | "
+                f"{x['max_param_abs']:.2e} | {x['max_param_update']:.2e} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("mode", choices=("all", "protrain", "fsdp2", "parity", "rederive"))
     ap.add_argument("--cap", type=float, default=24.0, help="GiB; 0 = uncapped")
     ap.add_argument("--batch", type=int, default=8)
@@ -377,14 +527,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--n-persist", type=int, default=None)
     ap.add_argument("--n-buffer", type=int, default=2)
-    ap.add_argument("--budget", type=float, default=0.0, help="memory_budget in GiB (chooses n_persist)")
-    ap.add_argument("--persist", default="budget", help="for 'all': comma list of n_persist values or 'budget'")
+    ap.add_argument(
+        "--budget", type=float, default=0.0, help="memory_budget in GiB (chooses n_persist)"
+    )
+    ap.add_argument(
+        "--persist", default="budget", help="for 'all': comma list of n_persist values or 'budget'"
+    )
     ap.add_argument("--with-parity", action="store_true")
-    ap.add_argument("--variant", default="", help="'torch': torch's fused CPU Adam + a copy instead of the one-pass "
-                    "kernel; 'sync': opt.step() waits for every CPU step")
-    ap.add_argument("--fsdp2-allocs", default="default,expandable_segments:True",
-                    help="for 'all': FSDP2 runs, one per PYTORCH_CUDA_ALLOC_CONF ('default': unset)")
-    ap.add_argument("--reserve", type=float, default=3.0, help="GiB kept out of the budget for untracked transients")
+    ap.add_argument(
+        "--variant",
+        default="",
+        help="'torch': torch's fused CPU Adam + a copy "
+        "instead of the one-pass "
+        "kernel; 'sync': opt.step() waits for every CPU step",
+    )
+    ap.add_argument(
+        "--fsdp2-allocs",
+        default="default,expandable_segments:True",
+        help="for 'all': FSDP2 runs, one per PYTORCH_CUDA_ALLOC_CONF ('default': unset)",
+    )
+    ap.add_argument(
+        "--reserve",
+        type=float,
+        default=3.0,
+        help="GiB kept out of the budget for untracked transients",
+    )
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "chunks_h200"))
     args = ap.parse_args()

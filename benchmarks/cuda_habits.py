@@ -1,11 +1,14 @@
-"""Training-loop habits on CUDA against eager PyTorch (fp32): the paths that differ from the CPU ones
-(offloaded parameters and gradients as device views of pinned host memory, copy streams, swap copies).
+"""Training-loop habits on CUDA against eager PyTorch (fp32): the paths that differ from the CPU
+ones (offloaded parameters and gradients as device views of pinned host memory, copy streams, swap
+copies).
 
     python benchmarks/cuda_habits.py --out benchmarks/results/cuda_habits_h200.json
 
-Each case trains a copy of one model eagerly and one through backend="protrain" (Inductor, offloaded chunks
-and a swapped block) with the same habit, and reports the largest loss and parameter differences.
+Each case trains a copy of one model eagerly and one through backend="protrain" (Inductor, offloaded
+chunks and a swapped block) with the same habit, and reports the largest loss and parameter
+differences.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +35,18 @@ def model():
 
 def batches(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 8192, (4, 128), generator=g).cuda(), torch.randint(0, 8192, (4, 128), generator=g).cuda())
-            for _ in range(n)]
+    return [
+        (
+            torch.randint(0, 8192, (4, 128), generator=g).cuda(),
+            torch.randint(0, 8192, (4, 128), generator=g).cuda(),
+        )
+        for _ in range(n)
+    ]
 
 
 def step(m, call, opt, data, i, between=None):
-    """One training step on batch ``i``; ``between(m, opt)`` runs between backward and opt.step() and its
-    numbers join the loss in what is compared."""
+    """One training step on batch ``i``; ``between(m, opt)`` runs between backward and opt.step()
+    and its numbers join the loss in what is compared."""
     loss = call(*data[i])
     loss.backward()
     extra = between(m, opt) if between is not None else []
@@ -102,8 +110,14 @@ def hyper_between(m, call, opt, data, i):
     return step(m, call, opt, data, i, set_lr)
 
 
-CASES = {"plain": plain, "clip": clip, "touch": touch, "two_forwards": two_forwards, "exception": exception,
-         "lr_between_backward_and_step": hyper_between}
+CASES = {
+    "plain": plain,
+    "clip": clip,
+    "touch": touch,
+    "two_forwards": two_forwards,
+    "exception": exception,
+    "lr_between_backward_and_step": hyper_between,
+}
 
 
 def run_case(name: str, steps: int, regional: bool = False) -> dict:
@@ -126,11 +140,14 @@ def run_case(name: str, steps: int, regional: bool = False) -> dict:
         theirs += fn(ref, ref, ref_opt, data, i)
         ours += fn(mine, call, opt, data, i)
     rs, ms = ref.state_dict(), mine.state_dict()
-    return {"case": name + (" (regional)" if regional else ""), "steps": steps,
-            "max_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs)),
-            "max_param_abs": max((rs[k] - ms[k]).abs().max().item() for k in rs),
-            "max_update": max((rs[k] - base.state_dict()[k]).abs().max().item() for k in rs),
-            "seconds": time.perf_counter() - t0}
+    return {
+        "case": name + (" (regional)" if regional else ""),
+        "steps": steps,
+        "max_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs)),
+        "max_param_abs": max((rs[k] - ms[k]).abs().max().item() for k in rs),
+        "max_update": max((rs[k] - base.state_dict()[k]).abs().max().item() for k in rs),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main() -> None:
@@ -144,7 +161,12 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     rows.append(run_case("plain", args.steps, regional=True))
     print(json.dumps(rows[-1]), flush=True)
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "options": OPTIONS, "rows": rows}
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "options": OPTIONS,
+        "rows": rows,
+    }
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 

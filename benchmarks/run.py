@@ -55,6 +55,7 @@ the GPU machine): on CUDA, when the folder exists, they are installed into /tmp/
 machine, in the background while other systems compile) and /tmp/site is put on those systems'
 PYTHONPATH only.
 """
+
 # This file is the command line: options and dispatch. The suite itself is benchmarks/suite/ (its
 # __init__ names the modules); children are ``run.py --one SYSTEM --spec JSON`` (suite/child.py).
 from __future__ import annotations
@@ -83,67 +84,121 @@ from suite.scheduler import Ctx  # noqa: E402
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenarios", default="all", help="comma list (gpt1.4b, gpt1.4b-cap24, llama, "
-                    "llama-cap40, maxmodel) or 'all' (default)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help="comma list of " + ", ".join(SYSTEMS))
-    ap.add_argument("--smoke", action="store_true",
-                    help="CPU smoke: tiny GPT, 1 warm-up + 1 timed step per system")
-    ap.add_argument("--device", default=None,
-                    help="cuda (default when present; --smoke: cpu) or cpu")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--scenarios",
+        default="all",
+        help="comma list (gpt1.4b, gpt1.4b-cap24, llama, llama-cap40, maxmodel) or 'all' (default)",
+    )
+    ap.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS)
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU smoke: tiny GPT, 1 warm-up + 1 timed step per system",
+    )
+    ap.add_argument(
+        "--device", default=None, help="cuda (default when present; --smoke: cpu) or cpu"
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 4; --smoke 1)")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="warm-up steps, compiling included (default 3; --smoke 1)")
-    ap.add_argument("--jobs", type=int, default=None,
-                    help="systems built and compiled at once; timed steps are always alone "
-                    "(benchmarks/timeshare.py). Default 3; --smoke on the CPU 2")
-    ap.add_argument("--timeout", type=float, default=600,
-                    help="seconds per system run (build, compile, steps)")
-    ap.add_argument("--deadline", type=float, default=None,
-                    help="seconds for the whole run (default: none): systems still running then "
-                    "are stopped and later ones get rows saying they were not run (set it below a "
-                    "device command's limit; 0 or less: nothing starts, every row says so)")
-    ap.add_argument("--out", default=None, help="output path without extension (default "
-                    "benchmarks/results/suite; --smoke: /tmp/protrain_smoke)")
-    ap.add_argument("--ac-budget", type=float, default=0.5,
-                    help="compile_ac's activation_memory_budget")
-    ap.add_argument("--protrain-options", type=json.loads, default={},
-                    help="JSON object merged into protrain's options (after "
-                    "peers.PROTRAIN_OPTIONS); null drops a key")
-    ap.add_argument("--llama-layers", type=int, default=28,
-                    help="LLaMA depth (28: 5.93 B; 32: 6.74 B)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up steps, compiling included (default 3; --smoke 1)",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="systems built and compiled at once; timed steps are always alone "
+        "(benchmarks/timeshare.py). Default 3; --smoke on the CPU 2",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=600, help="seconds per system run (build, compile, steps)"
+    )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds for the whole run (default: none): systems still running then "
+        "are stopped and later ones get rows saying they were not run (set it below a "
+        "device command's limit; 0 or less: nothing starts, every row says so)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output path without extension (default "
+        "benchmarks/results/suite; --smoke: /tmp/protrain_smoke)",
+    )
+    ap.add_argument(
+        "--ac-budget", type=float, default=0.5, help="compile_ac's activation_memory_budget"
+    )
+    ap.add_argument(
+        "--protrain-options",
+        type=json.loads,
+        default={},
+        help="JSON object merged into protrain's options (after "
+        "peers.PROTRAIN_OPTIONS); null drops a key",
+    )
+    ap.add_argument(
+        "--llama-layers", type=int, default=28, help="LLaMA depth (28: 5.93 B; 32: 6.74 B)"
+    )
     ap.add_argument("--llama-batch", type=int, default=2)
-    ap.add_argument("--host-gib", type=float, default=None,
-                    help="host memory for the offloading systems (default: MemAvailable at start; "
-                    "0: no host checks)")
-    ap.add_argument("--no-predict", action="store_true",
-                    help="run sizes whose OOM is predicted from lower bounds")
+    ap.add_argument(
+        "--host-gib",
+        type=float,
+        default=None,
+        help="host memory for the offloading systems (default: MemAvailable at start; "
+        "0: no host checks)",
+    )
+    ap.add_argument(
+        "--no-predict",
+        action="store_true",
+        help="run sizes whose OOM is predicted from lower bounds",
+    )
     ap.add_argument("--search-width", type=int, default=4096)
-    ap.add_argument("--search-start", type=int, default=8,
-                    help="first depth of the doubling search")
+    ap.add_argument(
+        "--search-start", type=int, default=8, help="first depth of the doubling search"
+    )
     ap.add_argument("--search-max-layers", type=int, default=256)
     ap.add_argument("--search-batch", type=int, default=4)
     ap.add_argument("--search-steps", type=int, default=2)
     ap.add_argument("--search-warmup", type=int, default=1)
-    ap.add_argument("--search-refine", type=int, default=0,
-                    help="bisection steps after the first failure")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="print what would run, with its memory claims, and what would not "
-                    "(predicted failures); run nothing. Without a GPU it assumes an H200 "
-                    "(139.8 GiB)")
-    ap.add_argument("--resume", default=None,
-                    help="a JSON this command wrote before (a run the device call's time cut "
-                    "short): its rows that ran, failures included, are kept and only the rest run, "
-                    "so the same command repeated over several device calls completes the suite")
-    ap.add_argument("--rerun-attempt", action="append", default=[], metavar="SYSTEM@LAYERS",
-                    help="with --resume: measure this maxmodel attempt again (its search goes on "
-                    "from the others), e.g. after a fix of the system; repeatable")
-    ap.add_argument("--merge", nargs="+", default=None,
-                    help="JSON files of earlier runs to combine into --out")
-    ap.add_argument("--note", action="append", default=[],
-                    help="with --merge: a line for the table's notes")
+    ap.add_argument(
+        "--search-refine", type=int, default=0, help="bisection steps after the first failure"
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would run, with its memory claims, and what would not "
+        "(predicted failures); run nothing. Without a GPU it assumes an H200 "
+        "(139.8 GiB)",
+    )
+    ap.add_argument(
+        "--resume",
+        default=None,
+        help="a JSON this command wrote before (a run the device call's time cut "
+        "short): its rows that ran, failures included, are kept and only the rest run, "
+        "so the same command repeated over several device calls completes the suite",
+    )
+    ap.add_argument(
+        "--rerun-attempt",
+        action="append",
+        default=[],
+        metavar="SYSTEM@LAYERS",
+        help="with --resume: measure this maxmodel attempt again (its search goes on "
+        "from the others), e.g. after a fix of the system; repeatable",
+    )
+    ap.add_argument(
+        "--merge", nargs="+", default=None, help="JSON files of earlier runs to combine into --out"
+    )
+    ap.add_argument(
+        "--note", action="append", default=[], help="with --merge: a line for the table's notes"
+    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -160,8 +215,9 @@ def parse_args(argv=None):
     for spec in args.rerun_attempt:
         system, _, layers = spec.partition("@")
         if system not in SYSTEMS or not layers.isdigit():
-            ap.error(f"--rerun-attempt {spec!r}: SYSTEM@LAYERS with SYSTEM one of "
-                     f"{', '.join(SYSTEMS)}")
+            ap.error(
+                f"--rerun-attempt {spec!r}: SYSTEM@LAYERS with SYSTEM one of {', '.join(SYSTEMS)}"
+            )
         rerun.setdefault(system, set()).add(int(layers))
     if rerun and not args.resume:
         ap.error("--rerun-attempt goes with --resume (the run whose attempt to measure again)")
@@ -184,8 +240,10 @@ def main(argv=None) -> None:
     systems = args.systems.split(",")
     unknown = [n for n in names if n not in all_sc] + [s for s in systems if s not in SYSTEMS]
     if unknown:
-        raise SystemExit(f"unknown scenario/system {unknown}; scenarios: {', '.join(all_sc)}; "
-                         f"systems: {', '.join(SYSTEMS)}")
+        raise SystemExit(
+            f"unknown scenario/system {unknown}; scenarios: {', '.join(all_sc)}; "
+            f"systems: {', '.join(SYSTEMS)}"
+        )
     if args.device != "cuda":
         device, total = f"CPU ({platform.machine()})", 0.0
     elif args.dry_run and not torch.cuda.is_available():
@@ -202,8 +260,9 @@ def main(argv=None) -> None:
         runner.dry_run(names, systems, all_sc, ctx, device)
         return
     host_line = machine.host_description(avail, host_total)
-    runner.run_suite(ctx, names, systems, all_sc, device, host_line,
-                     sys.argv[1:] if argv is None else list(argv))
+    runner.run_suite(
+        ctx, names, systems, all_sc, device, host_line, sys.argv[1:] if argv is None else list(argv)
+    )
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
-"""Where a step's device time went, from a torch.profiler chrome trace (``dp_bench.py --trace``): small JSON
-instead of a trace of tens of MB.
+"""Where a step's device time went, from a torch.profiler chrome trace (``dp_bench.py --trace``):
+small JSON instead of a trace of tens of MB.
 
     python benchmarks/trace_summary.py TRACE.json [--out SUMMARY.json]
 
 Reports, over the span from the first to the last device event:
 
 * per stream: busy time (the union of its kernels' and copies' intervals) and event count;
-* the compute streams' idle time (no non-collective kernel running on any stream) and its longest gaps,
-  each with the kernels just before and after it;
+* the compute streams' idle time (no non-collective kernel running on any stream) and its longest
+  gaps, each with the kernels just before and after it;
 * collectives (NCCL kernels): their busy time and how much of it overlaps compute kernels;
-* kernels that ran both alongside a collective and alone: mean duration in each case (does a collective
-  slow the compute it overlaps?);
+* kernels that ran both alongside a collective and alone: mean duration in each case (does a
+  collective slow the compute it overlaps?);
 * the kernels with the largest total time; copies by direction.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,7 +69,11 @@ def _overlaps(a: float, b: float, union: list[tuple[float, float]], starts: list
 
 def summarize(events: list[dict], top: int = 15) -> dict:
     """The summary of one trace's device events (module docstring); times in ms."""
-    dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    dev = [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
     if not dev:
         return {"error": "no device events in the trace"}
     t0 = min(e["ts"] for e in dev)
@@ -100,14 +105,24 @@ def summarize(events: list[dict], top: int = 15) -> dict:
     alone, beside = defaultdict(list), defaultdict(list)
     for e in compute:
         a, b = span(e)
-        (beside if coll_u and _overlaps(a, b, coll_u, coll_starts) else alone)[e["name"]].append(e.get("dur", 0))
+        (beside if coll_u and _overlaps(a, b, coll_u, coll_starts) else alone)[e["name"]].append(
+            e.get("dur", 0)
+        )
     slowed = []
     for name in set(alone) & set(beside):
         x, y = alone[name], beside[name]
         tx, ty = sum(x) / len(x), sum(y) / len(y)
-        slowed.append({"kernel": name[:100], "n_alone": len(x), "n_beside": len(y), "mean_alone_us": round(tx, 2),
-                       "mean_beside_us": round(ty, 2), "beside_total_ms": round(sum(y) * ms, 3),
-                       "extra_ms": round((ty - tx) * len(y) * ms, 3)})
+        slowed.append(
+            {
+                "kernel": name[:100],
+                "n_alone": len(x),
+                "n_beside": len(y),
+                "mean_alone_us": round(tx, 2),
+                "mean_beside_us": round(ty, 2),
+                "beside_total_ms": round(sum(y) * ms, 3),
+                "extra_ms": round((ty - tx) * len(y) * ms, 3),
+            }
+        )
     slowed.sort(key=lambda r: r["beside_total_ms"], reverse=True)
     totals = defaultdict(lambda: [0.0, 0])
     for e in dev:
@@ -124,27 +139,45 @@ def summarize(events: list[dict], top: int = 15) -> dict:
             c[2] += int(e.get("args", {}).get("bytes", 0) or 0)
     return {
         "span_ms": round((t1 - t0) * ms, 3),
-        "streams": {s: {"busy_ms": round(_length(_union([span(e) for e in es])) * ms, 3), "events": len(es),
-                        "collective_kernels": sum(map(is_coll, es))} for s, es in sorted(streams.items())},
+        "streams": {
+            s: {
+                "busy_ms": round(_length(_union([span(e) for e in es])) * ms, 3),
+                "events": len(es),
+                "collective_kernels": sum(map(is_coll, es)),
+            }
+            for s, es in sorted(streams.items())
+        },
         "compute_busy_ms": round(_length(compute_u) * ms, 3),
         "compute_idle_ms": round(((t1 - t0) - _length(compute_u)) * ms, 3),
-        "compute_gaps": [{"at_ms": round((a - t0) * ms, 3), "gap_ms": round((b - a) * ms, 3),
-                          "after": around(a, b)[0], "before": around(a, b)[1]} for a, b, _ in gaps[:top]],
+        "compute_gaps": [
+            {
+                "at_ms": round((a - t0) * ms, 3),
+                "gap_ms": round((b - a) * ms, 3),
+                "after": around(a, b)[0],
+                "before": around(a, b)[1],
+            }
+            for a, b, _ in gaps[:top]
+        ],
         "collective_busy_ms": round(_length(coll_u) * ms, 3),
         "collective_overlapping_compute_ms": round(_length(_intersect(coll_u, compute_u)) * ms, 3),
         "collective_kernels": len(coll),
         "compute_beside_collectives": slowed[:top],
         "compute_extra_beside_collectives_ms": round(sum(r["extra_ms"] for r in slowed), 3),
-        "top_kernels": [{"cat": c, "name": n[:100], "total_ms": round(t * ms, 3), "count": k}
-                        for (c, n), (t, k) in biggest],
-        "copies": {k: {"total_ms": round(t * ms, 3), "count": n, "bytes": b} for k, (t, n, b) in copies.items()},
+        "top_kernels": [
+            {"cat": c, "name": n[:100], "total_ms": round(t * ms, 3), "count": k}
+            for (c, n), (t, k) in biggest
+        ],
+        "copies": {
+            k: {"total_ms": round(t * ms, 3), "count": n, "bytes": b}
+            for k, (t, n, b) in copies.items()
+        },
     }
 
 
 def trace_step(fn, path: str) -> dict:
-    """Run ``fn()`` (one training step, synchronized) under torch.profiler, write its chrome trace gzipped to
-    ``path`` + ``.json.gz`` and return the summary (without the per-kernel lists, which stay in the file's
-    neighbour ``path`` + ``.summary.json``)."""
+    """Run ``fn()`` (one training step, synchronized) under torch.profiler, write its chrome trace
+    gzipped to ``path`` + ``.json.gz`` and return the summary (without the per-kernel lists, which
+    stay in the file's neighbour ``path`` + ``.summary.json``)."""
     import os
 
     import torch
@@ -162,8 +195,15 @@ def trace_step(fn, path: str) -> dict:
     os.remove(raw)
     with open(path + ".summary.json", "w") as f:
         json.dump(summary, f, indent=1)
-    keep = ("span_ms", "compute_busy_ms", "compute_idle_ms", "collective_busy_ms",
-            "collective_overlapping_compute_ms", "compute_extra_beside_collectives_ms", "copies")
+    keep = (
+        "span_ms",
+        "compute_busy_ms",
+        "compute_idle_ms",
+        "collective_busy_ms",
+        "collective_overlapping_compute_ms",
+        "compute_extra_beside_collectives_ms",
+        "copies",
+    )
     return dict({k: summary.get(k) for k in keep}, compute_gaps=summary.get("compute_gaps", [])[:5])
 
 

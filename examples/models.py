@@ -1,12 +1,14 @@
 """Two small, readable decoder-only transformers used by the examples, tests and benchmarks.
 
 * ``GPT``: GPT-2 style (learned positions, LayerNorm, GELU MLP, fused qkv, tied embeddings).
-* ``Llama``: LLaMA style (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, optional tied embeddings).
+* ``Llama``: LLaMA style (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, optional tied
+  embeddings).
 
-Both take token ids ``idx`` of shape (batch, seq) and return the logits, or the mean cross-entropy loss
-when ``targets`` is given. The transformer blocks live in ``self.blocks`` (an ``nn.ModuleList``), which is
-what protrain-fx detects as the repeated block structure.
+Both take token ids ``idx`` of shape (batch, seq) and return the logits, or the mean cross-entropy
+loss when ``targets`` is given. The transformer blocks live in ``self.blocks`` (an
+``nn.ModuleList``), which is what protrain-fx detects as the repeated block structure.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# ----------------------------------------------------------------------------------------- GPT-2 style
+# ----------------------------------------------------------------------------------------- GPT-2
+# style
 @dataclass
 class GPTConfig:
     vocab_size: int = 256  # byte-level tokens
@@ -112,7 +115,8 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-# ----------------------------------------------------------------------------------------- LLaMA style
+# ----------------------------------------------------------------------------------------- LLaMA
+# style
 @dataclass
 class LlamaConfig:
     vocab_size: int = 256
@@ -135,12 +139,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, head_dim/2)
+    # (T, head_dim/2)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -228,7 +235,8 @@ class Llama(nn.Module):
 
 
 def build(kind: str, **overrides) -> nn.Module:
-    """``build("gpt", n_layer=2)`` or ``build("llama", dim=64)``: a model from its config's defaults."""
+    """``build("gpt", n_layer=2)`` or ``build("llama", dim=64)``: a model from its config's
+    defaults."""
     if kind == "gpt":
         return GPT(GPTConfig(**overrides))
     if kind == "llama":

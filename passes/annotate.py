@@ -1,20 +1,23 @@
-"""annotate: label every node of a joint (or inference) graph with what ProTrain's later passes read.
+"""annotate: label every node of a joint (or inference) graph with what ProTrain's later passes
+read.
 
 Inserts no nodes. It sets ``node.meta["protrain"]`` to a :class:`NodeAnnotation`:
 
-* ``phase``: "forward" or "backward": the node's autograd origin (AOTAutograd's partitioner tag; without
-  one, whether the node depends on a tangent). After partitioning a few backward-origin nodes that need only
-  forward values may sit in the forward graph, and recomputed forward nodes in the backward graph,
-* ``block`` / ``block_name``: the transformer block the node computes, from ``nn_module_stack`` (forward)
-  or ``fwd_nn_module_stack`` (backward), None for non-block regions (embeddings, head, loss) and for the
-  few backward nodes that carry no module metadata,
+* ``phase``: "forward" or "backward": the node's autograd origin (AOTAutograd's partitioner tag;
+  without one, whether the node depends on a tangent). After partitioning a few backward-origin
+  nodes that need only forward values may sit in the forward graph, and recomputed forward nodes in
+  the backward graph,
+* ``block`` / ``block_name``: the transformer block the node computes, from ``nn_module_stack``
+  (forward) or ``fwd_nn_module_stack`` (backward), None for non-block regions (embeddings, head,
+  loss) and for the few backward nodes that carry no module metadata,
 * ``region``: "block" or "non_block",
 * ``param`` / ``chunk``: for parameter placeholders, the parameter's FQN and its chunk id.
 
 The partitioner copies node metadata into the forward and backward graphs, so the labels survive
-partitioning, and the chunk, swap and recompute passes select nodes by them. The dumps' annotations.tsv
-is written from them.
+partitioning, and the chunk, swap and recompute passes select nodes by them. The dumps'
+annotations.tsv is written from them.
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
@@ -35,7 +38,9 @@ def annotate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if node.op == "placeholder":
             idx = joint_input_index(node, position)
             position += 1
-            gi = plan.graph_inputs[idx] if idx is not None and idx < len(plan.graph_inputs) else None
+            gi = (
+                plan.graph_inputs[idx] if idx is not None and idx < len(plan.graph_inputs) else None
+            )
             if gi is None:
                 kind = "tangent" if node.name.startswith("tangents") else "input"
                 phase = "backward" if kind == "tangent" else "forward"
@@ -53,7 +58,11 @@ def annotate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             )
             continue
         phase = phases[node]
-        b = structure.block_of_node(node) if structure is not None and node.op == "call_function" else None
+        b = (
+            structure.block_of_node(node)
+            if structure is not None and node.op == "call_function"
+            else None
+        )
         node.meta[META_KEY] = NodeAnnotation(
             phase=phase,
             region="block" if b is not None else "non_block",

@@ -1,31 +1,33 @@
-"""chunk_schedule: prefetch each offloaded chunk ahead of its gather, and pin the order of protrain ops with
-data-dependency tokens.
+"""chunk_schedule: prefetch each offloaded chunk ahead of its gather, and pin the order of protrain
+ops with data-dependency tokens.
 
-Runs on forward, backward and inference graphs, after the gathers exist (chunk_gather in the joint graph;
-the partitioner re-gathers in backward). ``protrain::gather`` copies its chunk out of a device chunk buffer
-into a tensor the graph owns, so a buffer is free again right after its gather; with ``n_buffer`` buffers
-the pass inserts
+Runs on forward, backward and inference graphs, after the gathers exist (chunk_gather in the joint
+graph; the partitioner re-gathers in backward). ``protrain::gather`` copies its chunk out of a
+device chunk buffer into a tensor the graph owns, so a buffer is free again right after its gather;
+with ``n_buffer`` buffers the pass inserts
 
 * ``prefetch(anchor)`` for the first ``n_buffer`` gathers at the graph's start, and for gather ``i +
   n_buffer`` right after gather ``i`` (whose buffer it refills), depending on that gather's output;
-* tokens on each gather: its own prefetch, and every prefetch and chunk_grad / resident_grads placed since
-  the previous gather. Inductor may not move a protrain op past the next gather (and the compute that needs
-  it), so copies are issued early and gradients leave as soon as they are complete.
+* tokens on each gather: its own prefetch, and every prefetch and chunk_grad / resident_grads placed
+  since the previous gather. Inductor may not move a protrain op past the next gather (and the
+  compute that needs it), so copies are issued early and gradients leave as soon as they are
+  complete.
 
-The runtime skips the copy when a buffer still holds the chunk (backward's first chunks are forward's
-last). The pass records how many gathered chunks are alive at once (``plan.chunks_in_use``: device memory
-the cost model counts beside the buffers). It allocates nothing: the ``n_buffer`` device buffers the
-prefetches fill are allocated by the runtime once the passes are done (protrain_fx/placement.py).
+The runtime skips the copy when a buffer still holds the chunk (backward's first chunks are
+forward's last). The pass records how many gathered chunks are alive at once
+(``plan.chunks_in_use``: device memory the cost model counts beside the buffers). It allocates
+nothing: the ``n_buffer`` device buffers the prefetches fill are allocated by the runtime once the
+passes are done (protrain_fx/placement.py).
 """
+
 from __future__ import annotations
 
 import torch.fx as fx
-from protrain_fx.graph.fx import alias_closure, call, node_positions
-from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
 
-from protrain_fx import _compat
-from protrain_fx.runtime import chunk_store, ops
+from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
+from protrain_fx.graph.fx import alias_closure, call, node_positions
 from protrain_fx.plan.plan import Plan
+from protrain_fx.runtime import ops
 
 
 def _last_reader(gather: fx.Node, pos: dict) -> fx.Node:
@@ -36,8 +38,8 @@ def _last_reader(gather: fx.Node, pos: dict) -> fx.Node:
 
 
 def chunks_in_use(gm: fx.GraphModule) -> int:
-    """The largest number of gathered chunks alive at the same time in ``gm`` (from each gather to its
-    last reader, in graph order)."""
+    """The largest number of gathered chunks alive at the same time in ``gm`` (from each gather to
+    its last reader, in graph order)."""
     pos = node_positions(gm.graph)
     events = []
     for g in (n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.GATHER):
@@ -60,11 +62,16 @@ def chunk_schedule(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if not gathers:
         return gm
     plan.chunks_in_use = max(plan.chunks_in_use, chunks_in_use(gm))
-    n_buffer = max(1, plan.n_buffer)  # the device buffers themselves: placement.allocate_buffers, after the passes
+    # the device buffers themselves: placement.allocate_buffers, after the passes
+    n_buffer = max(1, plan.n_buffer)
 
     def ann(g):
         a = g.meta.get(META_KEY)
-        return {META_KEY: NodeAnnotation("forward", "non_block", chunk=a.chunk if a is not None else None)}
+        return {
+            META_KEY: NodeAnnotation(
+                "forward", "non_block", chunk=a.chunk if a is not None else None
+            )
+        }
 
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
     prefetch_of: dict[fx.Node, fx.Node] = {}
@@ -75,11 +82,17 @@ def chunk_schedule(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         nxt = i + n_buffer
         if nxt < len(gathers):
             with graph.inserting_after(g):
-                prefetch_of[gathers[nxt]] = call(gm, ops.PREFETCH, ([g], _anchor(gathers[nxt])),
-                                                 meta=ann(gathers[nxt]))
-    # tokens: each gather after its prefetch and after every prefetch / gradient op placed since the previous
+                prefetch_of[gathers[nxt]] = call(
+                    gm, ops.PREFETCH, ([g], _anchor(gathers[nxt])), meta=ann(gathers[nxt])
+                )
+    # tokens: each gather after its prefetch and after every prefetch / gradient op placed since the
+    # previous
     pos = node_positions(graph)
-    pinned = [n for n in graph.nodes if n.op == "call_function" and n.target in (ops.PREFETCH, *ops.GRAD_OPS)]
+    pinned = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and n.target in (ops.PREFETCH, *ops.GRAD_OPS)
+    ]
     order = sorted(gathers, key=pos.__getitem__)
     k = 0
     for g in order:

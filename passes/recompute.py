@@ -1,45 +1,55 @@
 """recompute: tag the nodes the partitioner must recompute in backward instead of saving.
 
-* Every ``protrain::gather`` and everything that only views, casts or copies out its parameters (slices,
-  views, upcasts, ``protrain::vectors``). Untagged, the partitioner saves the gathered chunk from forward to
-  backward, keeping every offloaded chunk alive on the device; tagged, backward re-gathers each chunk just
-  before its first backward use (chunk_schedule prefetches it). A saved view of a chunk buffer would also be
-  wrong: the buffer is reused for other chunks.
+* Every ``protrain::gather`` and everything that only views, casts or copies out its parameters
+  (slices, views, upcasts, ``protrain::vectors``). Untagged, the partitioner saves the gathered
+  chunk from forward to backward, keeping every offloaded chunk alive on the device; tagged,
+  backward re-gathers each chunk just before its first backward use (chunk_schedule prefetches it).
+  A saved view of a chunk buffer would also be wrong: the buffer is reused for other chunks.
 * Every forward node of the blocks whose policy is "recompute", one ``ac_graph_id`` per block: the
-  semantics of ``torch.utils.checkpoint`` per block. The partitioner saves what each block needs from
-  outside (its input, which the previous block's region must save: the partitioner stashes a tagged node
-  used by a later region) and recomputes the rest in backward. Random ops are recomputed too: the
-  partitioner threads their RNG state from forward to backward, so dropout masks equal forward's.
+  semantics of ``torch.utils.checkpoint`` per block. The partitioner saves what each block needs
+  from outside (its input, which the previous block's region must save: the partitioner stashes a
+  tagged node used by a later region) and recomputes the rest in backward. Random ops are recomputed
+  too: the partitioner threads their RNG state from forward to backward, so dropout masks equal
+  forward's.
 """
+
 from __future__ import annotations
 
 import operator
 
 import torch.fx as fx
-from protrain_fx.graph.fx import cast_dtype, is_view_op
-from protrain_fx.graph.annotation import annotation_of
 from torch.utils.checkpoint import CheckpointPolicy
 
-from protrain_fx.runtime import ops
+from protrain_fx.graph.annotation import annotation_of
+from protrain_fx.graph.fx import cast_dtype, is_view_op
 from protrain_fx.plan.plan import Plan
+from protrain_fx.runtime import ops
 
-# Gathers share one id above every block's: the partitioner turns a tagged node into MUST_SAVE when a
-# tagged user has a *larger* id, which must never happen to a gathered view (block ids are 0..n-1).
+# Gathers share one id above every block's: the partitioner turns a tagged node into MUST_SAVE when
+# a tagged user has a *larger* id, which must never happen to a gathered view (block ids are
+# 0..n-1).
 AC_GRAPH_ID = 100_000
 
 
 def tag_blocks_for_recompute(gm: fx.GraphModule, blocks) -> None:
-    """Tag the forward nodes of ``blocks`` (indices) MUST_RECOMPUTE, one ``ac_graph_id`` per block."""
+    """Tag the forward nodes of ``blocks`` (indices) MUST_RECOMPUTE, one ``ac_graph_id`` per
+    block."""
     for node in gm.graph.nodes:
         ann = annotation_of(node)
-        if (node.op == "call_function" and ann is not None and ann.phase == "forward"
-                and ann.block in blocks and ann.chunk is None):
+        if (
+            node.op == "call_function"
+            and ann is not None
+            and ann.phase == "forward"
+            and ann.block in blocks
+            and ann.chunk is None
+        ):
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = ann.block
 
 
 def untag_blocks(gm: fx.GraphModule) -> None:
-    """Drop the block recompute tags (gathers keep theirs): the joint graph as if every block kept."""
+    """Drop the block recompute tags (gathers keep theirs): the joint graph as if every block
+    kept."""
     for node in gm.graph.nodes:
         if node.meta.get("ac_graph_id") is not None and node.meta["ac_graph_id"] != AC_GRAPH_ID:
             node.meta.pop("recompute", None)
@@ -47,7 +57,8 @@ def untag_blocks(gm: fx.GraphModule) -> None:
 
 
 def recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Tag gathers (and their views/casts) and checkpointed blocks MUST_RECOMPUTE (see module docstring)."""
+    """Tag gathers (and their views/casts) and checkpointed blocks MUST_RECOMPUTE (see module
+    docstring)."""
     checkpointed = {i for i, b in enumerate(plan.blocks) if b.policy == "recompute"}
     if checkpointed:
         tag_blocks_for_recompute(gm, checkpointed)
@@ -61,7 +72,10 @@ def recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         node.meta["ac_graph_id"] = AC_GRAPH_ID
         for user in node.users:
-            if user.op == "call_function" and (is_view_op(user.target) or cast_dtype(user) is not None
-                                               or user.target in (ops.VECTORS, operator.getitem)):
+            if user.op == "call_function" and (
+                is_view_op(user.target)
+                or cast_dtype(user) is not None
+                or user.target in (ops.VECTORS, operator.getitem)
+            ):
                 stack.append(user)
     return gm

@@ -1,29 +1,30 @@
-"""swap_offload / swap_reload: keep the saved activations of "swap" blocks in host memory between forward
-and backward.
+"""swap_offload / swap_reload: keep the saved activations of "swap" blocks in host memory between
+forward and backward.
 
-``swap_offload`` (forward graph): every floating-point tensor the forward saves for backward that a swap
-block produced (on the compute device; a host scalar saved beside CUDA work stays) gets ``protrain::offload``
-right after its producer: a device-to-host copy into new host memory of its own (each call of the graph its
-own), started as soon as the value exists, from a device copy that the runtime owns (protrain_fx/runtime/swap_pool.py
-says why). The forward returns the host copy instead. Before block b+2's forward begins (or at the graph's
-end), ``protrain::offload_wait`` makes the compute stream wait for block b's copies, which bounds how far
-they lag behind the compute.
+``swap_offload`` (forward graph): every floating-point tensor the forward saves for backward that a
+swap block produced (on the compute device; a host scalar saved beside CUDA work stays) gets
+``protrain::offload`` right after its producer: a device-to-host copy into new host memory of its
+own (each call of the graph its own), started as soon as the value exists, from a device copy that
+the runtime owns (protrain_fx/runtime/swap_pool.py says why). The forward returns the host copy
+instead. Before block b+2's forward begins (or at the graph's end), ``protrain::offload_wait`` makes
+the compute stream wait for block b's copies, which bounds how far they lag behind the compute.
 
-``swap_reload`` (backward graph): each of those inputs gets ``protrain::reload_take`` right before its
-first use and ``protrain::reload_start`` one block earlier: before the backward of the next block (block
-b+1 runs its backward before block b) begins, so the host-to-device copy overlaps that block's compute.
-The token of the first ``reload_take`` of block b+1 includes block b's ``reload_start``s, so Inductor
-cannot delay them past it.
+``swap_reload`` (backward graph): each of those inputs gets ``protrain::reload_take`` right before
+its first use and ``protrain::reload_start`` one block earlier: before the backward of the next
+block (block b+1 runs its backward before block b) begins, so the host-to-device copy overlaps that
+block's compute. The token of the first ``reload_take`` of block b+1 includes block b's
+``reload_start``s, so Inductor cannot delay them past it.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from protrain_fx.graph.fx import call, node_positions, output_node
-from protrain_fx.graph.annotation import META_KEY, NodeAnnotation, annotation_of
 
-from protrain_fx.runtime import ops
+from protrain_fx.graph.annotation import META_KEY, NodeAnnotation, annotation_of
+from protrain_fx.graph.fx import call, node_positions, output_node
 from protrain_fx.plan.plan import Plan
+from protrain_fx.runtime import ops
 
 
 def _swap_blocks(plan: Plan) -> set[int]:
@@ -31,12 +32,17 @@ def _swap_blocks(plan: Plan) -> set[int]:
 
 
 def _wait_point(gm: fx.GraphModule, block: int, after: fx.Node) -> fx.Node:
-    """The first node after ``after`` of a block beyond ``block + 1`` (or the output): where the block's
-    copies must be done."""
+    """The first node after ``after`` of a block beyond ``block + 1`` (or the output): where the
+    block's copies must be done."""
     n = after.next
     while n.op != "output":
         ann = annotation_of(n)
-        if n.op == "call_function" and ann is not None and ann.block is not None and ann.block >= block + 2:
+        if (
+            n.op == "call_function"
+            and ann is not None
+            and ann.block is not None
+            and ann.block >= block + 2
+        ):
             return n
         n = n.next
     return n
@@ -52,7 +58,8 @@ def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     first_saved = len(outputs) - len(plan.saved_names)
     saved_vals = [x.meta.get("val") for x in outputs[first_saved:] if isinstance(x, fx.Node)]
     devices = {v.device for v in saved_vals if isinstance(v, torch.Tensor)}
-    # the compute device; host tensors that forward saves (CPU scalars next to CUDA work) stay where they are
+    # the compute device; host tensors that forward saves (CPU scalars next to CUDA work) stay where
+    # they are
     compute = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     by_block: dict[int, list[tuple[fx.Node, fx.Node]]] = {}
     for k in range(first_saved, len(outputs)):
@@ -83,7 +90,8 @@ def swap_offload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def swap_reload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Reload offloaded activations one block ahead of their first backward use (see module docstring)."""
+    """Reload offloaded activations one block ahead of their first backward use (see module
+    docstring)."""
     if not plan.swapped:
         return gm
     graph = gm.graph
@@ -96,14 +104,21 @@ def swap_reload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     first_of_block: dict[int, fx.Node] = {}
     for n in graph.nodes:
         ann = annotation_of(n)
-        if n.op == "call_function" and ann is not None and ann.phase == "backward" and ann.block is not None:
+        if (
+            n.op == "call_function"
+            and ann is not None
+            and ann.phase == "backward"
+            and ann.block is not None
+        ):
             first_of_block.setdefault(ann.block, n)
     takes: dict[int, list[fx.Node]] = {}
     starts: dict[int, list[fx.Node]] = {}
     for block in sorted(by_block, reverse=True):  # backward visits later blocks first
         pos = node_positions(graph)
         # before block+1's backward begins (its first node, or its own first reload)
-        candidates = [n for n in [first_of_block.get(block + 1)] + takes.get(block + 1, []) if n is not None]
+        candidates = [
+            n for n in [first_of_block.get(block + 1)] + takes.get(block + 1, []) if n is not None
+        ]
         block_anchor = min(candidates, key=pos.__getitem__) if candidates else first_compute
         for ph in by_block[block]:
             users = [u for u in ph.users]
@@ -120,7 +135,9 @@ def swap_reload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             with graph.inserting_before(first_use):
                 take = call(gm, ops.RELOAD_TAKE, (ph, [start], device))
             for n in (start, take):
-                n.meta[META_KEY] = NodeAnnotation("backward", "block", block, plan.blocks[block].name)
+                n.meta[META_KEY] = NodeAnnotation(
+                    "backward", "block", block, plan.blocks[block].name
+                )
             ph.replace_all_uses_with(take, delete_user_cb=lambda u: u not in (start, take))
             starts.setdefault(block, []).append(start)
             takes.setdefault(block, []).append(take)

@@ -1,7 +1,9 @@
-"""Every private torch API protrain-fx touches, behind one function each, so a torch change breaks one place.
+"""Every private torch API protrain-fx touches, behind one function each, so a torch change breaks
+one place.
 
 Checked on torch 2.11 (GPU machine) and 2.13 (CI).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -16,7 +18,9 @@ def inductor_decompositions() -> dict:
     return select_decomp_table()
 
 
-def min_cut_partition(joint: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
+def min_cut_partition(
+    joint: fx.GraphModule, joint_inputs, **kwargs
+) -> tuple[fx.GraphModule, fx.GraphModule]:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
@@ -40,7 +44,8 @@ def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs
 
 
 def forward_static_input_idxs(num_dynamo_inputs: int, num_fw_inputs: int) -> list[int]:
-    """Which forward-graph inputs have fixed addresses (parameters, buffers), as compile_fx decides it."""
+    """Which forward-graph inputs have fixed addresses (parameters, buffers), as compile_fx
+    decides it."""
     context = torch._guards.TracingContext.try_get()
     if context is not None and context.fw_metadata is not None:
         return list(context.fw_metadata.static_input_indices)
@@ -72,17 +77,20 @@ def current_compile_id() -> tuple[int, int] | None:
 
 
 def trace_artifact(name: str, encoding: str, payload_fn) -> None:
-    """One artifact in torch's structured trace (read by tlparse); payload_fn runs only when tracing."""
+    """One artifact in torch's structured trace (read by tlparse); payload_fn runs only when
+    tracing."""
     try:
         from torch._logging import trace_structured
     except ImportError:  # pragma: no cover - very old torch
         return
-    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn)
+    trace_structured(
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn
+    )
 
 
 def traced_root_object(source_root: str):
-    """The object behind a dynamo source root like ``L['self']`` or ``L['args'][0]`` of the frame being
-    compiled (dynamo's current instruction translator), or None when it cannot be found."""
+    """The object behind a dynamo source root like ``L['self']`` or ``L['args'][0]`` of the frame
+    being compiled (dynamo's current instruction translator), or None when it cannot be found."""
     import ast
     import re
 
@@ -110,16 +118,16 @@ def traced_root_object(source_root: str):
 
 
 def real_tensor_mode():
-    """A context where tensors are real even inside a partitioner or compiler callback (which run under
-    aot_autograd's fake mode): for creating runtime state such as chunk stores."""
+    """A context where tensors are real even inside a partitioner or compiler callback (which run
+    under aot_autograd's fake mode): for creating runtime state such as chunk stores."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
 
 
 def size_hint(x, fallback: int = 1):
-    """A concrete value for a size that may be symbolic (dynamic shapes), without adding a guard: an int as
-    is, a SymInt by its hint (``int()`` on it would specialize the graph to that size)."""
+    """A concrete value for a size that may be symbolic (dynamic shapes), without adding a guard: an
+    int as is, a SymInt by its hint (``int()`` on it would specialize the graph to that size)."""
     if isinstance(x, int):
         return x
     node = getattr(x, "node", None)
@@ -149,8 +157,9 @@ def numel_hint(t: torch.Tensor) -> int:
 
 
 def eager_backward_compile():
-    """Compile the backward graph with the forward instead of at the first backward call (which, inside a
-    dynamo compile, would record compile metrics twice). A no-op where torch has no such switch."""
+    """Compile the backward graph with the forward instead of at the first backward call (which,
+    inside a dynamo compile, would record compile metrics twice). A no-op where torch has no such
+    switch."""
     import contextlib
 
     from torch._functorch import config

@@ -1,4 +1,6 @@
-"""A weak map keyed by object identity (tensors compare elementwise, so WeakKeyDictionary cannot hold them)."""
+"""A weak map keyed by object identity (tensors compare elementwise, so WeakKeyDictionary cannot
+hold them)."""
+
 from __future__ import annotations
 
 import weakref

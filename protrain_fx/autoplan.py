@@ -1,26 +1,28 @@
 """Automatic plan: choose the knobs the user left unset, by profiling the graph once and searching.
 
-For a new training graph (on a CUDA device, or wherever a ``memory_budget`` is given) :func:`choose`:
+For a new training graph (on a CUDA device, or wherever a ``memory_budget`` is given)
+:func:`choose`:
 
-1. looks the graph up in the plan cache (keyed by the graph's code and input shapes, the options, the
-   hardware profile, the allocator's settings, the budget's 64 MiB bin and torch's, protrain's and the cost
-   model's versions): a hit skips profiling, unless the cached plan ran out of memory or gave a non-finite
-   loss (never served again: the new search keeps its predictions under 90% of the failed plan's peak) or
-   its predicted peak exceeds the budget asked for now;
-2. otherwise compiles the graph under the most frugal plan (every chunk offloaded, every block recomputed),
-   runs one profiled step on the real inputs (protrain_fx/profiling/profiler.py; nothing it does reaches training),
-   and gives the parameters back (the chosen plan places them afresh);
-3. searches every plan with the cost model (protrain_fx/plan/search.py) under the budget (``memory_budget``, or
-   the device memory this process can use less :func:`reserve_bytes`) and the host memory, honouring the
-   knobs given in the options;
+1. looks the graph up in the plan cache (keyed by the graph's code and input shapes, the options,
+   the hardware profile, the allocator's settings, the budget's 64 MiB bin and torch's, protrain's
+   and the cost model's versions): a hit skips profiling, unless the cached plan ran out of memory
+   or gave a non-finite loss (never served again: the new search keeps its predictions under 90% of
+   the failed plan's peak) or its predicted peak exceeds the budget asked for now;
+2. otherwise compiles the graph under the most frugal plan (every chunk offloaded, every block
+   recomputed), runs one profiled step on the real inputs (protrain_fx/profiling/profiler.py;
+   nothing it does reaches training), and gives the parameters back (the chosen plan places them
+   afresh);
+3. searches every plan with the cost model (protrain_fx/plan/search.py) under the budget
+   (``memory_budget``, or the device memory this process can use less :func:`reserve_bytes`) and the
+   host memory, honouring the knobs given in the options;
 4. returns the options with every knob set, and the prediction (time, peak, timeline) for the plan.
 
-A graph whose parameters already have a chunk store (another graph of the same model, a recompile for a new
-shape) keeps that store's chunk knobs; only the activation knobs are searched for it.
-``PROTRAIN_AUTOPLAN=0`` turns this off (knobs not given then mean: everything resident, activations kept;
-a ``memory_budget`` is then an error);
-``PROTRAIN_PLAN_CACHE=0`` ignores the plan cache.
+A graph whose parameters already have a chunk store (another graph of the same model, a recompile
+for a new shape) keeps that store's chunk knobs; only the activation knobs are searched for it.
+``PROTRAIN_AUTOPLAN=0`` turns this off (knobs not given then mean: everything resident, activations
+kept; a ``memory_budget`` is then an error); ``PROTRAIN_PLAN_CACHE=0`` ignores the plan cache.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,27 +36,22 @@ from dataclasses import dataclass, field
 import torch
 
 from protrain_fx import config
-
-from protrain_fx.machine import allocator
-from protrain_fx.runtime import distributed
 from protrain_fx._version import __version__
-from protrain_fx.plan.layout import choose_chunk_size, pack
-from protrain_fx.runtime.chunk_store import store_of
-from protrain_fx.plan.cost_model import Hardware, LayoutCosts
-from protrain_fx.options import Options, format_bytes
-from protrain_fx.errors import ProtrainError
-from protrain_fx.runtime.param_values import dissolve_store
+from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph.fx import copy_graph_module
-from protrain_fx.profiling.profiler import graph_profile, profile_step
-from protrain_fx.errors import NoPlanFits
+from protrain_fx.machine import allocator, measure, memory, pinned, profile
+from protrain_fx.options import Options, format_bytes
+from protrain_fx.plan.cost_model import Hardware, LayoutCosts
+from protrain_fx.plan.layout import choose_chunk_size, pack
 from protrain_fx.plan.search import search
-from protrain_fx.machine import measure
-from protrain_fx.machine import memory
-from protrain_fx.machine import pinned
-from protrain_fx.machine import profile
+from protrain_fx.profiling.profiler import graph_profile, profile_step
+from protrain_fx.runtime import distributed
+from protrain_fx.runtime.chunk_store import store_of
+from protrain_fx.runtime.param_values import dissolve_store
 
 log = logging.getLogger("protrain_fx")
-COST_MODEL_VERSION = 11  # bump when the profile or the cost model changes meaning: old cache entries miss
+# bump when the profile or the cost model changes meaning: old cache entries miss
+COST_MODEL_VERSION = 11
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 
 
@@ -64,54 +61,95 @@ class Choice:
     predicted: dict
     notes: list[str] = field(default_factory=list)
     cache_path: str | None = None
-    failed_peaks: list[int] = field(default_factory=list)  # of earlier plans of this graph that ran out of memory
+    # of earlier plans of this graph that ran out of memory
+    failed_peaks: list[int] = field(default_factory=list)
 
 
 def wanted(opts: Options, params: list, device: torch.device | None) -> bool:
     """Whether this graph gets an automatic plan (see module docstring)."""
-    if device is None or not torch.is_grad_enabled() or not any(p is not None and p.requires_grad for p in params):
+    if (
+        device is None
+        or not torch.is_grad_enabled()
+        or not any(p is not None and p.requires_grad for p in params)
+    ):
         return False
     if not config.settings().autoplan:
         if opts.memory_budget is not None:
-            raise ProtrainError("memory_budget is met by the automatic plan, which PROTRAIN_AUTOPLAN=0 turns off: "
-                                "unset one of them (or give n_persist / n_swap / n_checkpoint instead)")
+            raise ProtrainError(
+                "memory_budget is met by the automatic plan, which "
+                "PROTRAIN_AUTOPLAN=0 turns off: "
+                "unset one of them (or give n_persist / n_swap / n_checkpoint "
+                "instead)"
+            )
         return False
     return device.type == "cuda" or opts.memory_budget is not None
 
 
 def reserve_bytes(limit: int) -> int:
-    """Device memory the automatic budget leaves unused: the CUDA context's workspaces (cuBLAS, NCCL), the
-    allocator's rounding and what the user allocates besides the model (the batch, metrics)."""
+    """Device memory the automatic budget leaves unused: the CUDA context's workspaces (cuBLAS,
+    NCCL), the allocator's rounding and what the user allocates besides the model (the batch,
+    metrics)."""
     return max(1 << 30, int(0.04 * limit))
 
 
 def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:
-    """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process fraction
-    of the device, or what the driver has free plus this process's allocator cache, whichever is less) less
-    everything already allocated except this graph's parameters (which the plan places) and the reserve."""
+    """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process
+    fraction of the device, or what the driver has free plus this process's allocator cache,
+    whichever is less) less everything already allocated except this graph's parameters (which the
+    plan places) and the reserve."""
     if opts.memory_budget is not None:
         return opts.memory_budget, "memory_budget"
     free, total, _, _ = memory.current_memory(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
     limit = int(total * fraction)
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    ours = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in params if p is not None}.values()
-               if p.device == device)
+    ours = sum(
+        p.untyped_storage().nbytes()
+        for p in {id(p): p for p in params if p is not None}.values()
+        if p.device == device
+    )
     others = max(0, allocated - ours)
     usable = min(limit, free + reserved) - others
     budget = usable - reserve_bytes(limit)
-    return budget, (f"device memory this process may use ({format_bytes(min(limit, free + reserved))}) less "
-                    f"{format_bytes(others)} allocated by others and a {format_bytes(reserve_bytes(limit))} reserve")
+    return budget, (
+        "device memory this process may use "
+        f"({format_bytes(min(limit, free + reserved))}) less "
+        f"{format_bytes(others)} allocated by others and a "
+        f"{format_bytes(reserve_bytes(limit))} reserve"
+    )
 
 
-def _cache_key(gm, example_inputs, opts: Options, hw_key: str, budget: int, allocator_key: str) -> str:
-    shapes = [(tuple(t.shape), str(t.dtype), tuple(t.stride())) if isinstance(t, torch.Tensor) else repr(t)
-              for t in example_inputs]
+def _cache_key(
+    gm, example_inputs, opts: Options, hw_key: str, budget: int, allocator_key: str
+) -> str:
+    shapes = [
+        (tuple(t.shape), str(t.dtype), tuple(t.stride()))
+        if isinstance(t, torch.Tensor)
+        else repr(t)
+        for t in example_inputs
+    ]
     given = {k: getattr(opts, k) for k in KNOBS}
-    autocast = {d: str(torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)}
-    blob = json.dumps([COST_MODEL_VERSION, __version__, torch.__version__, allocator_key, gm.code, shapes, given,
-                       hw_key, budget >> 26, distributed.world().size,
-                       str(opts.param_dtype), autocast, opts.optimizer is not None], default=str)
+    autocast = {
+        d: str(torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
+    }
+    blob = json.dumps(
+        [
+            COST_MODEL_VERSION,
+            __version__,
+            torch.__version__,
+            allocator_key,
+            gm.code,
+            shapes,
+            given,
+            hw_key,
+            budget >> 26,
+            distributed.world().size,
+            str(opts.param_dtype),
+            autocast,
+            opts.optimizer is not None,
+        ],
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -136,20 +174,30 @@ FAILED_PEAK_MARGIN = 0.9
 
 
 def _usable(entry: dict | None, budget: int) -> tuple[dict | None, list[int], str | None]:
-    """``(entry to serve or None, predicted peaks of plans that failed, why the entry is not served)``. A
-    plan that ran out of memory or gave a non-finite loss is never served again; nor one whose predicted peak
-    exceeds the budget asked for now."""
+    """``(entry to serve or None, predicted peaks of plans that failed, why the entry is not
+    served)``. A plan that ran out of memory or gave a non-finite loss is never served again; nor
+    one whose predicted peak exceeds the budget asked for now."""
     if entry is None:
         return None, [], None
     failed = [int(x) for x in entry.get("failed_peaks", [])]
     outcome = (entry.get("outcome") or {}).get("status")
     if outcome in ("oom", "nonfinite"):
         what = "ran out of device memory" if outcome == "oom" else "gave a non-finite loss"
-        return None, failed, f"the cached plan for this graph {what} before: not served again; planned anew"
+        return (
+            None,
+            failed,
+            f"the cached plan for this graph {what} before: not served again; planned anew",
+        )
     peak = (entry.get("predicted") or {}).get("peak_bytes")
     if peak is None or peak > budget:
-        return None, failed, (f"the cached plan needs {format_bytes(peak)}, more than the budget "
-                              f"({format_bytes(budget)}): planned anew")
+        return (
+            None,
+            failed,
+            (
+                f"the cached plan needs {format_bytes(peak)}, more than the budget "
+                f"({format_bytes(budget)}): planned anew"
+            ),
+        )
     return entry, failed, None
 
 
@@ -165,54 +213,101 @@ def save_entry(path: str, entry: dict) -> None:
         log.warning("protrain: could not write the plan cache entry %s: %s", path, e)
 
 
-def cache_entry(graph: str, knobs: dict, predicted: dict, measured: dict | None, chunks: list | None = None,
-                failed_peaks: list | None = None, outcome: dict | None = None) -> dict:
-    """plan.json: the knobs, predicted and measured time and peak (and the chunk table once compiled), the
-    predicted peaks of earlier plans for this graph that ran out of memory, and this plan's outcome (None
-    while it trains fine; ``{"status": "oom" | "nonfinite", "detail": ...}`` once it did not)."""
-    return {"version": COST_MODEL_VERSION, "graph": graph, "knobs": knobs, "predicted": predicted,
-            "measured": measured, "chunks": chunks, "failed_peaks": list(failed_peaks or []), "outcome": outcome}
+def cache_entry(
+    graph: str,
+    knobs: dict,
+    predicted: dict,
+    measured: dict | None,
+    chunks: list | None = None,
+    failed_peaks: list | None = None,
+    outcome: dict | None = None,
+) -> dict:
+    """plan.json: the knobs, predicted and measured time and peak (and the chunk table once
+    compiled), the predicted peaks of earlier plans for this graph that ran out of memory, and this
+    plan's outcome (None while it trains fine; ``{"status": "oom" | "nonfinite", "detail": ...}``
+    once it did not)."""
+    return {
+        "version": COST_MODEL_VERSION,
+        "graph": graph,
+        "knobs": knobs,
+        "predicted": predicted,
+        "measured": measured,
+        "chunks": chunks,
+        "failed_peaks": list(failed_peaks or []),
+        "outcome": outcome,
+    }
 
 
 def save_plan(path: str, plan, outcome: dict | None = None) -> None:
-    """Rewrite a cache entry from a compiled plan (its measured side filled by the step meter). An outcome
-    once recorded stays; one that ran out of memory adds its predicted peak to ``failed_peaks``."""
+    """Rewrite a cache entry from a compiled plan (its measured side filled by the step meter). An
+    outcome once recorded stays; one that ran out of memory adds its predicted peak to
+    ``failed_peaks``."""
     old = _read(path) or {}
     failed = list(old.get("failed_peaks", []))
     outcome = outcome or old.get("outcome")
     peak = (plan.predicted or {}).get("peak_bytes")
     if outcome and outcome.get("status") == "oom" and peak is not None and peak not in failed:
         failed.append(peak)
-    save_entry(path, cache_entry(plan.graph_name, {k: getattr(plan, k) for k in KNOBS}, plan.predicted,
-                                 plan.measured, [c.to_dict() for c in plan.chunks], failed, outcome))
+    save_entry(
+        path,
+        cache_entry(
+            plan.graph_name,
+            {k: getattr(plan, k) for k in KNOBS},
+            plan.predicted,
+            plan.measured,
+            [c.to_dict() for c in plan.chunks],
+            failed,
+            outcome,
+        ),
+    )
 
 
-def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Options, compile_profiling,
-           failed_peaks: tuple[int, ...] = ()) -> Choice:
-    """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy of the
-    graph under the profiling plan with the given options. ``failed_peaks``: predicted peaks of plans of this
-    graph that ran out of memory in this process (the plan cache remembers those of earlier runs)."""
+def choose(
+    gm,
+    example_inputs,
+    graph_inputs,
+    params: list,
+    structure,
+    opts: Options,
+    compile_profiling,
+    failed_peaks: tuple[int, ...] = (),
+) -> Choice:
+    """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
+    of the graph under the profiling plan with the given options. ``failed_peaks``: predicted peaks
+    of plans of this graph that ran out of memory in this process (the plan cache remembers those of
+    earlier runs)."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
     fixed = {k: getattr(opts, k) for k in KNOBS}
     notes = []
     n_blocks = len(structure.blocks)
-    if (fixed["n_swap"] or 0) + (fixed["n_checkpoint"] or 0) > n_blocks:  # a graph break's piece of the model
+    # a graph break's piece of the model
+    if (fixed["n_swap"] or 0) + (fixed["n_checkpoint"] or 0) > n_blocks:
         n_swap = min(fixed["n_swap"] or 0, n_blocks)
-        fixed.update(n_swap=n_swap if fixed["n_swap"] is not None else None,
-                     n_checkpoint=min(fixed["n_checkpoint"], n_blocks - n_swap) if fixed["n_checkpoint"] is not None
-                     else None)
+        fixed.update(
+            n_swap=n_swap if fixed["n_swap"] is not None else None,
+            n_checkpoint=min(fixed["n_checkpoint"], n_blocks - n_swap)
+            if fixed["n_checkpoint"] is not None
+            else None,
+        )
     if existing:
         store = next(iter(existing.values()))
         own = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
-        n_own = pack(own, store.layout.chunk_size).n_chunks  # this graph may hold fewer chunks than the store
+        # this graph may hold fewer chunks than the store
+        n_own = pack(own, store.layout.chunk_size).n_chunks
         fixed.update(chunk_size=store.layout.chunk_size, n_persist=min(store.n_persist, n_own))
-        notes.append("chunk placement kept from this model's earlier graph; activation knobs searched")
-    all_resident = opts.optimizer is None and fixed["n_persist"] is None  # offloading needs the optimizer
+        notes.append(
+            "chunk placement kept from this model's earlier graph; activation knobs searched"
+        )
+    # offloading needs the optimizer
+    all_resident = opts.optimizer is None and fixed["n_persist"] is None
     if all_resident:
-        notes.append("no optimizer in the options, so every chunk stays resident (pass options={'optimizer': "
-                     "opt} to let the plan offload chunks)")
+        notes.append(
+            "no optimizer in the options, so every chunk stays resident (pass "
+            "options={'optimizer': "
+            "opt} to let the plan offload chunks)"
+        )
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
     budget, budget_why = device_budget(opts, device, params)
     hw_profile = measure.hardware_profile(device)
@@ -226,20 +321,38 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     if cached is not None and not failed_peaks:
         knobs = cached["knobs"]
         predicted = dict(cached["predicted"], from_cache=True)
-        return Choice(dataclasses.replace(opts, **{k: knobs[k] for k in KNOBS}), predicted, notes + [
-            f"plan from the plan cache ({path}); no profiling"], path, failed)
+        return Choice(
+            dataclasses.replace(opts, **{k: knobs[k] for k in KNOBS}),
+            predicted,
+            notes + [f"plan from the plan cache ({path}); no profiling"],
+            path,
+            failed,
+        )
     if failed:
         margin = int(min(failed) * FAILED_PEAK_MARGIN)
         if margin < budget:
-            budget, budget_why = margin, (f"{FAILED_PEAK_MARGIN:.0%} of the predicted peak of a plan of this graph "
-                                          f"that ran out of memory ({format_bytes(min(failed))})")
+            budget, budget_why = (
+                margin,
+                (
+                    f"{FAILED_PEAK_MARGIN:.0%} of the predicted peak of a "
+                    "plan of this graph "
+                    f"that ran out of memory ({format_bytes(min(failed))})"
+                ),
+            )
             notes.append(f"budget lowered to {format_bytes(budget)}: {budget_why}")
 
     # ---- profile under the most frugal plan
     param_entries = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
     default_size = fixed["chunk_size"] or choose_chunk_size(param_entries)
-    frugal = dataclasses.replace(opts, chunk_size=default_size, n_persist=0, n_buffer=fixed["n_buffer"],
-                                 n_swap=0, n_checkpoint=n_blocks, dump_dir=opts.dump_dir and os.path.join(opts.dump_dir, "profiling"))
+    frugal = dataclasses.replace(
+        opts,
+        chunk_size=default_size,
+        n_persist=0,
+        n_buffer=fixed["n_buffer"],
+        n_swap=0,
+        n_checkpoint=n_blocks,
+        dump_dir=opts.dump_dir and os.path.join(opts.dump_dir, "profiling"),
+    )
     t0 = time.perf_counter()
     compiled, plan = compile_profiling(copy_graph_module(gm), frugal)
     compile_s = time.perf_counter() - t0
@@ -248,9 +361,12 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
         step = profile_step(compiled, list(example_inputs), stores, n_blocks, device)
     except torch.OutOfMemoryError as e:
         raise NoPlanFits(
-            f"protrain could not profile this graph: the most frugal plan (every chunk offloaded, every block "
-            f"recomputed) ran out of device memory ({str(e).splitlines()[0]}); a smaller batch or sequence is "
-            "needed") from e
+            "protrain could not profile this graph: the most frugal plan (every chunk offloaded, "
+            "every block "
+            f"recomputed) ran out of device memory ({str(e).splitlines()[0]}); a smaller batch or "
+            "sequence is "
+            "needed"
+        ) from e
     finally:
         del compiled
     static = plan.static_profile
@@ -267,77 +383,153 @@ def choose(gm, example_inputs, graph_inputs, params: list, structure, opts: Opti
     # ---- search
     master_elem = live[0].dtype.itemsize
     transfer_elem = (plan.param_dtype or live[0].dtype).itemsize  # what offloaded chunks travel as
-    cast_elem = transfer_elem if (torch.is_autocast_enabled(device.type)
-                                  and torch.get_autocast_dtype(device.type) != live[0].dtype) else 0
+    cast_elem = (
+        transfer_elem
+        if (
+            torch.is_autocast_enabled(device.type)
+            and torch.get_autocast_dtype(device.type) != live[0].dtype
+        )
+        else 0
+    )
     block_of = {}
     for fqn, _ in param_entries:
         b = structure.block_of_param(fqn)
         block_of[fqn] = b.index if b is not None else None
     entries = [(fqn, nbytes, block_of[fqn]) for fqn, nbytes in param_entries]
-    sizes = [default_size] if fixed["chunk_size"] else [default_size, default_size * 3 // 2, default_size * 2]
+    sizes = (
+        [default_size]
+        if fixed["chunk_size"]
+        else [default_size, default_size * 3 // 2, default_size * 2]
+    )
     frag = allocator.fragmentation(alloc)
-    profiles = [graph_profile(step, static, entries, cs, master_elem=master_elem, transfer_elem=transfer_elem,
-                              resident_cast_elem=cast_elem, fragmentation=frag) for cs in sizes]
+    profiles = [
+        graph_profile(
+            step,
+            static,
+            entries,
+            cs,
+            master_elem=master_elem,
+            transfer_elem=transfer_elem,
+            resident_cast_elem=cast_elem,
+            fragmentation=frag,
+        )
+        for cs in sizes
+    ]
     _, _, host_avail, host_total = memory.current_memory(device)
-    # the profiling store's masters (host_init's values moved into them) are freed as the plan's store
-    # takes each chunk over
+    # the profiling store's masters (host_init's values moved into them) are freed as the plan's
+    # store takes each chunk over
     host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))
     hw = Hardware.of(hw_profile)
     if device.type == "cpu":  # the CPU optimizer would run on the cores that compute
         hw = dataclasses.replace(hw, shared_compute=True)
     w = distributed.world()
     if w.sharded:  # the collectives' rate, measured now by every rank together
-        hw = dataclasses.replace(hw, world_size=w.size, collective_bytes_per_s=distributed.collective_bytes_per_s(device))
-    knobs_given = dict(n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"])
+        hw = dataclasses.replace(
+            hw, world_size=w.size, collective_bytes_per_s=distributed.collective_bytes_per_s(device)
+        )
+    knobs_given = dict(
+        n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"]
+    )
     try:  # every rank searches; rank 0's outcome is the one every rank runs (distributed.py)
-        if all_resident:  # n_persist = every chunk, which depends on the chunk size: one search per size
-            results = [search([p], hw, budget, host_budget, n_persist=len(p.chunks), **knobs_given) for p in profiles]
+        # n_persist = every chunk, which depends on the chunk size: one search per size
+        if all_resident:
+            results = [
+                search([p], hw, budget, host_budget, n_persist=len(p.chunks), **knobs_given)
+                for p in profiles
+            ]
             res = min(results, key=lambda r: (r.best.time_s, r.best.peak_bytes))
-            res = dataclasses.replace(res, evaluated=sum(r.evaluated for r in results),
-                                      seconds=sum(r.seconds for r in results))
+            res = dataclasses.replace(
+                res,
+                evaluated=sum(r.evaluated for r in results),
+                seconds=sum(r.seconds for r in results),
+            )
         else:
-            res = search(profiles, hw, budget, host_budget, n_persist=fixed["n_persist"], **knobs_given)
+            res = search(
+                profiles, hw, budget, host_budget, n_persist=fixed["n_persist"], **knobs_given
+            )
     except NoPlanFits as e:
-        hint = ("; every chunk was kept resident because protrain has no optimizer to step offloaded ones: "
-                "create the torch.optim.Adam/AdamW before the model's first call (protrain finds it) or pass "
-                "options={'optimizer': opt} to let the plan offload chunks") if all_resident else ""
+        hint = (
+            (
+                "; every chunk was kept resident because protrain has no optimizer to step "
+                "offloaded ones: "
+                "create the torch.optim.Adam/AdamW before the model's first call (protrain finds "
+                "it) or pass "
+                "options={'optimizer': opt} to let the plan offload chunks"
+            )
+            if all_resident
+            else ""
+        )
         failure = (f"{e} (budget: {budget_why}){hint}", e.min_device_bytes, e.min_host_bytes)
         outcome = distributed.broadcast_object(("failed", failure))
     else:
-        outcome = distributed.broadcast_object(("ok", _prediction(res, profiles, hw, budget, budget_why, compile_s,
-                                                                  step, static, alloc)))
+        outcome = distributed.broadcast_object(
+            (
+                "ok",
+                _prediction(res, profiles, hw, budget, budget_why, compile_s, step, static, alloc),
+            )
+        )
     if outcome[0] == "failed":
         raise NoPlanFits(*outcome[1]) from None
     knobs, predicted = outcome[1]
     if distributed.world().rank == 0:
         save_entry(path, cache_entry(plan.graph_name, knobs, predicted, None, failed_peaks=failed))
-    log.info("protrain: profiled in %.1f s (+%.1f s compile), searched %d plans in %.3f s: %s", step.seconds,
-             compile_s, predicted["plans_evaluated"], predicted["search_s"], knobs)
+    log.info(
+        "protrain: profiled in %.1f s (+%.1f s compile), searched %d plans in %.3f s: %s",
+        step.seconds,
+        compile_s,
+        predicted["plans_evaluated"],
+        predicted["search_s"],
+        knobs,
+    )
     return Choice(dataclasses.replace(opts, **knobs), predicted, notes, path, failed)
 
 
-def _prediction(res, profiles, hw, budget: int, budget_why: str, compile_s: float, step, static,
-                alloc: allocator.AllocatorState) -> tuple[dict, dict]:
+def _prediction(
+    res,
+    profiles,
+    hw,
+    budget: int,
+    budget_why: str,
+    compile_s: float,
+    step,
+    static,
+    alloc: allocator.AllocatorState,
+) -> tuple[dict, dict]:
     """The chosen knobs and what plan.predicted records of them."""
     best = res.best
     prof = next(p for p in profiles if p.chunk_size == best.knobs.chunk_size)
     lc = LayoutCosts(prof, hw, best.knobs.n_buffer, best.knobs.n_swap, best.knobs.n_checkpoint)
     predicted = {
-        "iter_s": best.time_s, "peak_bytes": best.peak_bytes,  # reserved: what the cap bounds
-        "peak_allocated_bytes": int(best.peak_bytes / lc.fragmentation), "allocator": allocator.describe(alloc),
+        "iter_s": best.time_s,
+        "peak_bytes": best.peak_bytes,  # reserved: what the cap bounds
+        "peak_allocated_bytes": int(best.peak_bytes / lc.fragmentation),
+        "allocator": allocator.describe(alloc),
         "host_bytes": best.host_bytes,
-        "budget_bytes": budget, "budget": budget_why, "breakdown": best.breakdown,
+        "budget_bytes": budget,
+        "budget": budget_why,
+        "breakdown": best.breakdown,
         "timeline": lc.timeline(best.knobs.n_persist),
-        "profile_compile_s": compile_s, "profile_s": step.seconds, "search_s": res.seconds,
-        "plans_evaluated": res.evaluated, "from_cache": False, "world_size": hw.world_size,
+        "profile_compile_s": compile_s,
+        "profile_s": step.seconds,
+        "search_s": res.seconds,
+        "plans_evaluated": res.evaluated,
+        "from_cache": False,
+        "world_size": hw.world_size,
         "collective_gb_s": None if hw.world_size == 1 else hw.collective_bytes_per_s / 1e9,
-        "profiled": {"block_fwd_ms": [1e3 * x for x in step.block_fwd_s],
-                     "block_bwd_ms": [1e3 * x for x in step.block_bwd_s],
-                     "nonblock_fwd_ms": 1e3 * step.nonblock_fwd_s, "nonblock_bwd_ms": 1e3 * step.nonblock_bwd_s,
-                     "peak_bytes": step.peak_bytes, "transient_bytes": prof.transient_bytes,
-                     "reserved_ratio": step.reserved_ratio,
-                     "fragmentation": prof.fragmentation, "saved_keep": static.saved.keep,
-                     "saved_recompute": static.saved.recompute, "recomputed_share": static.recomputed_share,
-                     "timeline": step.timeline, "conditions": step.conditions},
+        "profiled": {
+            "block_fwd_ms": [1e3 * x for x in step.block_fwd_s],
+            "block_bwd_ms": [1e3 * x for x in step.block_bwd_s],
+            "nonblock_fwd_ms": 1e3 * step.nonblock_fwd_s,
+            "nonblock_bwd_ms": 1e3 * step.nonblock_bwd_s,
+            "peak_bytes": step.peak_bytes,
+            "transient_bytes": prof.transient_bytes,
+            "reserved_ratio": step.reserved_ratio,
+            "fragmentation": prof.fragmentation,
+            "saved_keep": static.saved.keep,
+            "saved_recompute": static.saved.recompute,
+            "recomputed_share": static.recomputed_share,
+            "timeline": step.timeline,
+            "conditions": step.conditions,
+        },
     }
     return dataclasses.asdict(best.knobs), predicted

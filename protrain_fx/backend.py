@@ -3,20 +3,22 @@
 Pipeline of one dynamo graph::
 
     dynamo graph ──capture parameter sources, detect blocks, make the Plan──▶ aot_autograd
-      joint graph ──[Inductor joint passes: pattern matcher + user joint_custom_*_pass]──[stage "joint"]
-      min-cut partition ──▶ forward graph  ──[stage "forward"]──▶ Inductor compile_fx_inner
+      joint graph ──[Inductor joint passes: pattern matcher + user joint_custom_*_pass]──[stage
+      "joint"] min-cut partition ──▶ forward graph  ──[stage "forward"]──▶ Inductor compile_fx_inner
                         └─▶ backward graph ──[stage "backward"]─▶ Inductor compile_fx_inner
       (no grad needed)  ──▶ inference graph ─[stage "inference"]─▶ Inductor compile_fx_inner
 
 The dynamo graph itself goes through stage "dynamo" first (block profiling marks, when asked for).
 Before any of it, a new training graph on CUDA (or with a ``memory_budget``) gets its knobs from the
-automatic plan (autoplan.py: a copy of the graph compiled by this same pipeline under the profiling plan, one
-profiled step, a search); the graph compiled with them is wrapped in a StepMeter (measured time and peak).
-protrain_fx/pipeline.py is the one place that says which passes run on which stage, in order, and what
-each reads and writes; after a stage's passes the runtime allocates what they require (device chunk
-buffers, protrain_fx/placement.py). This module wires aot_autograd and decides no policy. With ``options={"compiler": "eager"}`` the rewritten graphs run as they are, without
+automatic plan (autoplan.py: a copy of the graph compiled by this same pipeline under the profiling
+plan, one profiled step, a search); the graph compiled with them is wrapped in a StepMeter (measured
+time and peak). protrain_fx/pipeline.py is the one place that says which passes run on which stage,
+in order, and what each reads and writes; after a stage's passes the runtime allocates what they
+require (device chunk buffers, protrain_fx/placement.py). This module wires aot_autograd and decides
+no policy. With ``options={"compiler": "eager"}`` the rewritten graphs run as they are, without
 decompositions or Inductor: bit-exact against eager PyTorch, for debugging and fast property tests.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,32 +26,30 @@ import dataclasses
 import functools
 import logging
 import weakref
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch._guards
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-
 from protrain_fx import _compat, autoplan, config, pipeline, placement
-from protrain_fx.machine import allocator
-from protrain_fx.runtime import distributed, ops  # noqa: F401  (ops: registers the protrain:: custom ops)
-from protrain_fx.profiling import profiler
-from protrain_fx.graph.blocks import detect_blocks
-from protrain_fx.report.dump import GraphDump
-from protrain_fx.graph.inputs import capture_graph_inputs
-from protrain_fx.runtime.optimizer_lookup import find_optimizer
-from protrain_fx.runtime.binding import GraphBinding, on_error, runtime_guard
-from protrain_fx.options import Options, forget_optimizer, format_bytes
 from protrain_fx.errors import OptionsError, ProtrainError
+from protrain_fx.graph.blocks import detect_blocks
+from protrain_fx.graph.build_plan import make_plan
+from protrain_fx.graph.fx import copy_graph_module, saved_names
+from protrain_fx.graph.inputs import capture_graph_inputs
+from protrain_fx.machine import allocator, memory
+from protrain_fx.options import Options, forget_optimizer, format_bytes
 from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
-from protrain_fx.runtime.param_values import placement_snapshot
-from protrain_fx.graph.fx import copy_graph_module, saved_names
-from protrain_fx.graph.build_plan import make_plan
+from protrain_fx.profiling import profiler
 from protrain_fx.profiling.step_meter import StepMeter
-from protrain_fx.machine import memory
+from protrain_fx.report.dump import GraphDump
+from protrain_fx.runtime import distributed, ops  # noqa: F401  (ops: registers the protrain:: custom ops)
+from protrain_fx.runtime.binding import GraphBinding, on_error, runtime_guard
+from protrain_fx.runtime.optimizer_lookup import find_optimizer
+from protrain_fx.runtime.param_values import placement_snapshot
 
 log = logging.getLogger("protrain_fx")
 
@@ -77,19 +77,29 @@ class GraphCompiler:
     """The aot_autograd callbacks for one dynamo graph: partition, then per-stage passes, then the
     final compiler (Inductor or eager)."""
 
-    def __init__(self, plan: Plan, options: Options, dump: GraphDump, num_dynamo_inputs: int, num_orig_outputs: int,
-                 params: list, root):
+    def __init__(
+        self,
+        plan: Plan,
+        options: Options,
+        dump: GraphDump,
+        num_dynamo_inputs: int,
+        num_orig_outputs: int,
+        params: list,
+        root,
+    ):
         self.plan = plan
-        # what compiled code keeps lives as long as dynamo's cache (the class's forward): the model, its
-        # parameters and the optimizer are held weakly, so a deleted model is freed
+        # what compiled code keeps lives as long as dynamo's cache (the class's forward): the model,
+        # its parameters and the optimizer are held weakly, so a deleted model is freed
         self._optimizer = weakref.ref(options.optimizer) if options.optimizer is not None else None
         self.options = dataclasses.replace(options, optimizer=None)
         self.dump = dump
         self.num_dynamo_inputs = num_dynamo_inputs
         self.num_orig_outputs = num_orig_outputs
-        self._params = [(i, fqn, weakref.ref(p)) for i, fqn, p in params]  # (placeholder index, fqn, parameter)
+        # (placeholder index, fqn, parameter)
+        self._params = [(i, fqn, weakref.ref(p)) for i, fqn, p in params]
         self._root = weakref.ref(root) if root is not None else None  # the module dynamo traced
-        self.autocast = autocast_dtypes()  # read now: aot_autograd's callbacks run with autocast off
+        # read now: aot_autograd's callbacks run with autocast off
+        self.autocast = autocast_dtypes()
 
     @property
     def params(self) -> list:
@@ -113,17 +123,25 @@ class GraphCompiler:
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         if self.use_inductor:
             joint = _compat.inductor_joint_passes(joint)
-        bind_chunks(self.plan, self.bound_options(), self.params, self.root, joint, True, self.autocast)
+        bind_chunks(
+            self.plan, self.bound_options(), self.params, self.root, joint, True, self.autocast
+        )
         joint = pipeline.run_stage("joint", joint, self.plan, self.dump)
         self.dump.stage("joint", joint)
         if self.plan.profiling:
             saved = profiler.saved_bytes_by_block(
-                joint, len(self.plan.blocks), lambda g: _compat.min_cut_partition(g, joint_inputs, **kwargs))
+                joint,
+                len(self.plan.blocks),
+                lambda g: _compat.min_cut_partition(g, joint_inputs, **kwargs),
+            )
         fw, bw = _compat.min_cut_partition(joint, joint_inputs, **kwargs)
         if self.plan.profiling:
             n_blocks = len(self.plan.blocks)
             self.plan.static_profile = profiler.StaticProfile(
-                saved, profiler.recomputed_share(fw, bw, n_blocks), profiler.block_signatures(fw, bw, n_blocks))
+                saved,
+                profiler.recomputed_share(fw, bw, n_blocks),
+                profiler.block_signatures(fw, bw, n_blocks),
+            )
         self.plan.saved_names = saved_names(bw)
         return fw, bw
 
@@ -140,9 +158,12 @@ class GraphCompiler:
         if stage == "inference":
             if self.use_inductor:
                 gm = _compat.inductor_joint_passes(gm)  # as compile_fx does for inference graphs
-            bind_chunks(self.plan, self.bound_options(), self.params, self.root, gm, False, self.autocast)
+            bind_chunks(
+                self.plan, self.bound_options(), self.params, self.root, gm, False, self.autocast
+            )
         gm = pipeline.run_stage(stage, gm, self.plan, self.dump)
-        placement.allocate_buffers(self.plan, gm)  # what the passes require, allocated by the runtime
+        # what the passes require, allocated by the runtime
+        placement.allocate_buffers(self.plan, gm)
         self.dump.stage(dump_name, gm)
         self.dump.write_plan()
         compiled = runtime_guard(self._final_compile(stage, gm, example_inputs))
@@ -161,7 +182,10 @@ class GraphCompiler:
             else:
                 _mark_user_visible_outputs(gm, 0, 0)
             return _compat.compile_fx_inner(
-                gm, example_inputs, is_backward=True, static_input_idxs=_compat.backward_static_input_idxs(gm)
+                gm,
+                example_inputs,
+                is_backward=True,
+                static_input_idxs=_compat.backward_static_input_idxs(gm),
             )
         is_inference = stage == "inference"
         first = _compat.mutated_input_output_count(is_inference)
@@ -170,13 +194,16 @@ class GraphCompiler:
             gm,
             example_inputs,
             is_inference=is_inference,
-            static_input_idxs=_compat.forward_static_input_idxs(self.num_dynamo_inputs, len(example_inputs)),
+            static_input_idxs=_compat.forward_static_input_idxs(
+                self.num_dynamo_inputs, len(example_inputs)
+            ),
         )
 
 
 def _backward_oom_guard(fn, plan: Plan):
     """A compiled backward whose out-of-memory error goes to the graph's ProtrainGraph (set as
     ``plan.on_backward_oom``, a weak method), which marks the plan failed and says what to do."""
+
     def handle(e):
         hook = getattr(plan, "on_backward_oom", None)
         hook = hook() if hook is not None else None
@@ -202,7 +229,9 @@ def _graph_name() -> str:
     return "?" if cid is None else f"{cid[0]}/{cid[1]}"
 
 
-def _compile_plan(gm: fx.GraphModule, example_inputs, graph_inputs, params, plan: Plan, opts: Options):
+def _compile_plan(
+    gm: fx.GraphModule, example_inputs, graph_inputs, params, plan: Plan, opts: Options
+):
     """Run the dynamo-stage passes and hand the graph to aot_autograd with this plan's callbacks."""
     dump = GraphDump(opts.dump_dir, plan)
     gm = pipeline.run_stage("dynamo", gm, plan, dump)
@@ -211,7 +240,11 @@ def _compile_plan(gm: fx.GraphModule, example_inputs, graph_inputs, params, plan
 
     from torch._dynamo.backends.common import aot_autograd
 
-    bound = [(gi.index, gi.fqn or gi.node_name, p) for gi, p in zip(graph_inputs, params) if p is not None]
+    bound = [
+        (gi.index, gi.fqn or gi.node_name, p)
+        for gi, p in zip(graph_inputs, params)
+        if p is not None
+    ]
     root = _traced_root(graph_inputs)
     compiler = GraphCompiler(plan, opts, dump, len(example_inputs), _num_outputs(gm), bound, root)
     return aot_autograd(
@@ -224,83 +257,108 @@ def _compile_plan(gm: fx.GraphModule, example_inputs, graph_inputs, params, plan
     )(gm, example_inputs)
 
 
-def protrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
-    """torch.compile backend "protrain" (registered through the ``torch_dynamo_backends`` entry point)."""
+def protrain_backend(
+    gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None
+):
+    """torch.compile backend "protrain" (registered through the ``torch_dynamo_backends`` entry
+    point)."""
     if mode not in (None, "default"):
-        raise OptionsError(f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead")
-    merged = config.with_defaults(options)  # protrain_fx.configure() and PROTRAIN_MEMORY_BUDGET under them
+        raise OptionsError(
+            f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead"
+        )
+    # protrain_fx.configure() and PROTRAIN_MEMORY_BUDGET under them
+    merged = config.with_defaults(options)
     opts = Options.from_dict(merged)
     for d in (options, merged):
-        forget_optimizer(d)  # dynamo keeps the options dict: it must not keep the optimizer (and the model)
+        # dynamo keeps the options dict: it must not keep the optimizer (and the model)
+        forget_optimizer(d)
     graph_inputs, params = capture_graph_inputs(gm, example_inputs)  # before dynamo drops grapharg
     live = [p for p in params if p is not None]
     found_note = None
     if opts.optimizer is None and torch.is_grad_enabled():
-        found, found_note = find_optimizer(live)  # the user's Adam/AdamW, when the options name none
+        # the user's Adam/AdamW, when the options name none
+        found, found_note = find_optimizer(live)
         if found is not None:
             opts = dataclasses.replace(opts, optimizer=found)
             del found
-    eager_graph = copy_graph_module(gm)  # as dynamo traced it: what a call with other parameters runs
+    # as dynamo traced it: what a call with other parameters runs
+    eager_graph = copy_graph_module(gm)
     restore = placement_snapshot(live)
     try:
-        compiled, plan, device, choice = _compile(gm, example_inputs, graph_inputs, params, opts, options)
+        compiled, plan, device, choice = _compile(
+            gm, example_inputs, graph_inputs, params, opts, options
+        )
         if found_note:
             plan.notes.insert(0, found_note)
     except BaseException:
         restore()  # a failed compile leaves the model as it was
         raise
-    graph = ProtrainGraph(eager_graph, graph_inputs, params, options, merged, opts.optimizer, example_inputs)
+    graph = ProtrainGraph(
+        eager_graph, graph_inputs, params, options, merged, opts.optimizer, example_inputs
+    )
     graph.install(compiled, plan, device, choice, opts)
     return graph
 
 
 class ProtrainGraph:
-    """One dynamo graph as protrain runs it: the compiled code, bound at each call to the parameters it is
-    called with (binding.py), measured by its StepMeter, and what a CUDA out-of-memory error inside it does.
+    """One dynamo graph as protrain runs it: the compiled code, bound at each call to the parameters
+    it is called with (binding.py), measured by its StepMeter, and what a CUDA out-of-memory error
+    inside it does.
 
-    A forward that runs out of memory under an automatic plan has changed nothing yet (runtime_guard has
-    reset the buffers): the plan is marked failed in the plan cache (never served again), the graph is
-    planned anew with its predictions kept under 90% of the failed plan's predicted peak (the chunk
-    placement stays: the optimizer's state lives in it; activation knobs and buffers are searched), and
-    the forward is redone on the same inputs; one line says so. A backward that runs out of memory cannot
-    be redone without the user's forward: the plan is marked failed, the next forward re-plans first, and
-    :class:`StepOutOfMemory` (a ``torch.OutOfMemoryError``) says that the step's gradients are dropped and
-    the batch can be redone after ``opt.zero_grad()`` (nothing of the step was applied)."""
+    A forward that runs out of memory under an automatic plan has changed nothing yet (runtime_guard
+    has reset the buffers): the plan is marked failed in the plan cache (never served again), the
+    graph is planned anew with its predictions kept under 90% of the failed plan's predicted peak
+    (the chunk placement stays: the optimizer's state lives in it; activation knobs and buffers are
+    searched), and the forward is redone on the same inputs; one line says so. A backward that runs
+    out of memory cannot be redone without the user's forward: the plan is marked failed, the next
+    forward re-plans first, and :class:`StepOutOfMemory` (a ``torch.OutOfMemoryError``) says that
+    the step's gradients are dropped and the batch can be redone after ``opt.zero_grad()`` (nothing
+    of the step was applied)."""
 
     MAX_REPLANS = 3
 
-    def __init__(self, eager_graph, graph_inputs, params: list, options, merged, optimizer, example_inputs):
+    def __init__(
+        self, eager_graph, graph_inputs, params: list, options, merged, optimizer, example_inputs
+    ):
         self._eager_graph = eager_graph  # as dynamo traced it: for re-planning
         self._graph_inputs = graph_inputs
         self._params = [None if p is None else weakref.ref(p) for p in params]
-        # a graph with symbolic sizes (dynamic shapes) is re-planned as it was compiled: under dynamo's tracing
-        # context (its fake mode knows the example inputs' symbolic sizes) on its example inputs (the
-        # parameters among them held weakly); a re-plan from a call's concrete inputs would specialize it
+        # a graph with symbolic sizes (dynamic shapes) is re-planned as it was compiled: under
+        # dynamo's tracing context (its fake mode knows the example inputs' symbolic sizes) on its
+        # example inputs (the parameters among them held weakly); a re-plan from a call's concrete
+        # inputs would specialize it
         self._symbolic = any(isinstance(e, torch.SymInt) for e in example_inputs)
         param_positions = {gi.index for gi, p in zip(graph_inputs, params) if p is not None}
         self._examples = [None if i in param_positions else e for i, e in enumerate(example_inputs)]
         self._tracing = torch._guards.TracingContext.try_get() if self._symbolic else None
-        # the user's dict (get_plan finds plans by it) and it over the defaults; their optimizer held weakly
+        # the user's dict (get_plan finds plans by it) and it over the defaults; their optimizer
+        # held weakly
         self._options, self._merged = options, merged
-        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None  # given or found
+        # given or found
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self.replans = 0
-        self._pending: str | None = None  # a backward ran out of memory: re-plan before the next forward
+        # a backward ran out of memory: re-plan before the next forward
+        self._pending: str | None = None
 
     def install(self, compiled, plan: Plan, device, choice, opts: Options) -> None:
         live = [r() for r in self._params if r is not None]
         positions = [gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None]
-        self.binding = GraphBinding(plan.graph_name, positions, live, opts.optimizer, self._eager_graph)
+        self.binding = GraphBinding(
+            plan.graph_name, positions, live, opts.optimizer, self._eager_graph
+        )
         if distributed.world().sharded:
             compiled = _after_resident_grads(compiled)
         self.plan, self.device = plan, device
-        # of an automatic plan (nothing that holds the optimizer): where it is cached, what failed before
+        # of an automatic plan (nothing that holds the optimizer): where it is cached, what failed
+        # before
         self.choice = None if choice is None else dataclasses.replace(choice, options=None)
         if choice is not None:
             plan.predicted = choice.predicted
             plan.notes += choice.notes
             path = choice.cache_path
-            compiled = StepMeter(plan, device, lambda p, outcome=None: autoplan.save_plan(path, p, outcome)).wrap(
-                compiled)
+            compiled = StepMeter(
+                plan, device, lambda p, outcome=None: autoplan.save_plan(path, p, outcome)
+            ).wrap(compiled)
         self.compiled = compiled
         plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
 
@@ -311,7 +369,11 @@ class ProtrainGraph:
         try:
             return self.binding(self.compiled, args)
         except torch.OutOfMemoryError as e:
-            if self.choice is None or self.replans >= self.MAX_REPLANS or isinstance(e, StepOutOfMemory):
+            if (
+                self.choice is None
+                or self.replans >= self.MAX_REPLANS
+                or isinstance(e, StepOutOfMemory)
+            ):
                 raise
             self._replan(args, str(e).splitlines()[0], "forward")
             return self(*args)
@@ -324,43 +386,74 @@ class ProtrainGraph:
         self._mark_failed(detail)
         self._pending = detail
         return StepOutOfMemory(
-            f"protrain: out of device memory in the backward of graph {self.plan.graph_name} ({detail}); the plan "
-            "(predicted peak " + format_bytes((self.plan.predicted or {}).get("peak_bytes")) + ") is marked failed "
-            "and the next forward re-plans with a margin. Nothing of this step was applied: call opt.zero_grad() "
-            "and redo the batch (or skip it)")
+            f"protrain: out of device memory in the backward of graph {self.plan.graph_name} "
+            f"({detail}); the plan "
+            "(predicted peak "
+            + format_bytes((self.plan.predicted or {}).get("peak_bytes"))
+            + ") is marked failed "
+            "and the next forward re-plans with a margin. Nothing of this step was applied: call "
+            "opt.zero_grad() "
+            "and redo the batch (or skip it)"
+        )
 
     def _mark_failed(self, detail: str) -> None:
         if self.choice is not None and self.choice.cache_path:
-            autoplan.save_plan(self.choice.cache_path, self.plan, {"status": "oom", "detail": detail})
+            autoplan.save_plan(
+                self.choice.cache_path, self.plan, {"status": "oom", "detail": detail}
+            )
 
     def _replan(self, args, detail: str, where: str) -> None:
         self.replans += 1
         failed = (self.plan.predicted or {}).get("peak_bytes")
         if where == "forward":
             self._mark_failed(detail)
-        log.warning("protrain: out of device memory in the %s of graph %s (%s) under a plan predicted to peak at "
-                    "%s; re-planning with its predictions under %.0f%% of that and %s", where, self.plan.graph_name,
-                    detail, format_bytes(failed), 100 * autoplan.FAILED_PEAK_MARGIN,
-                    "redoing the forward on the same inputs" if where == "forward" else "going on")
+        log.warning(
+            "protrain: out of device memory in the %s of graph %s (%s) under a plan "
+            "predicted to peak at "
+            "%s; re-planning with its predictions under %.0f%% of that and %s",
+            where,
+            self.plan.graph_name,
+            detail,
+            format_bytes(failed),
+            100 * autoplan.FAILED_PEAK_MARGIN,
+            "redoing the forward on the same inputs" if where == "forward" else "going on",
+        )
         import gc
 
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
-        params = [None if r is None else args[gi.index] for gi, r in zip(self._graph_inputs, self._params)]
+        params = [
+            None if r is None else args[gi.index] for gi, r in zip(self._graph_inputs, self._params)
+        ]
         self._params = [None if p is None else weakref.ref(p) for p in params]
         opts = Options.from_dict(self._merged)
         if opts.optimizer is None and self._optimizer is not None and self._optimizer() is not None:
-            opts = dataclasses.replace(opts, optimizer=self._optimizer())  # the one found at compile time
+            # the one found at compile time
+            opts = dataclasses.replace(opts, optimizer=self._optimizer())
         peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
         gm = copy_graph_module(self._eager_graph)
         examples = list(args)
         if self._symbolic and self._tracing is not None:
             examples = [a if e is None else e for a, e in zip(args, self._examples)]
-        with torch._guards.tracing(self._tracing) if self._tracing is not None else contextlib.nullcontext():
-            compiled, plan, device, choice = _compile(gm, examples, self._graph_inputs, params, opts, self._options,
-                                                      failed_peaks=peaks, graph_name=self.plan.graph_name)
-        plan.notes.append(f"re-planned after running out of device memory in the {where} ({detail})")
+        with (
+            torch._guards.tracing(self._tracing)
+            if self._tracing is not None
+            else contextlib.nullcontext()
+        ):
+            compiled, plan, device, choice = _compile(
+                gm,
+                examples,
+                self._graph_inputs,
+                params,
+                opts,
+                self._options,
+                failed_peaks=peaks,
+                graph_name=self.plan.graph_name,
+            )
+        plan.notes.append(
+            f"re-planned after running out of device memory in the {where} ({detail})"
+        )
         self.install(compiled, plan, device, choice, opts)
 
 
@@ -368,28 +461,46 @@ class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
     """A backward under an automatic plan ran out of device memory (see :class:`ProtrainGraph`)."""
 
 
-def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options, failed_peaks: tuple = (),
-             graph_name: str | None = None):
+def _compile(
+    gm,
+    example_inputs,
+    graph_inputs,
+    params,
+    opts: Options,
+    options,
+    failed_peaks: tuple = (),
+    graph_name: str | None = None,
+):
     structure = detect_blocks(gm, _traced_root(graph_inputs))
     live = [p for p in params if p is not None]
     device = live[0].device if live else None
     name = graph_name or _graph_name()
     choice = None
     if autoplan.wanted(opts, params, device):
+
         def compile_profiling(copy: fx.GraphModule, frugal: Options):
             plan = make_plan(name, graph_inputs, structure, frugal)
             plan.profiling = plan.profile_blocks = True
             with _compat.eager_backward_compile():  # the profiler runs backward inside this compile
                 return _compile_plan(copy, example_inputs, graph_inputs, params, plan, frugal), plan
 
-        choice = autoplan.choose(gm, example_inputs, graph_inputs, params, structure, opts, compile_profiling,
-                                 failed_peaks)
+        choice = autoplan.choose(
+            gm,
+            example_inputs,
+            graph_inputs,
+            params,
+            structure,
+            opts,
+            compile_profiling,
+            failed_peaks,
+        )
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
     plan = make_plan(name, graph_inputs, structure, opts)
     if device is not None:  # knobs given by hand too: no fragmentation from protrain's buffers
         plan.notes.append(f"allocator: {allocator.describe(allocator.prepare(device))}")
-    if choice is None:  # the automatic plan checked the host's memory; knobs given by hand are checked here
+    # the automatic plan checked the host's memory; knobs given by hand are checked here
+    if choice is None:
         _check_host_memory(plan, opts, params, device)
     plan.n_buffer_searched = choice is not None and searched_n_buffer
     register_plan(plan, live, options)
@@ -398,17 +509,20 @@ def _compile(gm, example_inputs, graph_inputs, params, opts: Options, options, f
 
 
 def _check_host_memory(plan: Plan, opts: Options, params: list, device) -> None:
-    """Before anything is allocated: the host memory that offloading the chunks of parameters without a store
-    yet needs (master, gradient, two moments, the transfer copy) fits what the host has, less a reserve."""
-    from protrain_fx.runtime.chunk_store import store_of
-    from protrain_fx.options import format_bytes
+    """Before anything is allocated: the host memory that offloading the chunks of parameters
+    without a store yet needs (master, gradient, two moments, the transfer copy) fits what the host
+    has, less a reserve."""
     from protrain_fx.errors import NoPlanFits
+    from protrain_fx.options import format_bytes
+    from protrain_fx.runtime.chunk_store import store_of
 
     live = [p for p in params if p is not None]
     if opts.n_persist is None or not live or any(store_of(p) is not None for p in live):
         return
     layout, elem = plan.layout, live[0].element_size()
-    offloaded = sum(layout.used_bytes(c) for c in range(min(opts.n_persist, layout.n_chunks), layout.n_chunks))
+    offloaded = sum(
+        layout.used_bytes(c) for c in range(min(opts.n_persist, layout.n_chunks), layout.n_chunks)
+    )
     transfer = opts.param_dtype.itemsize if opts.param_dtype is not None else elem
     per_param_bytes = 4 * elem + (transfer if transfer != elem else 0)
     need = offloaded // elem * per_param_bytes
@@ -416,15 +530,21 @@ def _check_host_memory(plan: Plan, opts: Options, params: list, device) -> None:
     reserve = max(2 << 30, int(0.05 * total))
     if need > available - reserve:
         raise NoPlanFits(
-            f"protrain: n_persist={opts.n_persist} offloads {format_bytes(offloaded)} of parameters, which need "
-            f"{format_bytes(need)} of host memory (master, gradient, two Adam moments, transfer copy); the host has "
-            f"{format_bytes(available)} available and protrain keeps a {format_bytes(reserve)} reserve: keep more "
-            "chunks resident (a larger n_persist) or free host memory", min_host_bytes=need + reserve)
+            f"protrain: n_persist={opts.n_persist} offloads {format_bytes(offloaded)} of "
+            "parameters, which need "
+            f"{format_bytes(need)} of host memory (master, gradient, two Adam moments, transfer "
+            "copy); the host has "
+            f"{format_bytes(available)} available and protrain keeps a {format_bytes(reserve)} "
+            "reserve: keep more "
+            "chunks resident (a larger n_persist) or free host memory",
+            min_host_bytes=need + reserve,
+        )
 
 
 def _after_resident_grads(compiled):
-    """Data parallel: the graph's backward adds to resident gradients, so their all-reduces still in flight
-    from the last backward finish first (distributed.wait_resident_grads)."""
+    """Data parallel: the graph's backward adds to resident gradients, so their all-reduces still in
+    flight from the last backward finish first (distributed.wait_resident_grads)."""
+
     @functools.wraps(compiled)
     def run(*args):
         distributed.wait_resident_grads()

@@ -1,15 +1,18 @@
-"""Configuration in one place: process-wide default options and every environment variable protrain reads.
+"""Configuration in one place: process-wide default options and every environment variable protrain
+reads.
 
 Options come, highest first, from the ``options`` dict of the ``torch.compile`` call, from
-:func:`configure` (for frameworks that compile the model themselves, where a script cannot pass a dict),
-and from the environment (``PROTRAIN_MEMORY_BUDGET``, e.g. ``24GiB``). Every value is validated like the
-dict's (protrain_fx/options.py) when a graph is compiled.
+:func:`configure` (for frameworks that compile the model themselves, where a script cannot pass a
+dict), and from the environment (``PROTRAIN_MEMORY_BUDGET``, e.g. ``24GiB``). Every value is
+validated like the dict's (protrain_fx/options.py) when a graph is compiled.
 
-The environment is read here and nowhere else (a test keeps it so): :func:`settings` parses every variable
-protrain knows, with one reading of true and false, into a typed :class:`Settings`, each time it is called,
-so a variable set before a compile is seen by that compile. The debugging switches (``PROTRAIN_DEBUG_*``)
-are read once, when the runtime module that uses them is imported. :data:`VARIABLES` documents each one.
+The environment is read here and nowhere else (a test keeps it so): :func:`settings` parses every
+variable protrain knows, with one reading of true and false, into a typed :class:`Settings`, each
+time it is called, so a variable set before a compile is seen by that compile. The debugging
+switches (``PROTRAIN_DEBUG_*``) are read once, when the runtime module that uses them is imported.
+:data:`VARIABLES` documents each one.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,21 +23,31 @@ from protrain_fx.errors import OptionsError
 
 # name -> what it does (README and docs/design.md list the same)
 VARIABLES = {
-    "PROTRAIN_MEMORY_BUDGET": "default memory_budget (e.g. 24GiB): the device memory the automatic plan may use",
-    "PROTRAIN_AUTOPLAN": "0: no automatic plan (knobs not given mean everything resident, activations kept)",
+    "PROTRAIN_MEMORY_BUDGET": "default memory_budget (e.g. 24GiB): the device memory the automatic "
+    "plan may use",
+    "PROTRAIN_AUTOPLAN": "0: no automatic plan (knobs not given mean everything resident, "
+    "activations kept)",
     "PROTRAIN_PLAN_CACHE": "0: never read or write the plan cache",
     "PROTRAIN_CACHE_DIR": "where the hardware profile, plan cache and CPU Adam kernel are kept",
-    "PROTRAIN_REFRESH_HARDWARE": "1: measure the hardware again instead of reading its cached profile",
-    "PROTRAIN_HOST_MEMORY": "host memory protrain may plan with (e.g. 100GiB), instead of what the host reports",
+    "PROTRAIN_REFRESH_HARDWARE": "1: measure the hardware again instead of reading its cached "
+    "profile",
+    "PROTRAIN_HOST_MEMORY": "host memory protrain may plan with (e.g. 100GiB), instead of what the "
+    "host reports",
     "PROTRAIN_DUMP_DIR": "default dump_dir: graph dumps per stage and the plan",
-    "PROTRAIN_CPU_ADAM": "torch: the CPU optimizer step uses torch's AdamW instead of protrain's one-pass kernel",
-    "PROTRAIN_PROFILE_BLOCKS": "1: time every block in the chosen plan's steps too (block marks in the graph)",
-    "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default 0.003)",
-    "PROTRAIN_DEBUG_SYNC": "1: synchronize the device around every chunk and swap copy; offload / reload: "
-                           "after those swap copies only",
+    "PROTRAIN_CPU_ADAM": "torch: the CPU optimizer step uses torch's AdamW instead of protrain's "
+    "one-pass kernel",
+    "PROTRAIN_PROFILE_BLOCKS": "1: time every block in the chosen plan's steps too (block marks in "
+    "the graph)",
+    "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default "
+    "0.003)",
+    "PROTRAIN_DEBUG_SYNC": "1: synchronize the device around every chunk and swap copy; offload / "
+    "reload: "
+    "after those swap copies only",
     "PROTRAIN_DEBUG_POISON": "1: fill a chunk buffer with NaN once its gather has copied it out",
-    "PROTRAIN_DEBUG_DEFER_OFFLOAD": "1: on the CPU, copy a swapped activation only at its offload_wait",
-    "PROTRAIN_DISABLE_PASSES": "comma-separated graph passes to skip (debugging; protrain_fx/pipeline.py)",
+    "PROTRAIN_DEBUG_DEFER_OFFLOAD": "1: on the CPU, copy a swapped activation only at its "
+    "offload_wait",
+    "PROTRAIN_DISABLE_PASSES": "comma-separated graph passes to skip (debugging; "
+    "protrain_fx/pipeline.py)",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -54,7 +67,9 @@ def _flag(name: str, default: bool) -> bool:
 def _choice(name: str, choices: tuple[str, ...]) -> str:
     value = os.environ.get(name, "").strip().lower()
     if value not in choices:
-        raise OptionsError(f"{name}={value!r}: expected one of {', '.join(repr(c) for c in choices)}")
+        raise OptionsError(
+            f"{name}={value!r}: expected one of {', '.join(repr(c) for c in choices)}"
+        )
     return value
 
 
@@ -81,7 +96,8 @@ class Settings:
     plan_cache: bool
     cache_dir: str | None
     refresh_hardware: bool
-    host_memory: str | None  # parsed by protrain_fx.machine.memory, which names the variable in its error
+    # parsed by protrain_fx.machine.memory, which names the variable in its error
+    host_memory: str | None
     dump_dir: str | None
     cpu_adam: str  # "" or "torch"
     profile_blocks: bool
@@ -121,15 +137,19 @@ def settings() -> Settings:
         cpu_adam=_choice("PROTRAIN_CPU_ADAM", ("", "torch")),
         profile_blocks=_flag("PROTRAIN_PROFILE_BLOCKS", False),
         profile_spin_s=_float("PROTRAIN_PROFILE_SPIN_S"),
-        debug_sync=_choice("PROTRAIN_DEBUG_SYNC", ("", "0", "1", "offload", "reload")).replace("0", ""),
+        debug_sync=_choice("PROTRAIN_DEBUG_SYNC", ("", "0", "1", "offload", "reload")).replace(
+            "0", ""
+        ),
         debug_poison=_flag("PROTRAIN_DEBUG_POISON", False),
         debug_defer_offload=_flag("PROTRAIN_DEBUG_DEFER_OFFLOAD", False),
-        disable_passes=tuple(p.strip() for p in os.environ.get("PROTRAIN_DISABLE_PASSES", "").split(",")
-                             if p.strip()),
+        disable_passes=tuple(
+            p.strip() for p in os.environ.get("PROTRAIN_DISABLE_PASSES", "").split(",") if p.strip()
+        ),
         xdg_cache_home=_text("XDG_CACHE_HOME"),
         cc=_text("CC"),
-        pytorch_alloc_conf=",".join(os.environ.get(k, "") for k in ("PYTORCH_ALLOC_CONF",
-                                                                      "PYTORCH_CUDA_ALLOC_CONF")),
+        pytorch_alloc_conf=",".join(
+            os.environ.get(k, "") for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+        ),
     )
 
 
@@ -138,16 +158,17 @@ _configured: dict[str, Any] = {}
 
 
 def configure(**options: Any) -> None:
-    """Set default options for every later protrain compile in this process (``None`` unsets one), e.g.
-    ``protrain_fx.configure(memory_budget="24GiB")``. The optimizer cannot be a default: protrain finds
-    the user's Adam/AdamW by itself, or it is given per compile."""
+    """Set default options for every later protrain compile in this process (``None`` unsets one),
+    e.g. ``protrain_fx.configure(memory_budget="24GiB")``. The optimizer cannot be a default:
+    protrain finds the user's Adam/AdamW by itself, or it is given per compile."""
     from protrain_fx.options import Options
 
     valid = [k for k in Options.valid_keys() if k != "optimizer"]
     unknown = sorted(k for k in options if k not in valid)
     if unknown:
-        raise OptionsError(f"configure(): unknown option(s) {unknown}; valid options are: "
-                           f"{', '.join(valid)}")
+        raise OptionsError(
+            f"configure(): unknown option(s) {unknown}; valid options are: {', '.join(valid)}"
+        )
     Options.from_dict({k: v for k, v in options.items() if v is not None})  # validated now
     for k, v in options.items():
         if v is None:
@@ -167,8 +188,8 @@ def defaults() -> dict[str, Any]:
 
 
 def with_defaults(options: dict | None) -> dict | None:
-    """``options`` over the defaults (a new dict; ``options`` itself when there are no defaults, so that a
-    non-dict is still refused by Options.from_dict)."""
+    """``options`` over the defaults (a new dict; ``options`` itself when there are no defaults, so
+    that a non-dict is still refused by Options.from_dict)."""
     base = defaults()
     if not base or not isinstance(options, (dict, type(None))):
         return options

@@ -1,8 +1,10 @@
-"""``torch.compile(..., backend="protrain", options={...})`` parsed into a validated :class:`Options`.
+"""``torch.compile(..., backend="protrain", options={...})`` parsed into a validated
+:class:`Options`.
 
-Every key is checked: an unknown key is an error that lists the valid ones, and a bad value is an error that
-says what was expected.
+Every key is checked: an unknown key is an error that lists the valid ones, and a bad value is an
+error that says what was expected.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,14 +16,23 @@ from typing import Any
 import torch
 
 from protrain_fx import config
-
 from protrain_fx.errors import OptionsError
 
-
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
@@ -30,7 +41,9 @@ def parse_bytes(value: Any, *, what: str = "size") -> int:
     """``24 * 2**30``, ``"24GiB"``, ``"500MB"``, ``"1.5 GiB"`` -> bytes. KB/MB/GB are powers of 10,
     KiB/MiB/GiB powers of 2."""
     if isinstance(value, bool):
-        raise OptionsError(f"{what}: expected bytes as an int or a string like '24GiB', got {value!r}")
+        raise OptionsError(
+            f"{what}: expected bytes as an int or a string like '24GiB', got {value!r}"
+        )
     if isinstance(value, int):
         n = value
     elif isinstance(value, str):
@@ -38,19 +51,24 @@ def parse_bytes(value: Any, *, what: str = "size") -> int:
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
             raise OptionsError(
-                f"{what}: cannot parse {value!r}; expected an int number of bytes or a number with a unit "
-                f"({', '.join(u for u in ('B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'))}), e.g. '24GiB'"
+                f"{what}: cannot parse {value!r}; expected an int number of bytes or a number with "
+                "a unit "
+                f"({', '.join(('B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'))}), "
+                "e.g. '24GiB'"
             )
         n = int(float(m.group(1)) * _UNITS[unit])
     else:
-        raise OptionsError(f"{what}: expected bytes as an int or a string like '24GiB', got {type(value).__name__}")
+        raise OptionsError(
+            f"{what}: expected bytes as an int or a string like '24GiB', got {type(value).__name__}"
+        )
     if n <= 0:
         raise OptionsError(f"{what}: must be positive, got {value!r}")
     return n
 
 
 def format_bytes(n: float | int | None) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    """Bytes in the largest binary unit that keeps the number >= 1: ``format_bytes(3 * 2**30) ==
+    '3.00 GiB'``."""
     if n is None:
         return "-"
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -63,9 +81,9 @@ COMPILERS = ("inductor", "eager")
 
 
 class WeakOptimizer:
-    """What the user's options dict holds in place of the optimizer once protrain has read it: dynamo keeps
-    that dict for the life of its cache (beyond the model), and the optimizer holds the model's parameters.
-    Attribute access goes to the optimizer while it lives."""
+    """What the user's options dict holds in place of the optimizer once protrain has read it:
+    dynamo keeps that dict for the life of its cache (beyond the model), and the optimizer holds the
+    model's parameters. Attribute access goes to the optimizer while it lives."""
 
     def __init__(self, opt):
         import weakref
@@ -93,6 +111,8 @@ def forget_optimizer(options) -> None:
     """Replace the optimizer in the user's options dict by a :class:`WeakOptimizer` (see there)."""
     if isinstance(options, dict) and isinstance(options.get("optimizer"), torch.optim.Optimizer):
         options["optimizer"] = WeakOptimizer(options["optimizer"])
+
+
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Options whose feature is not part of this version yet: name -> the feature that will read it.
@@ -122,12 +142,14 @@ class Options:
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "Options":
-        """Validate a user's ``options`` dict. ``PROTRAIN_DUMP_DIR`` in the environment sets ``dump_dir``
-        when the dict does not."""
+        """Validate a user's ``options`` dict. ``PROTRAIN_DUMP_DIR`` in the environment sets
+        ``dump_dir`` when the dict does not."""
         if options is not None and not isinstance(options, dict):
             raise OptionsError(
-                f"options must be a dict such as {{'memory_budget': '24GiB'}}, got {type(options).__name__} "
-                f"{options!r:.60}")
+                f"options must be a dict such as {{'memory_budget': '24GiB'}}, got "
+                f"{type(options).__name__} "
+                f"{options!r:.60}"
+            )
         raw = {k: _resolve(v) for k, v in (options or {}).items()}
         valid = cls.valid_keys()
         unknown = sorted(k for k in raw if k not in valid)
@@ -143,13 +165,16 @@ class Options:
             v = raw.get(key)
             if v is not None:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise OptionsError(f"{key}: expected an int >= 0 (or None for automatic), got {v!r}")
+                    raise OptionsError(
+                        f"{key}: expected an int >= 0 (or None for automatic), got {v!r}"
+                    )
                 kw[key] = v
         if raw.get("optimizer") is not None:
             opt = raw["optimizer"]
             if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
                 raise OptionsError(
-                    f"optimizer: protrain runs the optimizer of offloaded chunks itself and supports "
+                    "optimizer: protrain runs the optimizer of offloaded chunks itself and "
+                    "supports "
                     f"torch.optim.Adam and torch.optim.AdamW instances, got {type(opt).__name__}"
                 )
             kw["optimizer"] = opt
@@ -158,7 +183,8 @@ class Options:
             dt = PARAM_DTYPES.get(v) if isinstance(v, str) else v
             if dt not in PARAM_DTYPES.values():
                 raise OptionsError(
-                    f"param_dtype: expected one of {list(PARAM_DTYPES)} (or the torch dtype), got {v!r}"
+                    f"param_dtype: expected one of {list(PARAM_DTYPES)} (or the torch dtype), got "
+                    f"{v!r}"
                 )
             kw["param_dtype"] = dt
         dump_dir = raw.get("dump_dir") or config.settings().dump_dir

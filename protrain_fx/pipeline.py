@@ -1,17 +1,19 @@
-"""The pass pipeline: which graph passes run on which stage, in order, and what each reads and writes.
+"""The pass pipeline: which graph passes run on which stage, in order, and what each reads and
+writes.
 
 A pass is ``(gm, plan) -> gm``: it rewrites or annotates one FX graph, reads fields of the graph's
-:class:`~protrain_fx.plan.plan.Plan` and may write only the fields it declares (:class:`PassSpec`). The
-decision itself (chunk size, placement, buffers, block policies) is made before any pass runs and no pass
-may change it; passes write only what they produce for later passes (``grad_slots``, ``swapped``, ...).
-:func:`check_contracts` checks, for the stage order, that every field a pass reads is set before the
-passes run or written by an earlier pass; :func:`run_stage` checks at run time that a pass changed no field
-it did not declare, logs and times each pass (``logging.DEBUG`` on ``protrain_fx.pipeline``), dumps the
-graph after each pass when the compile's dump directory is set, and skips the passes that
-``PROTRAIN_DISABLE_PASSES`` names (a debugging aid; the passes without which results would not be exact
-cannot be disabled). Passes allocate nothing: what they require (device chunk buffers) the runtime
-allocates after them.
+:class:`~protrain_fx.plan.plan.Plan` and may write only the fields it declares (:class:`PassSpec`).
+The decision itself (chunk size, placement, buffers, block policies) is made before any pass runs
+and no pass may change it; passes write only what they produce for later passes (``grad_slots``,
+``swapped``, ...). :func:`check_contracts` checks, for the stage order, that every field a pass
+reads is set before the passes run or written by an earlier pass; :func:`run_stage` checks at run
+time that a pass changed no field it did not declare, logs and times each pass (``logging.DEBUG`` on
+``protrain_fx.pipeline``), dumps the graph after each pass when the compile's dump directory is set,
+and skips the passes that ``PROTRAIN_DISABLE_PASSES`` names (a debugging aid; the passes without
+which results would not be exact cannot be disabled). Passes allocate nothing: what they require
+(device chunk buffers) the runtime allocates after them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,31 +57,79 @@ def _spec(name, run, reads=(), writes=(), exact_without=True, why=""):
 
 
 # The decision: set when the plan is made and its chunks placed, before any pass; no pass writes it.
-DECISION = frozenset({"chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "chunks", "blocks"})
+DECISION = frozenset(
+    {"chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "chunks", "blocks"}
+)
 # Set before the passes of a stage run (make_plan, placement, the backend).
-INPUTS = DECISION | frozenset({
-    "graph_inputs", "input_entry", "input_param", "world_size", "profile_blocks", "profiling",
-    "block_structure", "saved_names", "param_dtype", "notes"})
+INPUTS = DECISION | frozenset(
+    {
+        "graph_inputs",
+        "input_entry",
+        "input_param",
+        "world_size",
+        "profile_blocks",
+        "profiling",
+        "block_structure",
+        "saved_names",
+        "param_dtype",
+        "notes",
+    }
+)
 
-PASSES: dict[str, PassSpec] = {s.name: s for s in (
-    _spec("block_marks", block_marks, reads={"profile_blocks", "blocks", "block_structure"}),
-    _spec("annotate", annotate, reads={"graph_inputs", "input_param", "block_structure"},
-          exact_without=False, why="every later pass selects nodes by its annotations"),
-    _spec("user_checkpoints", user_checkpoints, writes={"notes"}),
-    _spec("chunk_gather", chunk_gather, reads={"input_entry", "world_size"},
-          writes={"grad_slots", "resident_grad_slots"}, exact_without=False,
-          why="offloaded parameters would be read from their empty shells"),
-    _spec("optimizer_calls", optimizer_calls, reads={"grad_slots"}, exact_without=False,
-          why="offloaded chunks' gradients would never reach their host accumulators"),
-    _spec("recompute", recompute, reads={"blocks"}),
-    _spec("swap_offload", swap_offload, reads={"blocks", "saved_names"}, writes={"swapped"}),
-    _spec("swap_reload", swap_reload, reads={"swapped", "blocks"}, exact_without=False,
-          why="backward would read the host copies swap_offload made (disable swap_offload with it)"),
-    _spec("resident_grads", resident_grads, reads={"world_size", "resident_grad_slots"},
-          exact_without=False, why="resident gradients would not be averaged over the ranks"),
-    # chunks_in_use: the most over the graph's stages (forward, then backward), so read and written
-    _spec("chunk_schedule", chunk_schedule, reads={"n_buffer", "chunks_in_use"}, writes={"chunks_in_use"}),
-)}
+PASSES: dict[str, PassSpec] = {
+    s.name: s
+    for s in (
+        _spec("block_marks", block_marks, reads={"profile_blocks", "blocks", "block_structure"}),
+        _spec(
+            "annotate",
+            annotate,
+            reads={"graph_inputs", "input_param", "block_structure"},
+            exact_without=False,
+            why="every later pass selects nodes by its annotations",
+        ),
+        _spec("user_checkpoints", user_checkpoints, writes={"notes"}),
+        _spec(
+            "chunk_gather",
+            chunk_gather,
+            reads={"input_entry", "world_size"},
+            writes={"grad_slots", "resident_grad_slots"},
+            exact_without=False,
+            why="offloaded parameters would be read from their empty shells",
+        ),
+        _spec(
+            "optimizer_calls",
+            optimizer_calls,
+            reads={"grad_slots"},
+            exact_without=False,
+            why="offloaded chunks' gradients would never reach their host accumulators",
+        ),
+        _spec("recompute", recompute, reads={"blocks"}),
+        _spec("swap_offload", swap_offload, reads={"blocks", "saved_names"}, writes={"swapped"}),
+        _spec(
+            "swap_reload",
+            swap_reload,
+            reads={"swapped", "blocks"},
+            exact_without=False,
+            why="backward would read the host copies swap_offload made (disable swap_offload with "
+            "it)",
+        ),
+        _spec(
+            "resident_grads",
+            resident_grads,
+            reads={"world_size", "resident_grad_slots"},
+            exact_without=False,
+            why="resident gradients would not be averaged over the ranks",
+        ),
+        # chunks_in_use: the most over the graph's stages (forward, then backward), so read and
+        # written
+        _spec(
+            "chunk_schedule",
+            chunk_schedule,
+            reads={"n_buffer", "chunks_in_use"},
+            writes={"chunks_in_use"},
+        ),
+    )
+}
 
 # The passes of each stage, in the order they run; a training graph's stages run in this order too.
 STAGES: dict[str, tuple[str, ...]] = {
@@ -103,9 +153,13 @@ def check_contracts() -> list[str]:
                 spec = PASSES[name]
                 missing = spec.reads - known - spec.writes  # an accumulator reads its own writes
                 if missing:
-                    problems.append(f"{stage}/{name} reads {sorted(missing)}, which nothing sets before it")
+                    problems.append(
+                        f"{stage}/{name} reads {sorted(missing)}, which nothing sets before it"
+                    )
                 if spec.writes & DECISION:
-                    problems.append(f"{stage}/{name} writes the decision: {sorted(spec.writes & DECISION)}")
+                    problems.append(
+                        f"{stage}/{name} writes the decision: {sorted(spec.writes & DECISION)}"
+                    )
                 known |= spec.writes
     return problems
 
@@ -114,15 +168,20 @@ def disabled_passes() -> set[str]:
     names = set(config.settings().disable_passes)
     unknown = names - set(PASSES)
     if unknown:
-        raise ProtrainError(f"PROTRAIN_DISABLE_PASSES names unknown passes {sorted(unknown)}; the passes are "
-                            f"{', '.join(PASSES)}")
+        raise ProtrainError(
+            f"PROTRAIN_DISABLE_PASSES names unknown passes {sorted(unknown)}; the "
+            "passes are "
+            f"{', '.join(PASSES)}"
+        )
     required = {n: PASSES[n].why for n in names if not PASSES[n].exact_without}
     if "swap_offload" in names:
         required.pop("swap_reload", None)  # the pair goes together
         names.add("swap_reload")
     if required:
-        raise ProtrainError("PROTRAIN_DISABLE_PASSES: " + "; ".join(
-            f"{n} cannot be disabled ({why})" for n, why in sorted(required.items())))
+        raise ProtrainError(
+            "PROTRAIN_DISABLE_PASSES: "
+            + "; ".join(f"{n} cannot be disabled ({why})" for n, why in sorted(required.items()))
+        )
     return names
 
 
@@ -157,7 +216,9 @@ def run_stage(stage: str, gm: fx.GraphModule, plan: Plan, dump=None) -> fx.Graph
     for i, name in enumerate(STAGES[stage]):
         spec = PASSES[name]
         if name in skip:
-            log.info("protrain: pass %s skipped on the %s graph (PROTRAIN_DISABLE_PASSES)", name, stage)
+            log.info(
+                "protrain: pass %s skipped on the %s graph (PROTRAIN_DISABLE_PASSES)", name, stage
+            )
             continue
         before, n_before = _fields(plan), len(gm.graph.nodes)
         t0 = time.perf_counter()
@@ -165,10 +226,19 @@ def run_stage(stage: str, gm: fx.GraphModule, plan: Plan, dump=None) -> fx.Graph
         elapsed = time.perf_counter() - t0
         undeclared = _changed(before, _fields(plan)) - spec.writes
         if undeclared:
-            raise ProtrainError(f"protrain internal error: pass {name} changed plan fields it does not declare: "
-                                f"{sorted(undeclared)}")
-        log.debug("pass %s (%s graph): %.3f s, %d -> %d nodes", name, stage, elapsed, n_before,
-                  len(gm.graph.nodes))
+            raise ProtrainError(
+                f"protrain internal error: pass {name} changed plan fields it does "
+                "not declare: "
+                f"{sorted(undeclared)}"
+            )
+        log.debug(
+            "pass %s (%s graph): %.3f s, %d -> %d nodes",
+            name,
+            stage,
+            elapsed,
+            n_before,
+            len(gm.graph.nodes),
+        )
         if dump is not None:
             dump.pass_step(stage, i, name, gm)
     gm.graph.lint()
@@ -178,8 +248,8 @@ def run_stage(stage: str, gm: fx.GraphModule, plan: Plan, dump=None) -> fx.Graph
 
 @contextlib.contextmanager
 def probe(stage: str, fn: Callable[[fx.GraphModule, Plan], fx.GraphModule], name: str = "probe"):
-    """Within the ``with`` block, run ``fn(gm, plan) -> gm`` after ``stage``'s passes, as a pass that
-    writes nothing (tests and benchmarks read the rewritten graphs this way)."""
+    """Within the ``with`` block, run ``fn(gm, plan) -> gm`` after ``stage``'s passes, as a pass
+    that writes nothing (tests and benchmarks read the rewritten graphs this way)."""
     saved_passes, saved_stage = dict(PASSES), STAGES[stage]
     PASSES[name] = _spec(name, fn)
     STAGES[stage] = saved_stage + (name,)

@@ -1,32 +1,32 @@
 """Placement: bind a graph's parameters to chunk stores, deciding which chunks are resident.
 
-Runs once per compiled graph, when its joint graph (or inference graph) exists and before the chunk passes.
-Parameters already owned by a store (an earlier graph of the same model: another shape, an inference
-graph) keep their chunks and placement; the others get a new store. For a new store, ``n_persist`` comes
-from the options (set by the automatic plan, protrain_fx/autoplan.py, when the user left it unset), or is
-"all chunks". The transfer dtype is ``param_dtype``, or
-the autocast dtype the graph is being compiled under, or the parameters' own dtype.
+Runs once per compiled graph, when its joint graph (or inference graph) exists and before the chunk
+passes. Parameters already owned by a store (an earlier graph of the same model: another shape, an
+inference graph) keep their chunks and placement; the others get a new store. For a new store,
+``n_persist`` comes from the options (set by the automatic plan, protrain_fx/autoplan.py, when the
+user left it unset), or is "all chunks". The transfer dtype is ``param_dtype``, or the autocast
+dtype the graph is being compiled under, or the parameters' own dtype.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
 from protrain_fx import _compat
-from protrain_fx.runtime import distributed, hybrid_optim
-from protrain_fx.plan.layout import pack
-from protrain_fx.runtime.chunk_store import ChunkStore, get_store, store_of
-from protrain_fx.options import Options
-from protrain_fx.runtime.param_values import HOST_VALUES, hook_owners_of
-from protrain_fx.plan.plan import ChunkPlan, Plan
-from protrain_fx.plan.cost_model import ADAM_STATES
-from protrain_fx.plan.cost_model import estimate_device_bytes
 from protrain_fx.graph.fx import saved_activation_bytes
+from protrain_fx.options import Options
+from protrain_fx.plan.cost_model import ADAM_STATES, estimate_device_bytes
+from protrain_fx.plan.layout import pack
+from protrain_fx.plan.plan import ChunkPlan, Plan
+from protrain_fx.runtime import distributed, hybrid_optim
+from protrain_fx.runtime.chunk_store import ChunkStore, get_store, store_of
+from protrain_fx.runtime.param_values import HOST_VALUES, hook_owners_of
 
 
 def autocast_dtypes() -> dict[str, torch.dtype]:
-    """The autocast dtype of each device type autocast is enabled for, right now. Read it on entry to the
-    backend: aot_autograd's partition and compile callbacks run with autocast turned off."""
+    """The autocast dtype of each device type autocast is enabled for, right now. Read it on entry
+    to the backend: aot_autograd's partition and compile callbacks run with autocast turned off."""
     out = {}
     for device_type in ("cuda", "cpu"):
         if torch.is_autocast_enabled(device_type):
@@ -34,16 +34,28 @@ def autocast_dtypes() -> dict[str, torch.dtype]:
     return out
 
 
-def transfer_dtype(options: Options, device: torch.device, master_dtype: torch.dtype,
-                   autocast: dict[str, torch.dtype]) -> torch.dtype:
+def transfer_dtype(
+    options: Options,
+    device: torch.device,
+    master_dtype: torch.dtype,
+    autocast: dict[str, torch.dtype],
+) -> torch.dtype:
     if options.param_dtype is not None:
         return options.param_dtype
     return autocast.get(device.type, master_dtype)
 
 
-def bind_chunks(plan: Plan, options: Options, params: list[tuple[int, str, torch.nn.Parameter]],
-                root, graph: fx.GraphModule, training: bool, autocast: dict[str, torch.dtype]) -> None:
-    """Create or reuse the stores of ``params`` and record the binding in ``plan`` (see module docstring)."""
+def bind_chunks(
+    plan: Plan,
+    options: Options,
+    params: list[tuple[int, str, torch.nn.Parameter]],
+    root,
+    graph: fx.GraphModule,
+    training: bool,
+    autocast: dict[str, torch.dtype],
+) -> None:
+    """Create or reuse the stores of ``params`` and record the binding in ``plan`` (see module
+    docstring)."""
     if not params:
         return
     with _compat.real_tensor_mode():
@@ -67,9 +79,12 @@ def _bind(plan, options, params, root, graph, training, autocast) -> None:
                 hybrid_optim.attach(options.optimizer, s)
         elif not any(s.optimizer is not None for s in offloaded):
             plan.notes.append(
-                "offloaded chunks are stepped by your optimizer through device views of host memory, which is "
-                "exact but slow on a GPU: pass options={'optimizer': opt} (torch.optim.Adam or AdamW) to let "
-                "protrain step them on the CPU during backward")
+                "offloaded chunks are stepped by your optimizer through device views of host "
+                "memory, which is "
+                "exact but slow on a GPU: pass options={'optimizer': opt} (torch.optim.Adam or "
+                "AdamW) to let "
+                "protrain step them on the CPU during backward"
+            )
     _describe(plan, stores, params, options)
 
 
@@ -83,12 +98,16 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     n_buffer = options.n_buffer if options.n_buffer is not None else 2
     elem, t_elem = master.itemsize, param_dtype.itemsize
     activations = saved_activation_bytes(graph) if training else 0
-    # n_persist: given, or chosen by the automatic plan (protrain_fx/autoplan.py, which sets the option), else
-    # every chunk resident
-    n_persist = layout.n_chunks if options.n_persist is None else min(options.n_persist, layout.n_chunks)
-    plan.estimate = estimate_device_bytes(chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES)
-    # the store takes the host values over (each is freed once its chunk holds it); a store that fails
-    # half-built hands back what it has not placed, so the parameters keep their values
+    # n_persist: given, or chosen by the automatic plan (protrain_fx/autoplan.py, which sets the
+    # option), else every chunk resident
+    n_persist = (
+        layout.n_chunks if options.n_persist is None else min(options.n_persist, layout.n_chunks)
+    )
+    plan.estimate = estimate_device_bytes(
+        chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES
+    )
+    # the store takes the host values over (each is freed once its chunk holds it); a store that
+    # fails half-built hands back what it has not placed, so the parameters keep their values
     host_values = {id(p): HOST_VALUES.pop(p) for _, p in fqns if p in HOST_VALUES}
     try:
         store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values)
@@ -99,14 +118,18 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
         raise
     del host_values
     # with several ranks resident chunks are replicated: average their gradients across ranks
-    distributed.average_resident_grads([p for _, p in fqns if not store.param_is_offloaded(p)], options.optimizer)
+    distributed.average_resident_grads(
+        [p for _, p in fqns if not store.param_is_offloaded(p)], options.optimizer
+    )
     if store.aliased:
-        return  # parameters are views of their values: state_dict() and load_state_dict() need no hooks
+        # parameters are views of their values: state_dict() and load_state_dict() need no hooks
+        return
     if store.offloaded_chunks and root is not None and isinstance(root, torch.nn.Module):
         hook_owners_of(root, [p for _, p in fqns])
     elif store.offloaded_chunks:
         plan.notes.append(
-            "could not find the compiled module, so model.state_dict() cannot read offloaded parameters; "
+            "could not find the compiled module, so model.state_dict() cannot read offloaded "
+            "parameters; "
             "read them with protrain_fx.runtime.param_values.value_of(param)"
         )
 
@@ -117,8 +140,11 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
     plan.param_dtype = store.param_dtype
     plan.chunk_size = store.layout.chunk_size
     plan.n_persist = store.n_persist
-    plan.n_buffer = max(1, store.n_buffer, options.n_buffer if options.n_buffer is not None else 2) \
-        if store.offloaded_chunks else 0
+    plan.n_buffer = (
+        max(1, store.n_buffer, options.n_buffer if options.n_buffer is not None else 2)
+        if store.offloaded_chunks
+        else 0
+    )
     plan.n_buffer_given = options.n_buffer is not None and not plan.n_buffer_searched
     plan.chunks = [
         ChunkPlan(
@@ -131,15 +157,20 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
     ]
     plan.param_chunk = {e.fqn: e.chunk for e in store.entries}
     if len(stores) > 1:
-        plan.notes.append(f"this graph's parameters span {len(stores)} chunk stores; the table shows the first")
+        plan.notes.append(
+            f"this graph's parameters span {len(stores)} chunk stores; the table shows the first"
+        )
     if store.offloaded_chunks:
-        plan.notes.append(f"offloaded chunks travel as {str(store.param_dtype).replace('torch.', '')}; "
-                          f"{store.describe()}")
+        plan.notes.append(
+            "offloaded chunks travel as "
+            f"{str(store.param_dtype).replace('torch.', '')}; "
+            f"{store.describe()}"
+        )
 
 
 def allocate_buffers(plan: Plan, gm: fx.GraphModule) -> None:
-    """After a graph's passes: the device chunk buffers its prefetches fill (``plan.n_buffer`` per chunk
-    store it reads), allocated by the runtime, never by a pass."""
+    """After a graph's passes: the device chunk buffers its prefetches fill (``plan.n_buffer`` per
+    chunk store it reads), allocated by the runtime, never by a pass."""
     from protrain_fx.runtime import ops
 
     if not any(n.op == "call_function" and n.target is ops.GATHER for n in gm.graph.nodes):

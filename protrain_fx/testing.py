@@ -1,7 +1,10 @@
-"""Parity harness: train a model eagerly and through backend="protrain" on the same data and compare.
+"""Parity harness: train a model eagerly and through backend="protrain" on the same data and
+compare.
 
-Used by the test suite (CPU) and by ``benchmarks/cuda_parity.py`` (GPU); handy for users checking a model.
+Used by the test suite (CPU) and by ``benchmarks/cuda_parity.py`` (GPU); handy for users checking a
+model.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,35 +20,61 @@ def random_batches(n: int, batch: int, seq: int, vocab: int = 256, seed: int = 0
     """``n`` (tokens, targets) pairs of shape (batch, seq)."""
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randint(0, vocab, (batch, seq), generator=g).to(device),
-         torch.randint(0, vocab, (batch, seq), generator=g).to(device))
+        (
+            torch.randint(0, vocab, (batch, seq), generator=g).to(device),
+            torch.randint(0, vocab, (batch, seq), generator=g).to(device),
+        )
         for _ in range(n)
     ]
 
 
-def make_adamw(model: torch.nn.Module, *, lr=1e-3, weight_decay=0.1, groups: str = "one", fused=None):
-    """AdamW over ``model``; ``groups="decay_split"`` puts matrices in a weight-decay group and the rest in
-    a group without decay (two param groups with different hyperparameters)."""
+def make_adamw(
+    model: torch.nn.Module, *, lr=1e-3, weight_decay=0.1, groups: str = "one", fused=None
+):
+    """AdamW over ``model``; ``groups="decay_split"`` puts matrices in a weight-decay group and the
+    rest in a group without decay (two param groups with different hyperparameters)."""
     params = list(model.parameters())
     if groups == "decay_split":
-        spec = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        spec = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
     else:
         spec = params
     kw = {} if fused is None else {"fused": fused}
     return torch.optim.AdamW(spec, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), **kw)
 
 
-def train_steps(model, step_fn, data, *, opt=None, lr=1e-3, weight_decay=0.1, autocast_dtype=None, micro_steps=1,
-                clip=None, scheduler=None, groups="one") -> list[float]:
-    """Optimizer steps over ``data`` with ``loss = step_fn(x, y)``: ``micro_steps`` batches per step (losses
-    averaged), optional ``clip`` (max global grad norm) and ``scheduler(opt)`` (an LR scheduler factory).
-    Returns the loss of every micro-step."""
-    opt = opt if opt is not None else make_adamw(model, lr=lr, weight_decay=weight_decay, groups=groups)
+def train_steps(
+    model,
+    step_fn,
+    data,
+    *,
+    opt=None,
+    lr=1e-3,
+    weight_decay=0.1,
+    autocast_dtype=None,
+    micro_steps=1,
+    clip=None,
+    scheduler=None,
+    groups="one",
+) -> list[float]:
+    """Optimizer steps over ``data`` with ``loss = step_fn(x, y)``: ``micro_steps`` batches per step
+    (losses averaged), optional ``clip`` (max global grad norm) and ``scheduler(opt)`` (an LR
+    scheduler factory). Returns the loss of every micro-step."""
+    opt = (
+        opt
+        if opt is not None
+        else make_adamw(model, lr=lr, weight_decay=weight_decay, groups=groups)
+    )
     sched = scheduler(opt) if scheduler is not None else None
     losses = []
     for i, (x, y) in enumerate(data):
-        ctx = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+        ctx = (
+            torch.autocast(x.device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else nullcontext()
+        )
         with ctx:
             loss = step_fn(x, y)
         (loss / micro_steps).backward()
@@ -66,7 +95,8 @@ class ParityResult:
     losses: list[float]
     max_loss_rel: float
     max_param_abs: float
-    max_param_update: float  # how far eager training moved the parameters (proves the steps did something)
+    # how far eager training moved the parameters (proves the steps did something)
+    max_param_update: float
     plan: Plan
     compiled: torch.nn.Module
     model: torch.nn.Module
@@ -75,12 +105,19 @@ class ParityResult:
     ref_opt: torch.optim.Optimizer
 
 
-def compare_with_eager(base: torch.nn.Module, data, options=None, *, give_optimizer: bool = False, fused=None,
-                       **train_kw) -> ParityResult:
+def compare_with_eager(
+    base: torch.nn.Module,
+    data,
+    options=None,
+    *,
+    give_optimizer: bool = False,
+    fused=None,
+    **train_kw,
+) -> ParityResult:
     """Train one copy of ``base`` eagerly and another through backend="protrain" on ``data``. With
-    ``give_optimizer`` the protrain copy's AdamW is passed as ``options["optimizer"]`` (needed whenever
-    chunks are offloaded). Parameters are compared through ``state_dict()`` (offloaded ones live on the
-    host)."""
+    ``give_optimizer`` the protrain copy's AdamW is passed as ``options["optimizer"]`` (needed
+    whenever chunks are offloaded). Parameters are compared through ``state_dict()`` (offloaded ones
+    live on the host)."""
     ref = copy.deepcopy(base)
     mine = copy.deepcopy(base)
     opt_kw = {k: train_kw[k] for k in ("lr", "weight_decay", "groups") if k in train_kw}
@@ -96,4 +133,6 @@ def compare_with_eager(base: torch.nn.Module, data, options=None, *, give_optimi
     update = max((ref_sd[k].cpu() - base_sd[k].cpu()).abs().max().item() for k in ref_sd)
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
     pabs = max((mine_sd[k].cpu() - ref_sd[k].cpu()).abs().max().item() for k in ref_sd)
-    return ParityResult(ref_losses, losses, rel, pabs, update, get_plan(compiled), compiled, mine, opt, ref, ref_opt)
+    return ParityResult(
+        ref_losses, losses, rel, pabs, update, get_plan(compiled), compiled, mine, opt, ref, ref_opt
+    )

@@ -20,5 +20,6 @@ def fresh_dynamo():
 
 @pytest.fixture(autouse=True)
 def no_plan_cache(monkeypatch):
-    """Automatic plans are searched afresh in every test (tests/test_autoplan.py checks the cache itself)."""
+    """Automatic plans are searched afresh in every test (tests/test_autoplan.py checks the cache
+    itself)."""
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")

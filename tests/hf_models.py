@@ -1,4 +1,6 @@
-"""Small, randomly initialised Hugging Face models for the habit tests (built from configs: no hub access)."""
+"""Small, randomly initialised Hugging Face models for the habit tests (built from configs: no
+hub access)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,16 +11,24 @@ HF_VOCAB = 512
 def llama_config(**overrides):
     import transformers
 
-    kw = dict(vocab_size=HF_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-              attn_implementation="eager")
+    kw = dict(
+        vocab_size=HF_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     kw.update(overrides)
     return transformers.LlamaConfig(**kw)
 
 
 def hf_llama(seed: int = 0, **overrides):
-    """``LlamaForCausalLM`` (4 layers, width 128, GQA 4/2 heads, tied embeddings, eager attention), in train
-    mode, built under ``torch.manual_seed(seed)``."""
+    """``LlamaForCausalLM`` (4 layers, width 128, GQA 4/2 heads, tied embeddings, eager attention),
+    in train mode, built under ``torch.manual_seed(seed)``."""
     import transformers
 
     torch.manual_seed(seed)
@@ -33,8 +43,8 @@ def hf_loss(model, x, y=None):
 
 
 def hf_loss_no_cache(model, x, y=None):
-    """The same with ``use_cache=False``, as training scripts pass it: without a KV cache object the decoder
-    layers no longer differ by ``layer_idx`` and dynamo traces one graph for all of them."""
+    """The same with ``use_cache=False``, as training scripts pass it: without a KV cache object the
+    decoder layers no longer differ by ``layer_idx`` and dynamo traces one graph for all of them."""
     return model(input_ids=x, labels=x, use_cache=False).loss
 
 

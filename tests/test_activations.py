@@ -1,15 +1,16 @@
-"""Block-wise activation management: keep, swap or recompute each block, interleaved, against eager."""
+"""Block-wise activation management: keep, swap or recompute each block, interleaved, against
+eager."""
+
 import copy
 import csv
 
 import pytest
 import torch
-
-import protrain_fx
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from models import build
 
+import protrain_fx
 from protrain_fx import pipeline
 from protrain_fx.runtime import ops, swap_pool
 from protrain_fx.testing import compare_with_eager, random_batches, train_steps
@@ -24,18 +25,28 @@ def model(kind, dropout=0.0):
     return build("llama", n_layer=4, dim=32, n_head=2, n_kv_head=1, ffn_dim=64, max_seq_len=32)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["gpt", "llama"]), n_swap=st.integers(0, 4), n_checkpoint=st.integers(0, 4))
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    kind=st.sampled_from(["gpt", "llama"]), n_swap=st.integers(0, 4), n_checkpoint=st.integers(0, 4)
+)
 def test_every_swap_checkpoint_combination_matches_eager(kind, n_swap, n_checkpoint):
     torch._dynamo.reset()
     options = {"compiler": "eager", "n_swap": n_swap, "n_checkpoint": n_checkpoint}
     r = compare_with_eager(model(kind), random_batches(3, 2, 12), options)
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
-    if n_swap + n_checkpoint > 4:  # more than the graph has: it takes what it has, in order, and says so
+    # more than the graph has: it takes what it has, in order, and says so
+    if n_swap + n_checkpoint > 4:
         assert any("asked for more blocks than the 4 detected" in n for n in r.plan.notes)
         n_swap, n_checkpoint = min(n_swap, 4), min(n_checkpoint, 4 - min(n_swap, 4))
-    expect = ["swap"] * n_swap + ["recompute"] * n_checkpoint + ["keep"] * (4 - n_swap - n_checkpoint)
+    expect = (
+        ["swap"] * n_swap + ["recompute"] * n_checkpoint + ["keep"] * (4 - n_swap - n_checkpoint)
+    )
     assert [b["policy"] for b in r.plan.to_dict()["blocks"]] == expect
     assert (r.plan.to_dict()["n_swap"], r.plan.to_dict()["n_checkpoint"]) == (n_swap, n_checkpoint)
     assert bool(r.plan.swapped) == (n_swap > 0)
@@ -48,25 +59,35 @@ def test_dropout_matches_eager_checkpoint(compiler):
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     for i in (1, 2):  # the eager reference checkpoints the same blocks
         blk = ref.blocks[i]
-        blk.forward = lambda *a, _f=blk.forward: torch.utils.checkpoint.checkpoint(_f, *a, use_reentrant=False)
+        blk.forward = lambda *a, _f=blk.forward: torch.utils.checkpoint.checkpoint(
+            _f, *a, use_reentrant=False
+        )
     data = random_batches(3, 2, 16)
     # Inductor's own RNG differs from eager's; fallback_random makes it draw the same numbers
     with torch._inductor.config.patch(fallback_random=True):
-        compiled = torch.compile(mine, backend="protrain", options={"compiler": compiler, "n_swap": 1, "n_checkpoint": 2})
+        compiled = torch.compile(
+            mine, backend="protrain", options={"compiler": compiler, "n_swap": 1, "n_checkpoint": 2}
+        )
         torch.manual_seed(1)
         losses = train_steps(mine, compiled, data)
     torch.manual_seed(1)
     ref_losses = train_steps(ref, ref, data)
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= LOSS_REL
-    assert max((p - q).abs().max().item() for p, q in zip(mine.parameters(), ref.parameters())) <= PARAM_ABS
+    assert (
+        max((p - q).abs().max().item() for p, q in zip(mine.parameters(), ref.parameters()))
+        <= PARAM_ABS
+    )
     no_dropout = train_steps(copy.deepcopy(model("gpt")), copy.deepcopy(model("gpt")), data[:1])
     assert abs(no_dropout[0] - ref_losses[0]) > 1e-4  # dropout really was active
 
 
 def test_inductor_swap_and_recompute_with_offloaded_chunks():
-    r = compare_with_eager(model("llama"), random_batches(3, 2, 16),
-                           {"n_swap": 1, "n_checkpoint": 2, "n_persist": 1, "chunk_size": "40KB"},
-                           give_optimizer=True)
+    r = compare_with_eager(
+        model("llama"),
+        random_batches(3, 2, 16),
+        {"n_swap": 1, "n_checkpoint": 2, "n_persist": 1, "chunk_size": "40KB"},
+        give_optimizer=True,
+    )
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
     stats = swap_pool.swapper(torch.device("cpu")).stats
     assert stats["offloaded_bytes"] == stats["reloaded_bytes"] > 0
@@ -85,9 +106,9 @@ def _saved_bytes(monkeypatch, options):
         m = model("llama")
         compiled = torch.compile(m, backend="protrain", options={"compiler": "eager", **options})
         compiled(*random_batches(1, 4, 32)[0]).backward()
-    (gm, plan), = seen
+    ((gm, plan),) = seen
     outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-    saved = outputs[len(outputs) - len(plan.saved_names):]
+    saved = outputs[len(outputs) - len(plan.saved_names) :]
     device = host = 0
     for node in saved:
         val = node.meta.get("val") if node is not None else None
@@ -102,8 +123,8 @@ def _saved_bytes(monkeypatch, options):
 
 
 def test_recompute_and_swap_shrink_what_forward_keeps(monkeypatch):
-    """All-recompute saves much less on the device than all-keep; all-swap moves the block activations to
-    host memory. (The GPU benchmark measures the memory itself.)"""
+    """All-recompute saves much less on the device than all-keep; all-swap moves the block
+    activations to host memory. (The GPU benchmark measures the memory itself.)"""
     keep, keep_host = _saved_bytes(monkeypatch, {})
     recompute, _ = _saved_bytes(monkeypatch, {"n_checkpoint": 4})
     swap_device, swap_host = _saved_bytes(monkeypatch, {"n_swap": 4})
@@ -130,8 +151,11 @@ def test_no_blocks_with_checkpoint_says_so():
 
 def test_dumps_show_swap_and_recompute(tmp_path):
     m = model("gpt")
-    compiled = torch.compile(m, backend="protrain", options={"compiler": "eager", "n_swap": 1, "n_checkpoint": 1,
-                                                              "dump_dir": str(tmp_path)})
+    compiled = torch.compile(
+        m,
+        backend="protrain",
+        options={"compiler": "eager", "n_swap": 1, "n_checkpoint": 1, "dump_dir": str(tmp_path)},
+    )
     train_steps(m, compiled, random_batches(1, 2, 8))
     (folder,) = tmp_path.iterdir()
     assert "protrain.offload" in (folder / "fw.py").read_text()
@@ -142,5 +166,10 @@ def test_dumps_show_swap_and_recompute(tmp_path):
     policies = {(r["block"], r["policy"]) for r in rows if r["stage"] == "joint" and r["block"]}
     assert {("blocks.0", "swap"), ("blocks.1", "recompute"), ("blocks.2", "keep")} <= policies
     # the recomputed block's forward nodes reappear in bw, tagged
-    assert any(r["stage"] == "bw" and r["block"] == "blocks.1" and r["recompute"] == "must" and r["phase"] == "forward"
-               for r in rows)
+    assert any(
+        r["stage"] == "bw"
+        and r["block"] == "blocks.1"
+        and r["recompute"] == "must"
+        and r["phase"] == "forward"
+        for r in rows
+    )

@@ -1,7 +1,9 @@
-"""The architecture stays as docs/design.md draws it: layers that import only those below them, no import
-cycles, the runtime without torch.fx, the environment read in config.py alone, a pass list whose declared
-reads and writes match what the passes touch, passes and graph analysis that allocate nothing, and modules
-of a readable size. Each check reads the source (ast) or runs one small compile; none needs a GPU."""
+"""The architecture stays as docs/design.md draws it: layers that import only those below them, no
+import cycles, the runtime without torch.fx, the environment read in config.py alone, a pass list
+whose declared reads and writes match what the passes touch, passes and graph analysis that allocate
+nothing, and modules of a readable size. Each check reads the source (ast) or runs one small
+compile; none needs a GPU."""
+
 from __future__ import annotations
 
 import ast
@@ -23,8 +25,10 @@ LAYERS = [
     ("passes", ("passes",)),
     ("profiling", ("profiling",)),
     ("report", ("report",)),
-    ("orchestration", ("autoplan", "placement", "pipeline", "backend", "testing", "__init__",
-                       "integrations")),
+    (
+        "orchestration",
+        ("autoplan", "placement", "pipeline", "backend", "testing", "__init__", "integrations"),
+    ),
 ]
 
 
@@ -52,12 +56,17 @@ def _layer(module: str) -> int:
 
 
 def _imports(path: pathlib.Path, top_level_only: bool) -> set[str]:
-    """protrain_fx modules ``path`` imports (a name imported from a package counts as its module)."""
+    """protrain_fx modules ``path`` imports (a name imported from a package counts as its
+    module)."""
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = set()
     for node in nodes:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("protrain_fx"):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("protrain_fx")
+        ):
             assert node.level == 0, f"{path}: relative import"
             for alias in node.names:
                 sub = f"{node.module}.{alias.name}"
@@ -73,14 +82,16 @@ def test_every_module_is_in_a_layer():
 
 
 def test_layers_import_only_downwards():
-    """Every import counts, also those inside functions (a lazy import hides a layer violation, it does
-    not remove it)."""
+    """Every import counts, also those inside functions (a lazy import hides a layer violation, it
+    does not remove it)."""
     wrong = []
     for module, path in MODULES.items():
         for target in _imports(path, top_level_only=False):
             if _layer(target) > _layer(module):
-                wrong.append(f"{module} ({LAYERS[_layer(module)][0]}) imports {target} "
-                             f"({LAYERS[_layer(target)][0]})")
+                wrong.append(
+                    f"{module} ({LAYERS[_layer(module)][0]}) imports {target} "
+                    f"({LAYERS[_layer(target)][0]})"
+                )
     assert not wrong, "\n".join(sorted(wrong))
 
 
@@ -93,7 +104,7 @@ def test_no_import_cycles():
         state[m] = 1
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+                cycles.append(" -> ".join(stack[stack.index(t) :] + [t]))
             elif t not in state:
                 visit(t, stack + [t])
         state[m] = 2
@@ -118,7 +129,12 @@ def _environment_reads(path: pathlib.Path) -> list[str]:
     tree = ast.parse(path.read_text())
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "unsetenv"):
+        if isinstance(node, ast.Attribute) and node.attr in (
+            "environ",
+            "getenv",
+            "putenv",
+            "unsetenv",
+        ):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
         if isinstance(node, ast.ImportFrom) and node.module == "os":
             if any(a.name in ("environ", "getenv") for a in node.names):
@@ -127,7 +143,9 @@ def _environment_reads(path: pathlib.Path) -> list[str]:
 
 
 def test_the_environment_is_read_in_config_alone():
-    found = [r for m, p in MODULES.items() if m != "protrain_fx.config" for r in _environment_reads(p)]
+    found = [
+        r for m, p in MODULES.items() if m != "protrain_fx.config" for r in _environment_reads(p)
+    ]
     assert not found, "\n".join(found)
 
 
@@ -141,9 +159,9 @@ def test_the_environment_check_catches_a_read():
 
 
 def test_every_protrain_variable_is_documented_in_config():
-    from protrain_fx import config
-
     import re
+
+    from protrain_fx import config
 
     named = set()
     for path in MODULES.values():  # every PROTRAIN_ name the package mentions (messages included)
@@ -157,8 +175,15 @@ def test_flags_have_one_reading(monkeypatch):
     from protrain_fx import config
     from protrain_fx.errors import OptionsError
 
-    for raw, want in (("1", True), ("yes", True), ("ON", True), ("0", False), ("false", False),
-                      ("", False), ("off", False)):
+    for raw, want in (
+        ("1", True),
+        ("yes", True),
+        ("ON", True),
+        ("0", False),
+        ("false", False),
+        ("", False),
+        ("off", False),
+    ):
         monkeypatch.setenv("PROTRAIN_PLAN_CACHE", raw)
         assert config.settings().plan_cache is want, raw
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "maybe")
@@ -179,18 +204,41 @@ def _plan_accesses(path: pathlib.Path) -> tuple[set[str], set[str]]:
     """Fields of ``plan`` a pass module reads and those it writes (assigns, or mutates in place)."""
     tree = ast.parse(path.read_text())
     reads, writes = set(), set()
-    mutators = {"append", "extend", "update", "add", "pop", "setdefault", "clear", "insert", "remove"}
+    mutators = {
+        "append",
+        "extend",
+        "update",
+        "add",
+        "pop",
+        "setdefault",
+        "clear",
+        "insert",
+        "remove",
+    }
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "plan":
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "plan"
+        ):
             (writes if isinstance(node.ctx, ast.Store) else reads).add(node.attr)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in mutators
-                and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name)
-                and node.func.value.value.id == "plan"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in mutators
+            and isinstance(node.func.value, ast.Attribute)
+            and isinstance(node.func.value.value, ast.Name)
+            and node.func.value.value.id == "plan"
+        ):
             writes.add(node.func.value.attr)
         if isinstance(node, (ast.Assign, ast.AugAssign)):
             for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if (isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute)
-                        and isinstance(t.value.value, ast.Name) and t.value.value.id == "plan"):
+                if (
+                    isinstance(t, ast.Subscript)
+                    and isinstance(t.value, ast.Attribute)
+                    and isinstance(t.value.value, ast.Name)
+                    and t.value.value.id == "plan"
+                ):
                     writes.add(t.value.attr)
     return reads - {"plan"}, writes
 
@@ -226,7 +274,11 @@ def test_a_pass_that_writes_an_undeclared_field_is_stopped(monkeypatch):
     monkeypatch.setitem(pipeline.STAGES, "dynamo", ("sneaky",))
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     plan = Plan(chunk_size=0, n_persist=0, n_buffer=1, n_swap=0, n_checkpoint=0)
-    with pytest.raises(ProtrainError, match=r"sneaky changed plan fields it does not declare: \['n_buffer'\]"):
+    with pytest.raises(
+        ProtrainError,
+        match=r"sneaky changed plan fields it does not declare: "
+        r"\['n_buffer'\]",
+    ):
         pipeline.run_stage("dynamo", gm, plan)
 
 
@@ -246,29 +298,58 @@ def test_disabling_the_optional_passes_keeps_results_exact(monkeypatch):
 
     from protrain_fx.testing import compare_with_eager, random_batches
 
-    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "swap_offload,chunk_schedule,recompute,block_marks")
+    monkeypatch.setenv(
+        "PROTRAIN_DISABLE_PASSES", "swap_offload,chunk_schedule,recompute,block_marks"
+    )
     torch.manual_seed(0)
     model = build("llama", n_layer=2, dim=32, n_head=2, n_kv_head=1, ffn_dim=64, max_seq_len=32)
-    r = compare_with_eager(model, random_batches(2, batch=2, seq=16),
-                           {"compiler": "eager", "n_persist": 0, "chunk_size": 32768, "n_swap": 1,
-                            "n_checkpoint": 1})
+    r = compare_with_eager(
+        model,
+        random_batches(2, batch=2, seq=16),
+        {"compiler": "eager", "n_persist": 0, "chunk_size": 32768, "n_swap": 1, "n_checkpoint": 1},
+    )
     assert r.max_loss_rel <= 1e-6 and r.max_param_abs <= 1e-6
 
 
 # ------------------------------------------------------------------------------ allocation
-ALLOCATING_CALLS = {"torch.empty", "torch.zeros", "torch.ones", "torch.full", "torch.empty_like",
-                    "torch.zeros_like", "torch.ones_like", "torch.full_like", "torch.tensor", "torch.randn",
-                    "torch.rand", "torch.arange", "torch.empty_strided"}
-ALLOCATING_METHODS = {"ensure_buffers", "ensure", "pinned_empty", "host_empty", "cached_host_empty",
-                      "registered_host_empty", "pin_memory", "cuda", "to"}
+ALLOCATING_CALLS = {
+    "torch.empty",
+    "torch.zeros",
+    "torch.ones",
+    "torch.full",
+    "torch.empty_like",
+    "torch.zeros_like",
+    "torch.ones_like",
+    "torch.full_like",
+    "torch.tensor",
+    "torch.randn",
+    "torch.rand",
+    "torch.arange",
+    "torch.empty_strided",
+}
+ALLOCATING_METHODS = {
+    "ensure_buffers",
+    "ensure",
+    "pinned_empty",
+    "host_empty",
+    "cached_host_empty",
+    "registered_host_empty",
+    "pin_memory",
+    "cuda",
+    "to",
+}
 
 
 def _allocations(path: pathlib.Path) -> list[str]:
-    """Calls in ``path`` that allocate real memory; factory calls inside ``with <x>.fake_mode:`` make fake
-    tensors and are fine."""
+    """Calls in ``path`` that allocate real memory; factory calls inside ``with <x>.fake_mode:``
+    make fake tensors and are fine."""
     tree = ast.parse(path.read_text())
-    fake_spans = [(n.lineno, n.end_lineno) for n in ast.walk(tree) if isinstance(n, ast.With)
-                  and any("fake_mode" in ast.unparse(i.context_expr) for i in n.items)]
+    fake_spans = [
+        (n.lineno, n.end_lineno)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.With)
+        and any("fake_mode" in ast.unparse(i.context_expr) for i in n.items)
+    ]
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -276,8 +357,9 @@ def _allocations(path: pathlib.Path) -> list[str]:
         name = ast.unparse(node.func)
         in_fake = any(a <= node.lineno <= b for a, b in fake_spans)
         method = node.func.attr if isinstance(node.func, ast.Attribute) else ""
-        if (name in ALLOCATING_CALLS and not in_fake) or (method in ALLOCATING_METHODS
-                                                          and name not in ("torch.fx.GraphModule.to",)):
+        if (name in ALLOCATING_CALLS and not in_fake) or (
+            method in ALLOCATING_METHODS and name not in ("torch.fx.GraphModule.to",)
+        ):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
     return found
 
@@ -289,9 +371,9 @@ def test_passes_and_graph_analysis_allocate_nothing_in_their_source():
 
 
 def _allocating_frames(monkeypatch, extra_pass=None) -> list[str]:
-    """One compile and step of an offloaded, swapped, recomputed model: every real tensor allocated through
-    torch's factories or protrain's buffer and pinned-memory functions is traced to the frames that asked
-    for it; returns those in a pass or the graph layer."""
+    """One compile and step of an offloaded, swapped, recomputed model: every real tensor allocated
+    through torch's factories or protrain's buffer and pinned-memory functions is traced to the
+    frames that asked for it; returns those in a pass or the graph layer."""
     import inspect
 
     from models import build
@@ -310,8 +392,12 @@ def _allocating_frames(monkeypatch, extra_pass=None) -> list[str]:
         for frame in inspect.stack()[2:]:
             # a pass or the graph layer; or the control's stand-in pass
             if frame.filename.startswith(watched) or frame.function == "allocating":
-                culprits.append(f"{frame.filename}:{frame.lineno} ({frame.function}): {type(result).__name__}"
-                                f" {getattr(result, 'shape', None)} {getattr(result, 'device', None)}")
+                culprits.append(
+                    f"{frame.filename}:{frame.lineno} ({frame.function}): "
+                    f"{type(result).__name__}"
+                    f" {getattr(result, 'shape', None)} "
+                    f"{getattr(result, 'device', None)}"
+                )
                 return
 
     def wrap(owner, name):
@@ -330,13 +416,23 @@ def _allocating_frames(monkeypatch, extra_pass=None) -> list[str]:
         wrap(pinned, name)
     wrap(chunk_buffers.ChunkBuffers, "ensure")
     if extra_pass is not None:
-        monkeypatch.setitem(pipeline.PASSES, "extra", pipeline.PassSpec("extra", extra_pass, frozenset()))
+        monkeypatch.setitem(
+            pipeline.PASSES, "extra", pipeline.PassSpec("extra", extra_pass, frozenset())
+        )
         monkeypatch.setitem(pipeline.STAGES, "forward", pipeline.STAGES["forward"] + ("extra",))
     torch.manual_seed(0)
     model = build("llama", n_layer=2, dim=32, n_head=2, n_kv_head=1, ffn_dim=64, max_seq_len=32)
-    compiled = torch.compile(model, backend="protrain",
-                             options={"compiler": "eager", "n_persist": 0, "chunk_size": 32768, "n_swap": 1,
-                                      "n_checkpoint": 1})
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={
+            "compiler": "eager",
+            "n_persist": 0,
+            "chunk_size": 32768,
+            "n_swap": 1,
+            "n_checkpoint": 1,
+        },
+    )
     x = torch.randint(0, 256, (2, 16))
     compiled(x, x).backward()
     return culprits
@@ -365,20 +461,27 @@ def test_the_allocation_check_catches_a_pass_that_allocates(monkeypatch):
 
 # ------------------------------------------------------------------------------ size
 def test_no_module_is_too_long():
-    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in MODULES.values()
-            if (n := len(p.read_text().splitlines())) > 520]
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > 520
+    ]
     assert not long, long
 
 
 # ------------------------------------------------------------------------------ style
 def test_ruff_format_and_lint_are_clean():
-    """The formatter and the linter (ruff, line length 100; pyproject.toml says what is checked) have
-    nothing to change or report."""
+    """The formatter and the linter (ruff, line length 100; pyproject.toml says what is checked)
+    have nothing to change or report."""
     import subprocess
     import sys
 
     ruff = [sys.executable, "-m", "ruff"]
-    fmt = subprocess.run(ruff + ["format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
+    fmt = subprocess.run(
+        ruff + ["format", "--check", "."], cwd=ROOT, capture_output=True, text=True
+    )
     assert fmt.returncode == 0, "run `ruff format .`:\n" + fmt.stdout[-3000:] + fmt.stderr[-1000:]
     lint = subprocess.run(ruff + ["check", "."], cwd=ROOT, capture_output=True, text=True)
-    assert lint.returncode == 0, "run `ruff check --fix .`:\n" + lint.stdout[-3000:] + lint.stderr[-1000:]
+    assert lint.returncode == 0, (
+        "run `ruff check --fix .`:\n" + lint.stdout[-3000:] + lint.stderr[-1000:]
+    )

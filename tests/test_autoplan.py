@@ -1,5 +1,7 @@
-"""The automatic plan on the CPU (where the budget is whatever is passed): profiled under the most frugal plan,
-searched, trained exactly like eager PyTorch, cached, and explained (summary, memory plot)."""
+"""The automatic plan on the CPU (where the budget is whatever is passed): profiled under the most
+frugal plan, searched, trained exactly like eager PyTorch, cached, and explained (summary, memory
+plot)."""
+
 import pytest
 import torch
 from models import build
@@ -23,15 +25,22 @@ def state_bytes(model) -> int:
 
 def test_automatic_plan_offloads_to_fit_and_trains_like_eager():
     model = gpt()
-    budget = 2 * state_bytes(model)  # under params + grads + two moments: some chunks must leave the device
-    r = compare_with_eager(model, random_batches(4, 2, 16, vocab=64), dict(OPTS, memory_budget=budget),
-                           give_optimizer=True)
+    # under params + grads + two moments: some chunks must leave the device
+    budget = 2 * state_bytes(model)
+    r = compare_with_eager(
+        model,
+        random_batches(4, 2, 16, vocab=64),
+        dict(OPTS, memory_budget=budget),
+        give_optimizer=True,
+    )
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3 and r.max_param_update > 1e-3
     plan, pred = r.plan, r.plan.predicted
     assert pred["peak_bytes"] <= budget and pred["budget_bytes"] == budget
     assert plan.n_persist < len(plan.chunks)
     assert pred["profile_s"] > 0 and pred["search_s"] > 0 and pred["plans_evaluated"] > 1
-    assert len(pred["profiled"]["block_fwd_ms"]) == 4 and all(t > 0 for t in pred["profiled"]["block_fwd_ms"])
+    assert len(pred["profiled"]["block_fwd_ms"]) == 4 and all(
+        t > 0 for t in pred["profiled"]["block_fwd_ms"]
+    )
     assert pred["timeline"][0][2] == "step start" and pred["timeline"][-1][2] == "step end"
     assert plan.measured["iter_s"] > 0  # the step meter saw the training steps
     text = plan.summary()
@@ -40,15 +49,19 @@ def test_automatic_plan_offloads_to_fit_and_trains_like_eager():
 
 def test_given_knobs_are_honoured_and_the_rest_searched():
     model = gpt()
-    r = compare_with_eager(model, random_batches(2, 2, 16, vocab=64),
-                           dict(OPTS, memory_budget="1GiB", n_swap=1, n_persist=2), give_optimizer=True)
+    r = compare_with_eager(
+        model,
+        random_batches(2, 2, 16, vocab=64),
+        dict(OPTS, memory_budget="1GiB", n_swap=1, n_persist=2),
+        give_optimizer=True,
+    )
     assert r.max_loss_rel <= 1e-5
     assert r.plan.n_swap == 1 and r.plan.n_persist == 2 and r.plan.blocks[0].policy == "swap"
 
 
 def test_profiling_leaves_no_trace_with_dropout():
-    """The profiling step consumes random numbers (dropout) and makes gradients; both are undone: the run
-    equals one with the same knobs given and no profiling."""
+    """The profiling step consumes random numbers (dropout) and makes gradients; both are undone:
+    the run equals one with the same knobs given and no profiling."""
     data = random_batches(3, 2, 16, vocab=64)
     losses, chosen = [], None
     for options in (dict(OPTS, memory_budget="1GiB"), None):
@@ -67,14 +80,17 @@ def test_profiling_leaves_no_trace_with_dropout():
 def test_one_byte_budget_names_the_smallest_that_works():
     model = gpt()
     opt = make_adamw(model)
-    compiled = torch.compile(model, backend="protrain", options=dict(OPTS, optimizer=opt, memory_budget=1))
+    compiled = torch.compile(
+        model, backend="protrain", options=dict(OPTS, optimizer=opt, memory_budget=1)
+    )
     with pytest.raises(Exception, match=r"the smallest budget that would work is \d+ bytes") as e:
         compiled(*random_batches(1, 2, 16, vocab=64)[0])
     assert isinstance(e.value.__cause__ or e.value, (NoPlanFits, Exception))
 
 
 def test_without_an_optimizer_everything_stays_resident():
-    """No optimizer exists when the model is first called (created later): every chunk stays resident."""
+    """No optimizer exists when the model is first called (created later): every chunk stays
+    resident."""
     model = gpt()
     compiled = torch.compile(model, backend="protrain", options=dict(OPTS, memory_budget="1GiB"))
     x, y = random_batches(1, 2, 16, vocab=64)[0]
@@ -85,30 +101,43 @@ def test_without_an_optimizer_everything_stays_resident():
 
 
 def test_the_users_adamw_is_found_when_not_given():
-    """The one-line promise: no options but a budget, and the AdamW made before the first call is found and
-    taken over from the first step (exact), so that chunks can be offloaded."""
+    """The one-line promise: no options but a budget, and the AdamW made before the first call is
+    found and taken over from the first step (exact), so that chunks can be offloaded."""
     model = gpt()
-    r = compare_with_eager(model, random_batches(3, 2, 16, vocab=64),
-                           dict(OPTS, memory_budget=2 * state_bytes(model)))
+    r = compare_with_eager(
+        model, random_batches(3, 2, 16, vocab=64), dict(OPTS, memory_budget=2 * state_bytes(model))
+    )
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3 and r.max_param_update > 1e-3
     assert r.plan.n_persist < len(r.plan.chunks)
     assert any(n.startswith("optimizer found: the AdamW") for n in r.plan.notes), r.plan.notes
     from protrain_fx.runtime import hybrid_optim
+
     assert hybrid_optim.handle_of(r.opt) is not None
 
 
 def test_a_budget_that_needs_offloading_without_an_optimizer_says_to_pass_it():
     model = gpt()
-    compiled = torch.compile(model, backend="protrain", options=dict(OPTS, memory_budget=2 * state_bytes(model)))
-    with pytest.raises(Exception, match=r"no optimizer to step offloaded ones.*options=\{'optimizer': opt\}"):
+    compiled = torch.compile(
+        model, backend="protrain", options=dict(OPTS, memory_budget=2 * state_bytes(model))
+    )
+    with pytest.raises(
+        Exception,
+        match=r"no optimizer to step offloaded "
+        r"ones.*options=\{'optimizer': opt\}",
+    ):
         compiled(*random_batches(1, 2, 16, vocab=64)[0])
 
 
 def test_on_the_cpu_a_generous_budget_keeps_every_chunk_resident():
-    """On a CPU compute device offloading cannot be faster (the optimizer runs on the cores that compute)."""
+    """On a CPU compute device offloading cannot be faster (the optimizer runs on the cores that
+    compute)."""
     model = gpt()
-    r = compare_with_eager(model, random_batches(2, 2, 16, vocab=64), dict(OPTS, memory_budget="1GiB"),
-                           give_optimizer=True)
+    r = compare_with_eager(
+        model,
+        random_batches(2, 2, 16, vocab=64),
+        dict(OPTS, memory_budget="1GiB"),
+        give_optimizer=True,
+    )
     assert r.plan.n_persist == len(r.plan.chunks)
 
 
@@ -135,41 +164,60 @@ def test_plan_cache_skips_profiling(monkeypatch, tmp_path):
     plan = protrain_fx.get_plan(compiled)
     assert plan.predicted["from_cache"] and {k: getattr(plan, k) for k in autoplan.KNOBS} == knobs
     import json
+
     saved = json.loads(entry.read_text())
-    assert saved["measured"]["iter_s"] > 0 and saved["predicted"]["iter_s"] > 0  # plan.json: both sides
+    # plan.json: both sides
+    assert saved["measured"]["iter_s"] > 0 and saved["predicted"]["iter_s"] > 0
 
 
 def test_memory_plot_of_an_automatic_plan(tmp_path):
     pytest.importorskip("matplotlib")
     model = gpt()
-    r = compare_with_eager(model, random_batches(2, 2, 16, vocab=64), dict(OPTS, memory_budget="1GiB"),
-                           give_optimizer=True)
+    r = compare_with_eager(
+        model,
+        random_batches(2, 2, 16, vocab=64),
+        dict(OPTS, memory_budget="1GiB"),
+        give_optimizer=True,
+    )
     path = protrain_fx.plot_memory(r.plan, str(tmp_path / "memory.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_new_shapes_replan_activations_and_keep_training_like_eager():
-    """A recompile for a new batch or sequence length keeps the chunk placement and searches the activation
-    knobs again; training stays exact across the shape changes."""
+    """A recompile for a new batch or sequence length keeps the chunk placement and searches the
+    activation knobs again; training stays exact across the shape changes."""
     model = gpt()
-    data = (random_batches(2, 2, 16, vocab=64) + random_batches(2, 2, 8, vocab=64, seed=1)
-            + random_batches(2, 3, 12, vocab=64, seed=2))
-    # chunks offloaded (n_persist 1) so that each shape's activations are planned beside the same placement
-    r = compare_with_eager(model, data, dict(OPTS, memory_budget=4 * state_bytes(model), n_persist=1),
-                           give_optimizer=True)
+    data = (
+        random_batches(2, 2, 16, vocab=64)
+        + random_batches(2, 2, 8, vocab=64, seed=1)
+        + random_batches(2, 3, 12, vocab=64, seed=2)
+    )
+    # chunks offloaded (n_persist 1) so that each shape's activations are planned beside the same
+    # placement
+    r = compare_with_eager(
+        model,
+        data,
+        dict(OPTS, memory_budget=4 * state_bytes(model), n_persist=1),
+        give_optimizer=True,
+    )
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3
     assert any("chunk placement kept" in n for n in r.plan.notes)
 
 
 def test_profiled_blocks_give_a_measured_timeline(monkeypatch, tmp_path):
-    """PROTRAIN_PROFILE_BLOCKS=1: the chosen plan keeps its block marks, and a recent step's marks become
-    plan.measured["timeline"], drawn against the prediction (marks are cleared every step)."""
+    """PROTRAIN_PROFILE_BLOCKS=1: the chosen plan keeps its block marks, and a recent step's marks
+    become plan.measured["timeline"], drawn against the prediction (marks are cleared every step).
+    """
     monkeypatch.setenv("PROTRAIN_PROFILE_BLOCKS", "1")
     from protrain_fx.runtime import block_timer
 
     model = gpt()
-    r = compare_with_eager(model, random_batches(5, 2, 16, vocab=64), dict(OPTS, memory_budget="1GiB"),
-                           give_optimizer=True)
+    r = compare_with_eager(
+        model,
+        random_batches(5, 2, 16, vocab=64),
+        dict(OPTS, memory_budget="1GiB"),
+        give_optimizer=True,
+    )
     assert r.max_loss_rel <= 1e-5
     labels = [t[2] for t in r.plan.measured["timeline"]]
     assert "fwd enter block 0" in labels and "bwd exit block 0" in labels

@@ -1,11 +1,12 @@
-"""Block profiling marks (PROTRAIN_PROFILE_BLOCKS=1): every block's forward and backward are timed between
-protrain::mark ops in the compiled graphs, and training is unchanged."""
+"""Block profiling marks (PROTRAIN_PROFILE_BLOCKS=1): every block's forward and backward are timed
+between protrain::mark ops in the compiled graphs, and training is unchanged."""
+
 import pytest
 import torch
+from models import build
 
 from protrain_fx.runtime import block_timer
 from protrain_fx.testing import compare_with_eager, random_batches
-from models import build
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
@@ -14,8 +15,9 @@ def test_marks_time_every_block_and_keep_parity(monkeypatch, tmp_path, compiler)
     block_timer.RECORDER.clear()
     torch.manual_seed(0)
     model = build("gpt", n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-    r = compare_with_eager(model, random_batches(2, 2, 16, vocab=64),
-                           {"compiler": compiler, "dump_dir": str(tmp_path)})
+    r = compare_with_eager(
+        model, random_batches(2, 2, 16, vocab=64), {"compiler": compiler, "dump_dir": str(tmp_path)}
+    )
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3  # the marks are identities
     timings = block_timer.block_timings()
     assert sorted(timings) == [0, 1, 2]

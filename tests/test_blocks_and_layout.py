@@ -1,4 +1,5 @@
 """Block detection (our models, Hugging Face models, models without blocks) and chunk packing."""
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -6,16 +7,19 @@ from hypothesis import strategies as st
 from models import build
 
 import protrain_fx
-from protrain_fx.plan.layout import ALIGN_BYTES, choose_chunk_size, pack
-from protrain_fx.graph.inputs import fqn_from_source
 from protrain_fx.errors import OptionsError
+from protrain_fx.graph.inputs import fqn_from_source
+from protrain_fx.plan.layout import ALIGN_BYTES, choose_chunk_size, pack
 from protrain_fx.testing import compare_with_eager, random_batches
 
 
 @pytest.mark.parametrize(
     "source, fqn",
     [
-        ("L['self']._modules['blocks']._modules['0']._modules['ln1']._parameters['weight']", "blocks.0.ln1.weight"),
+        (
+            "L['self']._modules['blocks']._modules['0']._modules['ln1']._parameters['weight']",
+            "blocks.0.ln1.weight",
+        ),
         ("L['self'].blocks[0].ln1.weight", "blocks.0.ln1.weight"),
         ("L['self'].blocks.0", "blocks.0"),
         ("L['args'][0].model.layers.3", "model.layers.3"),
@@ -41,7 +45,10 @@ def test_blocks_of_example_models(kind):
     names = [p for c in plan.chunks for p in c.params]
     assert sorted(names) == sorted(dict(model.named_parameters()))  # named_parameters() dedups ties
     assert names[0] in ("wte.weight", "tok_embeddings.weight")
-    assert plan.param_block["blocks.1.ffn_norm.weight" if kind == "llama" else "blocks.1.ln2.bias"] == "blocks.1"
+    assert (
+        plan.param_block["blocks.1.ffn_norm.weight" if kind == "llama" else "blocks.1.ln2.bias"]
+        == "blocks.1"
+    )
 
 
 transformers = pytest.importorskip("transformers")
@@ -50,12 +57,34 @@ transformers = pytest.importorskip("transformers")
 def _hf_models():
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    gpt2 = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=256, n_positions=64,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    llama = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return {"gpt2": (GPT2LMHeadModel, gpt2, "transformer.h"), "llama": (LlamaForCausalLM, llama, "model.layers")}
+    gpt2 = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=256,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    llama = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return {
+        "gpt2": (GPT2LMHeadModel, gpt2, "transformer.h"),
+        "llama": (LlamaForCausalLM, llama, "model.layers"),
+    }
 
 
 class LossOf(torch.nn.Module):
@@ -84,7 +113,12 @@ def test_pack_first_use_order_and_alignment():
     params = [("a", 100), ("b", 300), ("c", 64), ("d", 500), ("e", 1)]
     layout = pack(params, 512)
     assert [(s.fqn, s.chunk, s.offset) for s in layout.slots] == [
-        ("a", 0, 0), ("b", 0, 128), ("c", 0, 448), ("d", 1, 0), ("e", 2, 0)]
+        ("a", 0, 0),
+        ("b", 0, 128),
+        ("c", 0, 448),
+        ("d", 1, 0),
+        ("e", 2, 0),
+    ]
     assert all(s.offset % ALIGN_BYTES == 0 for s in layout.slots)
     assert layout.n_chunks == 3 and layout.waste_bytes == 3 * 512 - 965
     with pytest.raises(OptionsError, match="smallest chunk_size that works is 512 B"):

@@ -1,5 +1,6 @@
-"""Chunk-based model states: resident and offloaded chunks, in-graph gather/prefetch/release, the CPU
-optimizer, and the training features around it, all against eager PyTorch on the CPU."""
+"""Chunk-based model states: resident and offloaded chunks, in-graph gather/prefetch/release, the
+CPU optimizer, and the training features around it, all against eager PyTorch on the CPU."""
+
 import copy
 import io
 import math
@@ -11,9 +12,9 @@ from hypothesis import strategies as st
 from models import build
 
 import protrain_fx
-from protrain_fx.runtime import chunk_store, hybrid_optim
+from protrain_fx.errors import OptionsError
 from protrain_fx.machine import cpu_adam
-from protrain_fx.errors import OptionsError, ProtrainError
+from protrain_fx.runtime import chunk_store, hybrid_optim
 from protrain_fx.testing import compare_with_eager, make_adamw, random_batches, train_steps
 
 LOSS_REL, PARAM_ABS = 1e-5, 1e-3
@@ -26,8 +27,18 @@ def gpt(**kw):
 
 def llama(**kw):
     torch.manual_seed(0)
-    return build("llama", **{"n_layer": 2, "dim": 32, "n_head": 2, "n_kv_head": 1, "ffn_dim": 64,
-                             "max_seq_len": 32, **kw})
+    return build(
+        "llama",
+        **{
+            "n_layer": 2,
+            "dim": 32,
+            "n_head": 2,
+            "n_kv_head": 1,
+            "ffn_dim": 64,
+            "max_seq_len": 32,
+            **kw,
+        },
+    )
 
 
 def store_of_model(model) -> chunk_store.ChunkStore:
@@ -43,43 +54,69 @@ def assert_parity(r):
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 @pytest.mark.parametrize("n_persist", [0, 2])
 def test_offloaded_chunks_match_eager(compiler, n_persist):
-    r = compare_with_eager(gpt(), random_batches(4, 2, 16), {"compiler": compiler, "n_persist": n_persist,
-                                                              "chunk_size": "40KB"}, give_optimizer=True)
+    r = compare_with_eager(
+        gpt(),
+        random_batches(4, 2, 16),
+        {"compiler": compiler, "n_persist": n_persist, "chunk_size": "40KB"},
+        give_optimizer=True,
+    )
     assert_parity(r)
     plan = r.plan.to_dict()
     assert plan["n_persist"] == n_persist
-    assert [c["placement"] for c in plan["chunks"]] == ["device"] * n_persist + ["host"] * (len(plan["chunks"]) - n_persist)
+    assert [c["placement"] for c in plan["chunks"]] == ["device"] * n_persist + ["host"] * (
+        len(plan["chunks"]) - n_persist
+    )
     store = store_of_model(r.model)
     assert store.stats["unprefetched_gathers"] == 0  # every gather found its chunk prefetched
     assert store.stats["slot_hits"] > 0  # backward reused chunks forward left in the buffers
-    # offloaded parameters are views of their host master copy (and their gradients of the accumulator)
+    # offloaded parameters are views of their host master copy (and their gradients of the
+    # accumulator)
     last = store.params[-1]
     e = store.entry(last)
     master = store.master[e.chunk]
-    assert last.data_ptr() == master.data_ptr() + e.offset * 4 and last.shape == r.ref.ln_f.bias.shape
+    assert (
+        last.data_ptr() == master.data_ptr() + e.offset * 4 and last.shape == r.ref.ln_f.bias.shape
+    )
     assert torch.equal(last.detach(), r.ref.ln_f.bias.detach()) or r.max_param_abs <= PARAM_ABS
     timers = hybrid_optim.handle_of(r.opt).timers
     assert timers.in_backward_steps > 0  # steps 2.. overlapped backward
     assert timers.undone_steps == 0  # ... and opt.step() committed them
-    assert timers.whole_chunk_steps == timers.in_backward_steps + timers.deferred_steps  # one group: flat steps
-    # on a CPU compute device protrain steps like the user's optimizer (torch's default: the for-loop), not
-    # with its one-pass kernel (the CUDA path), so that rounding matches eager's
+    # one group: flat steps
+    assert timers.whole_chunk_steps == timers.in_backward_steps + timers.deferred_steps
+    # on a CPU compute device protrain steps like the user's optimizer (torch's default: the
+    # for-loop), not with its one-pass kernel (the CUDA path), so that rounding matches eager's
     assert timers.one_pass_steps == 0
 
 
-# Any n_buffer works: gathers copy their chunk out of the buffer, so two chunks in use at once (a Linear whose
-# weight and bias sit in different chunks, or the tied embedding used at both ends) need no second buffer.
-@settings(max_examples=14, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["gpt", "llama"]), persist=st.sampled_from(["none", "some", "all"]),
-       n_buffer=st.integers(1, 3), chunk_kb=st.integers(33, 90))
+# Any n_buffer works: gathers copy their chunk out of the buffer, so two chunks in use at once (a
+# Linear whose weight and bias sit in different chunks, or the tied embedding used at both ends)
+# need no second buffer.
+@settings(
+    max_examples=14,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    kind=st.sampled_from(["gpt", "llama"]),
+    persist=st.sampled_from(["none", "some", "all"]),
+    n_buffer=st.integers(1, 3),
+    chunk_kb=st.integers(33, 90),
+)
 def test_knob_combinations_match_eager(kind, persist, n_buffer, chunk_kb):
     torch._dynamo.reset()
     model = gpt() if kind == "gpt" else llama()
     n_chunks = protrain_fx.plan.layout.pack(
-        [(n, p.numel() * 4) for n, p in model.named_parameters()], chunk_kb * 1000).n_chunks
+        [(n, p.numel() * 4) for n, p in model.named_parameters()], chunk_kb * 1000
+    ).n_chunks
     n_persist = {"none": 0, "some": max(1, n_chunks // 2), "all": n_chunks}[persist]
-    options = {"compiler": "eager", "n_persist": n_persist, "n_buffer": n_buffer, "chunk_size": chunk_kb * 1000}
+    options = {
+        "compiler": "eager",
+        "n_persist": n_persist,
+        "n_buffer": n_buffer,
+        "chunk_size": chunk_kb * 1000,
+    }
     data = random_batches(3, 2, 12)
     r = compare_with_eager(model, data, options, give_optimizer=True)
     assert_parity(r)
@@ -87,17 +124,26 @@ def test_knob_combinations_match_eager(kind, persist, n_buffer, chunk_kb):
 
 def test_two_param_groups_lr_scheduler_and_tied_embeddings():
     def schedule(opt):
-        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)  # changes lr every step
+        # changes lr every step
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
 
     model = gpt()
     assert model.head.weight is model.wte.weight
-    r = compare_with_eager(model, random_batches(5, 2, 16), {"compiler": "eager", "n_persist": 0},
-                           give_optimizer=True, groups="decay_split", scheduler=schedule, lr=3e-3)
+    r = compare_with_eager(
+        model,
+        random_batches(5, 2, 16),
+        {"compiler": "eager", "n_persist": 0},
+        give_optimizer=True,
+        groups="decay_split",
+        scheduler=schedule,
+        lr=3e-3,
+    )
     assert_parity(r)
     assert [g["lr"] for g in r.opt.param_groups] == [g["lr"] for g in r.ref_opt.param_groups]
     assert math.isclose(r.opt.param_groups[0]["lr"], 3e-3 * 0.5**5)
     t = hybrid_optim.handle_of(r.opt).timers
-    assert t.whole_chunk_steps < t.in_backward_steps + t.deferred_steps  # chunks that mix groups: per-group steps
+    # chunks that mix groups: per-group steps
+    assert t.whole_chunk_steps < t.in_backward_steps + t.deferred_steps
     # the tied weight is one parameter, stored once, in an offloaded chunk
     sd = r.model.state_dict()
     assert torch.equal(sd["wte.weight"], sd["head.weight"])
@@ -111,44 +157,63 @@ def test_gradient_accumulation(declared):
     opt, ref_opt = make_adamw(mine), make_adamw(ref)
     if declared:
         protrain_fx.set_grad_accumulation(opt, 4)
-    compiled = torch.compile(mine, backend="protrain", options={"compiler": "eager", "n_persist": 1,
-                                                                 "optimizer": opt, "chunk_size": "40KB"})
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options={"compiler": "eager", "n_persist": 1, "optimizer": opt, "chunk_size": "40KB"},
+    )
     data = random_batches(12, 2, 8)
     ref_losses = train_steps(ref, ref, data, opt=ref_opt, micro_steps=4)
     losses = train_steps(mine, compiled, data, opt=opt, micro_steps=4)
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= LOSS_REL
-    assert max((mine.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= PARAM_ABS
+    assert (
+        max((mine.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        <= PARAM_ABS
+    )
     timers = hybrid_optim.handle_of(opt).timers
     n_offloaded = len(store_of_model(mine).offloaded_chunks)
-    # declared: all 3 steps overlap backward; learned: the first step is deferred, steps 2 and 3 overlap
+    # declared: all 3 steps overlap backward; learned: the first step is deferred, steps 2 and 3
+    # overlap
     assert timers.in_backward_steps == (3 if declared else 2) * n_offloaded
     assert timers.deferred_steps == (0 if declared else 1) * n_offloaded
 
 
 def test_more_micro_steps_than_learned_stays_exact():
-    """protrain learns one backward per step, steps chunks inside the next backward, then sees a second
-    backward before opt.step(): the provisional steps are taken back, the gradients add up, and opt.step()
-    steps once with their sum, as eager does."""
+    """protrain learns one backward per step, steps chunks inside the next backward, then sees a
+    second backward before opt.step(): the provisional steps are taken back, the gradients add up,
+    and opt.step() steps once with their sum, as eager does."""
     model = llama()
     mine, ref = copy.deepcopy(model), copy.deepcopy(model)
     opt, ref_opt = make_adamw(mine, lr=1e-2), make_adamw(ref, lr=1e-2)
-    compiled = torch.compile(mine, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt})
+    compiled = torch.compile(
+        mine, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt}
+    )
     data = random_batches(6, 2, 8)
     for m, o in ((compiled, opt), (ref, ref_opt)):
-        train_steps(mine if o is opt else ref, m, data[:2], opt=o, micro_steps=1)  # learns 1 backward per step
+        # learns 1 backward per step
+        train_steps(mine if o is opt else ref, m, data[:2], opt=o, micro_steps=1)
         m(*data[2]).backward()
         m(*data[3]).backward()  # one more than learned
         o.step()
         o.zero_grad()
         train_steps(mine if o is opt else ref, m, data[4:], opt=o, micro_steps=1)
-    assert max((mine.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= PARAM_ABS
+    assert (
+        max((mine.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        <= PARAM_ABS
+    )
     t = hybrid_optim.handle_of(opt).timers
     assert t.undone_steps > 0 and t.in_backward_steps > 0
 
 
 def test_gradient_clipping_includes_host_gradients():
-    r = compare_with_eager(gpt(), random_batches(4, 2, 16), {"compiler": "eager", "n_persist": 1},
-                           give_optimizer=True, clip=0.05, lr=3e-3)
+    r = compare_with_eager(
+        gpt(),
+        random_batches(4, 2, 16),
+        {"compiler": "eager", "n_persist": 1},
+        give_optimizer=True,
+        clip=0.05,
+        lr=3e-3,
+    )
     assert_parity(r)
     # clipping must have been active: the unclipped norm is larger than 0.05
     h = hybrid_optim.handle_of(r.opt)
@@ -159,7 +224,9 @@ def test_clip_total_norm_matches_eager():
     model = gpt()
     mine, ref = copy.deepcopy(model), copy.deepcopy(model)
     opt = make_adamw(mine)
-    compiled = torch.compile(mine, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt})
+    compiled = torch.compile(
+        mine, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt}
+    )
     x, y = random_batches(1, 2, 16)[0]
     compiled(x, y).backward()
     ref(x, y).backward()
@@ -169,23 +236,29 @@ def test_clip_total_norm_matches_eager():
 
 
 def test_state_dicts_round_trip_and_resume():
-    """Save after 3 steps, keep training 3 more; a fresh model+optimizer loaded from the save must give
-    the same 3 losses."""
+    """Save after 3 steps, keep training 3 more; a fresh model+optimizer loaded from the save must
+    give the same 3 losses."""
     data = random_batches(6, 2, 16)
     model = gpt()
     opt = make_adamw(model)
-    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt})
+    compiled = torch.compile(
+        model, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt}
+    )
     train_steps(model, compiled, data[:3], opt=opt)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     cont = train_steps(model, compiled, data[3:], opt=opt)
 
-    def load():  # a fresh copy each time: torch's optimizer loader may alias the tensors it is given
+    # a fresh copy each time: torch's optimizer loader may alias the tensors it is given
+    def load():
         return torch.load(io.BytesIO(buf.getvalue()))
 
     ckpt = load()
     assert set(ckpt["model"]) == set(gpt().state_dict())  # plain keys, plain tensors
-    assert all(isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() > 0 for v in ckpt["model"].values())
+    assert all(
+        isinstance(v, torch.Tensor) and v.untyped_storage().nbytes() > 0
+        for v in ckpt["model"].values()
+    )
     plain = gpt()
     plain.load_state_dict(ckpt["model"])
     plain_opt = make_adamw(plain)
@@ -197,8 +270,11 @@ def test_state_dicts_round_trip_and_resume():
     ckpt = load()
     fresh.load_state_dict(ckpt["model"])
     fresh_opt.load_state_dict(ckpt["opt"])
-    fresh_c = torch.compile(fresh, backend="protrain", options={"compiler": "eager", "n_persist": 1,
-                                                                 "optimizer": fresh_opt})
+    fresh_c = torch.compile(
+        fresh,
+        backend="protrain",
+        options={"compiler": "eager", "n_persist": 1, "optimizer": fresh_opt},
+    )
     resumed = train_steps(fresh, fresh_c, data[3:], opt=fresh_opt)
     assert resumed == pytest.approx(cont, rel=1e-6)
     eager_cont = train_steps(plain, plain, data[3:], opt=plain_opt)
@@ -214,26 +290,45 @@ def test_state_dicts_round_trip_and_resume():
 def test_inference_and_new_shapes_share_the_store():
     model = gpt()
     opt = make_adamw(model)
-    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt})
+    compiled = torch.compile(
+        model, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt}
+    )
     ref = gpt()
     ref_opt = make_adamw(ref)
     data = random_batches(2, 2, 16) + random_batches(2, 2, 24, seed=1)
-    assert train_steps(model, compiled, data, opt=opt) == pytest.approx(train_steps(ref, ref, data, opt=ref_opt), rel=LOSS_REL)
+    assert train_steps(model, compiled, data, opt=opt) == pytest.approx(
+        train_steps(ref, ref, data, opt=ref_opt), rel=LOSS_REL
+    )
     x = data[0][0]
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
-    assert len({id(s) for s in chunk_store._STORES.values() if s.params[0] is not None and s.params[0] in
-                set(model.parameters())}) == 1
+    assert (
+        len(
+            {
+                id(s)
+                for s in chunk_store._STORES.values()
+                if s.params[0] is not None and s.params[0] in set(model.parameters())
+            }
+        )
+        == 1
+    )
 
 
 def test_bf16_transfer_copies():
-    """Under bf16 autocast offloaded chunks travel as bf16 (like FSDP2's param_dtype); the tolerance is
-    the bf16 one from test_parity.py."""
-    r = compare_with_eager(gpt(), random_batches(3, 2, 16), {"compiler": "eager", "n_persist": 1},
-                           give_optimizer=True, autocast_dtype=torch.bfloat16, fused=True)
+    """Under bf16 autocast offloaded chunks travel as bf16 (like FSDP2's param_dtype); the tolerance
+    is the bf16 one from test_parity.py."""
+    r = compare_with_eager(
+        gpt(),
+        random_batches(3, 2, 16),
+        {"compiler": "eager", "n_persist": 1},
+        give_optimizer=True,
+        autocast_dtype=torch.bfloat16,
+        fused=True,
+    )
     store = store_of_model(r.model)
     assert store.param_dtype == torch.bfloat16
-    if cpu_adam.available():  # with fused=True the one-pass kernel steps them and writes the bf16 copies
+    # with fused=True the one-pass kernel steps them and writes the bf16 copies
+    if cpu_adam.available():
         assert hybrid_optim.handle_of(r.opt).timers.one_pass_steps > 0
     for c in store.offloaded_chunks:
         assert torch.equal(store.transfer[c], store.master[c].to(torch.bfloat16))
@@ -242,8 +337,8 @@ def test_bf16_transfer_copies():
 
 
 def test_host_init_and_memory_budget():
-    """A model built with host_init never had device values; with a budget the automatic plan places it
-    (the profiling step runs on the host values and leaves them unchanged)."""
+    """A model built with host_init never had device values; with a budget the automatic plan places
+    it (the profiling step runs on the host values and leaves them unchanged)."""
     ref = gpt()
     with protrain_fx.host_init("cpu"):
         torch.manual_seed(0)
@@ -253,10 +348,20 @@ def test_host_init_and_memory_budget():
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
     opt, ref_opt = make_adamw(model), make_adamw(ref)
     total = sum(p.numel() * 4 for p in model.parameters())
-    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "optimizer": opt,
-                                                                  "memory_budget": 5 * total, "chunk_size": "40KB"})
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={
+            "compiler": "eager",
+            "optimizer": opt,
+            "memory_budget": 5 * total,
+            "chunk_size": "40KB",
+        },
+    )
     data = random_batches(3, 2, 16)
-    assert train_steps(model, compiled, data, opt=opt) == pytest.approx(train_steps(ref, ref, data, opt=ref_opt), rel=LOSS_REL)
+    assert train_steps(model, compiled, data, opt=opt) == pytest.approx(
+        train_steps(ref, ref, data, opt=ref_opt), rel=LOSS_REL
+    )
     plan = protrain_fx.get_plan(compiled)
     assert plan.predicted["peak_bytes"] <= 5 * total  # the automatic plan fits the budget
 
@@ -264,20 +369,25 @@ def test_host_init_and_memory_budget():
 def test_budget_too_small_names_the_minimum():
     model = gpt()
     opt = make_adamw(model)
-    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "optimizer": opt,
-                                                                  "memory_budget": 1})
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": opt, "memory_budget": 1},
+    )
     with pytest.raises(Exception, match=r"the smallest budget that would work is \d+ bytes"):
         compiled(*random_batches(1, 2, 16)[0])
 
 
 def test_offloading_without_the_optimizer_is_exact():
-    """With an optimizer protrain cannot run (SGD) and none given, the user's optimizer steps offloaded
-    parameters itself, through their device views of host memory (exact; slow on a GPU, and the plan says
-    so); SGD given by name is refused."""
+    """With an optimizer protrain cannot run (SGD) and none given, the user's optimizer steps
+    offloaded parameters itself, through their device views of host memory (exact; slow on a GPU,
+    and the plan says so); SGD given by name is refused."""
     base = gpt()
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     ref_opt, opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, mine))
-    compiled = torch.compile(mine, backend="protrain", options={"compiler": "eager", "n_persist": 0})
+    compiled = torch.compile(
+        mine, backend="protrain", options={"compiler": "eager", "n_persist": 0}
+    )
     data = random_batches(3, 2, 16)
     ref_losses = train_steps(ref, ref, data, opt=ref_opt)
     losses = train_steps(mine, compiled, data, opt=opt)
@@ -297,8 +407,11 @@ def test_offloading_without_the_optimizer_is_exact():
 def test_dumps_show_chunk_ops(tmp_path):
     model = gpt()
     opt = make_adamw(model)
-    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "n_persist": 1,
-                                                                 "optimizer": opt, "dump_dir": str(tmp_path)})
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "n_persist": 1, "optimizer": opt, "dump_dir": str(tmp_path)},
+    )
     train_steps(model, compiled, random_batches(1, 2, 8), opt=opt)
     (folder,) = tmp_path.iterdir()
     fw, bw = (folder / "fw.py").read_text(), (folder / "bw.py").read_text()
@@ -308,13 +421,20 @@ def test_dumps_show_chunk_ops(tmp_path):
 
 
 def test_state_read_right_after_a_step_is_current():
-    """Offloaded chunks step inside backward on the host worker; once backward and opt.step() return,
-    model.state_dict() (views of the masters) holds the stepped values."""
+    """Offloaded chunks step inside backward on the host worker; once backward and opt.step()
+    return, model.state_dict() (views of the masters) holds the stepped values."""
     torch.manual_seed(0)
     model = gpt()
     ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "n_persist": 0,
-                                                                 "optimizer": (opt := make_adamw(model, lr=1e-2))})
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={
+            "compiler": "eager",
+            "n_persist": 0,
+            "optimizer": (opt := make_adamw(model, lr=1e-2)),
+        },
+    )
     ref_opt = make_adamw(ref, lr=1e-2)
     for x, y in random_batches(3, 2, 16):
         for m, o in ((compiled, opt), (ref, ref_opt)):
@@ -324,47 +444,68 @@ def test_state_read_right_after_a_step_is_current():
         h = hybrid_optim.handle_of(opt)
         sd, ref_sd = model.state_dict(), ref.state_dict()  # right after the step
         for k in ref_sd:
-            torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-4)  # a missed step: ~lr = 1e-2
+            # a missed step: ~lr = 1e-2
+            torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-4, atol=1e-4)
     assert h.timers.in_backward_steps >= 1
 
 
 def _store_inputs(n_params=6, numel=1024):
-    """Parameters as host_init leaves them (shells) with their values on the host, packed two per chunk."""
+    """Parameters as host_init leaves them (shells) with their values on the host, packed two per
+    chunk."""
     torch.manual_seed(0)
     values = [torch.randn(numel) for _ in range(n_params)]
-    params = [(f"w{i}", torch.nn.Parameter(chunk_store.device_shell((numel,), torch.float32, torch.device("cpu"))))
-              for i in range(n_params)]
+    params = [
+        (
+            f"w{i}",
+            torch.nn.Parameter(
+                chunk_store.device_shell((numel,), torch.float32, torch.device("cpu"))
+            ),
+        )
+        for i in range(n_params)
+    ]
     layout = protrain_fx.plan.layout.pack([(f, numel * 4) for f, _ in params], 2 * numel * 4)
     return values, params, layout
 
 
 def test_store_frees_each_host_value_once_its_chunk_holds_it(monkeypatch):
-    """Building a store from host values (host_init, a dissolved profiling store) never holds them all next
-    to all of its chunks: each value is released before the next chunk is allocated."""
+    """Building a store from host values (host_init, a dissolved profiling store) never holds them
+    all next to all of its chunks: each value is released before the next chunk is allocated."""
     import weakref
 
     values, params, layout = _store_inputs()
     events = []
     real = chunk_store.pinned.host_empty
-    monkeypatch.setattr(chunk_store.pinned, "host_empty",
-                        lambda n, dtype, pin: events.append("alloc") or real(n, dtype, pin))
+    monkeypatch.setattr(
+        chunk_store.pinned,
+        "host_empty",
+        lambda n, dtype, pin: events.append("alloc") or real(n, dtype, pin),
+    )
     host_values = {}
     for (fqn, p), v in zip(params, values):
         host_values[id(p)] = v.clone()
         weakref.finalize(host_values[id(p)], events.append, f"freed {fqn}")
     store = chunk_store.ChunkStore(params, layout, 1, torch.float32, host_values)
     assert host_values == {}  # every value taken over
-    # chunk 0 resident (its values moved to the "device"), chunks 1 and 2 offloaded: values of chunk 1 are
-    # freed before chunk 2's master is allocated
-    assert events == ["freed w0", "freed w1", "alloc", "freed w2", "freed w3", "alloc", "freed w4", "freed w5"]
+    # chunk 0 resident (its values moved to the "device"), chunks 1 and 2 offloaded: values of chunk
+    # 1 are freed before chunk 2's master is allocated
+    assert events == [
+        "freed w0",
+        "freed w1",
+        "alloc",
+        "freed w2",
+        "freed w3",
+        "alloc",
+        "freed w4",
+        "freed w5",
+    ]
     for (fqn, p), v in zip(params, values):
         assert torch.equal(protrain_fx.runtime.param_values.value_of(p), v)
     assert store.n_persist == 1
 
 
 def test_a_store_failing_half_built_gives_the_values_back(monkeypatch):
-    """Out of host memory in the middle of building the store: the parameters keep their values (the chunks
-    already built hand theirs back), and nothing is registered."""
+    """Out of host memory in the middle of building the store: the parameters keep their values (the
+    chunks already built hand theirs back), and nothing is registered."""
     values, params, layout = _store_inputs()
     real, calls = chunk_store.pinned.host_empty, []
 

@@ -1,4 +1,6 @@
-"""A user's Inductor joint_custom_pre_pass and post_grad_custom_post_pass still run under backend="protrain"."""
+"""A user's Inductor joint_custom_pre_pass and post_grad_custom_post_pass still run under
+backend="protrain"."""
+
 import torch
 from models import build
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -7,8 +9,9 @@ from protrain_fx.testing import compare_with_eager, random_batches
 
 
 class Probe(CustomGraphPass):
-    """Records the graphs it sees; the post-grad probe also rewrites the graph (x * 1.0 is inserted after
-    every mm, which must change nothing numerically but shows the user's rewrite reached Inductor)."""
+    """Records the graphs it sees; the post-grad probe also rewrites the graph (x * 1.0 is inserted
+    after every mm, which must change nothing numerically but shows the user's rewrite reached
+    Inductor)."""
 
     def __init__(self, tag, calls):
         self.tag, self.calls = tag, calls
@@ -40,5 +43,6 @@ def test_user_inductor_passes_run_and_training_stays_correct():
         r = compare_with_eager(model, random_batches(3, 2, 8), {})
     tags = [(t, saw_tangents) for t, saw_tangents, _ in calls]
     assert ("joint", True) in tags  # the joint graph (it has tangents)
-    assert ("post_grad", False) in tags and ("post_grad", True) in tags  # forward and backward graphs
+    # forward and backward graphs
+    assert ("post_grad", False) in tags and ("post_grad", True) in tags
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-3

@@ -1,14 +1,20 @@
-"""protrain_fx.machine.cpu_adam: the one-pass CPU AdamW (+ bf16 transfer copy) against torch's fused CPU Adam."""
+"""protrain_fx.machine.cpu_adam: the one-pass CPU AdamW (+ bf16 transfer copy) against torch's
+fused CPU Adam."""
+
 import pytest
 import torch
 from torch.optim.adam import adam
 
 from protrain_fx.machine import cpu_adam
 
-pytestmark = pytest.mark.skipif(not cpu_adam.available(), reason=f"kernel not built: {cpu_adam.build_error()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_adam.available(), reason=f"kernel not built: {cpu_adam.build_error()}"
+)
 
 
-@pytest.mark.parametrize("decoupled,wd,maximize", [(True, 0.1, False), (False, 0.05, False), (True, 0.0, True)])
+@pytest.mark.parametrize(
+    "decoupled,wd,maximize", [(True, 0.1, False), (False, 0.05, False), (True, 0.0, True)]
+)
 def test_matches_torch_fused_adam_over_steps(decoupled, wd, maximize):
     torch.manual_seed(0)
     n = 100_003  # not a multiple of any vector width
@@ -20,14 +26,44 @@ def test_matches_torch_fused_adam_over_steps(decoupled, wd, maximize):
     for k in range(1, 7):
         g = torch.randn(n) * 10.0 ** (-k)
         lr = 1e-3 / k  # a schedule: hyperparameters are read per call
-        adam([p_ref], [g], [m_ref], [v_ref], [], [step_ref], foreach=False, fused=True, decoupled_weight_decay=decoupled,
-             amsgrad=False, beta1=0.9, beta2=0.95, lr=lr, weight_decay=wd, eps=1e-8, maximize=maximize)
-        cpu_adam.adam_step(p, g, m, v, out, float(k), lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=wd,
-                           decoupled=decoupled, maximize=maximize)
-        assert torch.equal(out, p.to(torch.bfloat16))  # the transfer copy is exactly Tensor.to's rounding
+        adam(
+            [p_ref],
+            [g],
+            [m_ref],
+            [v_ref],
+            [],
+            [step_ref],
+            foreach=False,
+            fused=True,
+            decoupled_weight_decay=decoupled,
+            amsgrad=False,
+            beta1=0.9,
+            beta2=0.95,
+            lr=lr,
+            weight_decay=wd,
+            eps=1e-8,
+            maximize=maximize,
+        )
+        cpu_adam.adam_step(
+            p,
+            g,
+            m,
+            v,
+            out,
+            float(k),
+            lr=lr,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=wd,
+            decoupled=decoupled,
+            maximize=maximize,
+        )
+        # the transfer copy is exactly Tensor.to's rounding
+        assert torch.equal(out, p.to(torch.bfloat16))
     assert float(step_ref) == 6.0
-    # same operations in the same order as torch; a last-bit difference from vectorized vs scalar fma
-    # contraction is allowed
+    # same operations in the same order as torch; a last-bit difference from vectorized vs scalar
+    # fma contraction is allowed
     torch.testing.assert_close(p, p_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(m, m_ref, rtol=1e-5, atol=1e-8)
     torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-12)
@@ -35,14 +71,37 @@ def test_matches_torch_fused_adam_over_steps(decoupled, wd, maximize):
 
 
 def test_bf16_copy_rounds_like_torch_including_specials():
-    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -0.0, 1.00390625, 1.01171875, 3e-40,
-                      -2.5e-3, 65504.0])
+    x = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            3.4e38,
+            -0.0,
+            1.00390625,
+            1.01171875,
+            3e-40,
+            -2.5e-3,
+            65504.0,
+        ]
+    )
     n = x.numel()
     out = torch.empty(n, dtype=torch.bfloat16)
     zeros = [torch.zeros(n) for _ in range(3)]
     # lr 0 and no decay: the parameter is unchanged and only copied
-    cpu_adam.adam_step(x, *zeros, out, 1.0, lr=0.0, beta1=0.9, beta2=0.95, eps=1.0, weight_decay=0.0,
-                       decoupled=True, maximize=False)
+    cpu_adam.adam_step(
+        x,
+        *zeros,
+        out,
+        1.0,
+        lr=0.0,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1.0,
+        weight_decay=0.0,
+        decoupled=True,
+        maximize=False,
+    )
     ref = x.to(torch.bfloat16)
     assert torch.isnan(out[0])
     assert torch.equal(out[1:].view(torch.int16), ref[1:].view(torch.int16))
@@ -52,12 +111,51 @@ def test_without_copy_and_bad_inputs():
     n = 1000
     p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     p0 = p.clone()
-    cpu_adam.adam_step(p, g, m, v, None, 1.0, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                       decoupled=True, maximize=False)
+    cpu_adam.adam_step(
+        p,
+        g,
+        m,
+        v,
+        None,
+        1.0,
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled=True,
+        maximize=False,
+    )
     assert not torch.equal(p, p0)
     with pytest.raises(ValueError):
-        cpu_adam.adam_step(p[::2], g[::2], m[::2], v[::2], None, 1.0, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                           weight_decay=0.0, decoupled=True, maximize=False)
+        cpu_adam.adam_step(
+            p[::2],
+            g[::2],
+            m[::2],
+            v[::2],
+            None,
+            1.0,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            decoupled=True,
+            maximize=False,
+        )
     with pytest.raises(ValueError):
-        cpu_adam.adam_step(p, g, m, v, torch.empty(n, dtype=torch.float16), 1.0, lr=1e-2, beta1=0.9, beta2=0.999,
-                           eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False)
+        cpu_adam.adam_step(
+            p,
+            g,
+            m,
+            v,
+            torch.empty(n, dtype=torch.float16),
+            1.0,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            decoupled=True,
+            maximize=False,
+        )

@@ -1,6 +1,7 @@
-"""Data-parallel protrain with gloo and two processes: the same global batch split over the ranks trains
-like single-process eager PyTorch on the whole batch (losses and parameters after several AdamW steps),
-with offloaded chunks sharded over the ranks and resident chunks replicated."""
+"""Data-parallel protrain with gloo and two processes: the same global batch split over the ranks
+trains like single-process eager PyTorch on the whole batch (losses and parameters after several
+AdamW steps), with offloaded chunks sharded over the ranks and resident chunks replicated."""
+
 import os
 import sys
 import tempfile
@@ -27,19 +28,26 @@ def model_of(kind: str):
     torch.manual_seed(0)
     if kind == "gpt":
         return build("gpt", n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-    return build("llama", n_layer=3, dim=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+    return build(
+        "llama", n_layer=3, dim=32, n_head=4, n_kv_head=2, ffn_dim=64, vocab_size=64, max_seq_len=16
+    )
 
 
-# (kind, options, clip, micro-batches per step) of the parity cases, all trained in one pair of processes
+# (kind, options, clip, micro-batches per step) of the parity cases, all trained in one pair of
+# processes
 CASES = [
-    ("gpt", {"compiler": "eager", "n_persist": 2}, None, 1),  # chunks 0-1 replicated, the rest sharded
+    # chunks 0-1 replicated, the rest sharded
+    ("gpt", {"compiler": "eager", "n_persist": 2}, None, 1),
     ("llama", {"compiler": "eager", "n_persist": 0, "n_checkpoint": 2}, None, 1),
-    ("gpt", {"compiler": "eager", "n_persist": 1, "n_swap": 1}, 1.0, 1),  # clipping: the norm spans the ranks
-    ("gpt", {"compiler": "eager", "n_persist": 2}, None, 2),  # two micro-batches per step on each rank
-    # Inductor: resident gradients averaged in place while the graph goes on (its buffers must stay theirs)
+    # clipping: the norm spans the ranks
+    ("gpt", {"compiler": "eager", "n_persist": 1, "n_swap": 1}, 1.0, 1),
+    # two micro-batches per step on each rank
+    ("gpt", {"compiler": "eager", "n_persist": 2}, None, 2),
+    # Inductor: resident gradients averaged in place while the graph goes on (its buffers must stay
+    # theirs)
     ("gpt", {"compiler": "inductor", "n_persist": 3}, None, 2),
-    # the automatic plan on both ranks, under 3x the fp32 parameter bytes (40,736 parameters): some chunks
-    # must be offloaded
+    # the automatic plan on both ranks, under 3x the fp32 parameter bytes (40,736 parameters): some
+    # chunks must be offloaded
     ("gpt", {"compiler": "eager", "memory_budget": 3 * 4 * 40_736}, None, 1),
 ]
 
@@ -53,7 +61,10 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
     try:
         for case, (kind, options, clip, micro) in enumerate(CASES):
             torch._dynamo.reset()
-            torch.save(_train_case(rank, kind, options, clip, micro), os.path.join(out_dir, f"case{case}_rank{rank}.pt"))
+            torch.save(
+                _train_case(rank, kind, options, clip, micro),
+                os.path.join(out_dir, f"case{case}_rank{rank}.pt"),
+            )
     finally:
         dist.destroy_process_group()
 
@@ -71,7 +82,8 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
     losses = []
     for x, y in batches(kind):
         rows = slice(rank * 2, rank * 2 + 2)
-        xs, ys = x[rows].chunk(micro), y[rows].chunk(micro)  # gradient accumulation over micro-batches
+        # gradient accumulation over micro-batches
+        xs, ys = x[rows].chunk(micro), y[rows].chunk(micro)
         loss = 0
         for xm, ym in zip(xs, ys):
             part = compiled(xm, ym) / micro
@@ -89,20 +101,37 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
     plan = protrain_fx.get_plan(compiled)
     store = chunk_store.store_of(next(model.parameters()))
     off = store.offloaded_chunks
-    return {"losses": losses, "state": sd, "opt_state": osd["state"], "n_persist": plan.n_persist,
-            "n_chunks": len(plan.chunks), "world": store.world.size,
-            "host_share": [store.host_numel(c) / store.chunk_numel(c) for c in off], "offloaded": len(off),
-            "resident_all_reduces": store.stats["resident_all_reduces"],
-            "predicted": {k: v for k, v in (plan.predicted or {}).items() if k not in ("timeline", "profiled")}}
+    return {
+        "losses": losses,
+        "state": sd,
+        "opt_state": osd["state"],
+        "n_persist": plan.n_persist,
+        "n_chunks": len(plan.chunks),
+        "world": store.world.size,
+        "host_share": [store.host_numel(c) / store.chunk_numel(c) for c in off],
+        "offloaded": len(off),
+        "resident_all_reduces": store.stats["resident_all_reduces"],
+        "predicted": {
+            k: v for k, v in (plan.predicted or {}).items() if k not in ("timeline", "profiled")
+        },
+    }
 
 
 @pytest.fixture(scope="module")
 def trained():
     """Every case's per-rank results, from one pair of processes."""
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_rank_main, args=(os.path.join(d, "init"), d), nprocs=WORLD, join=True,
-                           start_method="spawn")
-        return [[torch.load(os.path.join(d, f"case{c}_rank{r}.pt")) for r in range(WORLD)] for c in range(len(CASES))]
+        mp.start_processes(
+            _rank_main,
+            args=(os.path.join(d, "init"), d),
+            nprocs=WORLD,
+            join=True,
+            start_method="spawn",
+        )
+        return [
+            [torch.load(os.path.join(d, f"case{c}_rank{r}.pt")) for r in range(WORLD)]
+            for c in range(len(CASES))
+        ]
 
 
 def eager_reference(kind: str, clip=None):
@@ -121,8 +150,13 @@ def test_two_ranks_train_like_eager_on_the_whole_batch(trained, case):
     ranks = trained[case]
     assert ranks[0]["n_persist"] == options["n_persist"] < ranks[0]["n_chunks"]
     for r in ranks:  # each rank holds half of every offloaded chunk on the host
-        assert r["world"] == WORLD and r["offloaded"] >= 1 and r["host_share"] == [0.5] * r["offloaded"]
-        # resident chunks' gradients were all-reduced from inside backward: one per chunk and backward pass
+        assert (
+            r["world"] == WORLD
+            and r["offloaded"] >= 1
+            and r["host_share"] == [0.5] * r["offloaded"]
+        )
+        # resident chunks' gradients were all-reduced from inside backward: one per chunk and
+        # backward pass
         assert r["resident_all_reduces"] == options["n_persist"] * STEPS * micro
     check_like_eager(ranks, kind, clip)
 
@@ -139,30 +173,56 @@ def check_like_eager(ranks, kind, clip=None):
         assert sorted(r["opt_state"]) == sorted(ref_opt)
         for idx, st in ref_opt.items():
             assert float(r["opt_state"][idx]["step"]) == float(st["step"])
-            torch.testing.assert_close(r["opt_state"][idx]["exp_avg"], st["exp_avg"], rtol=1e-3, atol=1e-6)
+            torch.testing.assert_close(
+                r["opt_state"][idx]["exp_avg"], st["exp_avg"], rtol=1e-3, atol=1e-6
+            )
     moved = max((ref_sd[k] - model_of(kind).state_dict()[k]).abs().max().item() for k in ref_sd)
     assert moved > 10 * PARAM_ABS  # the steps did move the parameters
 
 
 def test_two_ranks_share_one_automatic_plan(trained):
-    """The automatic plan profiles on both ranks (collectives included) and runs rank 0's choice on both."""
+    """The automatic plan profiles on both ranks (collectives included) and runs rank 0's choice
+    on both."""
     ranks = trained[-1]
     assert ranks[0]["n_persist"] == ranks[1]["n_persist"] < ranks[0]["n_chunks"]
-    for r in ranks:  # the collectives were measured and priced, and both ranks hold rank 0's prediction
+    # the collectives were measured and priced, and both ranks hold rank 0's prediction
+    for r in ranks:
         assert r["predicted"]["world_size"] == WORLD and r["predicted"]["collective_gb_s"] > 0
         assert r["predicted"] == ranks[0]["predicted"]
     check_like_eager(ranks, "gpt")
 
 
 def test_dp_bench_cpu_smoke(tmp_path):
-    """benchmarks/dp_bench.py (the 2-GPU benchmark) runs its two-rank protrain row under torchrun with gloo."""
+    """benchmarks/dp_bench.py (the 2-GPU benchmark) runs its two-rank protrain row under torchrun
+    with gloo."""
     import json
     import subprocess
 
     out = tmp_path / "dp"
-    subprocess.run([sys.executable, os.path.join(HERE, "..", "benchmarks", "dp_bench.py"), "--device", "cpu", "--tiny",
-                    "--gpus", "2", "--steps", "1", "--warmup", "1", "--batch", "2", "--systems", "protrain",
-                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "..", "benchmarks", "dp_bench.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--gpus",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--batch",
+            "2",
+            "--systems",
+            "protrain",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     rows = json.loads((tmp_path / "dp.json").read_text())["rows"]
     assert [(r["system"], r["gpus"]) for r in rows] == [("protrain", 2)]
     assert rows[0]["tokens_per_s"] > 0 and "error" not in rows[0]

@@ -1,5 +1,6 @@
 """Dumps: one folder per compiled graph with each stage's code, the plan and the node annotations;
 the same artifacts in torch's structured trace."""
+
 import csv
 import json
 import os
@@ -30,17 +31,35 @@ def test_dump_layout(tmp_path):
     graphs = sorted(os.listdir(tmp_path))
     assert len(graphs) == 2, graphs  # the training graph and the inference graph
     train_dir, infer_dir = (tmp_path / g for g in graphs)
-    assert sorted(os.listdir(train_dir)) == ["annotations.tsv", "bw.py", "dynamo.py", "fw.py", "joint.py", "passes",
-                                             "plan.json"]
-    assert sorted(os.listdir(infer_dir)) == ["annotations.tsv", "dynamo.py", "inference.py", "passes", "plan.json"]
+    assert sorted(os.listdir(train_dir)) == [
+        "annotations.tsv",
+        "bw.py",
+        "dynamo.py",
+        "fw.py",
+        "joint.py",
+        "passes",
+        "plan.json",
+    ]
+    assert sorted(os.listdir(infer_dir)) == [
+        "annotations.tsv",
+        "dynamo.py",
+        "inference.py",
+        "passes",
+        "plan.json",
+    ]
     from protrain_fx import pipeline
 
     # the graph after every pass of every stage, in order (protrain_fx/pipeline.py)
     assert sorted(os.listdir(train_dir / "passes")) == sorted(
-        f"{stage}_{i:02d}_{name}.py" for stage in pipeline.TRAINING_ORDER
-        for i, name in enumerate(pipeline.STAGES[stage]))
+        f"{stage}_{i:02d}_{name}.py"
+        for stage in pipeline.TRAINING_ORDER
+        for i, name in enumerate(pipeline.STAGES[stage])
+    )
     assert json.loads((train_dir / "plan.json").read_text()) == train_plan.to_dict()
-    assert json.loads((infer_dir / "plan.json").read_text()) == protrain_fx.get_plan(compiled).to_dict()
+    assert (
+        json.loads((infer_dir / "plan.json").read_text())
+        == protrain_fx.get_plan(compiled).to_dict()
+    )
     assert "def forward(self" in (train_dir / "dynamo.py").read_text()
     for name in ("joint.py", "fw.py", "bw.py"):
         code = (train_dir / name).read_text()
@@ -52,18 +71,30 @@ def test_dump_layout(tmp_path):
     assert tuple(rows[0].keys()) == TSV_COLUMNS
     stages = {r["stage"] for r in rows}
     assert stages == {"dynamo", "joint", "fw", "bw"}
-    fw_block_rows = [r for r in rows if r["stage"] == "fw" and r["op"] == "call_function" and r["block"]]
+    fw_block_rows = [
+        r for r in rows if r["stage"] == "fw" and r["op"] == "call_function" and r["block"]
+    ]
     assert {r["block"] for r in fw_block_rows} == {"blocks.0", "blocks.1"}
-    # phase is the node's autograd origin; the partitioner may compute a few backward-origin nodes that
-    # need only forward values in fw, and recompute forward nodes in bw
+    # phase is the node's autograd origin; the partitioner may compute a few backward-origin nodes
+    # that need only forward values in fw, and recompute forward nodes in bw
     fw_phases = [r["phase"] for r in rows if r["stage"] == "fw" and r["op"] == "call_function"]
-    assert set(fw_phases) <= {"forward", "backward"} and fw_phases.count("forward") > fw_phases.count("backward")
-    assert any(r["phase"] == "backward" and r["block"] == "blocks.1" for r in rows if r["stage"] == "bw")
+    assert set(fw_phases) <= {"forward", "backward"} and fw_phases.count(
+        "forward"
+    ) > fw_phases.count("backward")
+    assert any(
+        r["phase"] == "backward" and r["block"] == "blocks.1" for r in rows if r["stage"] == "bw"
+    )
     params = {r["param"]: r["chunk"] for r in rows if r["stage"] == "joint" and r["param"]}
-    assert params == {fqn: str(c) for fqn, c in train_plan.param_chunk.items() if fqn in params}  # no graph break: same names
+    # no graph break: same names
+    assert params == {fqn: str(c) for fqn, c in train_plan.param_chunk.items() if fqn in params}
     assert "wte.weight" in params and all(c != "" for c in params.values())
-    assert all(int(r["out_bytes"]) > 0 for r in rows if r["stage"] == "fw" and r["op"] == "call_function"
-               and r["target"] in ("mm.default", "addmm.default"))
+    assert all(
+        int(r["out_bytes"]) > 0
+        for r in rows
+        if r["stage"] == "fw"
+        and r["op"] == "call_function"
+        and r["target"] in ("mm.default", "addmm.default")
+    )
 
 
 def test_env_var_turns_dumps_on(tmp_path, monkeypatch):
@@ -82,14 +113,23 @@ def test_no_dump_dir_writes_nothing(tmp_path, monkeypatch):
 TRACE_SCRIPT = r"""
 import torch
 m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-torch.compile(m, backend="protrain", options={"compiler": "eager"})(torch.randn(2, 8)).sum().backward()
+torch.compile(m, backend="protrain", options={"compiler": "eager"})(torch.randn(2,
+8)).sum().backward()
 """
 
 
 def test_structured_trace_has_protrain_artifacts(tmp_path):
     env = dict(os.environ, TORCH_TRACE=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", TRACE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     text = "".join(p.read_text() for p in tmp_path.iterdir())
-    for name in ("protrain_plan", "protrain_dynamo", "protrain_joint", "protrain_fw", "protrain_bw"):
+    for name in (
+        "protrain_plan",
+        "protrain_dynamo",
+        "protrain_joint",
+        "protrain_fw",
+        "protrain_bw",
+    ):
         assert f'"name": "{name}"' in text, name

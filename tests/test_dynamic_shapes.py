@@ -1,6 +1,7 @@
-"""Shapes that vary (issue 26): sixteen sequence lengths and three batch sizes compile a few times, not once
-per shape, train exactly like eager at every shape with offloaded chunks, and a dynamic graph re-planned
-after an out-of-memory error stays dynamic."""
+"""Shapes that vary (issue 26): sixteen sequence lengths and three batch sizes compile a few times,
+not once per shape, train exactly like eager at every shape with offloaded chunks, and a dynamic
+graph re-planned after an out-of-memory error stays dynamic."""
+
 import copy
 
 import pytest
@@ -49,16 +50,19 @@ def train(call, opt, data):
     return losses
 
 
-@pytest.mark.parametrize("compiler", ["eager"])  # Inductor: 4 compiles of ~1 min each on 2 cores, outside CI
+# Inductor: 4 compiles of ~1 min each on 2 cores, outside CI
+@pytest.mark.parametrize("compiler", ["eager"])
 def test_sixteen_lengths_compile_a_few_times_and_match_eager(monkeypatch, compiler):
     base = gpt()
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     ref_opt, opt = make_adamw(ref), make_adamw(mine)
     compiles = count_compiles(monkeypatch)
     budget = 3 * sum(p.numel() * 4 for p in base.parameters())
-    compiled = torch.compile(mine, backend="protrain",
-                             options={"compiler": compiler, "optimizer": opt, "memory_budget": budget,
-                                      "n_persist": 0})
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options={"compiler": compiler, "optimizer": opt, "memory_budget": budget, "n_persist": 0},
+    )
     data = sweep_data()
     ref_losses, losses = train(ref, ref_opt, data), train(compiled, opt, data)
     assert len(compiles) <= 3, f"{len(compiles)} compiles for 16 shapes"
@@ -74,9 +78,11 @@ def test_a_dynamic_graph_replanned_after_an_oom_stays_dynamic(monkeypatch):
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     ref_opt, opt = make_adamw(ref), make_adamw(mine)
     budget = 3 * sum(p.numel() * 4 for p in base.parameters())
-    compiled = torch.compile(mine, backend="protrain",
-                             options={"compiler": "eager", "optimizer": opt, "memory_budget": budget,
-                                      "n_persist": 0})
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": opt, "memory_budget": budget, "n_persist": 0},
+    )
     data = sweep_data()
     losses = train(compiled, opt, data[:3])  # the third shape compiles the dynamic graph
     real, state = ChunkStore.gather, {"n": 0}
@@ -89,7 +95,8 @@ def test_a_dynamic_graph_replanned_after_an_oom_stays_dynamic(monkeypatch):
 
     monkeypatch.setattr(ChunkStore, "gather", flaky)
     compiles = count_compiles(monkeypatch)
-    losses += train(compiled, opt, data[3:])  # re-planned once, then every other length on the new plan
+    # re-planned once, then every other length on the new plan
+    losses += train(compiled, opt, data[3:])
     assert state["n"] > 1 and len(compiles) == 1, compiles
     ref_losses = train(ref, ref_opt, data)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5

@@ -1,4 +1,6 @@
-"""Hardware profile (protrain_fx/machine/) on the CPU: measurement, the on-disk cache, live memory."""
+"""Hardware profile (protrain_fx/machine/) on the CPU: measurement, the on-disk cache, live
+memory."""
+
 import dataclasses
 import json
 import math
@@ -12,8 +14,13 @@ from protrain_fx.machine.measure import hardware_profile
 from protrain_fx.machine.memory import current_memory
 from protrain_fx.machine.profile import HardwareProfile
 
-RATES = ("h2d_bytes_per_s", "d2h_bytes_per_s", "duplex_bytes_per_s", "cpu_adam_params_per_s",
-         "gpu_adam_params_per_s")
+RATES = (
+    "h2d_bytes_per_s",
+    "d2h_bytes_per_s",
+    "duplex_bytes_per_s",
+    "cpu_adam_params_per_s",
+    "gpu_adam_params_per_s",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +60,8 @@ def test_profile_on_cpu_is_positive_and_finite(measured):
     assert 0 < p.host_available_bytes <= p.host_total_bytes
     assert p.pinned_limit_bytes is None or p.pinned_limit_bytes > 0
     assert p.cpu_cores >= 1 and p.cpu_threads >= 1 and p.copy_bytes > 0 and p.cpu_adam_numel > 0
-    assert 0 < p.measure_seconds < 15  # about 0.6 s on a 2-core box; generous for a loaded CI runner
+    # about 0.6 s on a 2-core box; generous for a loaded CI runner
+    assert 0 < p.measure_seconds < 15
     assert p.measured_at
     # stored as JSON with a schema, and round-trips exactly
     (path,) = [f for f in os.listdir(folder) if f.endswith(".json")]
@@ -62,7 +70,8 @@ def test_profile_on_cpu_is_positive_and_finite(measured):
     assert data["schema"] == profile.SCHEMA_VERSION
     assert HardwareProfile.from_dict(data) == p
     assert HardwareProfile.from_dict(p.to_dict()) == p
-    assert not [f for f in os.listdir(folder) if f.endswith(".tmp")]  # atomic write left nothing behind
+    # atomic write left nothing behind
+    assert not [f for f in os.listdir(folder) if f.endswith(".tmp")]
 
 
 def test_key_names_device_and_torch_version(measured):
@@ -92,7 +101,8 @@ def test_refresh_measures_again(tmp_path, counting_measure, monkeypatch):
     assert len(counting_measure) == 1
     second = hardware_profile("cpu", cache_dir=str(tmp_path), refresh=True)
     assert len(counting_measure) == 2 and second != first
-    assert hardware_profile("cpu", cache_dir=str(tmp_path)) == second  # the refreshed one was stored
+    # the refreshed one was stored
+    assert hardware_profile("cpu", cache_dir=str(tmp_path)) == second
     monkeypatch.setenv(profile.ENV_REFRESH, "1")
     hardware_profile("cpu", cache_dir=str(tmp_path))
     assert len(counting_measure) == 3
@@ -101,18 +111,21 @@ def test_refresh_measures_again(tmp_path, counting_measure, monkeypatch):
     assert len(counting_measure) == 3
 
 
-@pytest.mark.parametrize("content", [
-    "{not json",
-    b"\xff\xfe\x00garbage",
-    "[]",
-    '{"schema": 0}',
-    "OLD_SCHEMA",
-    "MISSING_FIELD",
-    "WRONG_TYPE",
-    "NEGATIVE_RATE",
-    "OTHER_KEY",
-    "",
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        b"\xff\xfe\x00garbage",
+        "[]",
+        '{"schema": 0}',
+        "OLD_SCHEMA",
+        "MISSING_FIELD",
+        "WRONG_TYPE",
+        "NEGATIVE_RATE",
+        "OTHER_KEY",
+        "",
+    ],
+)
 def test_corrupt_or_stale_cache_is_measured_again(tmp_path, counting_measure, measured, content):
     path = profile.cache_path(profile.profile_key("cpu"), str(tmp_path))
     good = measured[0].to_dict()
@@ -151,8 +164,11 @@ def test_from_dict_ignores_unknown_and_needs_required(measured):
     assert HardwareProfile.from_dict({**d, "future_field": 1}) == measured[0]
     with pytest.raises(ValueError):
         HardwareProfile.from_dict({k: v for k, v in d.items() if k != "key"})
-    # extras have defaults: a synthetic profile (for cost-model tests) needs only the documented fields
-    extras = {f.name for f in dataclasses.fields(HardwareProfile) if f.default is not dataclasses.MISSING}
+    # extras have defaults: a synthetic profile (for cost-model tests) needs only the documented
+    # fields
+    extras = {
+        f.name for f in dataclasses.fields(HardwareProfile) if f.default is not dataclasses.MISSING
+    }
     minimal = {k: v for k, v in d.items() if k not in extras}
     assert HardwareProfile.from_dict(minimal).h2d_bytes_per_s == measured[0].h2d_bytes_per_s
 
@@ -163,7 +179,9 @@ def test_current_memory_is_live_and_sane():
     assert 0 < host_available <= host_total and (free, total) == (host_available, host_total)
     if os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo") as f:
-            mem_total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+            mem_total = (
+                int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+            )
         assert host_total <= mem_total
     big = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB touched: live numbers see it
     after = current_memory("cpu")[2]
@@ -172,7 +190,8 @@ def test_current_memory_is_live_and_sane():
 
 
 def test_stated_host_memory_replaces_a_ballooned_total(monkeypatch):
-    """$PROTRAIN_HOST_MEMORY: the stated total, less what is in use now (a cgroup limit still caps it)."""
+    """$PROTRAIN_HOST_MEMORY: the stated total, less what is in use now (a cgroup limit still
+    caps it)."""
     monkeypatch.setattr(memory, "_read_meminfo", lambda: (20 << 30, 31 << 30))  # 11 GiB in use
     monkeypatch.setattr(memory, "_cgroup_memory", lambda: None)
     assert memory.host_memory() == (20 << 30, 31 << 30)
@@ -194,9 +213,10 @@ def test_unsupported_devices():
 
 
 def test_registered_host_memory_is_exact_and_unregistered_with_its_last_view(monkeypatch):
-    """Where torch's pinned allocator rounds blocks up to a power of two (torch 2.11 has no setting against it),
-    chunk-sized blocks are anonymous memory of their exact size, page-locked in place; the registration
-    ends (and the memory goes) when the last tensor over it is freed, not before."""
+    """Where torch's pinned allocator rounds blocks up to a power of two (torch 2.11 has no setting
+    against it), chunk-sized blocks are anonymous memory of their exact size, page-locked in place;
+    the registration ends (and the memory goes) when the last tensor over it is freed, not before.
+    """
     calls = []
     monkeypatch.setattr(pinned, "_host_register", lambda ptr, n: calls.append(("register", ptr, n)))
     monkeypatch.setattr(pinned, "_host_unregister", lambda ptr: calls.append(("unregister", ptr)))
@@ -209,6 +229,7 @@ def test_registered_host_memory_is_exact_and_unregistered_with_its_last_view(mon
     view = t[10:20]
     del t
     import gc
+
     gc.collect()
     assert len(calls) == 1  # a view still holds the memory
     assert view.tolist() == [float(i) for i in range(10, 20)]
@@ -224,10 +245,14 @@ def test_registered_host_memory_is_exact_and_unregistered_with_its_last_view(mon
 
 
 def test_a_torch_without_the_pinned_rounding_settings_is_not_an_error(monkeypatch):
-    """torch 2.11 refuses ``pinned_max_round_threshold_mb`` with a ValueError ("Unrecognized key"): protrain
-    then pins large blocks itself (registered_host_empty) instead of failing the compile."""
+    """torch 2.11 refuses ``pinned_max_round_threshold_mb`` with a ValueError ("Unrecognized key"):
+    protrain then pins large blocks itself (registered_host_empty) instead of failing the compile.
+    """
+
     def refuse(settings):
-        raise ValueError("Unrecognized key 'pinned_max_round_threshold_mb' in Accelerator allocator config.")
+        raise ValueError(
+            "Unrecognized key 'pinned_max_round_threshold_mb' in Accelerator allocator config."
+        )
 
     monkeypatch.setattr(pinned, "_pinned_exact", None)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
@@ -237,18 +262,21 @@ def test_a_torch_without_the_pinned_rounding_settings_is_not_an_error(monkeypatc
 
 
 def test_every_pinned_host_buffer_goes_through_pinned_empty():
-    """torch 2.11 pins a block at the next power of two: a chunk's Adam moments and gradient pinned through
-    ``torch.empty(..., pin_memory=True)`` took twice the plan's host bytes (run 5's 96-layer model was killed
-    by the host's OOM killer). Only machine/pinned.py (and the bandwidth measurement) allocates pinned memory; everything else asks
-    pinned.pinned_empty, which is exact-size."""
+    """torch 2.11 pins a block at the next power of two: a chunk's Adam moments and gradient pinned
+    through ``torch.empty(..., pin_memory=True)`` took twice the plan's host bytes (run 5's 96-layer
+    model was killed by the host's OOM killer). Only machine/pinned.py (and the bandwidth
+    measurement) allocates pinned memory; everything else asks pinned.pinned_empty, which is
+    exact-size."""
     import pathlib
     import re
 
     root = pathlib.Path(profile.__file__).parent.parent
     offenders = []
     for path in list(root.rglob("*.py")) + list((root.parent / "passes").glob("*.py")):
-        if path.relative_to(root.parent).as_posix() in ("protrain_fx/machine/pinned.py",
-                                                         "protrain_fx/machine/measure.py"):
+        if path.relative_to(root.parent).as_posix() in (
+            "protrain_fx/machine/pinned.py",
+            "protrain_fx/machine/measure.py",
+        ):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"pin_memory\s*=|\.pin_memory\(", line.split("#")[0]):

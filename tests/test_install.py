@@ -1,11 +1,13 @@
-"""The package as a user gets it (issue 26): the source tree copied as a fresh clone has it, ``pip install .``
-into a new virtual environment of the user's own, and a 15-line script with a Hugging Face model and
-``torch.compile(model, backend="protrain")`` with no options (the budget from ``PROTRAIN_MEMORY_BUDGET``, the
-optimizer found by protrain) trains with offloaded chunks exactly like eager PyTorch. A built wheel holds the
-passes and the entry point.
+"""The package as a user gets it (issue 26): the source tree copied as a fresh clone has it, ``pip
+install .`` into a new virtual environment of the user's own, and a 15-line script with a Hugging
+Face model and ``torch.compile(model, backend="protrain")`` with no options (the budget from
+``PROTRAIN_MEMORY_BUDGET``, the optimizer found by protrain) trains with offloaded chunks exactly
+like eager PyTorch. A built wheel holds the passes and the entry point.
 
-The new environment gets torch and transformers from this one (a path file: nothing is downloaded); protrain
-itself only from what it installs (run outside the source tree, so the tree cannot stand in for it)."""
+The new environment gets torch and transformers from this one (a path file: nothing is downloaded);
+protrain itself only from what it installs (run outside the source tree, so the tree cannot stand in
+for it)."""
+
 import json
 import os
 import shutil
@@ -17,13 +19,27 @@ import zipfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IGNORED = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                                 ".hypothesis", "scratch", ".whl", ".device_out", "benchmarks")
+IGNORED = shutil.ignore_patterns(
+    ".venv",
+    ".git",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    "scratch",
+    ".whl",
+    ".device_out",
+    "benchmarks",
+)
 
-SCRIPT = '''\
+SCRIPT = """\
 import copy, json, torch, transformers, protrain_fx
-cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2,
+                               tie_word_embeddings=True)
 torch.manual_seed(0)
 model = transformers.LlamaForCausalLM(cfg)
 ref = copy.deepcopy(model)
@@ -40,18 +56,21 @@ print(json.dumps({"losses": losses, "chunks": [c["placement"] for c in plan.to_d
                   "notes": plan.notes, "module": protrain_fx.__file__,
                   "param_abs": max((a - b).abs().max().item() for a, b in
                                    zip(model.state_dict().values(), ref.state_dict().values()))}))
-'''
+"""
 
 
 def run(cmd, **kw):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kw)
-    assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert p.returncode == 0, (
+        f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    )
     return p.stdout
 
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
-    """A copy of the source tree (as a clone has it) and a new venv with protrain installed from it."""
+    """A copy of the source tree (as a clone has it) and a new venv with protrain installed from
+    it."""
     tmp = tmp_path_factory.mktemp("install")
     src = tmp / "protrain-fx"
     shutil.copytree(ROOT, src, ignore=IGNORED)
@@ -59,9 +78,11 @@ def fresh(tmp_path_factory):
     run([sys.executable, "-m", "venv", str(venv)])
     py = str(venv / "bin" / "python")
     inner = run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
-    with open(os.path.join(inner, "_outer_deps.pth"), "w") as f:  # torch, transformers from this environment
+    # torch, transformers from this environment
+    with open(os.path.join(inner, "_outer_deps.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")
-    run([py, "-m", "pip", "install", "-q", "--no-deps", "."], cwd=src)  # as a user does: pip builds it
+    # as a user does: pip builds it
+    run([py, "-m", "pip", "install", "-q", "--no-deps", "."], cwd=src)
     return tmp, src, py
 
 
@@ -82,16 +103,21 @@ def test_pip_install_then_one_line_trains_offloaded_like_eager(fresh):
 
 def test_built_wheel_has_the_passes_and_the_entry_point(fresh, tmp_path):
     _, src, py = fresh
-    run([py, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path),
-         "."], cwd=src)
+    run([py, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), "."], cwd=src)
     (wheel,) = tmp_path.glob("protrain_fx-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "protrain_fx/passes/chunk_gather.py" in names and "protrain_fx/backend.py" in names
     packages = {os.path.dirname(n) for n in names if n.endswith(".py")}
-    source_packages = {os.path.relpath(d, src).replace("passes", "protrain_fx/passes", 1)
-                       for d, _, files in os.walk(src / "protrain_fx") if "__init__.py" in files}
+    source_packages = {
+        os.path.relpath(d, src).replace("passes", "protrain_fx/passes", 1)
+        for d, _, files in os.walk(src / "protrain_fx")
+        if "__init__.py" in files
+    }
     source_packages |= {"protrain_fx/passes"}
     assert source_packages <= packages, f"missing from the wheel: {source_packages - packages}"
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry).decode()
-    assert "[torch_dynamo_backends]" in text and "protrain = protrain_fx.backend:protrain_backend" in text
+    assert (
+        "[torch_dynamo_backends]" in text
+        and "protrain = protrain_fx.backend:protrain_backend" in text
+    )

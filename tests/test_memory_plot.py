@@ -4,9 +4,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from protrain_fx.report.memory_plot import plot_memory
 from protrain_fx.errors import ProtrainError
 from protrain_fx.plan.plan import Plan
+from protrain_fx.report.memory_plot import plot_memory
 
 GIB = 2**30
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -20,11 +20,18 @@ def _plan(measured=True):
     timeline += [[0.05, 3.2 * GIB, "head"]]
     timeline += [[0.06 + 0.01 * i, (3 - 0.5 * i) * GIB, f"bwd block {3 - i}"] for i in range(4)]
     timeline += [[0.1, 1.2 * GIB, "optimizer"]]
-    plan.predicted = {"iter_s": 0.11, "peak_bytes": int(3.2 * GIB), "budget_bytes": 4 * GIB,
-                      "timeline": timeline}
+    plan.predicted = {
+        "iter_s": 0.11,
+        "peak_bytes": int(3.2 * GIB),
+        "budget_bytes": 4 * GIB,
+        "timeline": timeline,
+    }
     if measured:
-        plan.measured = {"iter_s": 0.13, "peak_bytes": int(3.5 * GIB),
-                         "timeline": [[t * 1.2, b * 1.1, label] for t, b, label in timeline]}
+        plan.measured = {
+            "iter_s": 0.13,
+            "peak_bytes": int(3.5 * GIB),
+            "timeline": [[t * 1.2, b * 1.1, label] for t, b, label in timeline],
+        }
     return plan
 
 

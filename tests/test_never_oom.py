@@ -1,7 +1,8 @@
-"""Never out of memory (issue 21), on the CPU: a CUDA out-of-memory error injected inside a step is survived
-exactly (a forward re-plans and is redone; a backward says to redo the batch, and redoing it equals eager),
-the plan cache never serves a plan that failed or one that does not fit the budget asked for now, and the
-allocator's settings decide the fragmentation the plan budgets."""
+"""Never out of memory (issue 21), on the CPU: a CUDA out-of-memory error injected inside a step is
+survived exactly (a forward re-plans and is redone; a backward says to redo the batch, and redoing
+it equals eager), the plan cache never serves a plan that failed or one that does not fit the budget
+asked for now, and the allocator's settings decide the fragmentation the plan budgets."""
+
 import json
 
 import pytest
@@ -9,11 +10,11 @@ import torch
 from models import build
 
 import protrain_fx
-from protrain_fx.machine import allocator
 from protrain_fx import autoplan
 from protrain_fx.backend import StepOutOfMemory
-from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.errors import NoPlanFits
+from protrain_fx.machine import allocator
+from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.testing import make_adamw, random_batches
 
 OPTS = {"compiler": "eager"}
@@ -36,7 +37,8 @@ def plan_cache(monkeypatch, tmp_path):
 
 
 def inject_oom(monkeypatch, method: str, at_call: int):
-    """ChunkStore.<method> raises a CUDA out-of-memory error at its ``at_call``-th call from now, once."""
+    """ChunkStore.<method> raises a CUDA out-of-memory error at its ``at_call``-th call from now,
+    once."""
     real = getattr(ChunkStore, method)
     calls = {"n": 0, "raised": 0}
 
@@ -44,7 +46,9 @@ def inject_oom(monkeypatch, method: str, at_call: int):
         calls["n"] += 1
         if calls["n"] == at_call:
             calls["raised"] += 1
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.47 GiB (injected)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 1.47 GiB (injected)"
+            )
         return real(self, *a, **k)
 
     monkeypatch.setattr(ChunkStore, method, flaky)
@@ -83,13 +87,15 @@ def compare(sd, ref_sd):
 
 
 def compiled_gpt(budget, **extra):
-    """Every chunk offloaded (on the CPU a resident chunk is never cheaper, so the plan would fill the budget
-    with resident chunks, and a re-plan may only change activation knobs): the budget is the activations'."""
+    """Every chunk offloaded (on the CPU a resident chunk is never cheaper, so the plan would fill
+    the budget with resident chunks, and a re-plan may only change activation knobs): the budget is
+    the activations'."""
     extra = {"n_persist": 0, **extra}
     model = gpt()
     opt = make_adamw(model)
-    compiled = torch.compile(model, backend="protrain", options=dict(OPTS, optimizer=opt, memory_budget=budget,
-                                                                     **extra))
+    compiled = torch.compile(
+        model, backend="protrain", options=dict(OPTS, optimizer=opt, memory_budget=budget, **extra)
+    )
     return model, opt, compiled
 
 
@@ -124,16 +130,22 @@ def test_oom_in_backward_drops_the_step_and_the_redone_batch_equals_eager(monkey
     ref_losses, ref_sd = eager_run(data)
     model, opt, compiled = compiled_gpt(3 * state_bytes(gpt()))
     losses, _ = train(model, compiled, opt, data[:1])
-    calls = inject_oom(monkeypatch, "grad_ready", 2)  # inside the next backward, after a chunk's gradients
-    with pytest.raises(StepOutOfMemory, match=r"backward .* Nothing of this step was applied: call "
-                                              r"opt.zero_grad\(\) and redo the batch"):
+    # inside the next backward, after a chunk's gradients
+    calls = inject_oom(monkeypatch, "grad_ready", 2)
+    with pytest.raises(
+        StepOutOfMemory,
+        match=r"backward .* Nothing of this step was applied: call "
+        r"opt.zero_grad\(\) and redo the batch",
+    ):
         train(model, compiled, opt, data[1:2])
     assert calls["raised"] == 1
     opt.zero_grad()
     more, _ = train(model, compiled, opt, data[1:])  # the batch redone, then the next one
     assert rel(losses + more, ref_losses) <= 1e-5 and compare(model.state_dict(), ref_sd) <= 1e-4
     plan = protrain_fx.get_plan(compiled)
-    assert any("re-planned after running out of device memory in the backward" in n for n in plan.notes)
+    assert any(
+        "re-planned after running out of device memory in the backward" in n for n in plan.notes
+    )
 
 
 def test_an_oom_loop_that_redoes_the_batch_goes_on(monkeypatch, plan_cache):
@@ -150,8 +162,9 @@ def test_an_oom_loop_that_redoes_the_batch_goes_on(monkeypatch, plan_cache):
 
 
 def test_plan_cache_never_serves_a_plan_that_ran_out_of_memory(monkeypatch, plan_cache):
-    """A run whose backward ran out of memory and that stopped there: the next run of the same script plans
-    anew under 90% of the failed plan's peak; a run after a re-planned forward is served the new plan."""
+    """A run whose backward ran out of memory and that stopped there: the next run of the same
+    script plans anew under 90% of the failed plan's peak; a run after a re-planned forward is
+    served the new plan."""
     data = random_batches(2, 2, 16, vocab=64)
     budget = 3 * state_bytes(gpt())
     model, opt, compiled = compiled_gpt(budget)
@@ -174,11 +187,15 @@ def test_plan_cache_never_serves_a_plan_that_ran_out_of_memory(monkeypatch, plan
     model, opt, compiled = compiled_gpt(budget)  # and again: the new plan is served
     train(model, compiled, opt, data[:1])
     again = protrain_fx.get_plan(compiled)
-    assert again.predicted["from_cache"] and again.predicted["peak_bytes"] == plan.predicted["peak_bytes"]
+    assert (
+        again.predicted["from_cache"]
+        and again.predicted["peak_bytes"] == plan.predicted["peak_bytes"]
+    )
 
 
 def test_plan_cache_refuses_a_plan_over_the_budget_asked_for_now(plan_cache):
-    """A budget in the same 64 MiB bin as a cached plan's, but under its predicted peak, is not served it."""
+    """A budget in the same 64 MiB bin as a cached plan's, but under its predicted peak, is not
+    served it."""
     data = random_batches(1, 2, 16, vocab=64)
     model, opt, compiled = compiled_gpt(3 * state_bytes(gpt()))
     train(model, compiled, opt, data)
@@ -210,13 +227,16 @@ def test_plan_cache_never_serves_a_plan_that_gave_a_nonfinite_loss(plan_cache):
     assert any("gave a non-finite loss before: not served again" in n for n in plan.notes)
 
 
-@pytest.mark.parametrize("user, backend, want", [
-    ("", "native", (True, True)),  # unset: protrain turns expandable segments on
-    (",expandable_segments:False", "native", (False, False)),  # the user's choice is kept
-    ("expandable_segments:True,", "native", (True, False)),
-    ("max_split_size_mb:512,", "native", (True, True)),
-    ("", "cudaMallocAsync", (False, False)),
-])
+@pytest.mark.parametrize(
+    "user, backend, want",
+    [
+        ("", "native", (True, True)),  # unset: protrain turns expandable segments on
+        (",expandable_segments:False", "native", (False, False)),  # the user's choice is kept
+        ("expandable_segments:True,", "native", (True, False)),
+        ("max_split_size_mb:512,", "native", (True, True)),
+        ("", "cudaMallocAsync", (False, False)),
+    ],
+)
 def test_allocator_settings_decide_expandable_segments(user, backend, want):
     assert allocator.decide(user, backend) == want
 
@@ -226,8 +246,9 @@ def test_fragmentation_budgeted_per_allocator():
     on = allocator.AllocatorState("native", True, True)
     off = allocator.AllocatorState("native", False, False)
     assert allocator.fragmentation(on) < allocator.fragmentation(off)
-    assert "turned on by protrain" in allocator.describe(on) and "off as PYTORCH_CUDA_ALLOC_CONF" in \
-        allocator.describe(off)
+    assert "turned on by protrain" in allocator.describe(
+        on
+    ) and "off as PYTORCH_CUDA_ALLOC_CONF" in allocator.describe(off)
     assert on.key != off.key  # plan cache keys differ by allocator
 
 

@@ -1,4 +1,5 @@
 """Options: parsed, validated, unknown keys listed, unlanded features refused loudly."""
+
 import pytest
 import torch
 from models import build
@@ -10,8 +11,15 @@ from protrain_fx.testing import random_batches
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("24GiB", 24 * 2**30), ("500MB", 500 * 10**6), ("1.5 GiB", int(1.5 * 2**30)), ("64KiB", 65536),
-     ("123", 123), (4096, 4096), ("2gb", 2 * 10**9)],
+    [
+        ("24GiB", 24 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("1.5 GiB", int(1.5 * 2**30)),
+        ("64KiB", 65536),
+        ("123", 123),
+        (4096, 4096),
+        ("2gb", 2 * 10**9),
+    ],
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
@@ -40,8 +48,17 @@ def test_unknown_key_lists_valid_ones():
 
 @pytest.mark.parametrize(
     "key, value",
-    [("optimizer", "adam"), ("n_persist", -1), ("n_buffer", 1.5), ("n_swap", True), ("compiler", "tvm"),
-     ("param_dtype", "int8"), ("memory_budget", "lots"), ("chunk_size", 0), ("dump_dir", 3)],
+    [
+        ("optimizer", "adam"),
+        ("n_persist", -1),
+        ("n_buffer", 1.5),
+        ("n_swap", True),
+        ("compiler", "tvm"),
+        ("param_dtype", "int8"),
+        ("memory_budget", "lots"),
+        ("chunk_size", 0),
+        ("dump_dir", 3),
+    ],
 )
 def test_bad_values(key, value):
     with pytest.raises(OptionsError, match=key):
@@ -51,8 +68,17 @@ def test_bad_values(key, value):
 def test_chunk_options_parse():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
-    o = Options.from_dict({"optimizer": opt, "memory_budget": "24GiB", "param_dtype": "bfloat16",
-                           "n_persist": 3, "n_buffer": 2, "n_swap": 1, "n_checkpoint": 2})
+    o = Options.from_dict(
+        {
+            "optimizer": opt,
+            "memory_budget": "24GiB",
+            "param_dtype": "bfloat16",
+            "n_persist": 3,
+            "n_buffer": 2,
+            "n_swap": 1,
+            "n_checkpoint": 2,
+        }
+    )
     assert o.optimizer is opt and o.memory_budget == 24 * 2**30 and o.param_dtype == torch.bfloat16
     assert (o.n_persist, o.n_buffer, o.n_swap, o.n_checkpoint) == (3, 2, 1, 2)
 
@@ -80,7 +106,8 @@ def test_mode_is_rejected():
 
 
 def test_chunk_size_below_largest_parameter_names_the_minimum():
-    model = build("gpt", n_layer=1, n_embd=16, n_head=2)  # largest: the 256 x 16 fp32 embedding, 16 KiB
+    # largest: the 256 x 16 fp32 embedding, 16 KiB
+    model = build("gpt", n_layer=1, n_embd=16, n_head=2)
     x, y = random_batches(1, 1, 4)[0]
     with pytest.raises(Exception, match="smallest chunk_size that works is 16384 B"):
         torch.compile(model, backend="protrain", options={"chunk_size": "4KiB"})(x, y)

@@ -1,13 +1,14 @@
-"""backend="protrain" trains exactly like eager PyTorch: losses and parameters after several AdamW steps."""
+"""backend="protrain" trains exactly like eager PyTorch: losses and parameters after several
+AdamW steps."""
+
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from models import build
-from protrain_fx.graph.annotation import annotation_of
 
 import protrain_fx
-from protrain_fx import backend
+from protrain_fx.graph.annotation import annotation_of
 from protrain_fx.testing import compare_with_eager, random_batches, train_steps
 
 LOSS_REL, PARAM_ABS = 1e-5, 1e-3  # fp32 contract
@@ -17,35 +18,48 @@ def small(kind: str, **kw):
     torch.manual_seed(0)
     if kind == "gpt":
         return build("gpt", n_layer=2, n_embd=64, n_head=4, block_size=32, **kw)
-    return build("llama", n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=160, max_seq_len=32, **kw)
+    return build(
+        "llama", n_layer=2, dim=64, n_head=4, n_kv_head=2, ffn_dim=160, max_seq_len=32, **kw
+    )
 
 
 @pytest.mark.parametrize("compiler", ["inductor", "eager"])
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_fp32_parity_adamw(kind, compiler):
     model = small(kind)
-    assert model.head.weight is model.wte.weight if kind == "gpt" else model.output.weight is model.tok_embeddings.weight
+    assert (
+        model.head.weight is model.wte.weight
+        if kind == "gpt"
+        else model.output.weight is model.tok_embeddings.weight
+    )
     r = compare_with_eager(model, random_batches(4, batch=2, seq=16), {"compiler": compiler})
     assert r.max_loss_rel <= LOSS_REL, (r.losses, r.ref_losses)
     assert r.max_param_abs <= PARAM_ABS
     if compiler == "eager":  # no decompositions, no Inductor: bit-exact
         assert r.losses == r.ref_losses and r.max_param_abs == 0.0
-    assert r.max_param_update > 1e-3  # the steps really moved the parameters (lr 1e-3 per AdamW step)
+    # the steps really moved the parameters (lr 1e-3 per AdamW step)
+    assert r.max_param_update > 1e-3
     assert len(r.plan.blocks) == 2 and all(b.policy == "keep" for b in r.plan.blocks)
 
 
-# bf16 autocast: compiled and eager run the same math but round differently (Inductor fuses pointwise
-# chains and keeps their intermediates in fp32 where eager rounds every op to bf16). bf16 has 8 mantissa
-# bits (relative spacing 2**-8 = 3.9e-3), so the loss may differ by a few units of that; AdamW moves each
-# parameter by at most about lr per step whatever the gradient's size, so two runs whose gradients differ
-# by rounding cannot drift apart by more than 2 * lr * steps.
+# bf16 autocast: compiled and eager run the same math but round differently (Inductor fuses
+# pointwise chains and keeps their intermediates in fp32 where eager rounds every op to bf16). bf16
+# has 8 mantissa bits (relative spacing 2**-8 = 3.9e-3), so the loss may differ by a few units of
+# that; AdamW moves each parameter by at most about lr per step whatever the gradient's size, so two
+# runs whose gradients differ by rounding cannot drift apart by more than 2 * lr * steps.
 BF16_LOSS_REL = 2 * 2**-8
 LR, STEPS = 1e-3, 3
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_bf16_autocast_parity(kind):
-    r = compare_with_eager(small(kind), random_batches(STEPS, batch=2, seq=16), {}, lr=LR, autocast_dtype=torch.bfloat16)
+    r = compare_with_eager(
+        small(kind),
+        random_batches(STEPS, batch=2, seq=16),
+        {},
+        lr=LR,
+        autocast_dtype=torch.bfloat16,
+    )
     assert r.max_loss_rel <= BF16_LOSS_REL, (r.losses, r.ref_losses)
     assert r.max_param_abs <= 2 * LR * STEPS
 
@@ -62,7 +76,11 @@ def test_inference_only_call():
 
 
 def test_new_sequence_length_recompiles_and_stays_correct():
-    data = random_batches(2, batch=2, seq=16) + random_batches(2, batch=2, seq=24, seed=1) + random_batches(1, batch=2, seq=16, seed=2)
+    data = (
+        random_batches(2, batch=2, seq=16)
+        + random_batches(2, batch=2, seq=24, seed=1)
+        + random_batches(1, batch=2, seq=16, seed=2)
+    )
     r = compare_with_eager(small("llama"), data, {})
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
     assert r.plan.graph_name == "0/1"  # the second shape produced a second graph with its own plan
@@ -79,7 +97,8 @@ def _record_stage(monkeypatch, stage: str, sink: list):
     monkeypatch.setitem(pipeline.STAGES, stage, pipeline.STAGES[stage] + ("record",))
 
 
-# Each example compiles a new graph (seconds), so no shrinking: a failure prints the generated shapes.
+# Each example compiles a new graph (seconds), so no shrinking: a failure prints the generated
+# shapes.
 @settings(
     max_examples=12,
     deadline=None,
@@ -102,25 +121,39 @@ def test_parity_and_block_ids_over_shapes(monkeypatch, kind, layers, heads, head
     if kind == "gpt":
         model = build("gpt", n_layer=layers, n_embd=width, n_head=heads, block_size=24)
     else:
-        model = build("llama", n_layer=layers, dim=width, n_head=heads, n_kv_head=1, ffn_dim=2 * width, max_seq_len=24)
+        model = build(
+            "llama",
+            n_layer=layers,
+            dim=width,
+            n_head=heads,
+            n_kv_head=1,
+            ffn_dim=2 * width,
+            max_seq_len=24,
+        )
     joints: list = []
     with monkeypatch.context() as mp:
         _record_stage(mp, "joint", joints)
         r = compare_with_eager(model, random_batches(3, batch, seq), {"compiler": "eager"})
     assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
     assert [b.name for b in r.plan.blocks] == [f"blocks.{i}" for i in range(layers)]
-    (joint, plan), = joints
+    ((joint, plan),) = joints
     checked = 0
     for node in joint.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if node.op != "call_function" or not stack:
             continue
-        in_blocks = [p for p, _ in stack.values() if protrain_fx.graph.inputs.module_path(p).startswith("blocks.")]
+        in_blocks = [
+            p
+            for p, _ in stack.values()
+            if protrain_fx.graph.inputs.module_path(p).startswith("blocks.")
+        ]
         ann = annotation_of(node)
         assert ann.phase == "forward"
         if in_blocks:
             expect = ".".join(protrain_fx.graph.inputs.module_path(in_blocks[0]).split(".")[:2])
-            assert ann.block_name == expect and plan.blocks[ann.block].name == expect, node.format_node()
+            assert ann.block_name == expect and plan.blocks[ann.block].name == expect, (
+                node.format_node()
+            )
             checked += 1
         else:
             assert ann.block is None and ann.region == "non_block"

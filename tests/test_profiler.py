@@ -1,4 +1,6 @@
-"""profiler.saved_bytes_by_block: what forward keeps per block, keep and recompute, from two partitions."""
+"""profiler.saved_bytes_by_block: what forward keeps per block, keep and recompute, from two
+partitions."""
+
 import torch
 from models import GPT, GPTConfig
 
@@ -15,7 +17,8 @@ def test_saved_bytes_by_block(monkeypatch):
         seen["partition"] = lambda g: _compat.min_cut_partition(g, joint_inputs, **kw)
         return partition(self, joint, joint_inputs, **kw)
 
-    def probe_after_joint_passes(stage, gm, plan, dump=None):  # inside the compile, where it can partition
+    # inside the compile, where it can partition
+    def probe_after_joint_passes(stage, gm, plan, dump=None):
         gm = run_stage(stage, gm, plan, dump)
         if stage == "joint":
             seen["bytes"] = saved_bytes_by_block(gm, len(plan.blocks), seen["partition"])
@@ -26,7 +29,11 @@ def test_saved_bytes_by_block(monkeypatch):
     monkeypatch.setattr(pipeline, "run_stage", probe_after_joint_passes)
     torch.manual_seed(0)
     batch, seq, width = 2, 32, 64
-    model = GPT(GPTConfig(n_layer=4, n_embd=width, n_head=4, vocab_size=256, block_size=seq, tie_embeddings=False))
+    model = GPT(
+        GPTConfig(
+            n_layer=4, n_embd=width, n_head=4, vocab_size=256, block_size=seq, tie_embeddings=False
+        )
+    )
     compiled = torch.compile(model, backend="protrain", options={"compiler": "eager"})
     x = torch.randint(0, 256, (batch, seq))
     compiled(x, x).backward()
@@ -36,15 +43,22 @@ def test_saved_bytes_by_block(monkeypatch):
     # a recomputed block restarts from its input: the fp32 residual stream, nothing else
     assert sb.recompute == [batch * seq * width * 4] * 4
     assert sb.keep[0] > 10 * sb.recompute[0]
-    assert sum(sb.keep) + sb.nonblock_keep == seen["total"]  # the same partition the planner sizes by
+    # the same partition the planner sizes by
+    assert sum(sb.keep) + sb.nonblock_keep == seen["total"]
     assert 0 < sb.nonblock_recompute <= sb.nonblock_keep
 
 
 def test_identical_blocks_share_the_fastest_time(monkeypatch):
-    """A GPT's blocks have one signature (same ops, same FLOPs), so a stall that slowed some of them in the
-    profiled step does not reach the cost model: every block gets the fastest one's times. Blocks that differ
-    keep their own."""
-    from protrain_fx.profiling.profiler import SavedBytes, StaticProfile, StepProfile, block_signatures, identical_block_times
+    """A GPT's blocks have one signature (same ops, same FLOPs), so a stall that slowed some of them
+    in the profiled step does not reach the cost model: every block gets the fastest one's times.
+    Blocks that differ keep their own."""
+    from protrain_fx.profiling.profiler import (
+        SavedBytes,
+        StaticProfile,
+        StepProfile,
+        block_signatures,
+        identical_block_times,
+    )
 
     seen = {}
     partition = backend.GraphCompiler.partition
@@ -56,13 +70,20 @@ def test_identical_blocks_share_the_fastest_time(monkeypatch):
 
     monkeypatch.setattr(backend.GraphCompiler, "partition", capture)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=6, n_embd=64, n_head=4, vocab_size=256, block_size=32, tie_embeddings=False))
-    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager", "n_checkpoint": 4})
+    model = GPT(
+        GPTConfig(
+            n_layer=6, n_embd=64, n_head=4, vocab_size=256, block_size=32, tie_embeddings=False
+        )
+    )
+    compiled = torch.compile(
+        model, backend="protrain", options={"compiler": "eager", "n_checkpoint": 4}
+    )
     x = torch.randint(0, 256, (2, 32))
     compiled(x, x).backward()
     sigs = block_signatures(seen["fw"], seen["bw"], seen["n_blocks"])
     assert len(sigs) == 6 and sigs[0][0][0] > 0  # forward FLOPs counted
-    assert sigs[0] == sigs[1] == sigs[2] and sigs[4] == sigs[5]  # recomputed blocks alike, kept blocks alike
+    # recomputed blocks alike, kept blocks alike
+    assert sigs[0] == sigs[1] == sigs[2] and sigs[4] == sigs[5]
     # recomputation shows in backward; the last recomputed block restarts next to a kept one (the
     # partitioner saves differently at that boundary): signatures of their own
     assert len({sigs[0], sigs[3], sigs[4]}) == 3
@@ -71,7 +92,17 @@ def test_identical_blocks_share_the_fastest_time(monkeypatch):
         return StepProfile(fwd, bwd, 0.0, 0.0, 0, 0, None, 0.0)
 
     static = StaticProfile(SavedBytes([1] * 6, [1] * 6, 0, 0), [1.0] * 6, sigs)
-    fwd, bwd = identical_block_times(step([1.0, 3.0, 2.0, 7.0, 2.0, 1.5], [4.0, 3.0, 5.0, 8.0, 5.0, 9.0]), static)
+    fwd, bwd = identical_block_times(
+        step([1.0, 3.0, 2.0, 7.0, 2.0, 1.5], [4.0, 3.0, 5.0, 8.0, 5.0, 9.0]), static
+    )
     assert fwd == [1.0, 1.0, 1.0, 7.0, 1.5, 1.5] and bwd == [3.0, 3.0, 3.0, 8.0, 5.0, 5.0]
-    unknown = StaticProfile(static.saved, static.recomputed_share)  # no signatures: times as measured
-    assert identical_block_times(step([1.0, 3.0, 2.0, 1.5, 1.0, 1.0], [4.0] * 6), unknown)[0] == [1.0, 3.0, 2.0, 1.5, 1.0, 1.0]
+    # no signatures: times as measured
+    unknown = StaticProfile(static.saved, static.recomputed_share)
+    assert identical_block_times(step([1.0, 3.0, 2.0, 1.5, 1.0, 1.0], [4.0] * 6), unknown)[0] == [
+        1.0,
+        3.0,
+        2.0,
+        1.5,
+        1.0,
+        1.0,
+    ]

@@ -1,14 +1,15 @@
 """Compiled code never touches protrain memory after protrain has let it go.
 
-* Chunk buffers: with ``PROTRAIN_DEBUG_POISON`` a device chunk buffer is filled with NaN as soon as its
-  gather has copied it out (and never served again without a fresh copy), so any kernel that still read it
-  (Inductor fuses and reorders reads) would compute NaN. The parity suite below runs under it, with Inductor
-  and the eager compiler; a control shows that a gather returning a view of the buffer (the old design)
-  is caught.
-* Swapped activations: with ``PROTRAIN_DEBUG_DEFER_OFFLOAD`` the CPU copies a swapped activation to the host
-  only at its ``offload_wait``, as late as a GPU copy stream could: if the graph let Inductor reuse the
-  source's memory before that, the copy would read another kernel's output.
+* Chunk buffers: with ``PROTRAIN_DEBUG_POISON`` a device chunk buffer is filled with NaN as soon as
+  its gather has copied it out (and never served again without a fresh copy), so any kernel that
+  still read it (Inductor fuses and reorders reads) would compute NaN. The parity suite below runs
+  under it, with Inductor and the eager compiler; a control shows that a gather returning a view of
+  the buffer (the old design) is caught.
+* Swapped activations: with ``PROTRAIN_DEBUG_DEFER_OFFLOAD`` the CPU copies a swapped activation to
+  the host only at its ``offload_wait``, as late as a GPU copy stream could: if the graph let
+  Inductor reuse the source's memory before that, the copy would read another kernel's output.
 """
+
 import copy
 
 import pytest
@@ -33,15 +34,24 @@ def llama():
 
 def hf_llama():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True, attn_implementation="eager")
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 
 
 class HFLoss(torch.nn.Module):
-    """``model(x, y) -> loss`` around a Hugging Face causal LM trained with its own loss (``labels=``)."""
+    """``model(x, y) -> loss`` around a Hugging Face causal LM trained with its own loss
+    (``labels=``)."""
 
     def __init__(self, lm):
         super().__init__()
@@ -64,24 +74,34 @@ def assert_parity(r):
 
 @pytest.mark.parametrize("compiler", ["inductor", "eager"])
 def test_poisoned_chunk_buffers_keep_parity(poison, compiler):
-    r = compare_with_eager(llama(), random_batches(3, 2, 16), {"compiler": compiler, "n_persist": 0,
-                                                              "chunk_size": "40KB", "n_swap": 1},
-                           give_optimizer=True, lr=1e-2)
+    r = compare_with_eager(
+        llama(),
+        random_batches(3, 2, 16),
+        {"compiler": compiler, "n_persist": 0, "chunk_size": "40KB", "n_swap": 1},
+        give_optimizer=True,
+        lr=1e-2,
+    )
     assert_parity(r)
 
 
 def test_poisoned_chunk_buffers_hf_llama_inductor(poison):
-    """A Hugging Face Llama with a tied embedding (read at both ends of forward), its own loss, every chunk
-    offloaded, Inductor: the reuse the outside review found (the embedding lookup read after release)."""
+    """A Hugging Face Llama with a tied embedding (read at both ends of forward), its own loss,
+    every chunk offloaded, Inductor: the reuse the outside review found (the embedding lookup read
+    after release)."""
     model = HFLoss(hf_llama())
-    r = compare_with_eager(model, random_batches(3, 2, 16), {"n_persist": 0, "chunk_size": "128KB"},
-                           give_optimizer=True, lr=1e-2)
+    r = compare_with_eager(
+        model,
+        random_batches(3, 2, 16),
+        {"n_persist": 0, "chunk_size": "128KB"},
+        give_optimizer=True,
+        lr=1e-2,
+    )
     assert_parity(r)
 
 
 def test_poison_catches_a_gather_that_returns_the_buffer(poison, monkeypatch):
-    """The control: had gather handed compiled code a view of its buffer (which the next prefetch refills),
-    the poisoned run would read NaN."""
+    """The control: had gather handed compiled code a view of its buffer (which the next prefetch
+    refills), the poisoned run would read NaN."""
     real = chunk_buffers.ChunkBuffers.gather
 
     def view_gather(self, key, numel, fill, on_compute=False):
@@ -93,9 +113,11 @@ def test_poison_catches_a_gather_that_returns_the_buffer(poison, monkeypatch):
 
     monkeypatch.setattr(chunk_buffers.ChunkBuffers, "gather", view_gather)
     model = gpt()
-    compiled = torch.compile(copy.deepcopy(model), backend="protrain",
-                             options={"compiler": "eager", "n_persist": 0, "chunk_size": "40KB",
-                                      "optimizer": None})
+    compiled = torch.compile(
+        copy.deepcopy(model),
+        backend="protrain",
+        options={"compiler": "eager", "n_persist": 0, "chunk_size": "40KB", "optimizer": None},
+    )
     x, y = random_batches(1, 2, 16)[0]
     assert not torch.isfinite(compiled(x, y)).all()
 
@@ -103,18 +125,21 @@ def test_poison_catches_a_gather_that_returns_the_buffer(poison, monkeypatch):
 @pytest.mark.parametrize("compiler", ["inductor", "eager"])
 def test_deferred_offload_copies_keep_parity(monkeypatch, compiler):
     monkeypatch.setattr(swap_pool, "DEFER", True)
-    r = compare_with_eager(llama(), random_batches(3, 2, 16), {"compiler": compiler, "n_swap": 3},
-                           lr=1e-2)
+    r = compare_with_eager(
+        llama(), random_batches(3, 2, 16), {"compiler": compiler, "n_swap": 3}, lr=1e-2
+    )
     assert_parity(r)
     assert swap_pool.swapper(torch.device("cpu")).stats["offloaded_bytes"] > 0
 
 
-# ------------------------------------------------------------------------ copy-stream ordering (CUDA)
+# ------------------------------------------------------------------------ copy-stream ordering
+# (CUDA)
 def _stream_context_violations(source: str, filename: str) -> list[str]:
-    """Calls of ``torch.cuda.current_stream`` lexically inside ``with torch.cuda.stream(...)``: there the
-    current stream is the copy stream itself, so "wait for the compute stream" written that way waits for
-    nothing. That was issue 19 item 7 (a swap reload copied into memory that queued backward kernels still
-    used; NaN losses on the H200), which no CPU run can show: on the CPU the copies are synchronous."""
+    """Calls of ``torch.cuda.current_stream`` lexically inside ``with torch.cuda.stream(...)``:
+    there the current stream is the copy stream itself, so "wait for the compute stream" written
+    that way waits for nothing. That was issue 19 item 7 (a swap reload copied into memory that
+    queued backward kernels still used; NaN losses on the H200), which no CPU run can show: on the
+    CPU the copies are synchronous."""
     import ast
 
     def is_call(node, dotted):
@@ -139,17 +164,27 @@ def test_no_current_stream_inside_a_copy_stream_context():
     root = pathlib.Path(__file__).resolve().parent.parent
     files = sorted((root / "protrain_fx").rglob("*.py")) + sorted((root / "passes").rglob("*.py"))
     assert len(files) > 20
-    found = [v for f in files for v in _stream_context_violations(f.read_text(), str(f.relative_to(root)))]
-    assert not found, "current_stream() inside torch.cuda.stream(...) is the copy stream:\n" + "\n".join(found)
+    found = [
+        v
+        for f in files
+        for v in _stream_context_violations(f.read_text(), str(f.relative_to(root)))
+    ]
+    assert not found, (
+        "current_stream() inside torch.cuda.stream(...) is the copy stream:\n" + "\n".join(found)
+    )
 
 
 def test_the_stream_check_catches_the_old_reload():
-    old = ("with torch.cuda.stream(self.streams.h2d):\n"
-           "    self.streams.h2d.wait_stream(torch.cuda.current_stream(self.device))\n"
-           "    out.copy_(host, non_blocking=True)\n")
+    old = (
+        "with torch.cuda.stream(self.streams.h2d):\n"
+        "    self.streams.h2d.wait_stream(torch.cuda.current_stream(self.device))\n"
+        "    out.copy_(host, non_blocking=True)\n"
+    )
     assert len(_stream_context_violations(old, "old.py")) == 1
-    fixed = ("compute = torch.cuda.current_stream(self.device)\n"
-             "self.streams.h2d.wait_stream(compute)\n"
-             "with torch.cuda.stream(self.streams.h2d):\n"
-             "    out.copy_(host, non_blocking=True)\n")
+    fixed = (
+        "compute = torch.cuda.current_stream(self.device)\n"
+        "self.streams.h2d.wait_stream(compute)\n"
+        "with torch.cuda.stream(self.streams.h2d):\n"
+        "    out.copy_(host, non_blocking=True)\n"
+    )
     assert _stream_context_violations(fixed, "fixed.py") == []

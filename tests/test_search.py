@@ -1,4 +1,6 @@
-"""cost_model + search: the search is exact (matches brute force), its plan fits, and no fit is a clear error."""
+"""cost_model + search: the search is exact (matches brute force), its plan fits, and no fit is a
+clear error."""
+
 import dataclasses
 import math
 
@@ -6,12 +8,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protrain_fx.plan.cost_model import BlockProfile, ChunkProfile, GraphProfile, Hardware, Knobs, predict
 from protrain_fx.errors import NoPlanFits
+from protrain_fx.plan.cost_model import (
+    BlockProfile,
+    ChunkProfile,
+    GraphProfile,
+    Hardware,
+    Knobs,
+    predict,
+)
 from protrain_fx.plan.search import brute_force, search
 
-HW = Hardware(h2d_bytes_per_s=50e9, d2h_bytes_per_s=50e9, duplex_bytes_per_s=90e9, cpu_adam_params_per_s=4e9,
-              gpu_adam_params_per_s=120e9)
+HW = Hardware(
+    h2d_bytes_per_s=50e9,
+    d2h_bytes_per_s=50e9,
+    duplex_bytes_per_s=90e9,
+    cpu_adam_params_per_s=4e9,
+    gpu_adam_params_per_s=120e9,
+)
 MiB = 2**20
 
 
@@ -19,24 +33,43 @@ MiB = 2**20
 def profiles(draw):
     n_blocks = draw(st.integers(0, 4))
     blocks = tuple(
-        BlockProfile(fwd_s=draw(st.floats(1e-4, 5e-3)), bwd_s=draw(st.floats(2e-4, 1e-2)),
-                     keep_bytes=(k := draw(st.integers(1, 600)) * MiB), input_bytes=draw(st.integers(0, k // MiB)) * MiB,
-                     swap_resident_bytes=draw(st.integers(0, 2)) * MiB)
-        for _ in range(n_blocks))
+        BlockProfile(
+            fwd_s=draw(st.floats(1e-4, 5e-3)),
+            bwd_s=draw(st.floats(2e-4, 1e-2)),
+            keep_bytes=(k := draw(st.integers(1, 600)) * MiB),
+            input_bytes=draw(st.integers(0, k // MiB)) * MiB,
+            swap_resident_bytes=draw(st.integers(0, 2)) * MiB,
+        )
+        for _ in range(n_blocks)
+    )
     out = []
-    for chunk_size in draw(st.lists(st.sampled_from([64, 128, 256]), min_size=1, max_size=2, unique=True)):
+    for chunk_size in draw(
+        st.lists(st.sampled_from([64, 128, 256]), min_size=1, max_size=2, unique=True)
+    ):
         n_chunks = draw(st.integers(1, 4))
         chunks = tuple(
-            ChunkProfile(numel=draw(st.integers(1, chunk_size)) * MiB // 4, fwd_s=draw(st.floats(0, 5e-3)),
-                         bwd_s=draw(st.floats(0, 1e-2)),
-                         blocks=tuple(b for b in range(n_blocks) if b % n_chunks == c))
-            for c in range(n_chunks))
-        out.append(GraphProfile(chunk_size=chunk_size * MiB, chunks=chunks, blocks=blocks,
-                                nonblock_fwd_s=draw(st.floats(0, 2e-3)), nonblock_bwd_s=draw(st.floats(0, 4e-3)),
-                                nonblock_saved_bytes=draw(st.integers(0, 100)) * MiB,
-                                transient_bytes=draw(st.integers(0, 500)) * MiB,
-                                resident_cast_elem=draw(st.sampled_from([0, 2])),  # autocast's casts priced
-                                fragmentation=draw(st.sampled_from([1.0, 1.1]))))
+            ChunkProfile(
+                numel=draw(st.integers(1, chunk_size)) * MiB // 4,
+                fwd_s=draw(st.floats(0, 5e-3)),
+                bwd_s=draw(st.floats(0, 1e-2)),
+                blocks=tuple(b for b in range(n_blocks) if b % n_chunks == c),
+            )
+            for c in range(n_chunks)
+        )
+        out.append(
+            GraphProfile(
+                chunk_size=chunk_size * MiB,
+                chunks=chunks,
+                blocks=blocks,
+                nonblock_fwd_s=draw(st.floats(0, 2e-3)),
+                nonblock_bwd_s=draw(st.floats(0, 4e-3)),
+                nonblock_saved_bytes=draw(st.integers(0, 100)) * MiB,
+                transient_bytes=draw(st.integers(0, 500)) * MiB,
+                # autocast's casts priced
+                resident_cast_elem=draw(st.sampled_from([0, 2])),
+                fragmentation=draw(st.sampled_from([1.0, 1.1])),
+            )
+        )
     return out
 
 
@@ -48,8 +81,12 @@ HW2 = dataclasses.replace(HW, world_size=2, collective_bytes_per_s=100e9)
 
 
 @SETTINGS
-@given(profs=profiles(), budget_mib=st.integers(100, 12000), host_gib=st.one_of(st.none(), st.integers(1, 40)),
-       hw=st.sampled_from([HW, HW2]))
+@given(
+    profs=profiles(),
+    budget_mib=st.integers(100, 12000),
+    host_gib=st.one_of(st.none(), st.integers(1, 40)),
+    hw=st.sampled_from([HW, HW2]),
+)
 def test_search_matches_brute_force_and_fits(profs, budget_mib, host_gib, hw):
     budget = budget_mib * MiB
     host = None if host_gib is None else host_gib * 2**30
@@ -89,8 +126,11 @@ def test_one_byte_budget_names_the_smallest_budget_that_works(profs):
 
 
 def test_host_memory_too_small_names_what_is_needed():
-    prof = GraphProfile(chunk_size=256 * MiB, blocks=(BlockProfile(1e-3, 2e-3, 100 * MiB, 10 * MiB),) * 2,
-                        chunks=tuple(ChunkProfile(64 * MiB, 1e-3, 2e-3, (i,)) for i in range(2)))
+    prof = GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(BlockProfile(1e-3, 2e-3, 100 * MiB, 10 * MiB),) * 2,
+        chunks=tuple(ChunkProfile(64 * MiB, 1e-3, 2e-3, (i,)) for i in range(2)),
+    )
     # a device budget that forces offloading, and no host memory for it
     only_offloaded = predict(prof, HW, Knobs(prof.chunk_size, 0, 1, 0, 2)).peak_bytes
     with pytest.raises(NoPlanFits, match="pinned host memory") as e:
@@ -99,8 +139,11 @@ def test_host_memory_too_small_names_what_is_needed():
 
 
 def test_given_knobs_are_honoured():
-    prof = GraphProfile(chunk_size=256 * MiB, blocks=(BlockProfile(1e-3, 2e-3, 100 * MiB, 10 * MiB),) * 4,
-                        chunks=tuple(ChunkProfile(32 * MiB, 2e-3, 4e-3, (i,)) for i in range(4)))
+    prof = GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(BlockProfile(1e-3, 2e-3, 100 * MiB, 10 * MiB),) * 4,
+        chunks=tuple(ChunkProfile(32 * MiB, 2e-3, 4e-3, (i,)) for i in range(4)),
+    )
     free = search([prof], HW, 100 * 2**30).best
     everything_resident = predict(prof, HW, Knobs(prof.chunk_size, 4, 1, 0, 0))
     assert free.time_s <= everything_resident.time_s
@@ -112,52 +155,72 @@ def test_prediction_terms():
     """Hand-checkable numbers: one block per chunk, two chunks, the second offloaded."""
     blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
     ch = ChunkProfile(numel=50 * 10**6, fwd_s=0.010, bwd_s=0.020)
-    prof = GraphProfile(chunk_size=256 * MiB, blocks=(blk, blk), transient_bytes=0,
-                        chunks=(ChunkProfile(ch.numel, ch.fwd_s, ch.bwd_s, (0,)), ChunkProfile(ch.numel, ch.fwd_s, ch.bwd_s, (1,))))
+    prof = GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(blk, blk),
+        transient_bytes=0,
+        chunks=(
+            ChunkProfile(ch.numel, ch.fwd_s, ch.bwd_s, (0,)),
+            ChunkProfile(ch.numel, ch.fwd_s, ch.bwd_s, (1,)),
+        ),
+    )
     p = predict(prof, HW, Knobs(prof.chunk_size, 1, 2, 0, 1))  # block 0 recomputes, block 1 keeps
     h2d = 50e6 * 2 / 50e9  # 2 ms, hidden behind 10 ms of compute
     assert p.breakdown["fwd_s"] == pytest.approx(0.010 + max(0.010, h2d))
-    # chunk 0 resident: its backward plus block 0's recompute; chunk 1 (offloaded, left in a buffer by forward:
-    # no re-gather) backward against its 200 MB fp32 gradient going down (4 ms)
-    # plus the packing of chunk 1's bf16 gradients into its fp32 buffer and the on-device copies out of its
-    # chunk buffer of its two gathers (forward and backward: 2 bf16 bytes read and written each), at the
-    # device's streaming rate (the Adam rate times 28 bytes); no autocast here (resident_cast_elem 0)
+    # chunk 0 resident: its backward plus block 0's recompute; chunk 1 (offloaded, left in a buffer
+    # by forward: no re-gather) backward against its 200 MB fp32 gradient going down (4 ms) plus the
+    # packing of chunk 1's bf16 gradients into its fp32 buffer and the on-device copies out of its
+    # chunk buffer of its two gathers (forward and backward: 2 bf16 bytes read and written each), at
+    # the device's streaming rate (the Adam rate times 28 bytes); no autocast here
+    # (resident_cast_elem 0)
     pack = 50e6 * (2 + 4 + 4 * 2) / (HW.gpu_adam_params_per_s * 28)
     assert p.breakdown["cast_s"] == pytest.approx(pack)
-    assert p.breakdown["bwd_s"] == pytest.approx((0.020 + 0.010) + max(0.020, 50e6 * 4 / 50e9) + pack)
+    assert p.breakdown["bwd_s"] == pytest.approx(
+        (0.020 + 0.010) + max(0.020, 50e6 * 4 / 50e9) + pack
+    )
     assert p.breakdown["cpu_optim_s"] == pytest.approx(50e6 / 4e9 * 1.25)
     assert p.breakdown["activation_bytes"] == 10 * MiB + 100 * MiB
-    assert p.breakdown["transient_bytes"] == 100 * MiB  # block 0's activations come back during its recompute
+    # block 0's activations come back during its recompute
+    assert p.breakdown["transient_bytes"] == 100 * MiB
     states = 50e6 * 4 * 3  # params, two moments
     buffers = 2 * 50e6 * 2 + 2 * 50e6 * 4  # two bf16 chunk buffers, two fp32 gradient buffers
-    live = max(110 * MiB + 100 * MiB, 50e6 * 4)  # backward's start (activations, transient) or end (gradients)
+    # backward's start (activations, transient) or end (gradients)
+    live = max(110 * MiB + 100 * MiB, 50e6 * 4)
     assert p.peak_bytes == pytest.approx((states + buffers + live) * 1.10, abs=1)
 
 
 def test_autocast_casts_are_priced():
-    """With autocast (resident_cast_elem 2: fp32 resident parameters cast to bf16), forward pays one cast of
-    each resident parameter, backward the gradients' cast back plus the recast of checkpointed blocks'."""
+    """With autocast (resident_cast_elem 2: fp32 resident parameters cast to bf16), forward pays one
+    cast of each resident parameter, backward the gradients' cast back plus the recast of
+    checkpointed blocks'."""
     blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
     chunks = tuple(ChunkProfile(50 * 10**6, 0.010, 0.020, (i,)) for i in range(2))
-    prof = GraphProfile(chunk_size=256 * MiB, blocks=(blk, blk), chunks=chunks, resident_cast_elem=2)
+    prof = GraphProfile(
+        chunk_size=256 * MiB, blocks=(blk, blk), chunks=chunks, resident_cast_elem=2
+    )
     rate = HW.gpu_adam_params_per_s * 28
     cast = 100e6 * (4 + 2) / rate  # both chunks resident
     p = predict(prof, HW, Knobs(prof.chunk_size, 2, 1, 0, 1))  # block 0 recomputes: half the blocks
     assert p.breakdown["cast_s"] == pytest.approx(cast + cast + cast / 2)
-    plain = predict(dataclasses.replace(prof, resident_cast_elem=0), HW, Knobs(prof.chunk_size, 2, 1, 0, 1))
+    plain = predict(
+        dataclasses.replace(prof, resident_cast_elem=0), HW, Knobs(prof.chunk_size, 2, 1, 0, 1)
+    )
     assert p.breakdown["fwd_s"] - plain.breakdown["fwd_s"] == pytest.approx(cast)
     assert p.time_s - plain.time_s == pytest.approx(2.5 * cast)
 
 
 def test_data_parallel_resident_all_reduce_overlaps_backward():
-    """Resident chunks' all-reduces start as each chunk's backward ends: only what the backward of the chunks
-    before it cannot hide is exposed (chunk 0's, the last, at least)."""
+    """Resident chunks' all-reduces start as each chunk's backward ends: only what the backward of
+    the chunks before it cannot hide is exposed (chunk 0's, the last, at least)."""
     blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
     ch = 50 * 10**6
     allreduce = 2 * ch * 4 / 2 / 100e9  # one chunk's fp32 gradients: 4 ms
     for bwd in (0.020, 0.001):  # chunk 0's backward hides chunk 1's all-reduce, or does not
-        prof = GraphProfile(chunk_size=256 * MiB, blocks=(blk, blk),
-                            chunks=(ChunkProfile(ch, 0.010, bwd, (0,)), ChunkProfile(ch, 0.010, bwd, (1,))))
+        prof = GraphProfile(
+            chunk_size=256 * MiB,
+            blocks=(blk, blk),
+            chunks=(ChunkProfile(ch, 0.010, bwd, (0,)), ChunkProfile(ch, 0.010, bwd, (1,))),
+        )
         knobs = Knobs(prof.chunk_size, 2, 0, 0, 0)  # both chunks resident
         one, two = predict(prof, HW, knobs), predict(prof, HW2, knobs)
         exposed = max(allreduce, 2 * allreduce - bwd)
@@ -165,21 +228,26 @@ def test_data_parallel_resident_all_reduce_overlaps_backward():
         slowed = (2 * allreduce - exposed) * HW2.collective_contention
         assert two.breakdown["bwd_s"] == pytest.approx(one.breakdown["bwd_s"] + exposed + slowed)
         assert two.breakdown["collective_contention_s"] == pytest.approx(slowed)
-        # backward ends with the resident gradients (400 MB, more than the activations here); with two ranks
-        # the same: they are averaged in place (no flat copy)
+        # backward ends with the resident gradients (400 MB, more than the activations here); with
+        # two ranks the same: they are averaged in place (no flat copy)
         states, grads = 2 * ch * 4 * 3, 2 * ch * 4
         assert one.peak_bytes == two.peak_bytes == math.ceil((states + grads) * 1.10)
 
 
 def test_data_parallel_terms():
     """Two ranks: a rank steps and keeps half of the offloaded states, and pays the collectives: an
-    all-gather per offloaded chunk gathered, a reduce-scatter per offloaded gradient, an all-reduce of the
-    resident gradients."""
+    all-gather per offloaded chunk gathered, a reduce-scatter per offloaded gradient, an all-reduce
+    of the resident gradients."""
     blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
     ch = 50 * 10**6
-    prof = GraphProfile(chunk_size=256 * MiB, blocks=(blk, blk),  # backward compute under the traffic
-                        chunks=(ChunkProfile(ch, 0.010, 0.001, (0,)), ChunkProfile(ch, 0.010, 0.001, (1,))))
-    knobs = Knobs(prof.chunk_size, 1, 1, 0, 0)  # chunk 1 offloaded, one buffer (still prefetched: a gather
+    # backward compute under the traffic
+    prof = GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(blk, blk),
+        chunks=(ChunkProfile(ch, 0.010, 0.001, (0,)), ChunkProfile(ch, 0.010, 0.001, (1,))),
+    )
+    # chunk 1 offloaded, one buffer (still prefetched: a gather
+    knobs = Knobs(prof.chunk_size, 1, 1, 0, 0)
     # copies its chunk out, so the buffer is free for the next chunk at once)
     one, two = predict(prof, HW, knobs), predict(prof, HW2, knobs)
     assert two.breakdown["cpu_optim_s"] == pytest.approx(one.breakdown["cpu_optim_s"] / 2)
@@ -190,9 +258,11 @@ def test_data_parallel_terms():
     assert two.breakdown["fwd_s"] == pytest.approx(0.010 + max(0.010, h2d_half + gather))
     allreduce = 2 * ch * 4 / 2 / 100e9  # resident chunk 0's fp32 gradients
     reduce_scatter = ch * 4 / 2 / 100e9
-    down = ch * 4 / 2  # chunk 1 stays in its buffer from forward (no re-gather); its gradient's half goes down
+    # chunk 1 stays in its buffer from forward (no re-gather); its gradient's half goes down
+    down = ch * 4 / 2
     comm = down / 50e9 + reduce_scatter
-    pack = one.breakdown["cast_s"]  # chunk 1's gradients packed into its fp32 buffer (test_prediction_terms)
+    # chunk 1's gradients packed into its fp32 buffer (test_prediction_terms)
+    pack = one.breakdown["cast_s"]
     assert two.breakdown["cast_s"] == pack
     assert two.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, comm) + allreduce + pack)
     assert one.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, 2 * down / 50e9) + pack)

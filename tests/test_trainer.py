@@ -10,6 +10,7 @@ parameters (> 1e-4). Most tests use the eager compiler and every chunk on the ho
 (``n_persist=0``); one uses Inductor and one the automatic plan under a memory budget. Settings
 protrain cannot train with must raise a ProtrainError.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,9 +24,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import protrain_fx  # noqa: E402
+from protrain_fx.errors import OptionsError, ProtrainError
 from protrain_fx.integrations.transformers import ProtrainCallback  # noqa: E402
 from protrain_fx.runtime.hybrid_optim import handle_of
-from protrain_fx.errors import OptionsError, ProtrainError
 
 LR = 1e-2
 LOSS_REL, PARAM_ABS, MIN_UPDATE = 1e-5, 1e-3, 1e-4
@@ -65,10 +66,21 @@ class Recording(transformers.Trainer):
 
 
 def training_args(out, **overrides):
-    kw = dict(output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=3,
-              learning_rate=LR, weight_decay=0.1, optim="adamw_torch", report_to=[], use_cpu=True,
-              dataloader_num_workers=0, seed=0, save_strategy="no", logging_steps=1,
-              disable_tqdm=True)
+    kw = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=BATCH,
+        max_steps=3,
+        learning_rate=LR,
+        weight_decay=0.1,
+        optim="adamw_torch",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     kw.update(overrides)
     return transformers.TrainingArguments(**kw)
 
@@ -87,15 +99,21 @@ def train(model, out, *, protrain=None, data=None, trainer_kw=None, train_kw=Non
     if protrain is not None:
         torch._dynamo.reset()
         callbacks.append(ProtrainCallback(**protrain))
-    trainer = Recording(model=model, args=training_args(out, **args_kw),
-                        train_dataset=data or Tokens(12), callbacks=callbacks, **trainer_kw)
+    trainer = Recording(
+        model=model,
+        args=training_args(out, **args_kw),
+        train_dataset=data or Tokens(12),
+        callbacks=callbacks,
+        **trainer_kw,
+    )
     trainer.train(**(train_kw or {}))
     return trainer
 
 
 def sd_diff(a, b, keys=None):
-    return max((a[k].detach().double() - b[k].detach().double()).abs().max().item()
-               for k in (keys or b))
+    return max(
+        (a[k].detach().double() - b[k].detach().double()).abs().max().item() for k in (keys or b)
+    )
 
 
 def rel_err(xs, ys):
@@ -118,8 +136,10 @@ def check(base, ref, mine, ref_losses, losses, what=""):
     assert set(mine_sd) == set(ref_sd)
     update = sd_diff(ref_sd, base_sd)
     param_abs = sd_diff(mine_sd, ref_sd)
-    print(f"\n[{what}] loss rel {loss_rel:.3g}, param abs {param_abs:.3g}, update {update:.3g}, "
-          f"{host} chunks on the host, losses {losses}")
+    print(
+        f"\n[{what}] loss rel {loss_rel:.3g}, param abs {param_abs:.3g}, update {update:.3g}, "
+        f"{host} chunks on the host, losses {losses}"
+    )
     assert loss_rel <= LOSS_REL, (losses, ref_losses)
     assert update > MIN_UPDATE, f"plain training did not move the parameters ({update})"
     assert param_abs <= PARAM_ABS, f"parameters differ from the plain Trainer's by {param_abs:.3g}"
@@ -187,8 +207,9 @@ def test_user_adam_and_scheduler_are_respected(tmp_path):
     ref_model, mine = copy.deepcopy(base), copy.deepcopy(base)
     ref = train(ref_model, tmp_path / "ref", trainer_kw={"optimizers": optimizers(ref_model)})
     opt, sched = optimizers(mine)
-    trainer = train(mine, tmp_path / "mine", protrain=offload_all(base),
-                    trainer_kw={"optimizers": (opt, sched)})
+    trainer = train(
+        mine, tmp_path / "mine", protrain=offload_all(base), trainer_kw={"optimizers": (opt, sched)}
+    )
     assert handle_of(opt) is not None, "protrain did not take over the Trainer's optimizer"
     assert trainer.lr_scheduler is sched and sched.last_epoch == 3
     check(base, ref.model, mine, ref.losses, trainer.losses, "user Adam")
@@ -218,28 +239,46 @@ def test_checkpoint_save_and_resume(tmp_path):
     ref = train(copy.deepcopy(base), tmp_path / "ref", trainer_kw={"callbacks": [snap]}, **kw)
 
     first = copy.deepcopy(base)
-    t1 = train(first, tmp_path / "mine", protrain=offload_all(base), save_strategy="steps",
-               save_steps=2, trainer_kw={"callbacks": [StopAt(2, stop=True)]}, **kw)
+    t1 = train(
+        first,
+        tmp_path / "mine",
+        protrain=offload_all(base),
+        save_strategy="steps",
+        save_steps=2,
+        trainer_kw={"callbacks": [StopAt(2, stop=True)]},
+        **kw,
+    )
     assert t1.state.global_step == 2 and len(t1.losses) == 2
     host_chunks(first)
     ckpt = tmp_path / "mine" / "checkpoint-2"
     from safetensors.torch import load_file
+
     saved = load_file(str(ckpt / "model.safetensors"))  # the tied lm_head.weight is saved once
     assert set(saved) <= set(snap.model_sd) <= set(saved) | {"lm_head.weight"}
     ckpt_abs = sd_diff(saved, snap.model_sd, list(saved))
     saved_opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
     ref_state, mine_state = snap.opt_sd["state"], saved_opt["state"]
     assert set(mine_state) == set(ref_state)
-    moments_abs = max((mine_state[i][k].double() - ref_state[i][k].double()).abs().max().item()
-                      for i in ref_state for k in ("exp_avg", "exp_avg_sq"))
+    moments_abs = max(
+        (mine_state[i][k].double() - ref_state[i][k].double()).abs().max().item()
+        for i in ref_state
+        for k in ("exp_avg", "exp_avg_sq")
+    )
     print(f"\n[checkpoint-2] params abs {ckpt_abs:.3g}, moments abs {moments_abs:.3g}")
     assert ckpt_abs <= PARAM_ABS and moments_abs <= PARAM_ABS
     lrs = [[g["lr"] for g in sd["param_groups"]] for sd in (saved_opt, snap.opt_sd)]
     assert lrs[0] == lrs[1], lrs
 
     resumed = copy.deepcopy(base)  # the init, overwritten by the checkpoint
-    t2 = train(resumed, tmp_path / "mine", protrain=offload_all(base), save_strategy="no",
-               save_steps=2, train_kw={"resume_from_checkpoint": str(ckpt)}, **kw)
+    t2 = train(
+        resumed,
+        tmp_path / "mine",
+        protrain=offload_all(base),
+        save_strategy="no",
+        save_steps=2,
+        train_kw={"resume_from_checkpoint": str(ckpt)},
+        **kw,
+    )
     assert t2.state.global_step == 4 and len(t2.losses) == 2
     check(base, ref.model, resumed, ref.losses, t1.losses + t2.losses, "resume")
 
@@ -247,8 +286,9 @@ def test_checkpoint_save_and_resume(tmp_path):
 def lora(model):
     import peft
 
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                             lora_dropout=0.0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+    )
     return peft.get_peft_model(model, config)
 
 
@@ -279,10 +319,14 @@ def test_gradient_checkpointing(tmp_path, caplog):
     mine = copy.deepcopy(base)
     name = "protrain_fx.integrations.transformers"
     with caplog.at_level(logging.INFO, logger=name):
-        trainer = train(mine, tmp_path / "mine", protrain=offload_all(base),
-                        gradient_checkpointing=True)
-    lines = [r.getMessage() for r in caplog.records
-             if r.name == name and "checkpointing" in r.getMessage()]
+        trainer = train(
+            mine, tmp_path / "mine", protrain=offload_all(base), gradient_checkpointing=True
+        )
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == name and "checkpointing" in r.getMessage()
+    ]
     assert len(lines) == 1 and "replaces" in lines[0], lines
     assert mine.is_activation_checkpointing
     notes = protrain_fx.get_plan(mine).notes
@@ -305,11 +349,20 @@ def test_inductor_with_trainer_defaults(tmp_path):
 def test_optimizer_protrain_cannot_take_over_is_refused(tmp_path):
     model = tiny_llama()
     with pytest.raises(ProtrainError, match="optim='adamw_torch'"):
-        Recording(model=model, args=training_args(tmp_path, optim="sgd"), train_dataset=Tokens(4),
-                  callbacks=[ProtrainCallback()])
+        Recording(
+            model=model,
+            args=training_args(tmp_path, optim="sgd"),
+            train_dataset=Tokens(4),
+            callbacks=[ProtrainCallback()],
+        )
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    trainer = Recording(model=model, args=training_args(tmp_path), train_dataset=Tokens(4),
-                        callbacks=[ProtrainCallback()], optimizers=(sgd, None))
+    trainer = Recording(
+        model=model,
+        args=training_args(tmp_path),
+        train_dataset=Tokens(4),
+        callbacks=[ProtrainCallback()],
+        optimizers=(sgd, None),
+    )
     with pytest.raises(ProtrainError, match=r"is SGD; use TrainingArguments\(optim='adamw_torch'"):
         trainer.train()
     assert getattr(model, "_compiled_call_impl", None) is None and trainer.losses == []
@@ -328,11 +381,19 @@ def test_options_are_validated_when_the_callback_is_made():
 def test_torch_compile_argument_and_compiled_models_are_refused(tmp_path):
     model = tiny_llama()
     with pytest.raises(ProtrainError, match="leave TrainingArguments\\(torch_compile"):
-        Recording(model=model, args=training_args(tmp_path, torch_compile=True),
-                  train_dataset=Tokens(4), callbacks=[ProtrainCallback()])
+        Recording(
+            model=model,
+            args=training_args(tmp_path, torch_compile=True),
+            train_dataset=Tokens(4),
+            callbacks=[ProtrainCallback()],
+        )
     model.compile(backend="eager")
-    trainer = Recording(model=model, args=training_args(tmp_path), train_dataset=Tokens(4),
-                        callbacks=[ProtrainCallback()])
+    trainer = Recording(
+        model=model,
+        args=training_args(tmp_path),
+        train_dataset=Tokens(4),
+        callbacks=[ProtrainCallback()],
+    )
     with pytest.raises(ProtrainError, match="already compiled"):
         trainer.train()
 
@@ -342,5 +403,8 @@ def test_accelerate_still_refuses_a_custom_backend(tmp_path):
     backend names. Once this passes through, TrainingArguments(torch_compile_backend=...) may be a
     route (it would still need the optimizer in the options)."""
     with pytest.raises(ValueError, match="not a valid DynamoBackend"):
-        Recording(model=tiny_llama(), train_dataset=Tokens(4),
-                  args=training_args(tmp_path, torch_compile_backend="protrain"))
+        Recording(
+            model=tiny_llama(),
+            train_dataset=Tokens(4),
+            args=training_args(tmp_path, torch_compile_backend="protrain"),
+        )

@@ -5,6 +5,7 @@ lower bounds; such a row is written, never run) and what a child claims for admi
 benchmarks/timeshare.py; a child sharing the device is soft-capped at its claim, and a wrong
 estimate costs a rerun alone, never a wrong row).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -44,16 +45,20 @@ def predicted_failure(system: str, row: dict, ctx: Ctx) -> str | None:
     per = peers.DEVICE_BYTES_LOWER_BOUND.get(system, 0)
     if limit and per * n / 2**30 > limit:
         where = f"the {limit:g} GiB cap" if row["cap_gib"] else f"the device's {limit:.0f} GiB"
-        return (f"OOM (predicted, not run): its model states alone need {per * n / 2**30:.0f} GiB "
-                f"on the device ({per} B/param: see peers.DEVICE_BYTES_LOWER_BOUND), more than "
-                f"{where}")
+        return (
+            f"OOM (predicted, not run): its model states alone need {per * n / 2**30:.0f} GiB "
+            f"on the device ({per} B/param: see peers.DEVICE_BYTES_LOWER_BOUND), more than "
+            f"{where}"
+        )
     if ctx.host_avail_gib and system in peers.HOST_BYTES_PER_PARAM:
         need = peers.HOST_BYTES_PER_PARAM[system] * offloaded_params(system, row, ctx) / 2**30
         if need > ctx.host_avail_gib:
             per_host = peers.HOST_BYTES_PER_PARAM[system]
-            return (f"host OOM (predicted, not run): its offloaded model states alone need "
-                    f"{need:.0f} GiB of host memory ({per_host} B/param), more than the "
-                    f"{ctx.host_avail_gib:.0f} GiB available at start")
+            return (
+                f"host OOM (predicted, not run): its offloaded model states alone need "
+                f"{need:.0f} GiB of host memory ({per_host} B/param), more than the "
+                f"{ctx.host_avail_gib:.0f} GiB available at start"
+            )
     return None
 
 
@@ -83,8 +88,9 @@ def claims(system: str, row: dict, sc: dict, ctx: Ctx) -> tuple[float, float, fl
     host += peers.HOST_BYTES_PER_PARAM.get(system, 0) * offloaded / 2**30
     if row["cap_gib"]:
         return row["cap_gib"] + CONTEXT_GIB, host, None
-    est = (peers.DEVICE_BYTES_ESTIMATE.get(system, 16) * n / 2**30
-           + activation_gib(sc["kind"], sc["cfg"], sc["batch"], sc["seq"]))
+    est = peers.DEVICE_BYTES_ESTIMATE.get(system, 16) * n / 2**30 + activation_gib(
+        sc["kind"], sc["cfg"], sc["batch"], sc["seq"]
+    )
     soft = 1.3 * est + 4.0
     if ctx.args.jobs <= 1 or soft + CONTEXT_GIB >= ctx.device_total_gib:
         return ctx.device_total_gib, host, None  # the whole device: runs alone on it

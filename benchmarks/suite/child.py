@@ -4,6 +4,7 @@ warm it up (compiling), then, holding the timing lock exclusive (benchmarks/time
 ``RESULT`` JSON line. Any failure becomes that line's ``error``, and the process leaves without
 teardown, so that no row goes missing and nothing left behind can hang the exit.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,9 @@ import statistics
 import sys
 import time
 
-import torch
-
 import peers
 import timeshare
+import torch
 import trace_summary
 from peers import SYSTEMS
 
@@ -89,13 +89,23 @@ def run_one(system: str, spec: dict) -> dict:
         trace = cuda and spec.get("trace")
         traced = trace_summary.trace_step(step, spec["trace"]) if trace else None
     med = statistics.median(times)
-    res = {"params": n_params, "tokens_per_s": spec["batch"] * spec["seq"] / med, "peak_gib": peak,
-           "peak_reserved_gib": reserved, "alloc_retries": retries, "step_ms": med * 1e3,
-           "step_ms_mean": statistics.fmean(times) * 1e3,
-           "step_ms_min": min(times) * 1e3, "step_ms_max": max(times) * 1e3,
-           "step_ms_all": [t * 1e3 for t in times], "loss": float(loss.detach().float()),
-           "build_s": build_s, "warmup_s": warmup_s, "turn_wait_s": wait_s,
-           "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    res = {
+        "params": n_params,
+        "tokens_per_s": spec["batch"] * spec["seq"] / med,
+        "peak_gib": peak,
+        "peak_reserved_gib": reserved,
+        "alloc_retries": retries,
+        "step_ms": med * 1e3,
+        "step_ms_mean": statistics.fmean(times) * 1e3,
+        "step_ms_min": min(times) * 1e3,
+        "step_ms_max": max(times) * 1e3,
+        "step_ms_all": [t * 1e3 for t in times],
+        "loss": float(loss.detach().float()),
+        "build_s": build_s,
+        "warmup_s": warmup_s,
+        "turn_wait_s": wait_s,
+        "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
     if phases:
         res["phase_ms"] = phases
     if traced:

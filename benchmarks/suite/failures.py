@@ -5,6 +5,7 @@ whether PyTorch's own cap rather than a neighbour stopped it (the reasons a resu
 side does not stand and runs again alone), the short word a table shows for an error, and which rows
 were never run (a deadline, an interrupt) or must run again (their system could not be imported).
 """
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,13 @@ import traceback
 
 import torch
 
-OOM_WORDS = ("out of memory", "outofmemory", "alloc_failed", "cudaerrormemoryallocation",
-             "killed by sigkill")
+OOM_WORDS = (
+    "out of memory",
+    "outofmemory",
+    "alloc_failed",
+    "cudaerrormemoryallocation",
+    "killed by sigkill",
+)
 _SIZE = r"([\d.]+) (bytes|KiB|MiB|GiB|TiB)"
 
 
@@ -24,8 +30,10 @@ def error_result(e: BaseException) -> dict:
     and the end of its traceback."""
     msg = str(e) or repr(e)
     oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in msg.lower()
-    return {"error": f"{'OOM' if oom else type(e).__name__}: {msg}"[:2000],
-            "traceback": traceback.format_exc()[-3000:]}
+    return {
+        "error": f"{'OOM' if oom else type(e).__name__}: {msg}"[:2000],
+        "traceback": traceback.format_exc()[-3000:],
+    }
 
 
 def tail(err: str | None, out: str | None, n: int = 1500) -> str:
@@ -52,7 +60,7 @@ def memory_failure(err: str | None) -> bool:
 
 def _gib(num: str, unit: str) -> float:
     shift = {"bytes": 0, "KiB": 10, "MiB": 20, "GiB": 30, "TiB": 40}[unit]
-    return float(num) * 2.0 ** shift / 2**30
+    return float(num) * 2.0**shift / 2**30
 
 
 def own_limit_hit(err: str) -> bool:
@@ -68,15 +76,18 @@ def rerun_reason(res: dict, soft_cap: float | None, shared: bool) -> str | None:
     memory failure that may be theirs (or the soft cap's) doing, or steps slowed by the soft cap
     (allocator retries)."""
     where = ("capped at its claim of " + format(soft_cap, ".0f") + " GiB" if soft_cap else "") + (
-        (", " if soft_cap else "") + "next to other systems" if shared else "")
+        (", " if soft_cap else "") + "next to other systems" if shared else ""
+    )
     err = res.get("error")
     if err:
         if memory_failure(err) and (soft_cap is not None or (shared and not own_limit_hit(err))):
             return f"{where}, it failed: {err[:600]}"
         return None
     if soft_cap is not None and res.get("alloc_retries"):
-        return (f"{where}, its allocator freed its cache to retry {res['alloc_retries']} times in "
-                "the timed steps")
+        return (
+            f"{where}, its allocator freed its cache to retry {res['alloc_retries']} times in "
+            "the timed steps"
+        )
     return None
 
 
@@ -95,8 +106,12 @@ def short_error(err: str | None) -> str:
         return "not run"
     if "out of memory" in low or low.startswith("oom"):
         return "OOM"
-    for key, word in (("needs cuda", "needs CUDA"), ("timed out", "timeout"),
-                      ("killed by", "killed"), ("no module named", "not installed")):
+    for key, word in (
+        ("needs cuda", "needs CUDA"),
+        ("timed out", "timeout"),
+        ("killed by", "killed"),
+        ("no module named", "not installed"),
+    ):
         if key in low:
             return word
     return "error"

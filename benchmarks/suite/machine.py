@@ -5,6 +5,7 @@ outputs, and the peers' packages: DeepSpeed and torchao from .whl/
 while other systems compile, and put on the PYTHONPATH of those systems' children only
 (:func:`scheduler.child_env`).
 """
+
 from __future__ import annotations
 
 import glob
@@ -14,9 +15,8 @@ import subprocess
 import sys
 import time
 
-import torch
-
 import timeshare
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEER_SITE = "/tmp/site"
@@ -41,24 +41,48 @@ def install_peer_wheels(lock_path: str | None, log: dict) -> str | None:
         if os.path.exists(stamp) and open(stamp).read() == listing:
             log["status"] = f"already installed in {PEER_SITE}"
             return PEER_SITE
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-               "--no-compile", "--no-cache-dir", "--upgrade", "--target", PEER_SITE]
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            PEER_SITE,
+        ]
         t0, errors = time.perf_counter(), []
-        steps = (([pip + wheels] if wheels else [])
-                 + [pip + ["--no-build-isolation", s] for s in sdists])
+        steps = ([pip + wheels] if wheels else []) + [
+            pip + ["--no-build-isolation", s] for s in sdists
+        ]
         with timeshare.busy(lock_path):  # nobody measures while pip runs
             for cmd in steps:
-                p = subprocess.run(cmd, capture_output=True, text=True,
-                                   env=dict(os.environ, DS_BUILD_OPS="0"), check=False)
+                p = subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    env=dict(os.environ, DS_BUILD_OPS="0"),
+                    check=False,
+                )
                 if p.returncode:
                     errors.append(f"{os.path.basename(cmd[-1])}: {(p.stderr or p.stdout)[-800:]}")
         if not errors:
             with open(stamp, "w") as f:
                 f.write(listing)
-        log.update(status="installed" if not errors else "installed with errors", errors=errors,
-                   seconds=round(time.perf_counter() - t0, 1))
-        print(f"peer wheels: {log['status']} into {PEER_SITE} ({log['seconds']:.0f} s)"
-              f"{' ' if errors else ''}{' | '.join(errors)}", flush=True)
+        log.update(
+            status="installed" if not errors else "installed with errors",
+            errors=errors,
+            seconds=round(time.perf_counter() - t0, 1),
+        )
+        print(
+            f"peer wheels: {log['status']} into {PEER_SITE} ({log['seconds']:.0f} s)"
+            f"{' ' if errors else ''}{' | '.join(errors)}",
+            flush=True,
+        )
         return PEER_SITE
     except Exception as e:  # noqa: BLE001 - the peers' rows will say what is missing
         log["status"] = f"failed: {type(e).__name__}: {e}"
@@ -83,6 +107,7 @@ def gpu_info() -> tuple[str, float]:
 
 
 def host_description(avail: float | None, total: float | None) -> str:
-    mem = (f", {total:.0f} GiB memory ({avail:.0f} GiB available at start)" if total and avail
-           else "")
+    mem = (
+        f", {total:.0f} GiB memory ({avail:.0f} GiB available at start)" if total and avail else ""
+    )
     return f"{os.cpu_count()} CPU cores{mem}, Python {platform.python_version()}"

@@ -4,6 +4,7 @@ every row keeps the host it ran on (the offloading systems' limits are host memo
 between machines); and every (scenario, system) of the merged scenarios gets a row, one that no run
 reached saying so, or saying the OOM its lower bounds make certain.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ def merge(args, parse_args) -> None:
     for path in args.merge:
         with open(path) as f:
             data = json.load(f)
-        merged.append({"path": path, **{k: data.get(k) for k in ("date", "device", "torch", "argv",
-                                                                  "host")}})
+        merged.append(
+            {"path": path, **{k: data.get(k) for k in ("date", "device", "torch", "argv", "host")}}
+        )
         for r in data["rows"]:
             key = (r["scenario"], r["system"])
             # the machine each row ran on: runs on machines with different host memory are merged,
@@ -36,8 +38,13 @@ def merge(args, parse_args) -> None:
         out = data
     for key, row in missing_rows(rows, out, parse_args).items():
         rows[key] = row
-    out = dict(out, rows=list(rows.values()), merged_from=merged,
-               argv=["--merge", *args.merge, "--out", args.out], run_notes=list(args.note))
+    out = dict(
+        out,
+        rows=list(rows.values()),
+        merged_from=merged,
+        argv=["--merge", *args.merge, "--out", args.out],
+        run_notes=list(args.note),
+    )
     write_outputs(out, args.out)
     print(f"wrote {args.out}.json, .md, .png ({len(rows)} rows)")
 
@@ -50,8 +57,9 @@ def missing_rows(rows: dict, last: dict, parse_args) -> dict:
     gpu = bool(last.get("device_gib")) and last.get("device") != "cpu"
     start = (last.get("search") or {}).get("start") or 8
     args = parse_args(["--search-start", str(start), "--device", "cuda" if gpu else "cpu"])
-    ctx = SimpleNamespace(args=args, device_total_gib=last.get("device_gib") or 0.0,
-                          host_avail_gib=None)
+    ctx = SimpleNamespace(
+        args=args, device_total_gib=last.get("device_gib") or 0.0, host_avail_gib=None
+    )
     all_sc = scenarios(args)
     out = {}
     for name in dict.fromkeys(k[0] for k in rows):
@@ -61,10 +69,14 @@ def missing_rows(rows: dict, last: dict, parse_args) -> dict:
                 continue
             cfg = search_cfg(args, args.search_start) if name == "maxmodel" else sc["cfg"]
             row = base_row(name, system, dict(sc, cfg=cfg))
-            row.update(error=predicted_failure(system, row, ctx)
-                       or "not run: none of the merged runs reached it", wall_s=0.0)
+            row.update(
+                error=predicted_failure(system, row, ctx)
+                or "not run: none of the merged runs reached it",
+                wall_s=0.0,
+            )
             if name == "maxmodel":
-                row.update(layers=args.search_start, search=[],
-                           search_stopped="deadline or interrupt")
+                row.update(
+                    layers=args.search_start, search=[], search_stopped="deadline or interrupt"
+                )
             out[(name, system)] = row
     return out

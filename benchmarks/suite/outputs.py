@@ -4,6 +4,7 @@ model (the ceiling), the markdown tables (throughput, the largest model per syst
 and notes) and the bar chart. They are rewritten after every row, so a run cut short leaves what it
 measured, and ``--merge`` redraws them from JSONs alone.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,11 @@ from .size_search import cut_search
 
 def ratios(rows: list[dict]) -> None:
     """tokens/s over the torch.compile uncapped row of the same model, batch and seq."""
-    ceil = {(r["model"], r["batch"], r["seq"]): r["tokens_per_s"] for r in rows
-            if r["system"] == "compile" and not r["cap_gib"] and r["tokens_per_s"]}
+    ceil = {
+        (r["model"], r["batch"], r["seq"]): r["tokens_per_s"]
+        for r in rows
+        if r["system"] == "compile" and not r["cap_gib"] and r["tokens_per_s"]
+    }
     for r in rows:
         c = ceil.get((r["model"], r["batch"], r["seq"]))
         r["ratio_to_ceiling"] = r["tokens_per_s"] / c if c and r["tokens_per_s"] else None
@@ -44,16 +48,19 @@ def _notes(r: dict) -> str:
     resumed = "measured by an earlier device call of this command (--resume)"
     bits = [resumed] if r.get("resumed") else []
     if r.get("n_chunks"):
-        bits.append(f"plan: {r['n_persist']}/{r['n_chunks']} chunks resident, chunk "
-                    f"{r['chunk_size'] / 2**20:.0f} MiB, n_buffer {r['n_buffer']}, "
-                    f"{r.get('offloaded_gib') or 0:.2f} GiB of fp32 parameters on the host")
+        bits.append(
+            f"plan: {r['n_persist']}/{r['n_chunks']} chunks resident, chunk "
+            f"{r['chunk_size'] / 2**20:.0f} MiB, n_buffer {r['n_buffer']}, "
+            f"{r.get('offloaded_gib') or 0:.2f} GiB of fp32 parameters on the host"
+        )
     planned_host = (r.get("plan_predicted") or {}).get("host_bytes")
     if planned_host is not None and r.get("host_peak_gib") is not None:
-        bits.append(f"host memory: plan {planned_host / 2**30:.1f} GiB pinned, process peak "
-                    f"{r['host_peak_gib']:.1f} GiB")
+        bits.append(
+            f"host memory: plan {planned_host / 2**30:.1f} GiB pinned, process peak "
+            f"{r['host_peak_gib']:.1f} GiB"
+        )
     for a in r.get("replaced_attempts") or []:
-        before = (fmt_error(a["error"], 100) if a["error"]
-                  else f"{a['tokens_per_s']:,.0f} tokens/s")
+        before = fmt_error(a["error"], 100) if a["error"] else f"{a['tokens_per_s']:,.0f} tokens/s"
         bits.append(f"L{a['layers']} measured again (--rerun-attempt); before: " + before)
     if r.get("first_try_error"):
         bits.append("ran again alone: " + fmt_error(r["first_try_error"], 120))
@@ -80,74 +87,107 @@ def hosts_line(out: dict) -> str:
             hosts.setdefault(machine, []).append(os.path.basename(m["path"]))
     if len(hosts) <= 1:
         return f"Host: {next(iter(hosts), out['host'])}."
-    return ("Hosts (rows carry theirs: `host` in the JSON, host GiB in the largest-model table): "
-            + "; ".join(f"{h} ({', '.join(runs)})" for h, runs in hosts.items()) + ".")
+    return (
+        "Hosts (rows carry theirs: `host` in the JSON, host GiB in the largest-model table): "
+        + "; ".join(f"{h} ({', '.join(runs)})" for h, runs in hosts.items())
+        + "."
+    )
 
 
 # ------------------------------------------------------------------------------------- the table
 def markdown(out: dict) -> str:
     rows = out["rows"]
-    lines = [f"# protrain-fx benchmark suite: {out['device']}, torch {out['torch']}, "
-             f"{out['date']}", "",
-             f"Command: `python benchmarks/run.py {' '.join(out['argv'])}`", "",
-             hosts_line(out), ""]
+    lines = [
+        f"# protrain-fx benchmark suite: {out['device']}, torch {out['torch']}, {out['date']}",
+        "",
+        f"Command: `python benchmarks/run.py {' '.join(out['argv'])}`",
+        "",
+        hosts_line(out),
+        "",
+    ]
     thr = [r for r in rows if r["scenario"] != "maxmodel"]
     if thr:
-        lines += ["| scenario | system | model | params | cap GiB | batch x seq | tokens/s | "
-                  "TFLOP/s | peak GiB | ratio to ceiling | error |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| scenario | system | model | params | cap GiB | batch x seq | tokens/s | "
+            "TFLOP/s | peak GiB | ratio to ceiling | error |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in thr:
-            lines.append(f"| {r['scenario']} | {r['system']} | {r['model']} | "
-                         f"{fmt_params(r['params'])} | {r['cap_gib'] or '-'} | "
-                         f"{r['batch']} x {r['seq']} | {fmt_num(r['tokens_per_s'], ',.0f')} | "
-                         f"{fmt_num(r['tflops'], '.1f')} | {fmt_num(r['peak_gib'], '.1f')} | "
-                         f"{fmt_num(r['ratio_to_ceiling'], '.2f')} | {fmt_error(r['error'])} |")
+            lines.append(
+                f"| {r['scenario']} | {r['system']} | {r['model']} | "
+                f"{fmt_params(r['params'])} | {r['cap_gib'] or '-'} | "
+                f"{r['batch']} x {r['seq']} | {fmt_num(r['tokens_per_s'], ',.0f')} | "
+                f"{fmt_num(r['tflops'], '.1f')} | {fmt_num(r['peak_gib'], '.1f')} | "
+                f"{fmt_num(r['ratio_to_ceiling'], '.2f')} | {fmt_error(r['error'])} |"
+            )
     mx = [r for r in rows if r["scenario"] == "maxmodel"]
     if mx:
         lines += [""] if thr else []
-        lines += ["Largest model each system trains on the whole device (GPT, depth doubling until "
-                  "the first failure; * = predicted from lower bounds, not run):", "",
-                  "| system | largest trained | params | batch x seq | tokens/s there | peak GiB | "
-                  "host GiB | first failure | attempts |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "Largest model each system trains on the whole device (GPT, depth doubling until "
+            "the first failure; * = predicted from lower bounds, not run):",
+            "",
+            "| system | largest trained | params | batch x seq | tokens/s there | peak GiB | "
+            "host GiB | first failure | attempts |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in mx:
             ok = r["error"] is None
             ff = r.get("first_failure")
-            fail = (f"L{ff['layers']} ({fmt_params(ff['params'])}): {fmt_error(ff['error'], 90)}"
-                    if ff else f"none (stopped: {r.get('search_stopped', '?')})")
+            fail = (
+                f"L{ff['layers']} ({fmt_params(ff['params'])}): {fmt_error(ff['error'], 90)}"
+                if ff
+                else f"none (stopped: {r.get('search_stopped', '?')})"
+            )
             tried = ", ".join(
                 f"L{a['layers']} {'ok' if a['error'] is None else short_error(a['error'])}"
-                for a in r.get("search", []))
-            lines.append(f"| {r['system']} | {r['model'] if ok else 'none'} | "
-                         f"{fmt_params(r['params']) if ok else '-'} | "
-                         f"{r['batch']} x {r['seq']} | {fmt_num(r['tokens_per_s'], ',.0f')} | "
-                         f"{fmt_num(r['peak_gib'], '.1f')} | "
-                         f"{fmt_num(row_host_gib(r, out), '.0f')} | "
-                         f"{fail if ok else fmt_error(r['error'], 90)} | {tried} |")
+                for a in r.get("search", [])
+            )
+            lines.append(
+                f"| {r['system']} | {r['model'] if ok else 'none'} | "
+                f"{fmt_params(r['params']) if ok else '-'} | "
+                f"{r['batch']} x {r['seq']} | {fmt_num(r['tokens_per_s'], ',.0f')} | "
+                f"{fmt_num(r['peak_gib'], '.1f')} | "
+                f"{fmt_num(row_host_gib(r, out), '.0f')} | "
+                f"{fail if ok else fmt_error(r['error'], 90)} | {tried} |"
+            )
     measured = [r for r in rows if r.get("step_ms")]
     if measured:
-        lines += ["", "Details (step times over the timed steps; build and warm-up in seconds):",
-                  "", "| scenario | system | step ms median (min-max) | peak reserved GiB | "
-                  "build s | warm-up s | wall s | notes |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Details (step times over the timed steps; build and warm-up in seconds):",
+            "",
+            "| scenario | system | step ms median (min-max) | peak reserved GiB | "
+            "build s | warm-up s | wall s | notes |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in measured:
-            lines.append(f"| {r['scenario']} | {r['system']} | {r['step_ms']:.0f} "
-                         f"({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}) | "
-                         f"{fmt_num(r.get('peak_reserved_gib'), '.1f')} | "
-                         f"{fmt_num(r.get('build_s'), '.0f')} | "
-                         f"{fmt_num(r.get('warmup_s'), '.0f')} | "
-                         f"{fmt_num(r.get('wall_s'), '.0f')} | {_notes(r)} |")
+            lines.append(
+                f"| {r['scenario']} | {r['system']} | {r['step_ms']:.0f} "
+                f"({r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}) | "
+                f"{fmt_num(r.get('peak_reserved_gib'), '.1f')} | "
+                f"{fmt_num(r.get('build_s'), '.0f')} | "
+                f"{fmt_num(r.get('warmup_s'), '.0f')} | "
+                f"{fmt_num(r.get('wall_s'), '.0f')} | {_notes(r)} |"
+            )
     lines += ["", "Notes:", "", *_run_notes(out, rows, mx)]
     if out.get("jobs", 1) > 1:
-        lines.append(f"- Up to {out['jobs']} systems built and compiled side by side (--jobs); "
-                     + _SIDE_BY_SIDE)
+        lines.append(
+            f"- Up to {out['jobs']} systems built and compiled side by side (--jobs); "
+            + _SIDE_BY_SIDE
+        )
     lines += [f"- {n}" for n in out.get("run_notes") or []]
     if out.get("plot_error"):
         lines.append(f"- The chart was not drawn: {out['plot_error']}")
     if out.get("merged_from"):
-        srcs = [f"`{m['path']}` ({m['date']}, {m.get('device', '?')}, torch "
-                f"{m.get('torch', '?')}: `python benchmarks/run.py {' '.join(m['argv'])}`)"
-                for m in out["merged_from"]]
-        lines.append("- Merged from: " + "; ".join(srcs)
-                     + ". Ratios recomputed over the merged rows.")
+        srcs = [
+            f"`{m['path']}` ({m['date']}, {m.get('device', '?')}, torch "
+            f"{m.get('torch', '?')}: `python benchmarks/run.py {' '.join(m['argv'])}`)"
+            for m in out["merged_from"]
+        ]
+        lines.append(
+            "- Merged from: " + "; ".join(srcs) + ". Ratios recomputed over the merged rows."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -160,7 +200,8 @@ _SIDE_BY_SIDE = (
     "or under that claim, or whose allocator had to retry under it, ran again alone (`ran again "
     "alone` in the details). A system kept on the device may have been timed while one offloading "
     "system idled next to it (`alive_next_to_it` in the JSON); `--jobs 1` times every system with "
-    "nothing else alive.")
+    "nothing else alive."
+)
 
 
 def _run_notes(out: dict, rows: list[dict], mx: list[dict]) -> list[str]:
@@ -184,14 +225,23 @@ def _run_notes(out: dict, rows: list[dict], mx: list[dict]) -> list[str]:
         "- compile_ac: torch.compile with `torch._functorch.config.activation_memory_budget = "
         f"{out['ac_budget']:g}`.",
         *(["- LLaMA scenarios: " + out["llama"] + "."] if llama else []),
-        *([f"- maxmodel: GPT of width {search['width']}, depth doubling from {search['start']}, "
-           f"batch {search['batch']} x {SEQ}, {search['warmup']} warm-up + "
-           f"{search['steps']} timed steps per attempt; 'trains' = those steps ran without an "
-           "error."] if mx and search else []),
+        *(
+            [
+                f"- maxmodel: GPT of width {search['width']}, depth doubling from "
+                f"{search['start']}, "
+                f"batch {search['batch']} x {SEQ}, {search['warmup']} warm-up + "
+                f"{search['steps']} timed steps per attempt; 'trains' = those steps ran without an "
+                "error."
+            ]
+            if mx and search
+            else []
+        ),
         "- Rows marked `(predicted, not run)` were not started: the system's model states alone "
         "exceed the limit by lower bounds (device: 16 B/param for on-device AdamW, 8 for torchao, "
         "2 for ZeRO-2; host: 16-18 B/param offloaded, against MemAvailable at start; see "
-        "benchmarks/peers.py). `--no-predict` runs them anyway."]
+        "benchmarks/peers.py). `--no-predict` runs them anyway.",
+    ]
+
 
 # ------------------------------------------------------------------------------------- the chart
 def plot(out: dict, path: str) -> None:
@@ -229,20 +279,42 @@ def _throughput_panel(ax, thr: list[dict], systems: list[str], colors: dict, out
             if r is None:
                 continue
             xpos = i + (j - (len(systems) - 1) / 2) * width
-            ax.bar(xpos, r["tokens_per_s"] or 0, width, color=colors[s],
-                   label=s if s not in ax.get_legend_handles_labels()[1] else None)
+            ax.bar(
+                xpos,
+                r["tokens_per_s"] or 0,
+                width,
+                color=colors[s],
+                label=s if s not in ax.get_legend_handles_labels()[1] else None,
+            )
             if r["error"]:
-                ax.text(xpos, top * 0.01, short_error(r["error"]), rotation=90, ha="center",
-                        va="bottom", fontsize=7)
+                ax.text(
+                    xpos,
+                    top * 0.01,
+                    short_error(r["error"]),
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
             else:
                 t = r["tokens_per_s"]
                 label = f"{t / 1e3:.1f}k" if t >= 1e3 else f"{t:.0f}"
                 if r["ratio_to_ceiling"]:
                     label += f" ({r['ratio_to_ceiling']:.2f})"
-                ax.text(xpos, r["tokens_per_s"], label, rotation=90, ha="center", va="bottom",
-                        fontsize=6)
-    ax.set_xticks(range(len(scen)), [f"{sc}\n{next(r['model'] for r in thr if r['scenario'] == sc)}"
-                                     for sc in scen], fontsize=8)
+                ax.text(
+                    xpos,
+                    r["tokens_per_s"],
+                    label,
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
+    ax.set_xticks(
+        range(len(scen)),
+        [f"{sc}\n{next(r['model'] for r in thr if r['scenario'] == sc)}" for sc in scen],
+        fontsize=8,
+    )
     ax.set_ylim(0, top * 1.3)
     ax.set_ylabel("tokens/s (ratio to the ceiling)")
     ax.set_title(f"Training throughput, {out['device']}, torch {out['torch']}, {out['date']}")
@@ -254,19 +326,30 @@ def _largest_model_panel(ax, mx: list[dict], colors: dict, out: dict) -> None:
     for i, r in enumerate(mx):
         ok = r["error"] is None
         ax.bar(i, r["params"] / 1e9 if ok else 0, color=colors[r["system"]])
-        cut = ("\n(search cut short: a larger\nsize was not tried to the end)" if cut_search(r)
-               else "")
-        ax.text(i, r["params"] / 1e9 if ok else top * 0.01,
-                f"{fmt_params(r['params'])}\n{r['model']}{cut}" if ok else short_error(r["error"]),
-                rotation=0 if ok else 90, ha="center", va="bottom", fontsize=7)
+        cut = (
+            "\n(search cut short: a larger\nsize was not tried to the end)" if cut_search(r) else ""
+        )
+        ax.text(
+            i,
+            r["params"] / 1e9 if ok else top * 0.01,
+            f"{fmt_params(r['params'])}\n{r['model']}{cut}" if ok else short_error(r["error"]),
+            rotation=0 if ok else 90,
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     host = [row_host_gib(r, out) for r in mx]
     several = len(set(host)) > 1  # rows from machines with different host memory: say which
-    ax.set_xticks(range(len(mx)), [r["system"] + (f"\nhost {h:.0f} GiB" if several and h else "")
-                                   for r, h in zip(mx, host)], fontsize=8)
+    ax.set_xticks(
+        range(len(mx)),
+        [r["system"] + (f"\nhost {h:.0f} GiB" if several and h else "") for r, h in zip(mx, host)],
+        fontsize=8,
+    )
     ax.set_ylim(0, top * 1.2)
     ax.set_ylabel("largest model trained (B params)")
-    ax.set_title(f"Largest GPT each system trains on the device (batch {mx[0]['batch']} x "
-                 f"{mx[0]['seq']})")
+    ax.set_title(
+        f"Largest GPT each system trains on the device (batch {mx[0]['batch']} x {mx[0]['seq']})"
+    )
 
 
 def write_outputs(out: dict, path: str, chart: bool = True) -> None:

@@ -4,6 +4,7 @@ searches to go on with (cut by a deadline, or with fewer bisection steps than --
 asks); rows never run (a deadline, an interrupt) or whose system could not be imported run again,
 and --rerun-attempt takes chosen attempts out of their searches so that they are measured again.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,15 +14,22 @@ from .failures import run_again
 from .size_search import cut_search
 
 
-def resumed_rows(path: str, todo: list[tuple[str, str]], refine: int = 0,
-                 rerun: dict[str, set[int]] | None = None) -> dict[int, dict]:
+def resumed_rows(
+    path: str,
+    todo: list[tuple[str, str]],
+    refine: int = 0,
+    rerun: dict[str, set[int]] | None = None,
+) -> dict[int, dict]:
     """The rows of an earlier run (``path``) to keep, by index in ``todo``: every (scenario, system)
     that ran, whether it measured or failed, and is still asked for; not those the deadline or an
     interrupt left unrun, those that failed to import their system (ModuleNotFoundError: the peers'
     wheels were not there), nor maxmodel searches to go on with (:func:`search_to_go_on`,
     ``rerun``). A missing file keeps nothing (the first call of a resumed suite)."""
-    earlier = {key: r for key, r in _earlier_rows(path, rerun).items()
-               if not run_again(r) and not search_to_go_on(r, refine)}
+    earlier = {
+        key: r
+        for key, r in _earlier_rows(path, rerun).items()
+        if not run_again(r) and not search_to_go_on(r, refine)
+    }
     return {i: dict(earlier[key], resumed=True) for i, key in enumerate(todo) if key in earlier}
 
 
@@ -56,8 +64,12 @@ def forget_attempts(row: dict, depths: set[int]) -> dict | None:
     if row.get("layers") in depths:
         return None
     replaced = [a for a in row["search"] if a["layers"] in depths]
-    return dict(row, search=tried, search_stopped="deadline or interrupt",
-                replaced_attempts=(row.get("replaced_attempts") or []) + replaced)
+    return dict(
+        row,
+        search=tried,
+        search_stopped="deadline or interrupt",
+        replaced_attempts=(row.get("replaced_attempts") or []) + replaced,
+    )
 
 
 def search_to_go_on(row: dict, refine: int = 0) -> bool:
@@ -74,10 +86,15 @@ def search_to_go_on(row: dict, refine: int = 0) -> bool:
     return sum(a["layers"] not in doubling for a in tried) < refine
 
 
-def searches_to_continue(path: str, todo: list[tuple[str, str]], refine: int = 0,
-                         rerun: dict[str, set[int]] | None = None) -> dict[int, dict]:
+def searches_to_continue(
+    path: str,
+    todo: list[tuple[str, str]],
+    refine: int = 0,
+    rerun: dict[str, set[int]] | None = None,
+) -> dict[int, dict]:
     """The maxmodel rows of an earlier run (``path``) to go on with (:func:`search_to_go_on`;
     ``rerun``: :func:`forget_attempts`), by index in ``todo``."""
-    earlier = {key: r for key, r in _earlier_rows(path, rerun).items()
-               if search_to_go_on(r, refine)}
+    earlier = {
+        key: r for key, r in _earlier_rows(path, rerun).items() if search_to_go_on(r, refine)
+    }
     return {i: earlier[key] for i, key in enumerate(todo) if key in earlier}

@@ -5,6 +5,7 @@ and rows written after every row (the chart at most every 20 s); rows kept from 
 :func:`dry_run` lists what a call would start, with its memory claims, and what it would not, and
 why, running nothing.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -13,9 +14,8 @@ import shutil
 import signal
 import time
 
-import torch
-
 import peers
+import torch
 
 from . import machine
 from .admission import HEAVY_HOST_GIB, claims, predicted_failure
@@ -26,40 +26,64 @@ from .scheduler import Ctx, kill_group, run_job
 from .size_search import search
 
 
-def run_suite(ctx: Ctx, names: list[str], systems: list[str], all_sc: dict, device: str, host: str,
-              argv: list[str]) -> None:
+def run_suite(
+    ctx: Ctx,
+    names: list[str],
+    systems: list[str],
+    all_sc: dict,
+    device: str,
+    host: str,
+    argv: list[str],
+) -> None:
     """Run ``systems`` on the scenarios ``names`` (of ``all_sc``) and write ``--out``; ``device``
     and ``host``: the outputs' descriptions of the machine; ``argv``: the command's arguments."""
     args = ctx.args
     peer_install: dict = {}
     todo = [(n, s) for n in names for s in systems if s in all_sc[n]["systems"]]
     if args.device == "cuda" and any(peers.SYSTEMS[s].wheels for _, s in todo):
-        ctx.peer_site = concurrent.futures.ThreadPoolExecutor(1).submit(machine.install_peer_wheels,
-                                                                        ctx.lock_path, peer_install)
+        ctx.peer_site = concurrent.futures.ThreadPoolExecutor(1).submit(
+            machine.install_peer_wheels, ctx.lock_path, peer_install
+        )
     shown = {**peers.PROTRAIN_OPTIONS, **args.protrain_options}
     llama = llama_cfg(args.llama_layers)
-    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": device,
-           "device_gib": round(ctx.device_total_gib, 1), "torch": torch.__version__, "argv": argv,
-           "host": host, "host_gib_for_checks": ctx.host_avail_gib, "flops_formula": FLOPS_FORMULA,
-           "ac_budget": args.ac_budget,
-           "protrain_options_shown": {k: v for k, v in shown.items() if v is not None},
-           "protrain_defaults": {"PROTRAIN_OPTIONS": peers.PROTRAIN_OPTIONS},
-           "warmup": args.warmup, "steps": args.steps, "jobs": args.jobs, "timeout_s": args.timeout,
-           "deadline_s": args.deadline, "peer_install": peer_install,
-           "llama": (f"{model_label('llama', llama)} "
-                     f"({fmt_params(model_stats('llama', llama, SEQ)[0])}: LLaMA-2-7B's width, "
-                     f"heads, FFN and vocab at {args.llama_layers} of its 32 layers), "
-                     f"batch {args.llama_batch} x {SEQ}, at 40 GiB (all systems) and uncapped "
-                     "(torch.compile only, the ceiling)"),
-           "search": {k: getattr(args, "search_" + k) for k in ("width", "start", "max_layers",
-                                                                   "batch", "steps", "warmup",
-                                                                   "refine")},
-           "rows": []}
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": device,
+        "device_gib": round(ctx.device_total_gib, 1),
+        "torch": torch.__version__,
+        "argv": argv,
+        "host": host,
+        "host_gib_for_checks": ctx.host_avail_gib,
+        "flops_formula": FLOPS_FORMULA,
+        "ac_budget": args.ac_budget,
+        "protrain_options_shown": {k: v for k, v in shown.items() if v is not None},
+        "protrain_defaults": {"PROTRAIN_OPTIONS": peers.PROTRAIN_OPTIONS},
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "jobs": args.jobs,
+        "timeout_s": args.timeout,
+        "deadline_s": args.deadline,
+        "peer_install": peer_install,
+        "llama": (
+            f"{model_label('llama', llama)} "
+            f"({fmt_params(model_stats('llama', llama, SEQ)[0])}: LLaMA-2-7B's width, "
+            f"heads, FFN and vocab at {args.llama_layers} of its 32 layers), "
+            f"batch {args.llama_batch} x {SEQ}, at 40 GiB (all systems) and uncapped "
+            "(torch.compile only, the ceiling)"
+        ),
+        "search": {
+            k: getattr(args, "search_" + k)
+            for k in ("width", "start", "max_layers", "batch", "steps", "warmup", "refine")
+        },
+        "rows": [],
+    }
 
     def report(row: dict, what: str) -> None:
-        status = (f"ERROR {fmt_error(row['error'], 300)}" if row["error"] else
-                  f"{row['tokens_per_s']:,.0f} tokens/s, peak {fmt_num(row['peak_gib'], '.1f')} "
-                  "GiB")
+        status = (
+            f"ERROR {fmt_error(row['error'], 300)}"
+            if row["error"]
+            else f"{row['tokens_per_s']:,.0f} tokens/s, peak {fmt_num(row['peak_gib'], '.1f')} GiB"
+        )
         print(f"[{what}] {row['system']}: {status} ({row['wall_s']:.0f} s)", flush=True)
 
     rows: dict[int, dict] = {}
@@ -111,8 +135,10 @@ def run_suite(ctx: Ctx, names: list[str], systems: list[str], all_sc: dict, devi
     # never a lock named in the environment (its folder is someone else's: /tmp)
     if ctx.own_lock_dir:
         shutil.rmtree(ctx.own_lock_dir, ignore_errors=True)
-    print(f"wrote {args.out}.json, .md, .png ({len(out['rows'])} rows, {out['wall_s']:.0f} s)",
-          flush=True)
+    print(
+        f"wrote {args.out}.json, .md, .png ({len(out['rows'])} rows, {out['wall_s']:.0f} s)",
+        flush=True,
+    )
 
 
 def dry_run(names: list[str], systems: list[str], all_sc: dict, ctx: Ctx, device: str) -> None:
@@ -120,10 +146,13 @@ def dry_run(names: list[str], systems: list[str], all_sc: dict, ctx: Ctx, device
     runs."""
     args = ctx.args
     host = f"{ctx.host_avail_gib:.0f} GiB" if ctx.host_avail_gib else "unchecked"
-    print(f"dry run: {device} ({ctx.device_total_gib:.1f} GiB), host memory {host}, "
-          f"--jobs {args.jobs}")
-    depths = itertools.takewhile(lambda n: n <= args.search_max_layers,
-                                 (args.search_start * 2**i for i in range(20)))
+    print(
+        f"dry run: {device} ({ctx.device_total_gib:.1f} GiB), host memory {host}, "
+        f"--jobs {args.jobs}"
+    )
+    depths = itertools.takewhile(
+        lambda n: n <= args.search_max_layers, (args.search_start * 2**i for i in range(20))
+    )
     search_cfgs = [search_cfg(args, n) for n in depths]
     for name in names:
         sc = all_sc[name]
@@ -136,9 +165,16 @@ def dry_run(names: list[str], systems: list[str], all_sc: dict, ctx: Ctx, device
                 row = base_row(name, system, s)
                 why = predicted_failure(system, row, ctx)
                 dev, hostc, soft = claims(system, row, s, ctx)
-                what = f"NOT RUN: {why}" if why else (
-                    f"claims {dev:.0f} GiB device, {hostc:.0f} GiB host"
-                    + (" (host-heavy)" if hostc > HEAVY_HOST_GIB else "")
-                    + (f", soft cap {soft:.0f} GiB" if soft else ""))
-                print(f"  {name:14s} {system:17s} {row['model']:32s} "
-                      f"{fmt_params(row['params']):>9s}  {what}")
+                what = (
+                    f"NOT RUN: {why}"
+                    if why
+                    else (
+                        f"claims {dev:.0f} GiB device, {hostc:.0f} GiB host"
+                        + (" (host-heavy)" if hostc > HEAVY_HOST_GIB else "")
+                        + (f", soft cap {soft:.0f} GiB" if soft else "")
+                    )
+                )
+                print(
+                    f"  {name:14s} {system:17s} {row['model']:32s} "
+                    f"{fmt_params(row['params']):>9s}  {what}"
+                )

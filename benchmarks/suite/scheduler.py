@@ -7,6 +7,7 @@ obtained next to others or under a soft cap does not stand, running it again alo
 :func:`run_child` starts one ``run.py --one`` process in its own process group and returns its
 RESULT, or an error made from how it ended.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -27,8 +28,11 @@ from .failures import exit_error, rerun_reason, tail
 from .scenarios import base_row
 
 RUN_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "run.py")
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 class Ctx:
@@ -41,8 +45,9 @@ class Ctx:
         self.t_start = time.monotonic()
         self.deadline_at = None if args.deadline is None else self.t_start + args.deadline
         cap_host = (host_avail_gib - HOST_MARGIN_GIB) if host_avail_gib else float("inf")
-        self.slots = timeshare.Slots(args.jobs, device_total_gib or float("inf"), cap_host,
-                                     HEAVY_HOST_GIB)
+        self.slots = timeshare.Slots(
+            args.jobs, device_total_gib or float("inf"), cap_host, HEAVY_HOST_GIB
+        )
         self.lock_path = None
         self.own_lock_dir = None  # the folder this run made for its lock (removed at the end)
         if args.jobs > 1:
@@ -64,8 +69,9 @@ def run_child(argv: list[str], env: dict, timeout: float, ctx: Ctx | None = None
     # workers); not a new session, so that whoever ends this process's session (a device run at its
     # time limit) ends the child too
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         **group)
+    p = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **group
+    )
     if ctx is not None:
         with ctx.lock:
             ctx.procs.add(p)
@@ -82,7 +88,7 @@ def run_child(argv: list[str], env: dict, timeout: float, ctx: Ctx | None = None
                 ctx.procs.discard(p)
     line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("RESULT ")), None)
     if line is not None:
-        return json.loads(line[len("RESULT "):])
+        return json.loads(line[len("RESULT ") :])
     return exit_error(p.returncode, out, err, ctx is not None and ctx.stopping)
 
 
@@ -115,8 +121,9 @@ def run_job(scenario: str, system: str, sc: dict, ctx: Ctx, priority: float = 0)
         if time_left(ctx) < 30:
             row["error"] = f"not run: the run's --deadline ({args.deadline:g} s) was reached"
             break
-        with ctx.slots.claim(dev, host, exclusive=alone, priority=priority,
-                             label=f"{system}@{row['model']}") as claim:
+        with ctx.slots.claim(
+            dev, host, exclusive=alone, priority=priority, label=f"{system}@{row['model']}"
+        ) as claim:
             left = time_left(ctx)
             if ctx.stopping:
                 row["error"] = "stopped: the suite was interrupted before this system ran"
@@ -133,18 +140,23 @@ def run_job(scenario: str, system: str, sc: dict, ctx: Ctx, priority: float = 0)
                 left = time_left(ctx)
                 if not turn or ctx.stopping or left < 30:
                     row["error"] = (
-                        "stopped: the suite was interrupted before this system ran" if ctx.stopping
+                        "stopped: the suite was interrupted before this system ran"
+                        if ctx.stopping
                         else f"not run: the run's --deadline ({args.deadline:g} s) was reached "
                         "while waiting for the host-heavy turn (another parent's offloading "
-                        "system)")
+                        "system)"
+                    )
                     break
                 timeout = min(args.timeout, left - 5)
-                res = run_child(child_argv(system, sc, ctx, soft_cap), child_env(system, ctx),
-                                timeout, ctx)
+                res = run_child(
+                    child_argv(system, sc, ctx, soft_cap), child_env(system, ctx), timeout, ctx
+                )
             shared, neighbours = claim.shared, sorted(claim.neighbours)
         if timeout < args.timeout and (res.get("error") or "").startswith("timed out"):
-            res["error"] = (f"not run to the end: the run's --deadline ({args.deadline:g} s) "
-                            f"stopped it after {timeout:.0f} s; {res['error']}")
+            res["error"] = (
+                f"not run to the end: the run's --deadline ({args.deadline:g} s) "
+                f"stopped it after {timeout:.0f} s; {res['error']}"
+            )
         why = None if alone or ctx.stopping else rerun_reason(res, soft_cap, shared)
         if why:
             row["first_try_error"] = why
@@ -168,10 +180,15 @@ def run_job(scenario: str, system: str, sc: dict, ctx: Ctx, priority: float = 0)
 def child_argv(system: str, sc: dict, ctx: Ctx, soft_cap: float | None) -> list[str]:
     args = ctx.args
     spec = {k: sc[k] for k in ("kind", "cfg", "batch", "seq", "cap_gib")}
-    spec.update(device=args.device, steps=sc.get("steps", args.steps),
-                warmup=sc.get("warmup", args.warmup),
-                settle=args.jobs > 1 and args.device == "cuda", ac_budget=args.ac_budget,
-                protrain_options=args.protrain_options, soft_cap_gib=soft_cap)
+    spec.update(
+        device=args.device,
+        steps=sc.get("steps", args.steps),
+        warmup=sc.get("warmup", args.warmup),
+        settle=args.jobs > 1 and args.device == "cuda",
+        ac_budget=args.ac_budget,
+        protrain_options=args.protrain_options,
+        soft_cap_gib=soft_cap,
+    )
     return [sys.executable, RUN_PY, "--one", system, "--spec", json.dumps(spec)]
 
 

@@ -5,6 +5,7 @@ is that of the largest depth that trained, with every attempt under ``search``. 
 cut short keeps its attempts (:func:`earlier_attempts`), so that --resume goes on from them instead
 of starting over.
 """
+
 from __future__ import annotations
 
 from .failures import not_run
@@ -12,16 +13,18 @@ from .scenarios import search_cfg
 from .scheduler import Ctx, run_job
 
 
-def search(system: str, sc: dict, ctx: Ctx, report, priority: float = 0,
-           earlier: dict | None = None) -> dict:
+def search(
+    system: str, sc: dict, ctx: Ctx, report, priority: float = 0, earlier: dict | None = None
+) -> dict:
     """The largest depth (GPT of width --search-width) ``system`` trains: double from --search-start
     until the first failure, then --search-refine bisection steps. The row is that of the largest
     that trained (or of the first attempt when none did), with every attempt under ``search``.
     ``earlier``: the row of a search that a deadline cut short (--resume): its attempts are kept and
     the search goes on from them."""
     args = ctx.args
-    attempts: dict[int, dict] = {k: r for k, r in earlier_attempts(earlier).items()
-                                 if not not_run(r)}
+    attempts: dict[int, dict] = {
+        k: r for k, r in earlier_attempts(earlier).items() if not not_run(r)
+    }
     stopped = "first failure"
 
     def attempt(n_layer: int) -> str:
@@ -65,11 +68,26 @@ def search(system: str, sc: dict, ctx: Ctx, report, priority: float = 0,
             break
     row = dict(attempts[ok if ok is not None else min(attempts)])
     row["layers"] = ok if ok is not None else min(attempts)
-    row["search"] = [{"layers": k, "params": r["params"], "tokens_per_s": r["tokens_per_s"],
-                      "peak_gib": r["peak_gib"], "error": (r["error"] or None) and r["error"][:300],
-                      "wall_s": r.get("wall_s")} for k, r in sorted(attempts.items())]
-    row["first_failure"] = None if bad is None else {
-        "layers": bad, "params": attempts[bad]["params"], "error": attempts[bad]["error"][:500]}
+    row["search"] = [
+        {
+            "layers": k,
+            "params": r["params"],
+            "tokens_per_s": r["tokens_per_s"],
+            "peak_gib": r["peak_gib"],
+            "error": (r["error"] or None) and r["error"][:300],
+            "wall_s": r.get("wall_s"),
+        }
+        for k, r in sorted(attempts.items())
+    ]
+    row["first_failure"] = (
+        None
+        if bad is None
+        else {
+            "layers": bad,
+            "params": attempts[bad]["params"],
+            "error": attempts[bad]["error"][:500],
+        }
+    )
     row["search_stopped"] = stopped
     if earlier and earlier.get("replaced_attempts"):
         # what --rerun-attempt measured again, as it was before
@@ -86,14 +104,18 @@ def earlier_attempts(row: dict | None) -> dict[int, dict]:
         return {}
     best = row.get("layers")
     if best is None:  # rows written before it was recorded: the largest attempt that trained
-        best = max((a["layers"] for a in row.get("search") or [] if a["error"] is None),
-                   default=None)
+        best = max(
+            (a["layers"] for a in row.get("search") or [] if a["error"] is None), default=None
+        )
     out = {}
     for a in row.get("search") or []:
         if a["layers"] == best:
-            full = {k: v for k, v in row.items()
-                    if k not in ("search", "first_failure", "search_stopped", "search_wall_s",
-                                 "resumed")}
+            full = {
+                k: v
+                for k, v in row.items()
+                if k
+                not in ("search", "first_failure", "search_stopped", "search_wall_s", "resumed")
+            }
             out[a["layers"]] = full
         else:
             out[a["layers"]] = dict(a, wall_s=a.get("wall_s") or 0, error=a["error"])

@@ -1,15 +1,16 @@
-"""What protrain knows of each FX node: its :class:`NodeAnnotation` under ``node.meta["protrain"]`` (phase,
-block, region, parameter and chunk), and how a joint graph's nodes split into forward and backward.
+"""What protrain knows of each FX node: its :class:`NodeAnnotation` under ``node.meta["protrain"]``
+(phase, block, region, parameter and chunk), and how a joint graph's nodes split into forward and
+backward.
 
-The ``annotate`` pass (passes/annotate.py) writes the annotations; passes, the profiler and the dumps read
-them here.
+The ``annotate`` pass (passes/annotate.py) writes the annotations; passes, the profiler and the
+dumps read them here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch.fx as fx
-
 
 META_KEY = "protrain"
 
@@ -45,10 +46,14 @@ def _backward_nodes_by_tangents(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def node_phases(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """"forward" or "backward" for every node of a joint (or inference) graph."""
+    """ "forward" or "backward" for every node of a joint (or inference) graph."""
     tagged = any("partitioner_tag" in n.meta for n in gm.graph.nodes)
     if tagged:
-        return {n: "backward" if n.meta.get("partitioner_tag") in _BACKWARD_TAGS or n.name.startswith("tangents")
-                else "forward" for n in gm.graph.nodes}
+        return {
+            n: "backward"
+            if n.meta.get("partitioner_tag") in _BACKWARD_TAGS or n.name.startswith("tangents")
+            else "forward"
+            for n in gm.graph.nodes
+        }
     backward = _backward_nodes_by_tangents(gm)
     return {n: "backward" if n in backward else "forward" for n in gm.graph.nodes}

@@ -1,15 +1,17 @@
 """Transformer-block detection from FX node metadata.
 
-A block is a repeated child of a container (``nn.ModuleList`` / ``nn.Sequential``): a module whose path ends
-in an integer index (``blocks.3``, ``transformer.h.0``, ``model.layers.11``) among siblings that all share
-one class (a one-layer model has one block) or of which at least two share a class (hybrid stacks). When several containers qualify (a ``Sequential`` inside each block, say), the one whose
-children cover the most forward nodes wins, ties going to the outermost. Everything else (embeddings,
-stems, heads, final norms, the loss) is a non-block region.
+A block is a repeated child of a container (``nn.ModuleList`` / ``nn.Sequential``): a module whose
+path ends in an integer index (``blocks.3``, ``transformer.h.0``, ``model.layers.11``) among
+siblings that all share one class (a one-layer model has one block) or of which at least two share a
+class (hybrid stacks). When several containers qualify (a ``Sequential`` inside each block, say),
+the one whose children cover the most forward nodes wins, ties going to the outermost. Everything
+else (embeddings, stems, heads, final norms, the loss) is a non-block region.
 
-Dynamo records the module path of every forward node in ``meta["nn_module_stack"]``; AOTAutograd copies it
-to the joint graph's forward nodes and puts the forward module's stack on backward nodes as
-``meta["fwd_nn_module_stack"]``.
+Dynamo records the module path of every forward node in ``meta["nn_module_stack"]``; AOTAutograd
+copies it to the joint graph's forward nodes and puts the forward module's stack on backward nodes
+as ``meta["fwd_nn_module_stack"]``.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -43,14 +45,15 @@ class BlockStructure:
         prefix = self.container + "." if self.container else ""
         if not path.startswith(prefix):
             return None
-        head = path[len(prefix):].split(".", 1)[0]
+        head = path[len(prefix) :].split(".", 1)[0]
         return self._by_name.get(prefix + head)
 
     def block_of_param(self, fqn: str) -> Block | None:
         return self.block_of_path(fqn.rsplit(".", 1)[0] if "." in fqn else "")
 
     def block_of_node(self, node: fx.Node) -> Block | None:
-        """Block of a node from its own module stack, or for backward nodes the forward module's stack."""
+        """Block of a node from its own module stack, or for backward nodes the forward module's
+        stack."""
         for key in ("nn_module_stack", "fwd_nn_module_stack"):
             stack = node.meta.get(key)
             if stack:
@@ -64,8 +67,8 @@ class BlockStructure:
 
 class WholeGraphBlock(BlockStructure):
     """The structure of a graph that is one block by itself: regional compilation
-    (``block.compile(backend="protrain")`` for every block) traces each block alone, with no container
-    around it, and every node of the graph belongs to that block."""
+    (``block.compile(backend="protrain")`` for every block) traces each block alone, with no
+    container around it, and every node of the graph belongs to that block."""
 
     def __init__(self, module_class: str):
         super().__init__("", [Block(0, "", module_class)])
@@ -84,11 +87,16 @@ def _class_name(cls) -> str:
 
 
 def detect_blocks(gm: fx.GraphModule, root=None) -> BlockStructure:
-    """Find the repeated blocks of the forward graph ``gm`` (a dynamo graph or a joint graph). ``root``: the
-    module dynamo traced, when known; a module compiled on its own (``module.compile()``: regional
-    compilation) whose graph holds no repeated children is one block (:class:`WholeGraphBlock`)."""
+    """Find the repeated blocks of the forward graph ``gm`` (a dynamo graph or a joint graph).
+    ``root``: the module dynamo traced, when known; a module compiled on its own
+    (``module.compile()``: regional compilation) whose graph holds no repeated children is one block
+    (:class:`WholeGraphBlock`)."""
     found = _detect(gm)
-    if not found.blocks and root is not None and getattr(root, "_compiled_call_impl", None) is not None:
+    if (
+        not found.blocks
+        and root is not None
+        and getattr(root, "_compiled_call_impl", None) is not None
+    ):
         return WholeGraphBlock(_class_name(type(root)))
     return found
 
@@ -118,10 +126,13 @@ def _detect(gm: fx.GraphModule) -> BlockStructure:
                 coverage[parent] += 1
                 counted.add(parent)
     if n_with_stack == 0:
-        return BlockStructure(None, [], reason="the graph carries no module metadata (nn_module_stack)")
+        return BlockStructure(
+            None, [], reason="the graph carries no module metadata (nn_module_stack)"
+        )
 
     def repeated(parent: str) -> bool:
-        # all children of one class (a one-layer model has a single block), or at least two sharing one
+        # all children of one class (a one-layer model has a single block), or at least two sharing
+        # one
         classes = list(children[parent].values())
         return len(set(classes)) == 1 or len(set(classes)) < len(classes)
 

@@ -1,37 +1,41 @@
-"""Builds the :class:`~protrain_fx.plan.plan.Plan` of one dynamo graph from its inputs, its blocks and the options
-(whose knobs the automatic plan, protrain_fx/autoplan.py, has filled in when it ran): the chunk layout, the
-block policies, and what the backend and the profiler read of the partitioned graphs (saved values).
+"""Builds the :class:`~protrain_fx.plan.plan.Plan` of one dynamo graph from its inputs, its blocks
+and the options (whose knobs the automatic plan, protrain_fx/autoplan.py, has filled in when it
+ran): the chunk layout, the block policies, and what the backend and the profiler read of the
+partitioned graphs (saved values).
 """
+
 from __future__ import annotations
 
-
-
 from protrain_fx import config
-
-from protrain_fx.runtime import distributed
 from protrain_fx.graph.blocks import BlockStructure
-from protrain_fx.plan.layout import choose_chunk_size, pack
 from protrain_fx.graph.inputs import GraphInput
 from protrain_fx.options import Options
 from protrain_fx.plan.cost_model import block_policy
+from protrain_fx.plan.layout import choose_chunk_size, pack
 from protrain_fx.plan.plan import BlockPlan, ChunkPlan, Plan
+from protrain_fx.runtime import distributed
 
 
 def block_knobs(options: Options, n_blocks: int, notes: list[str]) -> tuple[int, int]:
     """``n_swap`` / ``n_checkpoint`` for a graph with ``n_blocks`` blocks. The options are the whole
-    torch.compile call's: a model split by graph breaks has graphs with fewer blocks (or none), which take
-    as many as they have, in the interleaved order."""
+    torch.compile call's: a model split by graph breaks has graphs with fewer blocks (or none),
+    which take as many as they have, in the interleaved order."""
     n_swap, n_checkpoint = options.n_swap or 0, options.n_checkpoint or 0
     if n_swap + n_checkpoint > n_blocks:
         asked = (n_swap, n_checkpoint)
         n_swap = min(n_swap, n_blocks)
         n_checkpoint = min(n_checkpoint, n_blocks - n_swap)
-        notes.append(f"n_swap={asked[0]} / n_checkpoint={asked[1]} asked for more blocks than the {n_blocks} "
-                     f"detected in this graph: it swaps {n_swap} and recomputes {n_checkpoint}")
+        notes.append(
+            f"n_swap={asked[0]} / n_checkpoint={asked[1]} asked for more blocks than the "
+            f"{n_blocks} "
+            f"detected in this graph: it swaps {n_swap} and recomputes {n_checkpoint}"
+        )
     return n_swap, n_checkpoint
 
 
-def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructure, options: Options) -> Plan:
+def make_plan(
+    graph_name: str, inputs: list[GraphInput], structure: BlockStructure, options: Options
+) -> Plan:
     params = [(gi.fqn or gi.node_name, gi.nbytes) for gi in inputs if gi.is_param]
     chunk_size = options.chunk_size or choose_chunk_size(params)
     layout = pack(params, chunk_size)
@@ -55,7 +59,8 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
     notes = []
     if not structure.blocks:
         notes.append(
-            f"no transformer blocks detected ({structure.reason}); the model trains as one non-block "
+            f"no transformer blocks detected ({structure.reason}); the model trains as one "
+            "non-block "
             "region, so activation swapping and recomputation have nothing to act on"
         )
     if not params:
@@ -68,7 +73,10 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
         n_swap=n_swap,
         n_checkpoint=n_checkpoint,
         chunks=chunks,
-        blocks=[BlockPlan(b.name, block_policy(i, n_swap, n_checkpoint)) for i, b in enumerate(structure.blocks)],
+        blocks=[
+            BlockPlan(b.name, block_policy(i, n_swap, n_checkpoint))
+            for i, b in enumerate(structure.blocks)
+        ],
         graph_name=graph_name,
         block_container=structure.container,
         notes=notes,
@@ -84,5 +92,3 @@ def make_plan(graph_name: str, inputs: list[GraphInput], structure: BlockStructu
 
 
 # ------------------------------------------------------------------------------ chunk placement
-
-

@@ -1,7 +1,9 @@
-"""FX helpers shared by the passes, the profiler and the planner: new nodes with fake values, aliases,
-positions, chunk gradients, copies of graph modules and what a partitioned forward saves for backward. Importing
-it marks protrain's ordering ops as side effects for FX's dead-code elimination.
+"""FX helpers shared by the passes, the profiler and the planner: new nodes with fake values,
+aliases, positions, chunk gradients, copies of graph modules and what a partitioned forward saves
+for backward. Importing it marks protrain's ordering ops as side effects for FX's dead-code
+elimination.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,7 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from protrain_fx.runtime import ops
 
-for _op in ops.SIDE_EFFECT_OPS:  # dead-code elimination must keep them (they order copies and steps)
+# dead-code elimination must keep them (they order copies and steps)
+for _op in ops.SIDE_EFFECT_OPS:
     fx.node.has_side_effect(_op)
 
 
@@ -31,7 +34,8 @@ def _fake(x, mode):
 
 
 def call(gm: fx.GraphModule, target, args, kwargs=None, *, meta: dict | None = None) -> fx.Node:
-    """Insert ``target(*args, **kwargs)`` at the graph's current insertion point and give it a fake value."""
+    """Insert ``target(*args, **kwargs)`` at the graph's current insertion point and give it a
+    fake value."""
     kwargs = kwargs or {}
     node = gm.graph.call_function(target, tuple(args), kwargs)
     if meta:
@@ -83,10 +87,13 @@ def alias_closure(node: fx.Node) -> list[fx.Node]:
 
 
 def token_node(node: fx.Node) -> fx.Node:
-    """A node producing a tensor that is available once ``node`` has run (its first tensor output)."""
+    """A node producing a tensor that is available once ``node`` has run (its first tensor
+    output)."""
     if isinstance(node.meta.get("val"), torch.Tensor):
         return node
-    getitems = sorted((u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)), key=_order_key)
+    getitems = sorted(
+        (u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)), key=_order_key
+    )
     if getitems:
         return getitems[0]
     return node
@@ -104,11 +111,13 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
-def take_chunk_grads(gm: fx.GraphModule, slots_by_chunk: dict, target, keep_outputs: bool = False) -> list[fx.Node]:
+def take_chunk_grads(
+    gm: fx.GraphModule, slots_by_chunk: dict, target, keep_outputs: bool = False
+) -> list[fx.Node]:
     """Backward graph: for each ``(store id, chunk) -> [(output index, store entry)]``, insert
-    ``target(grads, [], store id, chunk, entries)`` right after the last of those gradients is computed and
-    return ``None`` in their places (the op owns them now), or, with ``keep_outputs``, still return them.
-    Returns the inserted nodes."""
+    ``target(grads, [], store id, chunk, entries)`` right after the last of those gradients is
+    computed and return ``None`` in their places (the op owns them now), or, with ``keep_outputs``,
+    still return them. Returns the inserted nodes."""
     from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
 
     graph = gm.graph
@@ -117,12 +126,20 @@ def take_chunk_grads(gm: fx.GraphModule, slots_by_chunk: dict, target, keep_outp
     pos = node_positions(graph)
     inserted = []
     for (store_id, chunk), slots in sorted(slots_by_chunk.items()):
-        grads = [(o, outputs[o], entry) for o, entry in slots if o < len(outputs) and isinstance(outputs[o], fx.Node)]
+        grads = [
+            (o, outputs[o], entry)
+            for o, entry in slots
+            if o < len(outputs) and isinstance(outputs[o], fx.Node)
+        ]
         if not grads:
             continue
         last = max((g for _, g, _ in grads), key=pos.__getitem__)
         with graph.inserting_before(last.next):
-            node = call(gm, target, ([g for _, g, _ in grads], [], store_id, chunk, [e for _, _, e in grads]))
+            node = call(
+                gm,
+                target,
+                ([g for _, g, _ in grads], [], store_id, chunk, [e for _, _, e in grads]),
+            )
         node.meta[META_KEY] = NodeAnnotation("backward", "non_block", chunk=chunk)
         inserted.append(node)
         if not keep_outputs:
@@ -135,31 +152,41 @@ def take_chunk_grads(gm: fx.GraphModule, slots_by_chunk: dict, target, keep_outp
 def saved_activation_bytes(joint, partition=None) -> int:
     """Device bytes forward keeps for backward in a joint graph (parameters and inputs excluded).
 
-    With ``partition`` (a callable running the partitioner on a copy of ``joint``): what the partitioner
-    really saves. Without: every forward value a backward node reads (what a plain partition would save,
-    an upper bound of the min-cut's choice)."""
+    With ``partition`` (a callable running the partitioner on a copy of ``joint``): what the
+    partitioner really saves. Without: every forward value a backward node reads (what a plain
+    partition would save, an upper bound of the min-cut's choice)."""
     if partition is not None:
         fw, bw = partition(copy_graph_module(joint))
         return sum(tensor_bytes(n) for n in saved_values(fw, bw) if n.op != "placeholder")
     from protrain_fx.graph.annotation import node_phases
 
     phases = node_phases(joint)
-    return sum(tensor_bytes(node) for node in joint.graph.nodes
-               if node.op == "call_function" and phases[node] == "forward"
-               and any(phases[u] == "backward" for u in node.users))
+    return sum(
+        tensor_bytes(node)
+        for node in joint.graph.nodes
+        if node.op == "call_function"
+        and phases[node] == "forward"
+        and any(phases[u] == "backward" for u in node.users)
+    )
 
 
 def saved_names(bw) -> list[str]:
-    """Backward's leading placeholders: the values forward saves for it, in forward's output order (tangents
-    and the RNG seed/offset inputs excluded)."""
-    return [n.name for n in bw.graph.nodes if n.op == "placeholder"
-            and not n.name.startswith(("tangents", "bwd_seed", "bwd_base_offset"))]
+    """Backward's leading placeholders: the values forward saves for it, in forward's output order
+    (tangents and the RNG seed/offset inputs excluded)."""
+    return [
+        n.name
+        for n in bw.graph.nodes
+        if n.op == "placeholder"
+        and not n.name.startswith(("tangents", "bwd_seed", "bwd_base_offset"))
+    ]
 
 
 def saved_values(fw, bw) -> list:
     """The forward graph's output nodes that backward receives as saved values."""
     outputs = list(next(n for n in fw.graph.nodes if n.op == "output").args[0])
-    return [n for n in outputs[len(outputs) - len(saved_names(bw)):] if isinstance(n, torch.fx.Node)]
+    return [
+        n for n in outputs[len(outputs) - len(saved_names(bw)) :] if isinstance(n, torch.fx.Node)
+    ]
 
 
 def tensor_bytes(node) -> int:
@@ -173,7 +200,8 @@ def tensor_bytes(node) -> int:
 
 
 def copy_graph_module(gm):
-    """A copy of ``gm`` whose nodes have their own (shallow-copied) meta dicts: the partitioner writes tags."""
+    """A copy of ``gm`` whose nodes have their own (shallow-copied) meta dicts: the partitioner
+    writes tags."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)

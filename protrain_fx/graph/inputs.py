@@ -1,8 +1,11 @@
-"""What each placeholder of a dynamo graph is: a parameter (with its FQN), a buffer, or a user input.
+"""What each placeholder of a dynamo graph is: a parameter (with its FQN), a buffer, or a user
+input.
 
-Dynamo deletes ``node.meta["grapharg"]`` once the backend returns, so :func:`capture_graph_inputs` must run
-on entry to the backend. Placeholders come in first-use order, which is the order chunks are packed in.
+Dynamo deletes ``node.meta["grapharg"]`` once the backend returns, so :func:`capture_graph_inputs`
+must run on entry to the backend. Placeholders come in first-use order, which is the order chunks
+are packed in.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,19 +17,22 @@ import torch.fx as fx
 # "L['self']", "L['args'][0]", "G['model']": the root of a dynamo source name.
 _ROOT_RE = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")
 # "._modules['blocks']", "._parameters['weight']", ".blocks", "[0]", "['key']"
-_PART_RE = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*|\d+)|\[(\d+)\]|\['([^']+)'\]")
+_PART_RE = re.compile(
+    r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*|\d+)|\[(\d+)\]|\['([^']+)'\]"
+)
 
 
 def fqn_from_source(name: str) -> str | None:
     """``L['self']._modules['blocks']._modules['0']._parameters['weight']`` -> ``blocks.0.weight``.
 
-    Also takes the attribute style (``L['self'].blocks[0].weight``) that other torch versions print and the
-    module paths of ``nn_module_stack`` (``L['self'].blocks.0``). Returns None for anything unparseable.
+    Also takes the attribute style (``L['self'].blocks[0].weight``) that other torch versions print
+    and the module paths of ``nn_module_stack`` (``L['self'].blocks.0``). Returns None for anything
+    unparseable.
     """
     m = _ROOT_RE.match(name)
     if m is None:
         return None
-    rest, parts, pos = name[m.end():], [], 0
+    rest, parts, pos = name[m.end() :], [], 0
     while pos < len(rest):
         pm = _PART_RE.match(rest, pos)
         if pm is None:
@@ -37,7 +43,8 @@ def fqn_from_source(name: str) -> str | None:
 
 
 def module_path(stack_entry_path: str) -> str:
-    """A module path from ``nn_module_stack`` (``L['self'].blocks.0``) as a plain FQN (``blocks.0``)."""
+    """A module path from ``nn_module_stack`` (``L['self'].blocks.0``) as a plain FQN
+    (``blocks.0``)."""
     fqn = fqn_from_source(stack_entry_path)
     return fqn if fqn is not None else stack_entry_path
 
@@ -60,8 +67,11 @@ class GraphInput:
         return self.kind == "param"
 
 
-def capture_graph_inputs(gm: fx.GraphModule, example_inputs) -> tuple[list[GraphInput], list[torch.Tensor | None]]:
-    """Describe every placeholder of ``gm`` and return the real parameter objects beside (None elsewhere)."""
+def capture_graph_inputs(
+    gm: fx.GraphModule, example_inputs
+) -> tuple[list[GraphInput], list[torch.Tensor | None]]:
+    """Describe every placeholder of ``gm`` and return the real parameter objects beside (None
+    elsewhere)."""
     infos, params = [], []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, node in enumerate(placeholders):
@@ -88,7 +98,9 @@ def capture_graph_inputs(gm: fx.GraphModule, example_inputs) -> tuple[list[Graph
                 source=src,
                 shape=tuple(ex.shape) if is_tensor and not _has_symbolic_shape(ex) else None,
                 dtype=ex.dtype if is_tensor else None,
-                nbytes=ex.numel() * ex.element_size() if is_tensor and not _has_symbolic_shape(ex) else 0,
+                nbytes=ex.numel() * ex.element_size()
+                if is_tensor and not _has_symbolic_shape(ex)
+                else 0,
             )
         )
         params.append(ex if kind == "param" else None)
@@ -100,8 +112,9 @@ def _has_symbolic_shape(t: torch.Tensor) -> bool:
 
 
 def joint_input_index(node: fx.Node, position: int) -> int | None:
-    """Index into the dynamo placeholders of a joint/fw graph placeholder (``meta["desc"]``), falling back
-    to its position for primals when the torch version has no descriptors. Tangents give None."""
+    """Index into the dynamo placeholders of a joint/fw graph placeholder (``meta["desc"]``),
+    falling back to its position for primals when the torch version has no descriptors. Tangents
+    give None."""
     desc = node.meta.get("desc")
     if desc is not None:
         idx = getattr(desc, "idx", None)

@@ -34,6 +34,7 @@ With ``gradient_checkpointing=True`` protrain's per-block plan (keep, swap or re
 fit the memory budget) replaces Hugging Face's recompute inside the transformer blocks; the callback
 logs one line saying so.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,10 @@ from protrain_fx import Options, ProtrainError, set_grad_accumulation
 try:
     from transformers import TrainerCallback
 except ImportError as e:  # pragma: no cover - the module is about transformers
-    raise ImportError("protrain_fx.integrations.transformers needs transformers and accelerate "
-                      "(pip install transformers accelerate)") from e
+    raise ImportError(
+        "protrain_fx.integrations.transformers needs transformers and accelerate "
+        "(pip install transformers accelerate)"
+    ) from e
 
 __all__ = ["SUPPORTED_OPTIM", "ProtrainCallback"]
 
@@ -69,7 +72,8 @@ class ProtrainCallback(TrainerCallback):
         if "optimizer" in options:
             raise ProtrainError(
                 "ProtrainCallback: leave out 'optimizer': protrain takes over the optimizer the "
-                "Trainer builds (pass yours as Trainer(optimizers=(opt, scheduler)))")
+                "Trainer builds (pass yours as Trainer(optimizers=(opt, scheduler)))"
+            )
         Options.from_dict(options)
         self.options = dict(options)
         self._compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ref(opt)
@@ -80,15 +84,18 @@ class ProtrainCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         _check_args(args, optimizer)
         if model is None or optimizer is None:
-            raise ProtrainError("ProtrainCallback: the Trainer handed on_train_begin no model or "
-                                "no optimizer; compiling with protrain needs both")
+            raise ProtrainError(
+                "ProtrainCallback: the Trainer handed on_train_begin no model or "
+                "no optimizer; compiling with protrain needs both"
+            )
         opt = _unwrap(optimizer)
         if type(opt) not in _OPTIMIZER_TYPES:
             raise ProtrainError(
                 f"ProtrainCallback: protrain takes over torch.optim.AdamW or torch.optim.Adam "
                 f"only, the Trainer's optimizer is {type(opt).__name__}; use "
                 f"TrainingArguments(optim='adamw_torch') (or 'adamw_torch_fused'), or pass "
-                f"Trainer(optimizers=(torch.optim.AdamW(...), scheduler))")
+                f"Trainer(optimizers=(torch.optim.AdamW(...), scheduler))"
+            )
         done = self._compiled.get(model)
         if done is not None and done() is opt:
             return  # train() again with the same optimizer: compiled for it already
@@ -97,19 +104,25 @@ class ProtrainCallback(TrainerCallback):
                 f"ProtrainCallback: the {type(model).__name__} is already compiled "
                 f"(model.compile(), or an earlier train() with another optimizer); pass the model "
                 f"uncompiled, and ProtrainCallback compiles it with protrain and the Trainer's "
-                f"optimizer")
+                f"optimizer"
+            )
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
             logger.warning(
                 "ProtrainCallback: gradient checkpointing is on; protrain's per-block plan (keep, "
                 "swap or recompute each block, chosen to fit the memory budget) replaces Hugging "
                 "Face's recompute inside the transformer blocks (ProtrainCallback(n_checkpoint=N) "
-                "makes N blocks recompute)")
+                "makes N blocks recompute)"
+            )
         set_grad_accumulation(opt, int(args.gradient_accumulation_steps))
         model.compile(backend="protrain", options={**self.options, "optimizer": opt})
         self._compiled[model] = weakref.ref(opt)
-        logger.info("ProtrainCallback: compiled the %s in place with backend='protrain' and the "
-                    "Trainer's %s (options %s)", type(model).__name__, type(opt).__name__,
-                    self.options)
+        logger.info(
+            "ProtrainCallback: compiled the %s in place with backend='protrain' and the "
+            "Trainer's %s (options %s)",
+            type(model).__name__,
+            type(opt).__name__,
+            self.options,
+        )
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -126,21 +139,26 @@ def _check_args(args, optimizer) -> None:
         raise ProtrainError(
             "ProtrainCallback compiles the model with protrain itself: leave TrainingArguments("
             "torch_compile, torch_compile_backend, torch_compile_mode) unset (accelerate would "
-            "compile it a second time, and takes only its own backend names)")
+            "compile it a second time, and takes only its own backend names)"
+        )
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-        raise ProtrainError("ProtrainCallback: protrain offloads and shards model states itself; "
-                            "leave out TrainingArguments(deepspeed=..., fsdp=...)")
+        raise ProtrainError(
+            "ProtrainCallback: protrain offloads and shards model states itself; "
+            "leave out TrainingArguments(deepspeed=..., fsdp=...)"
+        )
     world = int(getattr(args, "world_size", 1))
     if world > 1:
         raise ProtrainError(
             f"ProtrainCallback runs in one process (world_size is {world}): accelerate would wrap "
             f"the model in DistributedDataParallel, and protrain averages gradients and shards "
             f"offloaded chunks itself under torch.distributed; for data parallelism use protrain "
-            f"directly under torchrun (examples/train.py)")
+            f"directly under torchrun (examples/train.py)"
+        )
     optim = getattr(args.optim, "value", args.optim)
     if optimizer is None and optim not in SUPPORTED_OPTIM:
         raise ProtrainError(
             f"ProtrainCallback: TrainingArguments(optim={optim!r}) is not an optimizer protrain "
             f"can take over; use optim='adamw_torch' or 'adamw_torch_fused' (torch.optim.AdamW), "
             f"or pass Trainer(optimizers=(torch.optim.AdamW(...) or torch.optim.Adam(...), "
-            f"scheduler))")
+            f"scheduler))"
+        )

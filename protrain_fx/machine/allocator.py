@@ -1,20 +1,22 @@
-"""The CUDA caching allocator as a plan sees it: protrain turns expandable segments on, or budgets for their
-absence.
+"""The CUDA caching allocator as a plan sees it: protrain turns expandable segments on, or budgets
+for their absence.
 
-A plan's peak must hold as *reserved* device memory (what a per-process cap or the device's size bounds),
-not as allocated memory. PyTorch's default allocator carves requests out of fixed segments; protrain's chunk
-buffers, gradient buffers and swap slots (1.5 GiB each for a Llama-3.2-3B-shaped model) come and go and
-split those segments, and a later large request fails with gigabytes reserved but unallocated (the 3B shape
-at a 24 GiB cap: out of memory allocating 1.47 GiB with 4.07 GiB reserved and free). With expandable
-segments the allocator maps pages into one growing range per stream, so freed memory serves requests of any
-size: reserved stayed within 1-3% of allocated on the H200 (benchmarks/results/autoplan_h200.md).
+A plan's peak must hold as *reserved* device memory (what a per-process cap or the device's size
+bounds), not as allocated memory. PyTorch's default allocator carves requests out of fixed segments;
+protrain's chunk buffers, gradient buffers and swap slots (1.5 GiB each for a Llama-3.2-3B-shaped
+model) come and go and split those segments, and a later large request fails with gigabytes reserved
+but unallocated (the 3B shape at a 24 GiB cap: out of memory allocating 1.47 GiB with 4.07 GiB
+reserved and free). With expandable segments the allocator maps pages into one growing range per
+stream, so freed memory serves requests of any size: reserved stayed within 1-3% of allocated on the
+H200 (benchmarks/results/autoplan_h200.md).
 
-So, before a CUDA graph's plan allocates anything, :func:`prepare` turns expandable segments on (through
-torch's allocator settings; segments made from then on are expandable) unless the user's
-``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` names ``expandable_segments`` (their choice is kept) or
-the backend is ``cudaMallocAsync``. :func:`fragmentation` is the reserved-over-allocated factor the cost
-model then budgets, and :func:`describe` what the plan summary says about it.
+So, before a CUDA graph's plan allocates anything, :func:`prepare` turns expandable segments on
+(through torch's allocator settings; segments made from then on are expandable) unless the user's
+``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` names ``expandable_segments`` (their choice is
+kept) or the backend is ``cudaMallocAsync``. :func:`fragmentation` is the reserved-over-allocated
+factor the cost model then budgets, and :func:`describe` what the plan summary says about it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,9 +29,10 @@ from protrain_fx import config
 log = logging.getLogger("protrain_fx")
 
 # reserved over allocated peak, budgeted by the cost model:
-EXPANDABLE_FRAGMENTATION = 1.02  # expandable segments: 1.003-1.03 measured on the H200 without swapping
-# the default allocator: the 3B shape at 24 GiB failed at ~1.2 (18.47 GiB allocated + 4.07 reserved free
-# + the 1.47 GiB request, against a plan of 22.98 GiB at 1.02); the margin covers that and more
+# expandable segments: 1.003-1.03 measured on the H200 without swapping
+EXPANDABLE_FRAGMENTATION = 1.02
+# the default allocator: the 3B shape at 24 GiB failed at ~1.2 (18.47 GiB allocated + 4.07 reserved
+# free + the 1.47 GiB request, against a plan of 22.98 GiB at 1.02); the margin covers that and more
 SEGMENT_FRAGMENTATION = 1.25
 ASYNC_FRAGMENTATION = 1.05  # cudaMallocAsync: the driver's pool, no fixed segments
 
@@ -55,18 +58,23 @@ def user_settings() -> str:
 
 
 def decide(user: str, backend: str) -> tuple[bool, bool]:
-    """``(expandable, protrain_turns_it_on)`` for the user's allocator settings and torch's backend."""
+    """``(expandable, protrain_turns_it_on)`` for the user's allocator settings and torch's
+    backend."""
     if backend != "native":
         return False, False
-    named = [kv.split(":", 1) for kv in user.replace(" ", "").split(",") if kv.startswith("expandable_segments")]
+    named = [
+        kv.split(":", 1)
+        for kv in user.replace(" ", "").split(",")
+        if kv.startswith("expandable_segments")
+    ]
     if named:
         return named[-1][-1].lower() in ("true", "1"), False
     return True, True
 
 
 def prepare(device: torch.device) -> AllocatorState:
-    """Turn expandable segments on where the user left them unset (see the module docstring); the state of
-    the allocator the plan runs under."""
+    """Turn expandable segments on where the user left them unset (see the module docstring); the
+    state of the allocator the plan runs under."""
     global _state
     if device.type != "cuda":
         return CPU
@@ -75,19 +83,29 @@ def prepare(device: torch.device) -> AllocatorState:
         expandable, turn_on = decide(user_settings(), backend)
         if turn_on:
             try:
-                torch._C._accelerator_setAllocatorSettings("expandable_segments:True")  # private; 2.11, 2.13
+                # private; 2.11, 2.13
+                torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
             except (AttributeError, RuntimeError) as e:  # a build without the driver API
-                log.info("protrain: could not turn on expandable segments (%s); the plan budgets fragmentation", e)
+                log.info(
+                    "protrain: could not turn on expandable segments (%s); the plan budgets "
+                    "fragmentation",
+                    e,
+                )
                 expandable, turn_on = False, False
             else:
-                log.info("protrain: turned on the CUDA allocator's expandable segments (so that chunk buffers do "
-                         "not fragment memory); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False keeps it off")
+                log.info(
+                    "protrain: turned on the CUDA allocator's expandable segments (so that "
+                    "chunk buffers do "
+                    "not fragment memory); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False "
+                    "keeps it off"
+                )
         _state = AllocatorState(backend, expandable, turn_on)
     return _state
 
 
 def fragmentation(state: AllocatorState) -> float | None:
-    """The reserved-over-allocated factor to budget; None on the CPU (the cost model's own factor)."""
+    """The reserved-over-allocated factor to budget; None on the CPU (the cost model's own
+    factor)."""
     if state.backend == "cpu":
         return None
     if state.backend != "native":
@@ -101,7 +119,13 @@ def describe(state: AllocatorState) -> str:
     if state.backend != "native":
         return f"{state.backend} (reserved budgeted at {ASYNC_FRAGMENTATION:.2f}x allocated)"
     if state.expandable:
-        how = "turned on by protrain" if state.set_by_protrain else "as PYTORCH_CUDA_ALLOC_CONF says"
-        return f"expandable segments ({how}; reserved budgeted at {EXPANDABLE_FRAGMENTATION:.2f}x allocated)"
-    return (f"fixed segments (expandable_segments off as PYTORCH_CUDA_ALLOC_CONF says; reserved budgeted at "
-            f"{SEGMENT_FRAGMENTATION:.2f}x allocated)")
+        how = (
+            "turned on by protrain" if state.set_by_protrain else "as PYTORCH_CUDA_ALLOC_CONF says"
+        )
+        factor = f"{EXPANDABLE_FRAGMENTATION:.2f}x"
+        return f"expandable segments ({how}; reserved budgeted at {factor} allocated)"
+    return (
+        "fixed segments (expandable_segments off as PYTORCH_CUDA_ALLOC_CONF says; reserved "
+        "budgeted at "
+        f"{SEGMENT_FRAGMENTATION:.2f}x allocated)"
+    )

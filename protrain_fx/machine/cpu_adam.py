@@ -1,20 +1,22 @@
 """One-pass CPU AdamW over a flat chunk that also writes the chunk's transfer copy (bf16).
 
-The CPU step of an offloaded chunk is memory-bound: torch's fused CPU Adam reads parameter, gradient and
-both moments and writes parameter and moments (28 bytes per parameter), then refreshing the bf16 copy that
-the next host-to-device transfer sends is a second pass (6 more bytes, and another sweep through DRAM). This
-kernel does both in one pass (30 bytes). It is a few lines of C, built with the system C compiler at first
-use (``cc -O3 -fopenmp``, cached under ``protrain_fx.machine.profile.cache_root()/kernels``) and called
-through ctypes, which releases the GIL, so the worker thread runs it while Python goes on.
+The CPU step of an offloaded chunk is memory-bound: torch's fused CPU Adam reads parameter, gradient
+and both moments and writes parameter and moments (28 bytes per parameter), then refreshing the bf16
+copy that the next host-to-device transfer sends is a second pass (6 more bytes, and another sweep
+through DRAM). This kernel does both in one pass (30 bytes). It is a few lines of C, built with the
+system C compiler at first use (``cc -O3 -fopenmp``, cached under
+``protrain_fx.machine.profile.cache_root()/kernels``) and called through ctypes, which releases the
+GIL, so the worker thread runs it while Python goes on.
 
-It follows torch's fused CPU Adam (``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``) operation by operation
-(branch-free, so that it vectorizes):
-decoupled decay ``p *= 1 - lr*wd`` (or ``g += wd*p`` for Adam), ``m = m + (1-b1)*(g-m)`` as an fma (torch's
-lerp for weights below 0.5), ``v = v*b2 + ((1-b2)*g)*g``, ``p += -step_size * m / (sqrt(v)/sqrt(bc2) + eps)``
-with the scalars computed in double as torch does; the bf16 copy rounds to nearest even like ``Tensor.to``.
-Without a C compiler with OpenMP, or with ``PROTRAIN_CPU_ADAM=torch``, :func:`available` is False and the
-optimizer keeps torch's fused Adam plus a copy.
+It follows torch's fused CPU Adam (``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``) operation by
+operation (branch-free, so that it vectorizes): decoupled decay ``p *= 1 - lr*wd`` (or ``g += wd*p``
+for Adam), ``m = m + (1-b1)*(g-m)`` as an fma (torch's lerp for weights below 0.5), ``v = v*b2 +
+((1-b2)*g)*g``, ``p += -step_size * m / (sqrt(v)/sqrt(bc2) + eps)`` with the scalars computed in
+double as torch does; the bf16 copy rounds to nearest even like ``Tensor.to``. Without a C compiler
+with OpenMP, or with ``PROTRAIN_CPU_ADAM=torch``, :func:`available` is False and the optimizer keeps
+torch's fused Adam plus a copy.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,8 +37,10 @@ _SOURCE = r"""
 #include <string.h>
 #include <math.h>
 
-/* Branch-free inside the loops so that they vectorize: the scalars make every variant one formula (g * +-1
-   for maximize; p * (1 - lr*wd) for AdamW, else p * 1; g + p * wd for Adam only), exact where torch skips. */
+/* Branch-free inside the loops so that they vectorize: the scalars make every variant one formula
+(g * +-1
+   for maximize; p * (1 - lr*wd) for AdamW, else p * 1; g + p * wd for Adam only), exact where torch
+   skips. */
 #define ADAM_BODY(L2)                                                     \
     float gi = g[i] * grad_sign;                                          \
     float pi = p[i] * decay_factor;                                       \
@@ -64,10 +68,11 @@ static inline uint16_t to_bf16(float f) {
   return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
 }
 
-void protrain_adam_bf16(float* restrict p, const float* restrict g, float* restrict m, float* restrict v,
-                        uint16_t* restrict out, int64_t n, float grad_sign, float decay_factor, float l2,
-                        float exp_avg_coef, float beta2, float exp_avg_sq_coef, float neg_step_size,
-                        float bc2_sqrt, float eps, int nthreads) {
+void protrain_adam_bf16(float* restrict p, const float* restrict g, float* restrict m, float*
+restrict v,
+                        uint16_t* restrict out, int64_t n, float grad_sign, float decay_factor,
+                        float l2, float exp_avg_coef, float beta2, float exp_avg_sq_coef, float
+                        neg_step_size, float bc2_sqrt, float eps, int nthreads) {
   if (out && l2 != 0.0f) { ADAM_LOOP(1, 1) }
   else if (out)          { ADAM_LOOP(0, 1) }
   else if (l2 != 0.0f)   { ADAM_LOOP(1, 0) }
@@ -102,7 +107,15 @@ def _build() -> ctypes.CDLL:
     cc = config.settings().cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+    flags = [
+        "-O3",
+        "-march=native",
+        "-ffp-contract=off",
+        "-fno-math-errno",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+    ]
     key = hashlib.sha256("\0".join([_SOURCE, cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     d = _cache_dir()
     path = os.path.join(d, f"protrain_adam_{key}.so")
@@ -113,7 +126,9 @@ def _build() -> ctypes.CDLL:
             with open(src, "w") as f:
                 f.write(_SOURCE)
             out = os.path.join(tmp, "adam.so")
-            r = subprocess.run([cc, *flags, src, "-o", out, "-lm"], capture_output=True, text=True, timeout=120)
+            r = subprocess.run(
+                [cc, *flags, src, "-o", out, "-lm"], capture_output=True, text=True, timeout=120
+            )
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-500:]}")
             shutil.move(out, path + f".{os.getpid()}.tmp")
@@ -146,26 +161,56 @@ def build_error() -> str | None:
     return _build_error
 
 
-def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-              out_bf16: torch.Tensor | None, step: float, *, lr: float, beta1: float, beta2: float, eps: float,
-              weight_decay: float, decoupled: bool, maximize: bool) -> None:
-    """One Adam/AdamW step (``step`` is the count after this step, as torch increments before use) on flat,
-    contiguous fp32 CPU tensors, writing ``out_bf16`` (same length, bfloat16) when given."""
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out_bf16: torch.Tensor | None,
+    step: float,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+) -> None:
+    """One Adam/AdamW step (``step`` is the count after this step, as torch increments before use)
+    on flat, contiguous fp32 CPU tensors, writing ``out_bf16`` (same length, bfloat16) when given.
+    """
     tensors = (param, grad, exp_avg, exp_avg_sq)
     n = param.numel()
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+        if (
+            t.dtype != torch.float32
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.numel() != n
+        ):
             raise ValueError("adam_step needs contiguous fp32 CPU tensors of one length")
-    if out_bf16 is not None and (out_bf16.dtype != torch.bfloat16 or not out_bf16.is_contiguous()
-                                 or out_bf16.numel() != n):
+    if out_bf16 is not None and (
+        out_bf16.dtype != torch.bfloat16 or not out_bf16.is_contiguous() or out_bf16.numel() != n
+    ):
         raise ValueError("out_bf16 must be a contiguous bfloat16 tensor of the parameter's length")
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
     _lib.protrain_adam_bf16(
-        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-        out_bf16.data_ptr() if out_bf16 is not None else None, n,
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        out_bf16.data_ptr() if out_bf16 is not None else None,
+        n,
         -1.0 if maximize else 1.0,
         1 - lr * weight_decay if decoupled and weight_decay != 0 else 1.0,
         0.0 if decoupled else weight_decay,
-        1 - beta1, beta2, 1 - beta2, -(lr / bias_correction1), bias_correction2 ** 0.5, eps, torch.get_num_threads(),
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        -(lr / bias_correction1),
+        bias_correction2**0.5,
+        eps,
+        torch.get_num_threads(),
     )

@@ -1,7 +1,8 @@
-"""Measuring the machine: copy bandwidths between pinned host memory and the device (each way and both
-at once), the AdamW rate of the CPU step protrain runs for offloaded chunks and of the device's fused step.
-protrain_fx/machine/profile.py says what is measured, how, and why it is cached.
+"""Measuring the machine: copy bandwidths between pinned host memory and the device (each way and
+both at once), the AdamW rate of the CPU step protrain runs for offloaded chunks and of the device's
+fused step. protrain_fx/machine/profile.py says what is measured, how, and why it is cached.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -14,7 +15,6 @@ import time
 import torch
 
 from protrain_fx import config
-
 from protrain_fx.machine.memory import (
     cpu_model,
     device_name,
@@ -41,11 +41,11 @@ MiB = 1 << 20
 GPU_ADAM_BATCHES, GPU_ADAM_STEPS = 3, 5
 
 # measurement sizes (scaled down when memory is short)
-COPY_BYTES = 256 * MiB          # per copy on CUDA
+COPY_BYTES = 256 * MiB  # per copy on CUDA
 
-CPU_COPY_BYTES = 64 * MiB       # per copy on a CPU device
+CPU_COPY_BYTES = 64 * MiB  # per copy on a CPU device
 
-GPU_ADAM_NUMEL = 64 * MiB       # 64 M parameters: 1 GiB of param + grad + 2 moments
+GPU_ADAM_NUMEL = 64 * MiB  # 64 M parameters: 1 GiB of param + grad + 2 moments
 
 CPU_ADAM_NUMEL_MANY = 32 * MiB  # >= 8 usable cores
 
@@ -53,14 +53,18 @@ CPU_ADAM_NUMEL_FEW = 16 * MiB
 
 COPY_REPS = 3
 
-GPU_SLEEP_CYCLES = 10_000_000  # a few milliseconds of device-side sleep ahead of each timed Adam batch
+# a few milliseconds of device-side sleep ahead of each timed Adam batch
+GPU_SLEEP_CYCLES = 10_000_000
 
-CPU_ADAM_TARGET_S = 0.3         # time the timed CPU Adam steps may take, at least 3 and at most 10 steps
+# time the timed CPU Adam steps may take, at least 3 and at most 10 steps
+CPU_ADAM_TARGET_S = 0.3
 
-# ------------------------------------------------------------------------------------------- measurement
+
+# -------------------------------------------------------------------------------------------
+# measurement
 def measure_hardware(device: str | torch.device | None = None) -> HardwareProfile:
-    """Measure everything now (no cache). Runs outside any fake/functional tensor mode, so it may be called
-    from inside the backend."""
+    """Measure everything now (no cache). Runs outside any fake/functional tensor mode, so it may be
+    called from inside the backend."""
     dev = resolve_device(device)
     t0 = time.perf_counter()
     with no_dispatch_modes(), torch.no_grad():
@@ -70,14 +74,20 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
             torch.cuda.synchronize(dev)
             dev_free, dev_total = (int(x) for x in torch.cuda.mem_get_info(dev))
             nvml_total, nvml_free = nvml_memory(dev, dev_total)
-            (h2d, d2h, duplex, copy_bytes), (gpu_adam, gpu_numel) = _measure_cuda(dev, dev_free, host_available)
+            (h2d, d2h, duplex, copy_bytes), (gpu_adam, gpu_numel) = _measure_cuda(
+                dev, dev_free, host_available
+            )
         else:
             dev_free, dev_total = host_available, host_total
             copy_bytes = _fit(CPU_COPY_BYTES, host_available // 8, MiB)
             h2d, d2h, duplex = _measure_cpu_copies(copy_bytes)
             gpu_adam = gpu_numel = None
-        cpu_numel = _fit(CPU_ADAM_NUMEL_MANY if usable_cores() >= 8 else CPU_ADAM_NUMEL_FEW,
-                         host_available // (4 * 4 * 4), MiB)  # at most a quarter of the available RAM
+        cpu_numel = _fit(
+            CPU_ADAM_NUMEL_MANY if usable_cores() >= 8 else CPU_ADAM_NUMEL_FEW,
+            # at most a quarter of the available RAM
+            host_available // (4 * 4 * 4),
+            MiB,
+        )
         cpu_adam = _measure_cpu_adam(cpu_numel)
     memlock = memlock_limit()
     profile = HardwareProfile(
@@ -94,9 +104,9 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
         device_free_bytes=dev_free,
         host_total_bytes=host_total,
         host_available_bytes=host_available,
-        # torch's pinned memory (cudaHostAlloc) is pinned by the NVIDIA driver, which does not charge it to
-        # RLIMIT_MEMLOCK (a 64 KiB docker default would otherwise forbid any offload): no known cap beyond
-        # host RAM, so None; the rlimit itself is kept in memlock_limit_bytes
+        # torch's pinned memory (cudaHostAlloc) is pinned by the NVIDIA driver, which does not
+        # charge it to RLIMIT_MEMLOCK (a 64 KiB docker default would otherwise forbid any offload):
+        # no known cap beyond host RAM, so None; the rlimit itself is kept in memlock_limit_bytes
         pinned_limit_bytes=None,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hostname=socket.gethostname(),
@@ -115,14 +125,18 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
     profile._validate()
     return profile
 
+
 def _fit(target: int, limit: int, floor: int) -> int:
     """``target`` scaled down to ``limit`` (never below ``floor``), a multiple of ``floor``."""
     return max(floor, min(target, limit) // floor * floor)
 
+
 def _measure_cuda(dev: torch.device, free: int, host_available: int):
-    """Copies and device Adam, sized to a quarter of the free device (and available host) memory at most; on
-    an out-of-memory error (memory taken meanwhile) retried once at an eighth of the size."""
-    copy_bytes = _fit(COPY_BYTES, min(free, host_available) // 8, MiB)  # two device and two pinned buffers
+    """Copies and device Adam, sized to a quarter of the free device (and available host) memory at
+    most; on an out-of-memory error (memory taken meanwhile) retried once at an eighth of the size.
+    """
+    # two device and two pinned buffers
+    copy_bytes = _fit(COPY_BYTES, min(free, host_available) // 8, MiB)
     numel = _fit(GPU_ADAM_NUMEL, free // (4 * 4 * 4), MiB)  # four fp32 tensors
     for attempt in range(2):
         try:
@@ -130,18 +144,22 @@ def _measure_cuda(dev: torch.device, free: int, host_available: int):
         except torch.cuda.OutOfMemoryError:
             if attempt:
                 raise
-            log.warning("protrain hardware profile: out of device memory, measuring with smaller buffers")
+            log.warning(
+                "protrain hardware profile: out of device memory, measuring with smaller buffers"
+            )
             copy_bytes, numel = _fit(copy_bytes // 8, copy_bytes, MiB), _fit(numel // 8, numel, MiB)
         finally:
             _release_cuda_memory(dev)
 
-def _measure_cuda_copies(dev: torch.device, nbytes: int) -> tuple[float, float, float, int]:
-    """h2d, d2h (each alone) and duplex (both at once, total) bytes/s between pinned host and ``dev``.
 
-    Every copy runs on a dedicated stream: h2d on ``up``, d2h on ``down``. Each timed copy is bracketed by
-    events on its own stream; for the duplex case both streams wait for one start event (recorded on the
-    current stream after everything before it is done) and the time runs to the later of the two end events
-    (events on different streams of one device can be compared)."""
+def _measure_cuda_copies(dev: torch.device, nbytes: int) -> tuple[float, float, float, int]:
+    """h2d, d2h (each alone) and duplex (both at once, total) bytes/s between pinned host and
+    ``dev``.
+
+    Every copy runs on a dedicated stream: h2d on ``up``, d2h on ``down``. Each timed copy is
+    bracketed by events on its own stream; for the duplex case both streams wait for one start event
+    (recorded on the current stream after everything before it is done) and the time runs to the
+    later of the two end events (events on different streams of one device can be compared)."""
     with torch.cuda.device(dev):
         host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -188,9 +206,16 @@ def _measure_cuda_copies(dev: torch.device, nbytes: int) -> tuple[float, float, 
         t_h2d = statistics.median(alone(h2d, up) for _ in range(COPY_REPS))
         t_d2h = statistics.median(alone(d2h, down) for _ in range(COPY_REPS))
         t_both = statistics.median(both() for _ in range(COPY_REPS))
-        torch.cuda.synchronize(dev)  # nothing in flight when the buffers go (on return; then released)
+        # nothing in flight when the buffers go (on return; then released)
+        torch.cuda.synchronize(dev)
     tiny = 1e-9
-    return nbytes / max(t_h2d, tiny), nbytes / max(t_d2h, tiny), 2 * nbytes / max(t_both, tiny), nbytes
+    return (
+        nbytes / max(t_h2d, tiny),
+        nbytes / max(t_d2h, tiny),
+        2 * nbytes / max(t_both, tiny),
+        nbytes,
+    )
+
 
 def _adam_tensors(numel: int, device) -> tuple[list, list, list, list, list]:
     # initialized values (no denormals or NaNs from uninitialized memory, which can slow a CPU down)
@@ -198,37 +223,74 @@ def _adam_tensors(numel: int, device) -> tuple[list, list, list, list, list]:
     g = torch.full((numel,), 1e-3, dtype=torch.float32, device=device)
     m = torch.zeros(numel, dtype=torch.float32, device=device)
     v = torch.zeros(numel, dtype=torch.float32, device=device)
-    step = torch.zeros((), dtype=torch.float32, device=device)  # fused Adam keeps steps on the params' device
+    # fused Adam keeps steps on the params' device
+    step = torch.zeros((), dtype=torch.float32, device=device)
     return [p], [g], [m], [v], [step]
+
 
 def _adam_step(tensors) -> None:
     from torch.optim.adam import adam
 
     params, grads, m, v, steps = tensors
-    adam(params, grads, m, v, [], steps, foreach=False, fused=True, decoupled_weight_decay=True,
-         amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
+    adam(
+        params,
+        grads,
+        m,
+        v,
+        [],
+        steps,
+        foreach=False,
+        fused=True,
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=0.9,
+        beta2=0.999,
+        lr=1e-4,
+        weight_decay=0.01,
+        eps=1e-8,
+        maximize=False,
+    )
+
 
 def cpu_adam_kind() -> str:
     from protrain_fx.machine import cpu_adam
 
     return "one-pass kernel + bf16 copy" if cpu_adam.available() else "torch fused + bf16 copy"
 
+
 def _measure_cpu_adam(numel: int) -> float:
-    """The CPU step of an offloaded chunk as runtime/hybrid_optim.py runs it: AdamW over the flat chunk and its bf16
-    transfer copy (protrain_fx.machine.cpu_adam's one pass where it builds, else torch's fused Adam then a copy)."""
+    """The CPU step of an offloaded chunk as runtime/hybrid_optim.py runs it: AdamW over the flat
+    chunk and its bf16 transfer copy (protrain_fx.machine.cpu_adam's one pass where it builds, else
+    torch's fused Adam then a copy)."""
     from protrain_fx.machine import cpu_adam
 
     tensors = _adam_tensors(numel, "cpu")
     out = torch.empty(numel, dtype=torch.bfloat16)
     if cpu_adam.available():
+
         def step():
             (p,), (g,), (m,), (v,), _ = tensors
-            cpu_adam.adam_step(p, g, m, v, out, 1.0, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
-                               decoupled=True, maximize=False)
+            cpu_adam.adam_step(
+                p,
+                g,
+                m,
+                v,
+                out,
+                1.0,
+                lr=1e-4,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.01,
+                decoupled=True,
+                maximize=False,
+            )
     else:
+
         def step():
             _adam_step(tensors)
             out.copy_(tensors[0][0])
+
     t0 = time.perf_counter()
     step()  # warm-up
     warm = time.perf_counter() - t0
@@ -238,13 +300,15 @@ def _measure_cpu_adam(numel: int) -> float:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    # the fastest repetition: what the host can do; a busy moment (another process compiling) only slows some
+    # the fastest repetition: what the host can do; a busy moment (another process compiling) only
+    # slows some
     return numel / max(min(times), 1e-9)
 
+
 def _measure_gpu_adam(dev: torch.device, numel: int) -> float:
-    """Batches of ``GPU_ADAM_STEPS`` steps between two events, median over batches. Each batch is queued
-    behind a short device-side sleep, so the steps run back to back however slowly the host launches them
-    (a step of 64 M parameters is about half a millisecond on an H200)."""
+    """Batches of ``GPU_ADAM_STEPS`` steps between two events, median over batches. Each batch is
+    queued behind a short device-side sleep, so the steps run back to back however slowly the host
+    launches them (a step of 64 M parameters is about half a millisecond on an H200)."""
     sleep = getattr(torch.cuda, "_sleep", None)  # private (torch's own tests use it); optional
     with torch.cuda.device(dev):
         tensors = _adam_tensors(numel, dev)
@@ -265,9 +329,10 @@ def _measure_gpu_adam(dev: torch.device, numel: int) -> float:
         torch.cuda.synchronize(dev)
     return numel / max(statistics.median(times), 1e-9)
 
+
 def _measure_cpu_copies(nbytes: int) -> tuple[float, float, float]:
-    """On a CPU device "host" and "device" are both host memory: real copies; duplex runs the two copies in
-    two threads at once (``copy_`` releases the GIL)."""
+    """On a CPU device "host" and "device" are both host memory: real copies; duplex runs the two
+    copies in two threads at once (``copy_`` releases the GIL)."""
     a = torch.ones(nbytes, dtype=torch.uint8)
     b = torch.zeros(nbytes, dtype=torch.uint8)
     c = torch.ones(nbytes, dtype=torch.uint8)
@@ -301,20 +366,22 @@ def _measure_cpu_copies(nbytes: int) -> tuple[float, float, float]:
     tiny = 1e-9
     return nbytes / max(t_h2d, tiny), nbytes / max(t_d2h, tiny), 2 * nbytes / max(t_both, tiny)
 
+
 def _release_cuda_memory(dev: torch.device) -> None:
-    """Give the measurement's buffers back: device blocks to the driver (``empty_cache`` frees only unused
-    cached blocks) and pinned blocks to the OS (torch's caching host allocator would otherwise keep them
-    pinned for the life of the process)."""
+    """Give the measurement's buffers back: device blocks to the driver (``empty_cache`` frees only
+    unused cached blocks) and pinned blocks to the OS (torch's caching host allocator would
+    otherwise keep them pinned for the life of the process)."""
     with torch.cuda.device(dev):
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
     release_cached_pinned_memory()
 
 
-def hardware_profile(device: str | torch.device | None = None, *, refresh: bool = False,
-                     cache_dir: str | None = None) -> HardwareProfile:
-    """The hardware profile of ``device`` (default: the current CUDA device, else the CPU), from the cache
-    when there is a valid one, else measured (:func:`measure_hardware`) and stored."""
+def hardware_profile(
+    device: str | torch.device | None = None, *, refresh: bool = False, cache_dir: str | None = None
+) -> HardwareProfile:
+    """The hardware profile of ``device`` (default: the current CUDA device, else the CPU), from the
+    cache when there is a valid one, else measured (:func:`measure_hardware`) and stored."""
     dev = resolve_device(device)
     key = profile_key(dev)
     path = cache_path(key, cache_dir)

@@ -1,7 +1,8 @@
-"""How much memory there is, live: the device's total and free (torch, cross-checked with NVML), the host's
-total and available (``/proc/meminfo`` capped by the process's cgroup limit), the locked-memory limit, the
-usable cores. Budgets read these, never a cached profile.
+"""How much memory there is, live: the device's total and free (torch, cross-checked with NVML), the
+host's total and available (``/proc/meminfo`` capped by the process's cgroup limit), the
+locked-memory limit, the usable cores. Budgets read these, never a cached profile.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,23 +14,23 @@ import re
 import torch
 
 from protrain_fx import config
-
 from protrain_fx.errors import ProtrainError
-
 from protrain_fx.options import parse_bytes
 
 log = logging.getLogger(__name__)
 
-_UNLIMITED = 1 << 60            # cgroup "no limit" values are near 2**63
+_UNLIMITED = 1 << 60  # cgroup "no limit" values are near 2**63
 
-def current_memory(device: str | torch.device | None = None, *, include_allocator_cache: bool = False
-                   ) -> tuple[int, int, int, int]:
+
+def current_memory(
+    device: str | torch.device | None = None, *, include_allocator_cache: bool = False
+) -> tuple[int, int, int, int]:
     """Live ``(device_free, device_total, host_available, host_total)`` in bytes, never cached.
 
-    ``device_free`` is the driver's free memory (``torch.cuda.mem_get_info``); memory that this process's
-    caching allocator reserved but does not use counts as used, unless ``include_allocator_cache`` adds it
-    (``memory_reserved - memory_allocated``: reusable by this process, though maybe fragmented). On a CPU
-    device the device numbers are the host's."""
+    ``device_free`` is the driver's free memory (``torch.cuda.mem_get_info``); memory that this
+    process's caching allocator reserved but does not use counts as used, unless
+    ``include_allocator_cache`` adds it (``memory_reserved - memory_allocated``: reusable by this
+    process, though maybe fragmented). On a CPU device the device numbers are the host's."""
     dev = resolve_device(device)
     host_available, host_total = host_memory()
     if dev.type != "cuda":
@@ -39,11 +40,14 @@ def current_memory(device: str | torch.device | None = None, *, include_allocato
         free += max(0, torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
     return int(free), int(total), host_available, host_total
 
-# ------------------------------------------------------------------------------------------ machine facts
+
+# ------------------------------------------------------------------------------------------ machine
+# facts
 def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return cpu_model()
+
 
 def cpu_model() -> str:
     try:
@@ -57,11 +61,13 @@ def cpu_model() -> str:
         pass
     return platform.processor() or platform.machine() or "unknown"
 
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
 
 def memlock_limit() -> int | None:
     try:
@@ -72,14 +78,16 @@ def memlock_limit() -> int | None:
         return None
     return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
 
-def host_memory() -> tuple[int, int]:
-    """Live ``(available, total)`` host RAM in bytes: ``/proc/meminfo`` ``MemAvailable``/``MemTotal``, capped
-    by the memory limits of this process's cgroup and its ancestors (a container's limit is what pinned
-    pools run into); elsewhere ``psutil`` if it is installed, else ``sysconf``.
 
-    ``$PROTRAIN_HOST_MEMORY`` (bytes, or with a unit: ``240GiB``, ``256GB``) states the total instead, for
-    virtual machines whose ``MemTotal`` starts small and grows as memory is touched (a ballooned guest);
-    available is then that total less what is in use now."""
+def host_memory() -> tuple[int, int]:
+    """Live ``(available, total)`` host RAM in bytes: ``/proc/meminfo``
+    ``MemAvailable``/``MemTotal``, capped by the memory limits of this process's cgroup and its
+    ancestors (a container's limit is what pinned pools run into); elsewhere ``psutil`` if it is
+    installed, else ``sysconf``.
+
+    ``$PROTRAIN_HOST_MEMORY`` (bytes, or with a unit: ``240GiB``, ``256GB``) states the total
+    instead, for virtual machines whose ``MemTotal`` starts small and grows as memory is touched (a
+    ballooned guest); available is then that total less what is in use now."""
     meminfo = _read_meminfo()
     if meminfo is not None:
         available, total = meminfo
@@ -97,6 +105,7 @@ def host_memory() -> tuple[int, int]:
         available = min(available, cg_available)
     return max(0, int(available)), max(0, int(total))
 
+
 def _read_meminfo() -> tuple[int, int] | None:
     try:
         with open("/proc/meminfo") as f:
@@ -105,7 +114,9 @@ def _read_meminfo() -> tuple[int, int] | None:
                 name, _, rest = line.partition(":")
                 parts = rest.split()
                 if parts:
-                    fields[name] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+                    fields[name] = int(parts[0]) * (
+                        1024 if len(parts) > 1 and parts[1] == "kB" else 1
+                    )
     except (OSError, ValueError):
         return None
     if "MemTotal" not in fields:
@@ -114,6 +125,7 @@ def _read_meminfo() -> tuple[int, int] | None:
     if available is None:  # kernels before 3.14
         available = fields.get("MemFree", 0) + fields.get("Buffers", 0) + fields.get("Cached", 0)
     return available, fields["MemTotal"]
+
 
 def _portable_host_memory() -> tuple[int, int]:
     try:
@@ -134,6 +146,7 @@ def _portable_host_memory() -> tuple[int, int]:
     except (ValueError, OSError, AttributeError):
         return 0, 0
 
+
 def _read_int(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -146,6 +159,7 @@ def _read_int(path: str) -> int | None:
         return int(text)
     except ValueError:
         return None
+
 
 def _read_stat(path: str, names: tuple[str, ...]) -> int:
     try:
@@ -161,10 +175,12 @@ def _read_stat(path: str, names: tuple[str, ...]) -> int:
                 return 0
     return 0
 
+
 def _cgroup_memory() -> tuple[int, int] | None:
-    """``(available, limit)`` under the tightest finite cgroup memory limit on the way from this process's
-    cgroup to the root (v2 ``memory.max``, v1 ``memory.limit_in_bytes``); available = limit - (usage -
-    inactive file cache, which the kernel reclaims). None when no finite limit is found."""
+    """``(available, limit)`` under the tightest finite cgroup memory limit on the way from this
+    process's cgroup to the root (v2 ``memory.max``, v1 ``memory.limit_in_bytes``); available =
+    limit - (usage - inactive file cache, which the kernel reclaims). None when no finite limit is
+    found."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
@@ -177,15 +193,25 @@ def _cgroup_memory() -> tuple[int, int] | None:
             continue
         _, controllers, rel = parts
         if controllers == "":  # v2
-            candidates.append(("/sys/fs/cgroup", rel, "memory.max", "memory.current", ("inactive_file",)))
+            candidates.append(
+                ("/sys/fs/cgroup", rel, "memory.max", "memory.current", ("inactive_file",))
+            )
         elif "memory" in controllers.split(","):  # v1
-            candidates.append(("/sys/fs/cgroup/memory", rel, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                               ("total_inactive_file", "inactive_file")))
+            candidates.append(
+                (
+                    "/sys/fs/cgroup/memory",
+                    rel,
+                    "memory.limit_in_bytes",
+                    "memory.usage_in_bytes",
+                    ("total_inactive_file", "inactive_file"),
+                )
+            )
     best = None
     seen = set()
     for mount, rel, limit_file, usage_file, stat_names in candidates:
         rel = rel.strip("/")
-        while True:  # the process's cgroup, then its ancestors (only the ones visible in this namespace)
+        # the process's cgroup, then its ancestors (only the ones visible in this namespace)
+        while True:
             folder = os.path.join(mount, rel) if rel else mount
             if folder not in seen:
                 seen.add(folder)
@@ -194,17 +220,23 @@ def _cgroup_memory() -> tuple[int, int] | None:
                     usage = _read_int(os.path.join(folder, usage_file)) or 0
                     inactive = _read_stat(os.path.join(folder, "memory.stat"), stat_names)
                     available = max(0, limit - max(0, usage - inactive))
-                    best = (available, limit) if best is None else (min(best[0], available), min(best[1], limit))
+                    best = (
+                        (available, limit)
+                        if best is None
+                        else (min(best[0], available), min(best[1], limit))
+                    )
             if not rel:
                 break
             rel = os.path.dirname(rel)
     return best
 
+
 @contextlib.contextmanager
 def nvml_device(dev: torch.device):
     """Yields ``(pynvml, handle)`` for ``dev`` (matched by UUID, so ``CUDA_VISIBLE_DEVICES`` and
-    ``CUDA_DEVICE_ORDER`` cannot pick another GPU; else torch's own index mapping when the names agree), or
-    ``None`` when pynvml, the driver library or the match is missing; NVML is shut down afterwards."""
+    ``CUDA_DEVICE_ORDER`` cannot pick another GPU; else torch's own index mapping when the names
+    agree), or ``None`` when pynvml, the driver library or the match is missing; NVML is shut down
+    afterwards."""
     try:
         import pynvml
     except Exception:  # noqa: BLE001 - any import problem just means no NVML
@@ -225,9 +257,11 @@ def nvml_device(dev: torch.device):
                 break
             except Exception:  # noqa: BLE001
                 continue
-        if handle is None:  # torch's own index mapping (honours CUDA_VISIBLE_DEVICES), if the names agree
+        # torch's own index mapping (honours CUDA_VISIBLE_DEVICES), if the names agree
+        if handle is None:
             with contextlib.suppress(Exception):
-                h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(dev))  # private
+                # private
+                h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(dev))
                 name = pynvml.nvmlDeviceGetName(h)
                 name = name.decode() if isinstance(name, bytes) else name
                 if name == torch.cuda.get_device_name(dev):
@@ -239,9 +273,10 @@ def nvml_device(dev: torch.device):
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
 
+
 def nvml_memory(dev: torch.device, torch_total: int) -> tuple[int | None, int | None]:
-    """``(total, free)`` of ``dev`` according to pynvml (:func:`nvml_device`), or ``(None, None)``. Logs a
-    warning when the totals disagree by more than 5%."""
+    """``(total, free)`` of ``dev`` according to pynvml (:func:`nvml_device`), or ``(None, None)``.
+    Logs a warning when the totals disagree by more than 5%."""
     with nvml_device(dev) as found:
         if found is None:
             return None, None
@@ -253,12 +288,18 @@ def nvml_memory(dev: torch.device, torch_total: int) -> tuple[int | None, int | 
             return None, None
     total, free = int(info.total), int(info.free)
     if torch_total and abs(total - torch_total) > 0.05 * torch_total:
-        log.warning("protrain hardware profile: NVML reports %d bytes on %s, torch %d", total, dev, torch_total)
+        log.warning(
+            "protrain hardware profile: NVML reports %d bytes on %s, torch %d",
+            total,
+            dev,
+            torch_total,
+        )
     return total, free
 
+
 def _uuid_candidates(u) -> list[str]:
-    """NVML spells a UUID ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``; torch's ``_CUuuid`` prints the hex
-    part (and has ``bytes``): try every spelling."""
+    """NVML spells a UUID ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``; torch's ``_CUuuid`` prints
+    the hex part (and has ``bytes``): try every spelling."""
     if u is None:
         return []
     out = []
@@ -273,7 +314,8 @@ def _uuid_candidates(u) -> list[str]:
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """``None`` -> the current CUDA device if there is one, else the CPU; ``"cuda"`` -> ``cuda:<current>``."""
+    """``None`` -> the current CUDA device if there is one, else the CPU; ``"cuda"`` ->
+    ``cuda:<current>``."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)

@@ -1,67 +1,71 @@
-"""ProTrain's cost model: predicted iteration time and peak device memory of a plan, from a graph profile
-and a hardware profile.
+"""ProTrain's cost model: predicted iteration time and peak device memory of a plan, from a graph
+profile and a hardware profile.
 
 Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
 
     T = T_fwd + max(T_bwd + T_gpu_optim, T_first_grad + T_cpu_optim)
 
-* ``T_fwd``: per chunk in forward order, its compute, or for an offloaded chunk ``max(compute, h2d)`` (the
-  gather is prefetched ahead: a gather copies its chunk out of its buffer, which the next prefetch then
-  refills, so even one buffer overlaps the copy of the next chunk with the compute of this one).
-* ``T_bwd``: per chunk in reverse, its backward compute plus the recompute of its checkpointed blocks, or
-  for an offloaded chunk the max of that and its traffic: the re-gather (none for the chunks the last
-  ``n_buffer`` forward gathers left in their buffers) and the fp32 gradient going down, at the duplex rate
-  when both run. Swap adds what physics forces: the swapped bytes' copy down and up beyond the compute that
-  can hide it (everything between block 0's forward and block 0's backward), measured to hold on the H200.
-* Data parallel (replicated resident chunks): the part of their gradients' all-reduces that the backward
-  of earlier chunks cannot hide, and the compute the overlapped part slows down
+* ``T_fwd``: per chunk in forward order, its compute, or for an offloaded chunk ``max(compute,
+  h2d)`` (the gather is prefetched ahead: a gather copies its chunk out of its buffer, which the
+  next prefetch then refills, so even one buffer overlaps the copy of the next chunk with the
+  compute of this one).
+* ``T_bwd``: per chunk in reverse, its backward compute plus the recompute of its checkpointed
+  blocks, or for an offloaded chunk the max of that and its traffic: the re-gather (none for the
+  chunks the last ``n_buffer`` forward gathers left in their buffers) and the fp32 gradient going
+  down, at the duplex rate when both run. Swap adds what physics forces: the swapped bytes' copy
+  down and up beyond the compute that can hide it (everything between block 0's forward and block
+  0's backward), measured to hold on the H200.
+* Data parallel (replicated resident chunks): the part of their gradients' all-reduces that the
+  backward of earlier chunks cannot hide, and the compute the overlapped part slows down
   (:data:`COLLECTIVE_CONTENTION`).
-* ``T_cpu_optim``: offloaded parameters over the CPU Adam rate, times the slowdown measured when it runs
-  inside a training step (``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default); it starts once
-  the first offloaded gradient is on the host (``T_first_grad``). ``T_gpu_optim``: resident parameters
-  over the device Adam rate.
-* Casts the profiled step does not run (its chunks all arrive in the compute dtype and its gradients are
-  dropped), priced at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): with autocast, forward
-  casts every resident parameter to the compute dtype, recomputation casts again those of checkpointed
-  blocks, and backward casts their gradients back to the master dtype; an offloaded chunk's gradients are
-  packed into a master-dtype buffer, and each of its gathers (forward and backward) copies the chunk out
-  of its device buffer.
+* ``T_cpu_optim``: offloaded parameters over the CPU Adam rate, times the slowdown measured when it
+  runs inside a training step (``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default); it
+  starts once the first offloaded gradient is on the host (``T_first_grad``). ``T_gpu_optim``:
+  resident parameters over the device Adam rate.
+* Casts the profiled step does not run (its chunks all arrive in the compute dtype and its gradients
+  are dropped), priced at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): with autocast,
+  forward casts every resident parameter to the compute dtype, recomputation casts again those of
+  checkpointed blocks, and backward casts their gradients back to the master dtype; an offloaded
+  chunk's gradients are packed into a master-dtype buffer, and each of its gathers (forward and
+  backward) copies the chunk out of its device buffer.
 
-Peak (bytes): resident chunks with their two Adam moments, the chunk buffers and the two gradient buffers
-(the gathered copies of offloaded chunks in use are part of the profiled step's transient),
-and the larger end of backward: at its start the activations each block's policy keeps (keep: what forward
-saves; recompute: its input; swap: what stays on the device), the compute-dtype copies of resident
-parameters that autocast made, and the largest transient of backward (the non-block working set such as
-logits, a recomputed block's activations, the swap reload window of two blocks); at its end the resident
-gradients. Times the allocator factor (:data:`FRAGMENTATION` unless calibrated; :data:`SWAP_FRAGMENTATION`
-more when blocks swap).
+Peak (bytes): resident chunks with their two Adam moments, the chunk buffers and the two gradient
+buffers (the gathered copies of offloaded chunks in use are part of the profiled step's transient),
+and the larger end of backward: at its start the activations each block's policy keeps (keep: what
+forward saves; recompute: its input; swap: what stays on the device), the compute-dtype copies of
+resident parameters that autocast made, and the largest transient of backward (the non-block working
+set such as logits, a recomputed block's activations, the swap reload window of two blocks); at its
+end the resident gradients. Times the allocator factor (:data:`FRAGMENTATION` unless calibrated;
+:data:`SWAP_FRAGMENTATION` more when blocks swap).
 
-Everything is arranged so that one (chunk size, n_buffer, n_swap, n_checkpoint) costs O(chunks + blocks)
-and each n_persist after that O(1) (prefix sums): the search evaluates every plan exactly.
+Everything is arranged so that one (chunk size, n_buffer, n_swap, n_checkpoint) costs O(chunks +
+blocks) and each n_persist after that O(1) (prefix sums): the search evaluates every plan exactly.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-
 FRAGMENTATION = 1.10  # ProTrain's allocator factor; calibrated per machine when measurements exist
-# reserved over allocated when blocks swap: the host-reload buffers come and go in sizes that fragment the
-# allocator (H200, expandable segments: 1.06 and 1.08 with swapping, 1.003-1.03 without;
-# benchmarks/results/autoplan_h200.md), on top of the profile's factor
+# reserved over allocated when blocks swap: the host-reload buffers come and go in sizes that
+# fragment the allocator (H200, expandable segments: 1.06 and 1.08 with swapping, 1.003-1.03
+# without; benchmarks/results/autoplan_h200.md), on top of the profile's factor
 SWAP_FRAGMENTATION = 1.07
-# CPU Adam inside a training step vs alone: the step of CPU-bound plans, less forward and the first gradient,
-# over the offloaded parameters at the alone rate (the hardware profile's fastest repetition). On the H200
-# hosts 1.12-1.33 over eight such plans, median 1.25 (benchmarks/results/autoplan_h200.md, runs 4-7; the
-# chunk issue's per-phase timers measured 1.10-1.15 for the step's part inside backward alone)
+# CPU Adam inside a training step vs alone: the step of CPU-bound plans, less forward and the first
+# gradient, over the offloaded parameters at the alone rate (the hardware profile's fastest
+# repetition). On the H200 hosts 1.12-1.33 over eight such plans, median 1.25
+# (benchmarks/results/autoplan_h200.md, runs 4-7; the chunk issue's per-phase timers measured
+# 1.10-1.15 for the step's part inside backward alone)
 CPU_CONTENTION = 1.25
-# compute kernels slow down while an NCCL collective runs beside them (its kernels take SMs and memory
-# bandwidth): the 1.4B GPT's backward on 2 H200s (NVLink) ran 4.8 ms longer over the 19.6 ms its resident
-# all-reduces overlapped it (benchmarks/results/dp_h200.md, run 4's trace): 0.24 ms per ms of overlap
+# compute kernels slow down while an NCCL collective runs beside them (its kernels take SMs and
+# memory bandwidth): the 1.4B GPT's backward on 2 H200s (NVLink) ran 4.8 ms longer over the 19.6 ms
+# its resident all-reduces overlapped it (benchmarks/results/dp_h200.md, run 4's trace): 0.24 ms per
+# ms of overlap
 COLLECTIVE_CONTENTION = 0.24
-# fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes three), so
-# the device's Adam rate times this is the memory bandwidth its streaming kernels get (H200: ~3.4 TB/s),
-# the rate of the dtype casts below
+# fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes
+# three), so the device's Adam rate times this is the memory bandwidth its streaming kernels get
+# (H200: ~3.4 TB/s), the rate of the dtype casts below
 ADAM_BYTES_PER_PARAM = 28
 ADAM_STATES = 2
 GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (runtime/chunk_buffers.py)
@@ -87,7 +91,8 @@ class ChunkProfile:
     numel: int  # parameters (padding included: the whole chunk moves)
     fwd_s: float  # forward compute from this chunk's gather to the next chunk's
     bwd_s: float  # backward compute of the same stretch
-    blocks: tuple[int, ...] = ()  # blocks whose compute falls in that stretch (their recompute lands here)
+    # blocks whose compute falls in that stretch (their recompute lands here)
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,13 +105,16 @@ class GraphProfile:
     nonblock_fwd_s: float = 0.0
     nonblock_bwd_s: float = 0.0
     nonblock_saved_bytes: int = 0
-    transient_bytes: int = 0  # largest working set of backward outside saved activations (logits, loss)
+    # largest working set of backward outside saved activations (logits, loss)
+    transient_bytes: int = 0
     master_elem: int = 4
     transfer_elem: int = 2
-    # forward saves a compute-dtype copy of resident parameters that autocast casts (offloaded chunks arrive
-    # in that dtype and are re-gathered in backward instead): bytes per resident parameter element
+    # forward saves a compute-dtype copy of resident parameters that autocast casts (offloaded
+    # chunks arrive in that dtype and are re-gathered in backward instead): bytes per resident
+    # parameter element
     resident_cast_elem: int = 0
-    fragmentation: float = FRAGMENTATION  # reserved / allocated; calibrate from measurements where known
+    # reserved / allocated; calibrate from measurements where known
+    fragmentation: float = FRAGMENTATION
 
 
 @dataclass(frozen=True)
@@ -116,16 +124,19 @@ class Hardware:
     duplex_bytes_per_s: float
     cpu_adam_params_per_s: float
     gpu_adam_params_per_s: float
-    # data parallelism (protrain_fx/runtime/distributed.py): ranks, and the collectives' bus rate (an all-gather or
-    # reduce-scatter of B bytes moves B (N-1)/N per rank; an all-reduce twice that), measured at planning
+    # data parallelism (protrain_fx/runtime/distributed.py): ranks, and the collectives' bus rate
+    # (an all-gather or reduce-scatter of B bytes moves B (N-1)/N per rank; an all-reduce twice
+    # that), measured at planning
     world_size: int = 1
     collective_bytes_per_s: float = math.inf
-    # CPU Adam inside a training step against ``cpu_adam_params_per_s`` (the hardware profile's rate alone)
+    # CPU Adam inside a training step against ``cpu_adam_params_per_s`` (the hardware profile's rate
+    # alone)
     cpu_contention: float = CPU_CONTENTION
     # compute seconds lost per second of a collective overlapping it
     collective_contention: float = COLLECTIVE_CONTENTION
-    # the compute device is the host's CPU: the offloaded chunks' CPU optimizer shares the cores that compute,
-    # so it adds to the step instead of running beside backward (offloading then only pays under a budget)
+    # the compute device is the host's CPU: the offloaded chunks' CPU optimizer shares the cores
+    # that compute, so it adds to the step instead of running beside backward (offloading then only
+    # pays under a budget)
     shared_compute: bool = False
 
     def collective_s(self, nbytes: float, passes: int = 1) -> float:
@@ -136,8 +147,13 @@ class Hardware:
     @classmethod
     def of(cls, profile) -> "Hardware":
         """From a :class:`protrain_fx.machine.profile.HardwareProfile`."""
-        return cls(profile.h2d_bytes_per_s, profile.d2h_bytes_per_s, profile.duplex_bytes_per_s,
-                   profile.cpu_adam_params_per_s, profile.gpu_adam_params_per_s)
+        return cls(
+            profile.h2d_bytes_per_s,
+            profile.d2h_bytes_per_s,
+            profile.duplex_bytes_per_s,
+            profile.cpu_adam_params_per_s,
+            profile.gpu_adam_params_per_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -159,28 +175,38 @@ class Prediction:
 
 
 class _ProfileArrays:
-    """What LayoutCosts needs of a (profile, hardware, n_buffer) whatever the activation knobs: built once."""
+    """What LayoutCosts needs of a (profile, hardware, n_buffer) whatever the activation knobs:
+    built once."""
 
     def __init__(self, prof: GraphProfile, hw: Hardware, n_buffer: int):
         blocks, chunks = prof.blocks, prof.chunks
         n = len(chunks)
         me, te = prof.master_elem, prof.transfer_elem
-        self.block_chunks = [0] * len(blocks)  # a block spread over several chunks recomputes once, split
+        # a block spread over several chunks recomputes once, split
+        self.block_chunks = [0] * len(blocks)
         for ch in chunks:
             for b in ch.blocks:
                 self.block_chunks[b] += 1
         self.fwd_res, self.fwd_off, self.comm = [0.0], [0.0], []
-        shard = 1 / hw.world_size  # with several ranks a rank moves its shard and the collectives the rest
+        # with several ranks a rank moves its shard and the collectives the rest
+        shard = 1 / hw.world_size
         for c, ch in enumerate(chunks):
             h2d = ch.numel * te * shard / hw.h2d_bytes_per_s + hw.collective_s(ch.numel * te)
             f = ch.fwd_s
             self.fwd_res.append(self.fwd_res[-1] + f)
             self.fwd_off.append(self.fwd_off[-1] + max(f, h2d))
-            up = 0 if c >= n - n_buffer else ch.numel * te  # the last n_buffer chunks stay in their buffers
+            # the last n_buffer chunks stay in their buffers
+            up = 0 if c >= n - n_buffer else ch.numel * te
             down = ch.numel * me
-            self.comm.append(max(up * shard / hw.h2d_bytes_per_s, down * shard / hw.d2h_bytes_per_s,
-                                 (up + down) * shard / hw.duplex_bytes_per_s)
-                             + hw.collective_s(up) + hw.collective_s(down))
+            self.comm.append(
+                max(
+                    up * shard / hw.h2d_bytes_per_s,
+                    down * shard / hw.d2h_bytes_per_s,
+                    (up + down) * shard / hw.duplex_bytes_per_s,
+                )
+                + hw.collective_s(up)
+                + hw.collective_s(down)
+            )
         self.numel, self.resident_bytes = [0], [0]
         for ch in chunks:
             self.numel.append(self.numel[-1] + ch.numel)
@@ -189,19 +215,35 @@ class _ProfileArrays:
         for c in range(n - 1, -1, -1):
             self.largest_offloaded[c] = max(self.largest_offloaded[c + 1], chunks[c].numel)
         last = chunks[-1] if chunks else None
-        self.first_grad_s = (last.bwd_s + last.numel * me * shard / hw.d2h_bytes_per_s
-                             + hw.collective_s(last.numel * me)) if last else 0.0
+        self.first_grad_s = (
+            (
+                last.bwd_s
+                + last.numel * me * shard / hw.d2h_bytes_per_s
+                + hw.collective_s(last.numel * me)
+            )
+            if last
+            else 0.0
+        )
         self.hw, self.prof = hw, prof
-        # the casts' seconds per resident parameter (forward's cast to the compute dtype) and per offloaded one
-        # (its gradient packed), at the device's streaming rate
+        # the casts' seconds per resident parameter (forward's cast to the compute dtype) and per
+        # offloaded one (its gradient packed), at the device's streaming rate
         rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM  # bytes per second
         ce = prof.resident_cast_elem
         self.cast_per_param = (me + ce) / rate if ce else 0.0
         self.pack_per_param = (te + me + 4 * te) / rate  # gradient packing, two gathers' copies
-        self.compute_s = sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
+        self.compute_s = (
+            sum(ch.fwd_s + ch.bwd_s for ch in chunks) + prof.nonblock_fwd_s + prof.nonblock_bwd_s
+        )
         self.swap_window_s = self.compute_s - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
-        # by block: prefix sums of what each policy keeps on the device, of the swappable bytes, of recompute
-        self.keep, self.inp, self.swap_res, self.swappable, self.recompute = [0], [0], [0], [0], [0.0]
+        # by block: prefix sums of what each policy keeps on the device, of the swappable bytes, of
+        # recompute
+        self.keep, self.inp, self.swap_res, self.swappable, self.recompute = (
+            [0],
+            [0],
+            [0],
+            [0],
+            [0.0],
+        )
         for blk in blocks:
             self.keep.append(self.keep[-1] + blk.keep_bytes)
             self.inp.append(self.inp[-1] + blk.input_bytes)
@@ -210,47 +252,65 @@ class _ProfileArrays:
             self.recompute.append(self.recompute[-1] + blk.recompute_cost_s)
 
     def activation_bytes(self, n_swap: int, n_checkpoint: int) -> int:
-        """What forward leaves on the device for backward: non-block saves, what swap blocks cannot swap,
-        recomputed blocks' inputs, kept blocks' activations."""
+        """What forward leaves on the device for backward: non-block saves, what swap blocks cannot
+        swap, recomputed blocks' inputs, kept blocks' activations."""
         end_rc, n_blocks = n_swap + n_checkpoint, len(self.keep) - 1
-        return (self.prof.nonblock_saved_bytes + self.swap_res[n_swap] + (self.inp[end_rc] - self.inp[n_swap])
-                + (self.keep[n_blocks] - self.keep[end_rc]))
+        return (
+            self.prof.nonblock_saved_bytes
+            + self.swap_res[n_swap]
+            + (self.inp[end_rc] - self.inp[n_swap])
+            + (self.keep[n_blocks] - self.keep[end_rc])
+        )
 
     def peak_lower_bound(self, n_swap: int, n_checkpoint: int) -> int:
-        """A peak no plan of this (n_swap, n_checkpoint) goes under, in O(1): the activations its policies
-        keep plus backward's transient, times the profile's allocator factor (every n_persist adds to it)."""
+        """A peak no plan of this (n_swap, n_checkpoint) goes under, in O(1): the activations its
+        policies keep plus backward's transient, times the profile's allocator factor (every
+        n_persist adds to it)."""
         act = self.activation_bytes(n_swap, n_checkpoint)
         return int((act + self.prof.transient_bytes) * self.prof.fragmentation)
 
-    def lower_bound_s(self, n_swap: int, n_checkpoint: int, device_budget: int | None = None) -> float:
-        """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): forward's and backward's compute,
-        the recompute of its checkpointed blocks, the swap copy it cannot hide even with no cast copies
-        among the bytes, and, at the best resident share, the casts and the optimizers. With ``R`` resident
-        parameters out of ``P`` the step is at least ``F + cf(R) + max(B + cb(R) + R / gpu, (P - R) / cpu)``
-        (transfers, the first gradient and collectives only add): the larger of two lines in ``R``, least
-        at an end or where they cross (a real ``R`` between chunk boundaries only lowers it). With a
-        ``device_budget``, ``R`` goes no higher than what fits next to the layout's activations: resident
-        parameters and their two moments, activations and transient, times the allocator factor, are
-        part of every peak."""
+    def lower_bound_s(
+        self, n_swap: int, n_checkpoint: int, device_budget: int | None = None
+    ) -> float:
+        """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): forward's and backward's
+        compute, the recompute of its checkpointed blocks, the swap copy it cannot hide even with no
+        cast copies among the bytes, and, at the best resident share, the casts and the optimizers.
+        With ``R`` resident parameters out of ``P`` the step is at least ``F + cf(R) + max(B + cb(R)
+        + R / gpu, (P - R) / cpu)`` (transfers, the first gradient and collectives only add): the
+        larger of two lines in ``R``, least at an end or where they cross (a real ``R`` between
+        chunk boundaries only lowers it). With a ``device_budget``, ``R`` goes no higher than what
+        fits next to the layout's activations: resident parameters and their two moments,
+        activations and transient, times the allocator factor, are part of every peak."""
         prof, hw = self.prof, self.hw
         nbytes = self.swappable[n_swap]
         copy = nbytes / hw.d2h_bytes_per_s + nbytes / hw.h2d_bytes_per_s
         exposed = max(0.0, copy - self.swap_window_s) if nbytes else 0.0
         fwd = self.fwd_res[-1] + prof.nonblock_fwd_s
-        bwd = self.compute_s - fwd + self.recompute[n_swap + n_checkpoint] - self.recompute[n_swap] + exposed
+        bwd = (
+            self.compute_s
+            - fwd
+            + self.recompute[n_swap + n_checkpoint]
+            - self.recompute[n_swap]
+            + exposed
+        )
         total = self.numel[-1]
         if not total:
             return fwd + bwd
         n_blocks = len(self.keep) - 1
         cast, pack, me = self.cast_per_param, self.pack_per_param, prof.master_elem
         ckpt = n_checkpoint / n_blocks if n_blocks else 0.0
-        cpu = hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s  # per offloaded parameter
+        # per offloaded parameter
+        cpu = hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s
         # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side
         a0, a1 = fwd + bwd + total * pack, cast * (2 + ckpt) - pack + 1 / hw.gpu_adam_params_per_s
         b0, b1 = fwd + total * cpu, cast - cpu
         top = float(total)
         if device_budget is not None:
-            room = device_budget / prof.fragmentation - self.activation_bytes(n_swap, n_checkpoint) - prof.transient_bytes
+            room = (
+                device_budget / prof.fragmentation
+                - self.activation_bytes(n_swap, n_checkpoint)
+                - prof.transient_bytes
+            )
             top = min(top, max(0.0, room / ((1 + ADAM_STATES) * me)))
         points = [0.0, top]
         if a1 != b1:
@@ -259,11 +319,18 @@ class _ProfileArrays:
 
 
 class LayoutCosts:
-    """Every cost of one (profile, n_buffer, n_swap, n_checkpoint) that does not depend on n_persist, and
-    prefix sums to price each n_persist in O(1)."""
+    """Every cost of one (profile, n_buffer, n_swap, n_checkpoint) that does not depend on
+    n_persist, and prefix sums to price each n_persist in O(1)."""
 
-    def __init__(self, prof: GraphProfile, hw: Hardware, n_buffer: int, n_swap: int, n_checkpoint: int,
-                 arrays: _ProfileArrays | None = None):
+    def __init__(
+        self,
+        prof: GraphProfile,
+        hw: Hardware,
+        n_buffer: int,
+        n_swap: int,
+        n_checkpoint: int,
+        arrays: _ProfileArrays | None = None,
+    ):
         self.prof, self.hw = prof, hw
         self.n_buffer, self.n_swap, self.n_checkpoint = n_buffer, n_swap, n_checkpoint
         blocks, chunks = prof.blocks, prof.chunks
@@ -272,7 +339,11 @@ class LayoutCosts:
             raise ValueError(f"n_swap + n_checkpoint = {n_swap + n_checkpoint} > {n_blocks} blocks")
         A = arrays or _ProfileArrays(prof, hw, n_buffer)
         self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
-        self.numel, self.resident_bytes, self.largest_offloaded = A.numel, A.resident_bytes, A.largest_offloaded
+        self.numel, self.resident_bytes, self.largest_offloaded = (
+            A.numel,
+            A.resident_bytes,
+            A.largest_offloaded,
+        )
         self.first_grad_s, self.swap_window_s = A.first_grad_s, A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
         # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
@@ -285,11 +356,12 @@ class LayoutCosts:
             bwd_res.append(bwd_res[-1] + b)
             bwd_off.append(bwd_off[-1] + max(b, A.comm[c]))
         self.bwd_res, self.bwd_off = bwd_res, bwd_off
-        # ---- data parallel: resident chunks' all-reduces, one per chunk as soon as its backward is done,
-        # back to back on the link while backward goes on with the chunks before it. With resident chunks
-        # 0..n_persist-1 (backward reaches chunk 0 last) the last one finishes max_k(A_k - B_k) after the end
-        # of backward (A_k: all-reduce time of chunks 0..k, B_k: backward time of chunks before k); prefix
-        # maxima price every n_persist in O(1)
+        # ---- data parallel: resident chunks' all-reduces, one per chunk as soon as its backward is
+        # done, back to back on the link while backward goes on with the chunks before it. With
+        # resident chunks
+        # 0..n_persist-1 (backward reaches chunk 0 last) the last one finishes max_k(A_k - B_k)
+        # after the end of backward (A_k: all-reduce time of chunks 0..k, B_k: backward time of
+        # chunks before k); prefix maxima price every n_persist in O(1)
         self.allreduce_exposed = [0.0] * (len(chunks) + 1)
         self.allreduce_s = [0.0] * (len(chunks) + 1)  # all of it, of chunks [0, n_persist)
         if hw.world_size > 1:
@@ -303,9 +375,14 @@ class LayoutCosts:
         self.swap_fraction = n_swap / n_blocks if n_blocks else 0.0
         self.swapped_bytes = A.swappable[n_swap]
         self.activation_bytes = A.activation_bytes(n_swap, n_checkpoint)
-        swap_window = sum(sorted((blocks[i].keep_bytes for i in range(n_swap)), reverse=True)[:2]) if n_swap else 0
+        swap_window = (
+            sum(sorted((blocks[i].keep_bytes for i in range(n_swap)), reverse=True)[:2])
+            if n_swap
+            else 0
+        )
         recompute_peak = max((blocks[i].keep_bytes for i in range(first_rc, end_rc)), default=0)
-        # the cast copies are saved by blocks that keep (recompute redoes the cast, swap moves it to the host)
+        # the cast copies are saved by blocks that keep (recompute redoes the cast, swap moves it to
+        # the host)
         self.keep_fraction = (n_blocks - n_swap - n_checkpoint) / n_blocks if n_blocks else 1.0
         self.checkpoint_fraction = n_checkpoint / n_blocks if n_blocks else 0.0
         self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window)
@@ -314,17 +391,20 @@ class LayoutCosts:
 
     # ------------------------------------------------------------------------------ per n_persist
     def peak_bytes(self, n_persist: int) -> int:
-        """Resident parameters and moments, the chunk and gradient buffers, and the larger of the two ends of
-        backward: at its start every saved activation (plus the cast copies of resident parameters) and
-        the transient; at its end the resident gradients (activations freed block by block as gradients
-        appear, so in between the sum stays under the larger end). With several ranks the resident
-        gradients are averaged in place (passes/resident_grads.py): no more memory."""
+        """Resident parameters and moments, the chunk and gradient buffers, and the larger of the
+        two ends of backward: at its start every saved activation (plus the cast copies of resident
+        parameters) and the transient; at its end the resident gradients (activations freed block by
+        block as gradients appear, so in between the sum stays under the larger end). With several
+        ranks the resident gradients are averaged in place (passes/resident_grads.py): no more
+        memory."""
         prof = self.prof
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)  # params, moments
         grads = self.resident_bytes[n_persist]  # with several ranks too: averaged in place
         casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
         big = self.largest_offloaded[n_persist]
-        buffers = self.n_buffer * big * prof.transfer_elem + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
+        buffers = self.n_buffer * big * prof.transfer_elem + (
+            GRAD_BUFFERS * big * prof.master_elem if big else 0
+        )
         live = max(self.activation_bytes + casts + self.transient_bytes, grads)
         return int(math.ceil((states + buffers + live) * self.fragmentation))
 
@@ -333,9 +413,16 @@ class LayoutCosts:
         prof = self.prof
         offloaded = (self.numel[-1] - self.numel[n_persist]) // self.hw.world_size
         big = self.largest_offloaded[n_persist]
-        # fp32 master, gradient accumulator and two moments, the transfer copy; staging; the swap pool
-        per_param = prof.master_elem * (2 + ADAM_STATES) + (prof.transfer_elem if prof.transfer_elem != prof.master_elem else 0)
-        return offloaded * per_param + (STAGING * big * prof.transfer_elem if big else 0) + self.swapped_total(n_persist)
+        # fp32 master, gradient accumulator and two moments, the transfer copy; staging; the swap
+        # pool
+        per_param = prof.master_elem * (2 + ADAM_STATES) + (
+            prof.transfer_elem if prof.transfer_elem != prof.master_elem else 0
+        )
+        return (
+            offloaded * per_param
+            + (STAGING * big * prof.transfer_elem if big else 0)
+            + self.swapped_total(n_persist)
+        )
 
     def swapped_total(self, n_persist: int) -> int:
         """Swapped activations plus the cast copies of resident parameters that swap blocks save."""
@@ -343,7 +430,8 @@ class LayoutCosts:
         return self.swapped_bytes + casts if self.swapped_bytes else 0
 
     def swap_exposed_s(self, n_persist: int) -> float:
-        """The swapped bytes' copy down and up beyond the compute between block 0's forward and backward."""
+        """The swapped bytes' copy down and up beyond the compute between block 0's forward and
+        backward."""
         nbytes = self.swapped_total(n_persist)
         if not nbytes:
             return 0.0
@@ -353,14 +441,22 @@ class LayoutCosts:
     def time_s(self, n_persist: int, detail: bool = False):
         n = len(self.prof.chunks)
         prof, hw = self.prof, self.hw
-        t_fwd = self.fwd_res[n_persist] + (self.fwd_off[n] - self.fwd_off[n_persist]) + prof.nonblock_fwd_s
+        t_fwd = (
+            self.fwd_res[n_persist]
+            + (self.fwd_off[n] - self.fwd_off[n_persist])
+            + prof.nonblock_fwd_s
+        )
         swap_exposed = self.swap_exposed_s(n_persist) if self.swapped_bytes else 0.0
-        t_bwd = (self.bwd_res[n_persist] + (self.bwd_off[n] - self.bwd_off[n_persist]) + prof.nonblock_bwd_s
-                 + swap_exposed)
+        t_bwd = (
+            self.bwd_res[n_persist]
+            + (self.bwd_off[n] - self.bwd_off[n_persist])
+            + prof.nonblock_bwd_s
+            + swap_exposed
+        )
         resident = self.numel[n_persist]
         offloaded = self.numel[n] - resident
-        # replicated resident chunks: what of their gradients' all-reduce backward cannot hide, and the
-        # compute the rest of it slows down
+        # replicated resident chunks: what of their gradients' all-reduce backward cannot hide, and
+        # the compute the rest of it slows down
         exposed = self.allreduce_exposed[n_persist]
         contention = (self.allreduce_s[n_persist] - exposed) * hw.collective_contention
         t_bwd += exposed + contention
@@ -368,38 +464,65 @@ class LayoutCosts:
         t_fwd += cast_fwd
         t_bwd += cast_bwd
         t_gpu = resident / hw.gpu_adam_params_per_s
-        t_cpu = offloaded / hw.world_size / hw.cpu_adam_params_per_s * hw.cpu_contention if offloaded else 0.0
+        t_cpu = (
+            offloaded / hw.world_size / hw.cpu_adam_params_per_s * hw.cpu_contention
+            if offloaded
+            else 0.0
+        )
         t_first = self.first_grad_s if offloaded else 0.0
-        t = t_fwd + (t_bwd + t_gpu + t_cpu if hw.shared_compute else max(t_bwd + t_gpu, t_first + t_cpu))
+        t = t_fwd + (
+            t_bwd + t_gpu + t_cpu if hw.shared_compute else max(t_bwd + t_gpu, t_first + t_cpu)
+        )
         if not detail:
             return t
-        return t, {"fwd_s": t_fwd, "bwd_s": t_bwd, "gpu_optim_s": t_gpu, "cpu_optim_s": t_cpu,
-                   "first_grad_s": t_first, "swap_exposed_s": swap_exposed, "cast_s": cast_fwd + cast_bwd,
-                   "allreduce_exposed_s": exposed, "collective_contention_s": contention}
+        return t, {
+            "fwd_s": t_fwd,
+            "bwd_s": t_bwd,
+            "gpu_optim_s": t_gpu,
+            "cpu_optim_s": t_cpu,
+            "first_grad_s": t_first,
+            "swap_exposed_s": swap_exposed,
+            "cast_s": cast_fwd + cast_bwd,
+            "allreduce_exposed_s": exposed,
+            "collective_contention_s": contention,
+        }
 
     def cast_s(self, n_persist: int) -> tuple[float, float]:
-        """Forward's and backward's dtype casts that the profiled step did not run (module docstring)."""
+        """Forward's and backward's dtype casts that the profiled step did not run (module
+        docstring)."""
         resident = self.numel[n_persist]
         cast = resident * self.cast_per_param
-        return cast, cast + cast * self.checkpoint_fraction + (self.numel[-1] - resident) * self.pack_per_param
+        return cast, cast + cast * self.checkpoint_fraction + (
+            self.numel[-1] - resident
+        ) * self.pack_per_param
 
     def timeline(self, n_persist: int) -> list[list]:
-        """Predicted device memory over one step, ``[t_s, bytes, label]`` at every block boundary: model
-        states and buffers throughout; forward adds what each block keeps under its policy, backward gives
-        it back block by block while resident gradients appear; times are the blocks' compute scaled to the
-        predicted forward and backward. Points are allocator-factor scaled like :meth:`peak_bytes`."""
+        """Predicted device memory over one step, ``[t_s, bytes, label]`` at every block boundary:
+        model states and buffers throughout; forward adds what each block keeps under its policy,
+        backward gives it back block by block while resident gradients appear; times are the blocks'
+        compute scaled to the predicted forward and backward. Points are allocator-factor scaled
+        like :meth:`peak_bytes`."""
         prof, frag = self.prof, self.fragmentation
         t_total, parts = self.time_s(n_persist, detail=True)
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)
         big = self.largest_offloaded[n_persist]
-        static = states + self.n_buffer * big * prof.transfer_elem + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
+        static = (
+            states
+            + self.n_buffer * big * prof.transfer_elem
+            + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
+        )
         blocks, n = prof.blocks, len(prof.blocks)
         casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
         kept = []
         for i, b in enumerate(blocks):
             policy = block_policy(i, self.n_swap, self.n_checkpoint)
-            kept.append(b.swap_resident_bytes if policy == "swap" else b.input_bytes if policy == "recompute"
-                        else b.keep_bytes + (casts // max(1, n - self.n_swap - self.n_checkpoint)))
+            kept.append(
+                b.swap_resident_bytes
+                if policy == "swap"
+                else b.input_bytes
+                if policy == "recompute"
+                else b.keep_bytes + (casts // max(1, n - self.n_swap - self.n_checkpoint))
+            )
         fwd_total = sum(b.fwd_s for b in blocks) + prof.nonblock_fwd_s or 1.0
         bwd_total = sum(b.bwd_s for b in blocks) + prof.nonblock_bwd_s or 1.0
         f_scale, b_scale = parts["fwd_s"] / fwd_total, (t_total - parts["fwd_s"]) / bwd_total
@@ -424,24 +547,33 @@ class LayoutCosts:
 
     def predict(self, n_persist: int) -> Prediction:
         t, parts = self.time_s(n_persist, detail=True)
-        parts.update(activation_bytes=self.activation_bytes, transient_bytes=self.transient_bytes,
-                     swapped_bytes=self.swapped_total(n_persist))
-        knobs = Knobs(self.prof.chunk_size, n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
+        parts.update(
+            activation_bytes=self.activation_bytes,
+            transient_bytes=self.transient_bytes,
+            swapped_bytes=self.swapped_total(n_persist),
+        )
+        knobs = Knobs(
+            self.prof.chunk_size, n_persist, self.n_buffer, self.n_swap, self.n_checkpoint
+        )
         return Prediction(knobs, t, self.peak_bytes(n_persist), self.host_bytes(n_persist), parts)
 
 
 def predict(prof: GraphProfile, hw: Hardware, knobs: Knobs) -> Prediction:
     """The predicted time, peak and pinned host bytes of one plan."""
     if knobs.chunk_size != prof.chunk_size:
-        raise ValueError(f"profile is for chunk size {prof.chunk_size}, knobs ask {knobs.chunk_size}")
+        raise ValueError(
+            f"profile is for chunk size {prof.chunk_size}, knobs ask {knobs.chunk_size}"
+        )
     if not 0 <= knobs.n_persist <= len(prof.chunks):
         raise ValueError(f"n_persist {knobs.n_persist} outside 0..{len(prof.chunks)}")
-    return LayoutCosts(prof, hw, knobs.n_buffer, knobs.n_swap, knobs.n_checkpoint).predict(knobs.n_persist)
+    return LayoutCosts(prof, hw, knobs.n_buffer, knobs.n_swap, knobs.n_checkpoint).predict(
+        knobs.n_persist
+    )
 
 
 def block_policy(index: int, n_swap: int, n_checkpoint: int) -> str:
-    """ProTrain's interleaved layout: the first n_swap blocks swap (their copies have the most later compute
-    to hide behind), the next n_checkpoint recompute, the rest keep their activations."""
+    """ProTrain's interleaved layout: the first n_swap blocks swap (their copies have the most later
+    compute to hide behind), the next n_checkpoint recompute, the rest keep their activations."""
     if index < n_swap:
         return "swap"
     if index < n_swap + n_checkpoint:
@@ -449,8 +581,15 @@ def block_policy(index: int, n_swap: int, n_checkpoint: int) -> str:
     return "keep"
 
 
-def estimate_device_bytes(chunk_bytes: list[int], n_persist: int, n_buffer: int, transfer_elem: int,
-                          master_elem: int, activation_bytes: int, optimizer_states: int) -> dict[str, int]:
+def estimate_device_bytes(
+    chunk_bytes: list[int],
+    n_persist: int,
+    n_buffer: int,
+    transfer_elem: int,
+    master_elem: int,
+    activation_bytes: int,
+    optimizer_states: int,
+) -> dict[str, int]:
     """Device memory of a placement, by component (before the fragmentation factor)."""
     resident = sum(chunk_bytes[:n_persist])
     largest_offloaded = max(chunk_bytes[n_persist:], default=0) // master_elem * transfer_elem
@@ -459,6 +598,7 @@ def estimate_device_bytes(chunk_bytes: list[int], n_persist: int, n_buffer: int,
         "resident_grads": resident,
         "resident_optimizer": resident * optimizer_states,
         "chunk_buffers": n_buffer * largest_offloaded,
-        "grad_buffers": 2 * max(chunk_bytes[n_persist:], default=0),  # device gradient buffers, master dtype
+        # device gradient buffers, master dtype
+        "grad_buffers": 2 * max(chunk_bytes[n_persist:], default=0),
         "activations": activation_bytes,
     }

@@ -1,11 +1,13 @@
 """Packing parameters into fixed-size chunks, in first-use order.
 
-A chunk is a contiguous range of ``chunk_size`` bytes holding whole parameters (a parameter never spans
-two chunks), filled greedily in the order the graph first uses the parameters, so a chunk's parameters are
-needed at about the same time. Tied parameters appear once (dynamo gives a shared parameter one
-placeholder). Without a given ``chunk_size`` the size is chosen to waste the least padding, in the manner
-of ProTrain's appendix B.1: candidates from the largest parameter upwards, scaled to the model.
+A chunk is a contiguous range of ``chunk_size`` bytes holding whole parameters (a parameter never
+spans two chunks), filled greedily in the order the graph first uses the parameters, so a chunk's
+parameters are needed at about the same time. Tied parameters appear once (dynamo gives a shared
+parameter one placeholder). Without a given ``chunk_size`` the size is chosen to waste the least
+padding, in the manner of ProTrain's appendix B.1: candidates from the largest parameter upwards,
+scaled to the model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,7 +54,8 @@ def pack(params: list[tuple[str, int]], chunk_size: int) -> ChunkLayout:
     if params and chunk_size < largest:
         name = max(params, key=lambda p: p[1])[0]
         raise OptionsError(
-            f"chunk_size {format_bytes(chunk_size)} ({chunk_size} B) is smaller than the largest parameter "
+            f"chunk_size {format_bytes(chunk_size)} ({chunk_size} B) is smaller than the largest "
+            "parameter "
             f"{name!r} ({largest} B aligned); the smallest chunk_size that works is {largest} B"
         )
     slots, chunk, used = [], 0, 0
@@ -65,16 +68,21 @@ def pack(params: list[tuple[str, int]], chunk_size: int) -> ChunkLayout:
     return ChunkLayout(chunk_size, tuple(slots), chunk + 1 if params else 0)
 
 
-def choose_chunk_size(params: list[tuple[str, int]], *, min_chunks: int = 4, n_candidates: int = 256) -> int:
+def choose_chunk_size(
+    params: list[tuple[str, int]], *, min_chunks: int = 4, n_candidates: int = 256
+) -> int:
     """The chunk size with the least padding waste among candidates between the largest (aligned)
-    parameter and the larger of twice that and ``total / min_chunks``; ties go to the smaller size (finer
-    placement granularity). ``min_chunks`` keeps small models from collapsing into one chunk."""
+    parameter and the larger of twice that and ``total / min_chunks``; ties go to the smaller size
+    (finer placement granularity). ``min_chunks`` keeps small models from collapsing into one chunk.
+    """
     if not params:
         return ALIGN_BYTES
     largest = max(_align(b) for _, b in params)
     total = sum(_align(b) for _, b in params)
     upper = max(largest, min(2 * largest, max(largest, total // min_chunks)))
-    step = max(ALIGN_BYTES, _align((upper - largest) // n_candidates) if upper > largest else ALIGN_BYTES)
+    step = max(
+        ALIGN_BYTES, _align((upper - largest) // n_candidates) if upper > largest else ALIGN_BYTES
+    )
     best = None
     size = largest
     while size <= upper:

@@ -1,7 +1,8 @@
-"""The Plan of one compiled graph: chunk layout and placement, block policies, knobs, predicted and measured
-cost; its JSON form (:meth:`Plan.to_dict`), its readable table (:meth:`Plan.summary`), and
+"""The Plan of one compiled graph: chunk layout and placement, block policies, knobs, predicted and
+measured cost; its JSON form (:meth:`Plan.to_dict`), its readable table (:meth:`Plan.summary`), and
 :func:`get_plan`, which finds the plan of a compiled model's most recent graph.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -26,7 +27,12 @@ class ChunkPlan:
     placement: str = "device"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "bytes": self.bytes, "params": list(self.params), "placement": self.placement}
+        return {
+            "id": self.id,
+            "bytes": self.bytes,
+            "params": list(self.params),
+            "placement": self.placement,
+        }
 
 
 @dataclass
@@ -40,8 +46,9 @@ class BlockPlan:
 
 @dataclass
 class Plan:
-    """What protrain decided for one graph. :meth:`to_dict` is the stable, documented schema; the other
-    fields (graph name, notes, where things were found) only feed :meth:`summary` and the dumps."""
+    """What protrain decided for one graph. :meth:`to_dict` is the stable, documented schema; the
+    other fields (graph name, notes, where things were found) only feed :meth:`summary` and the
+    dumps."""
 
     chunk_size: int
     n_persist: int
@@ -59,36 +66,46 @@ class Plan:
     # fqn -> chunk id, fqn -> block name (None: non-block)
     param_chunk: dict[str, int] = field(default_factory=dict)
     param_block: dict[str, str | None] = field(default_factory=dict)
-    # what the passes read (by index, so the display names above may be re-rooted freely): the dynamo
-    # graph's placeholders, placeholder index -> (chunk id, block index or None), the blocks, the layout
+    # what the passes read (by index, so the display names above may be re-rooted freely): the
+    # dynamo graph's placeholders, placeholder index -> (chunk id, block index or None), the blocks,
+    # the layout
     input_param: dict[int, tuple[int, int | None]] = field(default_factory=dict, repr=False)
     graph_inputs: list = field(default_factory=list, repr=False)
     block_structure: Any = field(default=None, repr=False)
     layout: Any = field(default=None, repr=False)
-    # set by get_plan(module): what was prepended to the traced frame's names to make them module FQNs
+    # set by get_plan(module): what was prepended to the traced frame's names to make them module
+    # FQNs
     root_prefix: str | None = None
-    # runtime binding, set when the chunks are placed: placeholder index -> (store id, store entry index)
+    # runtime binding, set when the chunks are placed: placeholder index -> (store id, store entry
+    # index)
     input_entry: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
     param_dtype: Any = None  # transfer dtype of offloaded chunks
-    n_buffer_given: bool = False  # n_buffer came from the options (too small is an error, not raised)
-    n_buffer_searched: bool = False  # n_buffer came from the plan search (too small: raised, like unset)
-    # set by chunk_gather: (store id, chunk) -> [(primal ordinal, store entry index, placeholder)] of its
-    # parameters (read by optimizer_calls on the joint graph)
+    # n_buffer came from the options (too small is an error, not raised)
+    n_buffer_given: bool = False
+    # n_buffer came from the plan search (too small: raised, like unset)
+    n_buffer_searched: bool = False
+    # set by chunk_gather: (store id, chunk) -> [(primal ordinal, store entry index, placeholder)]
+    # of its parameters (read by optimizer_calls on the joint graph)
     grad_slots: dict[tuple[int, int], list] = field(default_factory=dict, repr=False)
-    # data parallel (world_size > 1, set by the backend): the same for resident chunks, whose gradients the
-    # resident_grads pass all-reduces from inside backward
+    # data parallel (world_size > 1, set by the backend): the same for resident chunks, whose
+    # gradients the resident_grads pass all-reduces from inside backward
     world_size: int = 1
-    resident_grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict, repr=False)
+    resident_grad_slots: dict[tuple[int, int], list[tuple[int, int]]] = field(
+        default_factory=dict, repr=False
+    )
     estimate: dict[str, int] = field(default_factory=dict, repr=False)  # device bytes by component
-    # set at partition: names of the forward values saved for backward (in order); set by swap_offload:
-    # saved value name -> its block
+    # set at partition: names of the forward values saved for backward (in order); set by
+    # swap_offload: saved value name -> its block
     saved_names: list[str] = field(default_factory=list, repr=False)
     swapped: dict[str, int] = field(default_factory=dict, repr=False)
     # set by chunk_schedule: the most gathered chunks alive at once in any of the graph's stages
     chunks_in_use: int = 0
-    profile_blocks: bool = False  # passes/block_marks.py wraps blocks in timing marks (PROTRAIN_PROFILE_BLOCKS=1)
-    profiling: bool = False  # the profiler's plan (protrain_fx/profiling/profiler.py): its step's gradients are dropped
-    # set at partition when profiling: what the profiler reads of the partitioned graphs (profiler.StaticProfile)
+    # passes/block_marks.py wraps blocks in timing marks (PROTRAIN_PROFILE_BLOCKS=1)
+    profile_blocks: bool = False
+    # the profiler's plan (protrain_fx/profiling/profiler.py): its step's gradients are dropped
+    profiling: bool = False
+    # set at partition when profiling: what the profiler reads of the partitioned graphs
+    # (profiler.StaticProfile)
     static_profile: Any = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,7 +132,8 @@ class Plan:
             f"  knobs: chunk_size={format_bytes(self.chunk_size)}  n_persist={self.n_persist}  "
             f"n_buffer={self.n_buffer}  n_swap={self.n_swap}  n_checkpoint={self.n_checkpoint}",
             f"  chunks: {sum(c.placement == 'device' for c in self.chunks)} resident on the device "
-            f"({format_bytes(resident)}), {sum(c.placement == 'host' for c in self.chunks)} offloaded to the host "
+            f"({format_bytes(resident)}), {sum(c.placement == 'host' for c in self.chunks)} "
+            "offloaded to the host "
             f"({format_bytes(total - resident)})",
         ]
         if self.chunks:
@@ -123,29 +141,51 @@ class Plan:
             for c in self.chunks:
                 span = c.params[0] if len(c.params) == 1 else f"{c.params[0]} .. {c.params[-1]}"
                 fill = f"{100 * c.bytes / self.chunk_size:.0f}%" if self.chunk_size else "-"
-                rows.append((str(c.id), c.placement, format_bytes(c.bytes), fill, str(len(c.params)), span))
+                rows.append(
+                    (str(c.id), c.placement, format_bytes(c.bytes), fill, str(len(c.params)), span)
+                )
             lines += _table(rows)
         if self.blocks:
-            lines.append(f"  blocks (children of {self.block_container!r}), activation policy in order:")
-            lines += _table([("block", "name", "policy")] + [(str(i), b.name, b.policy) for i, b in enumerate(self.blocks)])
+            lines.append(
+                f"  blocks (children of {self.block_container!r}), activation policy in order:"
+            )
+            lines += _table(
+                [("block", "name", "policy")]
+                + [(str(i), b.name, b.policy) for i, b in enumerate(self.blocks)]
+            )
         else:
-            lines.append("  blocks: none detected; the whole graph is one non-block region (activations kept)")
+            lines.append(
+                "  blocks: none detected; the whole graph is one non-block region "
+                "(activations kept)"
+            )
         non_block = [p for p, b in self.param_block.items() if b is None]
         if non_block and self.blocks:
-            shown = ", ".join(non_block[:6]) + (f", ... ({len(non_block)} in all)" if len(non_block) > 6 else "")
-            lines.append(f"  parameters outside blocks (their regions always keep activations): {shown}")
+            shown = ", ".join(non_block[:6]) + (
+                f", ... ({len(non_block)} in all)" if len(non_block) > 6 else ""
+            )
+            lines.append(
+                f"  parameters outside blocks (their regions always keep activations): {shown}"
+            )
         lines += self._auto_lines()
         lines.append(
-            f"  iteration time: predicted {_fmt_s(self.predicted, 'iter_s')}, measured {_fmt_s(self.measured, 'iter_s')}"
-            f"; peak memory reserved: predicted {format_bytes((self.predicted or {}).get('peak_bytes'))}, "
+            f"  iteration time: predicted {_fmt_s(self.predicted, 'iter_s')}, measured "
+            f"{_fmt_s(self.measured, 'iter_s')}"
+            "; peak memory reserved: predicted "
+            f"{format_bytes((self.predicted or {}).get('peak_bytes'))}, "
             f"measured {format_bytes((self.measured or {}).get('peak_bytes'))}"
         )
         alloc_pred = (self.predicted or {}).get("peak_allocated_bytes")
         alloc_meas = (self.measured or {}).get("peak_allocated_bytes")
         if alloc_pred is not None or alloc_meas is not None:
-            lines.append(f"  peak memory allocated: predicted {format_bytes(alloc_pred)}, measured {format_bytes(alloc_meas)}"
-                         + (f" (allocator: {self.predicted['allocator']})" if (self.predicted or {}).get("allocator")
-                            else ""))
+            lines.append(
+                f"  peak memory allocated: predicted {format_bytes(alloc_pred)}, measured "
+                f"{format_bytes(alloc_meas)}"
+                + (
+                    f" (allocator: {self.predicted['allocator']})"
+                    if (self.predicted or {}).get("allocator")
+                    else ""
+                )
+            )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -156,16 +196,28 @@ class Plan:
         if p.get("from_cache"):
             how = "from the plan cache (no profiling)"
         else:
-            how = (f"profiled in {p['profile_s']:.1f} s (+{p['profile_compile_s']:.1f} s to compile the profiling "
-                   f"plan), {p['plans_evaluated']} plans searched in {1e3 * p['search_s']:.0f} ms")
-        lines = [f"  automatic plan: {how}; budget {format_bytes(p['budget_bytes'])} ({p.get('budget', '')})"]
+            how = (
+                f"profiled in {p['profile_s']:.1f} s (+{p['profile_compile_s']:.1f} s to "
+                "compile the profiling "
+                f"plan), {p['plans_evaluated']} plans searched in {1e3 * p['search_s']:.0f} ms"
+            )
+        lines = [
+            f"  automatic plan: {how}; budget {format_bytes(p['budget_bytes'])} "
+            f"({p.get('budget', '')})"
+        ]
         b = p.get("breakdown") or {}
         if b:
-            lines.append(f"  predicted: forward {1e3 * b['fwd_s']:.1f} ms, backward {1e3 * b['bwd_s']:.1f} ms, "
-                         f"device optimizer {1e3 * b['gpu_optim_s']:.1f} ms, CPU optimizer {1e3 * b['cpu_optim_s']:.1f} ms "
-                         f"(beside backward); activations {format_bytes(b['activation_bytes'])}, transient "
-                         f"{format_bytes(b['transient_bytes'])}, swapped to the host {format_bytes(b['swapped_bytes'])}; "
-                         f"pinned host memory {format_bytes(p.get('host_bytes'))}")
+            lines.append(
+                f"  predicted: forward {1e3 * b['fwd_s']:.1f} ms, backward "
+                f"{1e3 * b['bwd_s']:.1f} ms, "
+                f"device optimizer {1e3 * b['gpu_optim_s']:.1f} ms, CPU optimizer "
+                f"{1e3 * b['cpu_optim_s']:.1f} ms "
+                f"(beside backward); activations {format_bytes(b['activation_bytes'])}, "
+                "transient "
+                f"{format_bytes(b['transient_bytes'])}, swapped to the host "
+                f"{format_bytes(b['swapped_bytes'])}; "
+                f"pinned host memory {format_bytes(p.get('host_bytes'))}"
+            )
         return lines
 
     def __str__(self) -> str:
@@ -198,9 +250,12 @@ _SEQ = itertools.count()
 
 
 def register_plan(plan: Plan, params: list[torch.Tensor], options: dict | None) -> None:
-    """Remember ``plan`` as the newest plan of the graph that uses ``params`` (called by the backend)."""
+    """Remember ``plan`` as the newest plan of the graph that uses ``params`` (called by the
+    backend)."""
     # drop the plans of models that died; keep a bounded history
-    _ENTRIES[:] = [e for e in _ENTRIES if all(r() is not None for r in e.params)][-(_MAX_ENTRIES - 1):]
+    _ENTRIES[:] = [e for e in _ENTRIES if all(r() is not None for r in e.params)][
+        -(_MAX_ENTRIES - 1) :
+    ]
     _ENTRIES.append(
         _Entry(
             seq=next(_SEQ),
@@ -213,7 +268,8 @@ def register_plan(plan: Plan, params: list[torch.Tensor], options: dict | None) 
 
 
 def _options_of(compiled) -> dict | None:
-    """The options dict a ``torch.compile`` wrapper was made with (walks dynamo's backend wrappers)."""
+    """The options dict a ``torch.compile`` wrapper was made with (walks dynamo's backend
+    wrappers)."""
     fn = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
     if fn is None:
         fn = getattr(compiled, "_torchdynamo_inline", None)
@@ -228,8 +284,9 @@ def _options_of(compiled) -> dict | None:
 
 
 def _name_from_root(entry: _Entry, module: torch.nn.Module) -> None:
-    """Names in a plan are relative to the module whose forward dynamo traced; after a graph break that
-    can be a submodule (``transformer.h.0`` inside ``lm``). Prefix them so they match ``module``'s names."""
+    """Names in a plan are relative to the module whose forward dynamo traced; after a graph break
+    that can be a submodule (``transformer.h.0`` inside ``lm``). Prefix them so they match
+    ``module``'s names."""
     plan = entry.plan
     if plan.root_prefix is not None:
         return
@@ -251,17 +308,20 @@ def _name_from_root(entry: _Entry, module: torch.nn.Module) -> None:
     for b in plan.blocks:
         b.name = prefix + b.name
     plan.param_chunk = {prefix + k: v for k, v in plan.param_chunk.items()}
-    plan.param_block = {prefix + k: (None if v is None else prefix + v) for k, v in plan.param_block.items()}
+    plan.param_block = {
+        prefix + k: (None if v is None else prefix + v) for k, v in plan.param_block.items()
+    }
     if plan.block_container is not None:
         plan.block_container = prefix + plan.block_container
 
 
 def get_plan(compiled=None) -> Plan:
     """The plan of the most recent graph compiled by backend="protrain" for ``compiled`` (the module
-    returned by ``torch.compile`` or the original module). Without an argument: the newest plan of all.
+    returned by ``torch.compile`` or the original module). Without an argument: the newest plan of
+    all.
 
-    A model whose forward was split by graph breaks has one plan per graph; the most recent graph that
-    holds any of the model's parameters is the one returned.
+    A model whose forward was split by graph breaks has one plan per graph; the most recent graph
+    that holds any of the model's parameters is the one returned.
     """
     live = [e for e in _ENTRIES if all(r() is not None for r in e.params)]
     if compiled is None:
@@ -281,6 +341,7 @@ def get_plan(compiled=None) -> Plan:
         if mine:
             return mine[-1].plan
     raise ProtrainError(
-        "no protrain plan found for this model: compile it with torch.compile(model, backend='protrain') "
+        "no protrain plan found for this model: compile it with torch.compile(model, "
+        "backend='protrain') "
         "and call it once (plans are made when the first call compiles the graph)"
     )

@@ -1,24 +1,34 @@
-"""Plan search: the fastest (chunk_size, n_persist, n_buffer, n_swap, n_checkpoint) whose predicted peak fits
-the device budget and whose pinned host memory fits the host, by the cost model in cost_model.py.
+"""Plan search: the fastest (chunk_size, n_persist, n_buffer, n_swap, n_checkpoint) whose predicted
+peak fits the device budget and whose pinned host memory fits the host, by the cost model in
+cost_model.py.
 
-Exhaustive and exact: every chunk size profiled, every n_buffer candidate, every (n_swap, n_checkpoint)
-with n_swap + n_checkpoint <= blocks, and every n_persist. The layout-dependent costs are built once per
-(chunk size, n_buffer, n_swap, n_checkpoint) and each n_persist is then priced in O(1); layouts are visited
-cheapest lower bound first, and the search stops at the first whose bound exceeds the best plan found.
-Knobs given by the user are fixed and only the others are searched. Ties: :func:`plan_key`.
+Exhaustive and exact: every chunk size profiled, every n_buffer candidate, every (n_swap,
+n_checkpoint) with n_swap + n_checkpoint <= blocks, and every n_persist. The layout-dependent costs
+are built once per (chunk size, n_buffer, n_swap, n_checkpoint) and each n_persist is then priced in
+O(1); layouts are visited cheapest lower bound first, and the search stops at the first whose bound
+exceeds the best plan found. Knobs given by the user are fixed and only the others are searched.
+Ties: :func:`plan_key`.
 
-When nothing fits, :class:`NoPlanFits` names the smallest budget that would work (the least predicted peak
-over every plan the fixed knobs allow), or the host memory the smallest pinned footprint needs.
+When nothing fits, :class:`NoPlanFits` names the smallest budget that would work (the least
+predicted peak over every plan the fixed knobs allow), or the host memory the smallest pinned
+footprint needs.
 """
+
 from __future__ import annotations
 
 import gc
 import time
 from dataclasses import dataclass
 
-from protrain_fx.plan.cost_model import GraphProfile, Hardware, LayoutCosts, Prediction, _ProfileArrays
 from protrain_fx.errors import NoPlanFits
 from protrain_fx.options import format_bytes
+from protrain_fx.plan.cost_model import (
+    GraphProfile,
+    Hardware,
+    LayoutCosts,
+    Prediction,
+    _ProfileArrays,
+)
 
 
 @dataclass(frozen=True)
@@ -29,10 +39,11 @@ class SearchResult:
 
 
 def plan_key(time_s: float, n_persist: int, n_swap: int, n_checkpoint: int, peak: int) -> tuple:
-    """What "better" means: faster; at equal predicted time (the model hides transfers and the CPU step
-    behind compute exactly, so ties are common) more resident chunks, then fewer swapped, then fewer
-    recomputed blocks (less traffic and work the model may not see), then the smaller peak."""
-    return (round(time_s, 6), -n_persist, n_swap, n_checkpoint, peak)  # times equal to the microsecond tie
+    """What "better" means: faster; at equal predicted time (the model hides transfers and the CPU
+    step behind compute exactly, so ties are common) more resident chunks, then fewer swapped, then
+    fewer recomputed blocks (less traffic and work the model may not see), then the smaller peak."""
+    # times equal to the microsecond tie
+    return (round(time_s, 6), -n_persist, n_swap, n_checkpoint, peak)
 
 
 def n_buffer_candidates(n_buffer: int | None, min_n_buffer: int = 1) -> list[int]:
@@ -41,31 +52,60 @@ def n_buffer_candidates(n_buffer: int | None, min_n_buffer: int = 1) -> list[int
     return [b for b in (1, 2, 3) if b >= min_n_buffer] or [min_n_buffer]
 
 
-def search(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_budget: int | None = None, *,
-           n_persist: int | None = None, n_buffer: int | None = None, n_swap: int | None = None,
-           n_checkpoint: int | None = None, min_n_buffer: int = 1) -> SearchResult:
-    """The fastest plan that fits; the profiles are one per candidate chunk size (one if the size is given).
-    The cyclic garbage collector is paused meanwhile: the search makes many small short-lived objects, and a
-    full collection over everything torch has loaded, when one falls inside it, costs more than the search."""
+def search(
+    profiles: list[GraphProfile],
+    hw: Hardware,
+    device_budget: int,
+    host_budget: int | None = None,
+    *,
+    n_persist: int | None = None,
+    n_buffer: int | None = None,
+    n_swap: int | None = None,
+    n_checkpoint: int | None = None,
+    min_n_buffer: int = 1,
+) -> SearchResult:
+    """The fastest plan that fits; the profiles are one per candidate chunk size (one if the size is
+    given). The cyclic garbage collector is paused meanwhile: the search makes many small
+    short-lived objects, and a full collection over everything torch has loaded, when one falls
+    inside it, costs more than the search."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _search(profiles, hw, device_budget, host_budget, n_persist=n_persist, n_buffer=n_buffer,
-                       n_swap=n_swap, n_checkpoint=n_checkpoint, min_n_buffer=min_n_buffer)
+        return _search(
+            profiles,
+            hw,
+            device_budget,
+            host_budget,
+            n_persist=n_persist,
+            n_buffer=n_buffer,
+            n_swap=n_swap,
+            n_checkpoint=n_checkpoint,
+            min_n_buffer=min_n_buffer,
+        )
     finally:
         if enabled:
             gc.enable()
 
 
-def _search(profiles, hw, device_budget, host_budget, *, n_persist, n_buffer, n_swap, n_checkpoint,
-            min_n_buffer) -> SearchResult:
+def _search(
+    profiles,
+    hw,
+    device_budget,
+    host_budget,
+    *,
+    n_persist,
+    n_buffer,
+    n_swap,
+    n_checkpoint,
+    min_n_buffer,
+) -> SearchResult:
     t0 = time.perf_counter()
     best: Prediction | None = None
     best_key = None
     evaluated = 0
-    # every layout (chunk size, n_buffer, n_swap, n_checkpoint) with its O(1) lower bound, cheapest first:
-    # once a layout's bound exceeds the best plan found, so do all the later ones' (exact, and most layouts
-    # are never built)
+    # every layout (chunk size, n_buffer, n_swap, n_checkpoint) with its O(1) lower bound, cheapest
+    # first: once a layout's bound exceeds the best plan found, so do all the later ones' (exact,
+    # and most layouts are never built)
     layouts = []
     for prof in profiles:
         n_blocks, n_chunks = len(prof.blocks), len(prof.chunks)
@@ -77,19 +117,31 @@ def _search(profiles, hw, device_budget, host_budget, *, n_persist, n_buffer, n_
             for s in swaps:
                 if s > n_blocks:
                     continue
-                for k in ([n_checkpoint] if n_checkpoint is not None else range(n_blocks - s + 1)):
+                for k in [n_checkpoint] if n_checkpoint is not None else range(n_blocks - s + 1):
                     if s + k <= n_blocks:
-                        layouts.append((arrays.lower_bound_s(s, k, device_budget), len(layouts), prof, nb, s, k,
-                                        arrays))
+                        layouts.append(
+                            (
+                                arrays.lower_bound_s(s, k, device_budget),
+                                len(layouts),
+                                prof,
+                                nb,
+                                s,
+                                k,
+                                arrays,
+                            )
+                        )
     layouts.sort(key=lambda t: t[:2])
     for bound, _, prof, nb, s, k, arrays in layouts:
         if best_key is not None and bound > best_key[0] + 1e-6:
-            break  # no n_persist of this layout or any later one can beat (or tie) the best plan; the margin
+            # no n_persist of this layout or any later one can beat (or tie) the best plan; the
+            # margin
+            break
             # keeps a rounding difference between the two sums from dropping a tie
         if arrays.peak_lower_bound(s, k) > device_budget:
-            continue  # no n_persist of it fits (if no plan does, the error pass below prices it anyway)
+            # no n_persist of it fits (if no plan does, the error pass below prices it anyway)
+            continue
         lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-        for p in ([n_persist] if n_persist is not None else range(len(prof.chunks) + 1)):
+        for p in [n_persist] if n_persist is not None else range(len(prof.chunks) + 1):
             peak = lc.peak_bytes(p)
             if peak > device_budget:
                 continue
@@ -106,32 +158,49 @@ def _search(profiles, hw, device_budget, host_budget, *, n_persist, n_buffer, n_
         min_peak, min_host = None, None
         for _, _, prof, nb, s, k, arrays in layouts:
             lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-            for p in ([n_persist] if n_persist is not None else range(len(prof.chunks) + 1)):
+            for p in [n_persist] if n_persist is not None else range(len(prof.chunks) + 1):
                 peak = lc.peak_bytes(p)
                 min_peak = peak if min_peak is None else min(min_peak, peak)
                 if peak <= device_budget:
                     host = lc.host_bytes(p)
                     min_host = host if min_host is None else min(min_host, host)
         if min_peak is None:
-            raise NoPlanFits("no plan satisfies the given knobs (n_persist larger than the chunks, or n_swap + "
-                             "n_checkpoint larger than the blocks)")
+            raise NoPlanFits(
+                "no plan satisfies the given knobs (n_persist larger than the chunks, "
+                "or n_swap + "
+                "n_checkpoint larger than the blocks)"
+            )
         if min_peak > device_budget:
             raise NoPlanFits(
-                f"memory budget {format_bytes(device_budget)} is too small: the smallest plan (everything "
+                f"memory budget {format_bytes(device_budget)} is too small: the smallest plan "
+                "(everything "
                 f"offloaded, activations swapped or recomputed as far as the knobs allow) needs "
-                f"{format_bytes(min_peak)} on the device; the smallest budget that would work is {min_peak} bytes "
-                f"({format_bytes(min_peak)})", min_device_bytes=min_peak, min_host_bytes=min_host)
+                f"{format_bytes(min_peak)} on the device; the smallest budget that would work is "
+                f"{min_peak} bytes "
+                f"({format_bytes(min_peak)})",
+                min_device_bytes=min_peak,
+                min_host_bytes=min_host,
+            )
         raise NoPlanFits(
-            f"the host memory protrain may pin ({format_bytes(max(0, host_budget))}: what is available less a "
+            f"the host memory protrain may pin ({format_bytes(max(0, host_budget))}: what is "
+            "available less a "
             f"reserve) is too small for the pinned buffers of any plan that fits "
-            f"the device budget: the smallest needs {format_bytes(min_host)} of pinned host memory; free host "
+            f"the device budget: the smallest needs {format_bytes(min_host)} of pinned host "
+            "memory; free host "
             "memory or give a larger memory_budget (more resident chunks need less host memory)",
-            min_device_bytes=min_peak, min_host_bytes=min_host)
+            min_device_bytes=min_peak,
+            min_host_bytes=min_host,
+        )
     return SearchResult(best, evaluated, time.perf_counter() - t0)
 
 
-def brute_force(profiles: list[GraphProfile], hw: Hardware, device_budget: int, host_budget: int | None = None,
-                n_buffers=(1, 2, 3)) -> Prediction | None:
+def brute_force(
+    profiles: list[GraphProfile],
+    hw: Hardware,
+    device_budget: int,
+    host_budget: int | None = None,
+    n_buffers=(1, 2, 3),
+) -> Prediction | None:
     """Every plan priced from scratch with cost_model.predict (for tests)."""
     from protrain_fx.plan.cost_model import Knobs, predict
 
@@ -142,7 +211,9 @@ def brute_force(profiles: list[GraphProfile], hw: Hardware, device_budget: int, 
                 for k in range(len(prof.blocks) - s + 1):
                     for p in range(len(prof.chunks) + 1):
                         pred = predict(prof, hw, Knobs(prof.chunk_size, p, nb, s, k))
-                        if pred.peak_bytes > device_budget or (host_budget is not None and pred.host_bytes > host_budget):
+                        if pred.peak_bytes > device_budget or (
+                            host_budget is not None and pred.host_bytes > host_budget
+                        ):
                             continue
                         key = plan_key(pred.time_s, p, s, k, pred.peak_bytes)
                         if best_key is None or key < best_key:

@@ -1,29 +1,32 @@
 """Profiler: what the cost model needs of one graph, measured once per new graph.
 
-Static part, at partition time (no run): what forward keeps for backward per block under each policy, from
-two partitions of copies of the joint graph with the partitioner the real compile uses: one where every
-block keeps (block recompute tags dropped) and one where every block recomputes (what a checkpointed block
-keeps: the values it restarts from). A saved value counts for the block that produced it, except under
-recomputation, where a block's input (produced by the block before it) counts for the block that restarts
-from it; values produced outside blocks count as non-block. Also per block, the share of its forward FLOPs
-that the all-recompute backward recomputes (the partitioner saves some outputs, e.g. attention's, and never
-recomputes what only feeds saved values).
+Static part, at partition time (no run): what forward keeps for backward per block under each
+policy, from two partitions of copies of the joint graph with the partitioner the real compile uses:
+one where every block keeps (block recompute tags dropped) and one where every block recomputes
+(what a checkpointed block keeps: the values it restarts from). A saved value counts for the block
+that produced it, except under recomputation, where a block's input (produced by the block before
+it) counts for the block that restarts from it; values produced outside blocks count as non-block.
+Also per block, the share of its forward FLOPs that the all-recompute backward recomputes (the
+partitioner saves some outputs, e.g. attention's, and never recomputes what only feeds saved
+values).
 
-Timed part, one real step under the most frugal plan (every chunk offloaded, every block recomputed, so a
-model larger than the device can be profiled): the Inductor-compiled kernels run with ``protrain::mark`` at
-every block boundary (passes/block_marks.py) and chunk copies serialized on the compute stream between copy
-marks, which :mod:`protrain_fx.runtime.block_timer` subtracts, so block times are compute only. A warm-up run
-fills the allocator's cache; the timed runs (the minimum per block over two) reuse it, and blocks with
-the same signature (the same ops on the same FLOPs: a transformer's layers) all get the fastest one's
-times (:func:`identical_block_times`). Gradients are
-dropped, RNG state and mutated inputs restored: the step leaves no trace on training. Per block it gives
-forward time and backward time (which includes its recomputation: the recomputed share of the forward time
-is taken out by the FLOP share above), outside blocks the rest, and the step's peak allocation, from which
-the largest transient working set (logits, loss, a recomputed block) follows.
+Timed part, one real step under the most frugal plan (every chunk offloaded, every block recomputed,
+so a model larger than the device can be profiled): the Inductor-compiled kernels run with
+``protrain::mark`` at every block boundary (passes/block_marks.py) and chunk copies serialized on
+the compute stream between copy marks, which :mod:`protrain_fx.runtime.block_timer` subtracts, so
+block times are compute only. A warm-up run fills the allocator's cache; the timed runs (the minimum
+per block over two) reuse it, and blocks with the same signature (the same ops on the same FLOPs: a
+transformer's layers) all get the fastest one's times (:func:`identical_block_times`). Gradients are
+dropped, RNG state and mutated inputs restored: the step leaves no trace on training. Per block it
+gives forward time and backward time (which includes its recomputation: the recomputed share of the
+forward time is taken out by the FLOP share above), outside blocks the rest, and the step's peak
+allocation, from which the largest transient working set (logits, loss, a recomputed block) follows.
 
-:func:`graph_profile` turns both into the cost model's :class:`~protrain_fx.plan.cost_model.GraphProfile` for
-any chunk size: block times are spread over the chunks holding the block's parameters by bytes.
+:func:`graph_profile` turns both into the cost model's
+:class:`~protrain_fx.plan.cost_model.GraphProfile` for any chunk size: block times are spread over
+the chunks holding the block's parameters by bytes.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,22 +34,21 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-
-from protrain_fx import config
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from protrain_fx import _compat
-from protrain_fx.runtime import block_timer, ops
-from protrain_fx.plan.layout import pack
-from protrain_fx.plan.cost_model import FRAGMENTATION, BlockProfile, ChunkProfile, GraphProfile
+from protrain_fx import _compat, config
 from protrain_fx.graph.annotation import annotation_of
+from protrain_fx.graph.fx import copy_graph_module, saved_values, tensor_bytes
 from protrain_fx.passes.recompute import tag_blocks_for_recompute, untag_blocks
-from protrain_fx.graph.fx import copy_graph_module, tensor_bytes, saved_values
+from protrain_fx.plan.cost_model import FRAGMENTATION, BlockProfile, ChunkProfile, GraphProfile
+from protrain_fx.plan.layout import pack
+from protrain_fx.runtime import block_timer, ops
 
 
 def _unmarked(node: fx.Node) -> fx.Node:
-    """The value a profiling mark (passes/block_marks.py, a copy) stands for: without marks it is saved."""
+    """The value a profiling mark (passes/block_marks.py, a copy) stands for: without marks it is
+    saved."""
     while node.op == "call_function" and node.target is ops.MARK:
         node = node.args[0]
     return node
@@ -76,7 +78,8 @@ class SavedBytes:
     """Bytes forward keeps on the device for backward, by block (index) and outside blocks."""
 
     keep: list[int] = field(default_factory=list)  # every block keeps its activations
-    recompute: list[int] = field(default_factory=list)  # every block recomputes (what it restarts from)
+    # every block recomputes (what it restarts from)
+    recompute: list[int] = field(default_factory=list)
     nonblock_keep: int = 0
     nonblock_recompute: int = 0
 
@@ -88,11 +91,17 @@ def _attribute(nodes: list[fx.Node], n_blocks: int, restart: bool) -> tuple[list
         ann = annotation_of(node)
         block = ann.block if ann is not None and ann.phase == "forward" else None
         if restart:
-            # a block's input is produced by the region before it: it counts for the first later block that
-            # reads it in forward
+            # a block's input is produced by the region before it: it counts for the first later
+            # block that reads it in forward
             readers = [annotation_of(u) for u in _readers(node)]
-            later = sorted(a.block for a in readers if a is not None and a.phase == "forward" and a.block is not None
-                           and (block is None or a.block > block))
+            later = sorted(
+                a.block
+                for a in readers
+                if a is not None
+                and a.phase == "forward"
+                and a.block is not None
+                and (block is None or a.block > block)
+            )
             if later:
                 block = later[0]
         if block is None or not 0 <= block < n_blocks:
@@ -103,7 +112,8 @@ def _attribute(nodes: list[fx.Node], n_blocks: int, restart: bool) -> tuple[list
 
 
 def saved_bytes_by_block(joint: fx.GraphModule, n_blocks: int, partition) -> SavedBytes:
-    """Partition two copies of ``joint`` (annotated by passes/annotate.py; ``partition(gm) -> (fw, bw)``)."""
+    """Partition two copies of ``joint`` (annotated by passes/annotate.py; ``partition(gm) ->
+    (fw, bw)``)."""
     kept = copy_graph_module(joint)
     untag_blocks(kept)
     fw, bw = partition(kept)
@@ -116,13 +126,16 @@ def saved_bytes_by_block(joint: fx.GraphModule, n_blocks: int, partition) -> Sav
 
 
 def node_flops(node: fx.Node) -> int:
-    """FLOPs of one aten node by torch's FLOP counter formulas (matmuls, attention, convolutions; 0 else)."""
+    """FLOPs of one aten node by torch's FLOP counter formulas (matmuls, attention, convolutions;
+    0 else)."""
     from torch.utils.flop_counter import flop_registry
 
     formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
     if formula is None:
         return 0
-    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    args, kwargs = pytree.tree_map_only(
+        fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
+    )
     try:  # at the sizes' hints: int() on a symbolic count would specialize the graph to one shape
         return _compat.size_hint(formula(*args, **kwargs, out_val=node.meta.get("val")), fallback=0)
     except Exception:  # noqa: BLE001  (a formula that cannot read missing shapes: count none)
@@ -130,14 +143,20 @@ def node_flops(node: fx.Node) -> int:
 
 
 def recomputed_share(fw: fx.GraphModule, bw: fx.GraphModule, n_blocks: int) -> list[float]:
-    """Per block, the FLOPs of its forward nodes that ``bw`` recomputes over those ``fw`` runs (1.0 for a
-    block without FLOP-counted nodes)."""
+    """Per block, the FLOPs of its forward nodes that ``bw`` recomputes over those ``fw`` runs (1.0
+    for a block without FLOP-counted nodes)."""
+
     def by_block(gm):
         out = [0] * n_blocks
         for n in gm.graph.nodes:
             ann = annotation_of(n)
-            if n.op == "call_function" and ann is not None and ann.phase == "forward" and ann.block is not None \
-                    and 0 <= ann.block < n_blocks:
+            if (
+                n.op == "call_function"
+                and ann is not None
+                and ann.phase == "forward"
+                and ann.block is not None
+                and 0 <= ann.block < n_blocks
+            ):
                 out[ann.block] += node_flops(n)
         return out
 
@@ -146,15 +165,21 @@ def recomputed_share(fw: fx.GraphModule, bw: fx.GraphModule, n_blocks: int) -> l
 
 
 def block_signatures(fw: fx.GraphModule, bw: fx.GraphModule, n_blocks: int) -> list[tuple]:
-    """Per block, what its compute is made of: the FLOPs and the counts of each op of its forward nodes in
-    ``fw`` and of its backward (recomputation included) in ``bw``. Blocks with equal signatures run the same
-    kernels on the same shapes (the layers of a transformer), so they take the same time."""
+    """Per block, what its compute is made of: the FLOPs and the counts of each op of its forward
+    nodes in ``fw`` and of its backward (recomputation included) in ``bw``. Blocks with equal
+    signatures run the same kernels on the same shapes (the layers of a transformer), so they take
+    the same time."""
     ops_of = [dict() for _ in range(n_blocks)]
     flops = [[0, 0] for _ in range(n_blocks)]
     for side, gm in enumerate((fw, bw)):
         for n in gm.graph.nodes:
             ann = annotation_of(n)
-            if n.op != "call_function" or ann is None or ann.block is None or not 0 <= ann.block < n_blocks:
+            if (
+                n.op != "call_function"
+                or ann is None
+                or ann.block is None
+                or not 0 <= ann.block < n_blocks
+            ):
                 continue
             key = (side, ann.phase, str(n.target))
             ops_of[ann.block][key] = ops_of[ann.block].get(key, 0) + 1
@@ -164,19 +189,21 @@ def block_signatures(fw: fx.GraphModule, bw: fx.GraphModule, n_blocks: int) -> l
 
 @dataclass
 class StaticProfile:
-    """What the partitions of the profiling plan (every block recomputed) say: saved bytes per policy, the
-    share of each block's forward FLOPs its recomputation repeats, and each block's signature
-    (:func:`block_signatures`; empty: unknown)."""
+    """What the partitions of the profiling plan (every block recomputed) say: saved bytes per
+    policy, the share of each block's forward FLOPs its recomputation repeats, and each block's
+    signature (:func:`block_signatures`; empty: unknown)."""
 
     saved: SavedBytes
     recomputed_share: list[float]
     signatures: list = field(default_factory=list)
 
 
-def identical_block_times(step: "StepProfile", static: StaticProfile) -> tuple[list[float], list[float]]:
-    """Per block forward and backward seconds, each block of a group with the same signature given the
-    group's fastest. Timing noise only adds (the host stalled, another process ran):
-    on the H200 one profile measured some of a GPT's 24 identical blocks at their usual 1.37 ms forward and
+def identical_block_times(
+    step: "StepProfile", static: StaticProfile
+) -> tuple[list[float], list[float]]:
+    """Per block forward and backward seconds, each block of a group with the same signature given
+    the group's fastest. Timing noise only adds (the host stalled, another process ran): on the H200
+    one profile measured some of a GPT's 24 identical blocks at their usual 1.37 ms forward and
     others at up to 3.0 ms, which priced recomputation 1.6x too high and chose a swap plan."""
     fwd, bwd = list(step.block_fwd_s), list(step.block_bwd_s)
     if len(static.signatures) != len(fwd):
@@ -191,7 +218,8 @@ def identical_block_times(step: "StepProfile", static: StaticProfile) -> tuple[l
     return fwd, bwd
 
 
-# ------------------------------------------------------------------------------------------ timed part
+# ------------------------------------------------------------------------------------------ timed
+# part
 @dataclass
 class StepProfile:
     """One profiled step (the fastest of the measured ones, per quantity)."""
@@ -205,17 +233,18 @@ class StepProfile:
     reserved_ratio: float | None  # the allocator's reserved over allocated peak (None on the CPU)
     seconds: float  # wall time of the profiling runs (warm-up included)
     timeline: list = field(default_factory=list)  # block_timer.memory_timeline of the last run
-    # what the machine was doing: host load average (1 min) before and after, and on CUDA the SM clock and
-    # NVML's clock throttle reasons at the end (a slow profile can then be told from a slow host or GPU)
+    # what the machine was doing: host load average (1 min) before and after, and on CUDA the SM
+    # clock and NVML's clock throttle reasons at the end (a slow profile can then be told from a
+    # slow host or GPU)
     conditions: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-# the spin queued before every block mark while profiling on CUDA (block_timer: host stalls): longer than the
-# host takes to queue one block's kernels (0.2-0.6 ms for a GPT block on an idle host); ~100 marks per run.
-# PROTRAIN_PROFILE_SPIN_S overrides it (0: none)
+# the spin queued before every block mark while profiling on CUDA (block_timer: host stalls): longer
+# than the host takes to queue one block's kernels (0.2-0.6 ms for a GPT block on an idle host);
+# ~100 marks per run. PROTRAIN_PROFILE_SPIN_S overrides it (0: none)
 SPIN_LEAD_S = 0.003
 
 
@@ -241,34 +270,52 @@ def _device_clocks(device: torch.device) -> dict:
             return {"nvml_error": "no NVML device"}
         pynvml, h = found
         try:
-            return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                    "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
-                    "throttle_reasons": pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)}
+            return {
+                "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "sm_clock_max_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "throttle_reasons": pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+            }
         except Exception as e:  # NVML query not permitted: the profile stands without it
             return {"nvml_error": repr(e)[:200]}
 
 
 def _grad_outputs(outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    leaves = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad
-              and o.is_floating_point()]
+    leaves = [
+        o
+        for o in pytree.tree_leaves(outs)
+        if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+    ]
     return leaves, [torch.ones_like(o) for o in leaves]
 
 
-def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.device, runs: int = 2) -> StepProfile:
-    """Run ``compiled`` (the profiling plan's graph) forward and backward ``1 + runs`` times on ``inputs``
-    and return its per-block times (see module docstring). Leaves no trace: gradients of offloaded chunks
-    are dropped by the stores, other gradients restored, mutated inputs and RNG state restored."""
+def profile_step(
+    compiled, inputs: list, stores, n_blocks: int, device: torch.device, runs: int = 2
+) -> StepProfile:
+    """Run ``compiled`` (the profiling plan's graph) forward and backward ``1 + runs`` times on
+    ``inputs`` and return its per-block times (see module docstring). Leaves no trace: gradients of
+    offloaded chunks are dropped by the stores, other gradients restored, mutated inputs and RNG
+    state restored."""
     t0 = time.perf_counter()
-    # the graph's own inputs, cut from any autograd history: an activation from an earlier graph (a graph
-    # break) must not be backpropagated into that graph's real backward, nor have its version bumped by the
-    # restore below (its graph saved it); sizes at their hints (dynamic shapes)
-    inputs = [_compat.size_hint(t) if isinstance(t, torch.SymInt)
-              else t.data.requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor)
-              and not isinstance(t, torch.nn.Parameter) else t for t in inputs]
+    # the graph's own inputs, cut from any autograd history: an activation from an earlier graph (a
+    # graph break) must not be backpropagated into that graph's real backward, nor have its version
+    # bumped by the restore below (its graph saved it); sizes at their hints (dynamic shapes)
+    inputs = [
+        _compat.size_hint(t)
+        if isinstance(t, torch.SymInt)
+        else t.data.requires_grad_(t.requires_grad)
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+        else t
+        for t in inputs
+    ]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
     grads = [t.grad for t in leaves]
-    snapshot = [(t, t.detach().clone()) for t in inputs if isinstance(t, torch.Tensor)
-                and not isinstance(t, torch.nn.Parameter) and t.untyped_storage().size() > 0]
+    snapshot = [
+        (t, t.detach().clone())
+        for t in inputs
+        if isinstance(t, torch.Tensor)
+        and not isinstance(t, torch.nn.Parameter)
+        and t.untyped_storage().size() > 0
+    ]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     rec = block_timer.RECORDER
@@ -276,7 +323,8 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
     reserved_ratio = None
     for s in stores:
         s.profiling = True
-    if device.type == "cuda" and hasattr(torch.cuda, "_sleep"):  # private (torch's own tests use it): optional
+    # private (torch's own tests use it): optional
+    if device.type == "cuda" and hasattr(torch.cuda, "_sleep"):
         rec.lead_s = spin_lead_s()
     conditions = {"loadavg_before": _loadavg()}
     try:
@@ -286,10 +334,11 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 if run == 0:
-                    # the warm-up run starts from an empty cache (its reserved/allocated ratio is the step's
-                    # own); the timed runs reuse what it cached, as training steps do: a run that has to
-                    # map device memory mid-step stalls the host and so the kernels (cudaMalloc synchronizes;
-                    # expandable segments map page by page), and those stalls would count as block time
+                    # the warm-up run starts from an empty cache (its reserved/allocated ratio is
+                    # the step's own); the timed runs reuse what it cached, as training steps do: a
+                    # run that has to map device memory mid-step stalls the host and so the kernels
+                    # (cudaMalloc synchronizes; expandable segments map page by page), and those
+                    # stalls would count as block time
                     torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             rec.clear()
@@ -308,9 +357,11 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
                 reserved_ratio = ratio if reserved_ratio is None else max(reserved_ratio, ratio)
             if run == 0:
                 continue
-            row = {"fwd": [timings.get(b, {}).get("fwd_ms", 0.0) / 1e3 for b in range(n_blocks)],
-                   "bwd": [timings.get(b, {}).get("bwd_ms", 0.0) / 1e3 for b in range(n_blocks)],
-                   "step": timings[block_timer.STEP]}
+            row = {
+                "fwd": [timings.get(b, {}).get("fwd_ms", 0.0) / 1e3 for b in range(n_blocks)],
+                "bwd": [timings.get(b, {}).get("bwd_ms", 0.0) / 1e3 for b in range(n_blocks)],
+                "step": timings[block_timer.STEP],
+            }
             if best is None:
                 best = row
             else:
@@ -338,22 +389,37 @@ def profile_step(compiled, inputs: list, stores, n_blocks: int, device: torch.de
     step = best["step"]
     fwd, bwd = best["fwd"], best["bwd"]
     return StepProfile(
-        block_fwd_s=fwd, block_bwd_s=bwd,
+        block_fwd_s=fwd,
+        block_bwd_s=bwd,
         nonblock_fwd_s=max(0.0, step["fwd_ms"] / 1e3 - sum(fwd)),
         nonblock_bwd_s=max(0.0, step["bwd_ms"] / 1e3 - sum(bwd)),
-        peak_bytes=int(step["peak_bytes"]), start_bytes=int(step["start_allocated"]),
-        reserved_ratio=reserved_ratio, seconds=time.perf_counter() - t0, timeline=timeline, conditions=conditions)
+        peak_bytes=int(step["peak_bytes"]),
+        start_bytes=int(step["start_allocated"]),
+        reserved_ratio=reserved_ratio,
+        seconds=time.perf_counter() - t0,
+        timeline=timeline,
+        conditions=conditions,
+    )
 
 
 # ------------------------------------------------------------------------------------ GraphProfile
-def graph_profile(step: StepProfile, static: StaticProfile, params: list[tuple[str, int, int | None]],
-                  chunk_size: int, *, master_elem: int, transfer_elem: int, resident_cast_elem: int,
-                  fragmentation: float | None = None) -> GraphProfile:
-    """The cost model's profile for ``chunk_size``. ``params``: ``(fqn, bytes, block index or None)`` in
-    first-use order (how the chunks are packed). ``fragmentation``: the allocator's reserved over allocated
-    factor to budget (protrain_fx/machine/allocator.py; None: the cost model's default). The profiled step's own
-    ratio is recorded but not used: its allocation pattern (everything offloaded and recomputed) is not the
-    plan's (the LLaMA profile measured 1.10 where its plan then ran at 1.03)."""
+def graph_profile(
+    step: StepProfile,
+    static: StaticProfile,
+    params: list[tuple[str, int, int | None]],
+    chunk_size: int,
+    *,
+    master_elem: int,
+    transfer_elem: int,
+    resident_cast_elem: int,
+    fragmentation: float | None = None,
+) -> GraphProfile:
+    """The cost model's profile for ``chunk_size``. ``params``: ``(fqn, bytes, block index or
+    None)`` in first-use order (how the chunks are packed). ``fragmentation``: the allocator's
+    reserved over allocated factor to budget (protrain_fx/machine/allocator.py; None: the cost
+    model's default). The profiled step's own ratio is recorded but not used: its allocation pattern
+    (everything offloaded and recomputed) is not the plan's (the LLaMA profile measured 1.10 where
+    its plan then ran at 1.03)."""
     saved = static.saved
     n_blocks = len(step.block_fwd_s)
     block_fwd, block_bwd = identical_block_times(step, static)
@@ -361,8 +427,15 @@ def graph_profile(step: StepProfile, static: StaticProfile, params: list[tuple[s
     for i in range(n_blocks):
         fwd = block_fwd[i]
         rc = fwd * static.recomputed_share[i]
-        blocks.append(BlockProfile(fwd_s=fwd, bwd_s=max(0.0, block_bwd[i] - rc),
-                                   keep_bytes=saved.keep[i], input_bytes=saved.recompute[i], recompute_s=rc))
+        blocks.append(
+            BlockProfile(
+                fwd_s=fwd,
+                bwd_s=max(0.0, block_bwd[i] - rc),
+                keep_bytes=saved.keep[i],
+                input_bytes=saved.recompute[i],
+                recompute_s=rc,
+            )
+        )
     layout = pack([(fqn, nbytes) for fqn, nbytes, _ in params], chunk_size)
     block_of = {fqn: b for fqn, _, b in params}
     block_bytes = [0] * n_blocks
@@ -380,13 +453,28 @@ def graph_profile(step: StepProfile, static: StaticProfile, params: list[tuple[s
         row[0] += blocks[b].fwd_s * share
         row[1] += blocks[b].bwd_s * share
         row[2].add(b)
-    chunks = tuple(ChunkProfile(numel=(layout.used_bytes(c) + master_elem - 1) // master_elem, fwd_s=f, bwd_s=b,
-                                blocks=tuple(sorted(bl))) for c, (f, b, bl) in enumerate(per_chunk))
-    # what the all-recompute step held beyond what was allocated at its start (chunk buffers, model states,
-    # the batch) and what it saved: the transient working set
+    chunks = tuple(
+        ChunkProfile(
+            numel=(layout.used_bytes(c) + master_elem - 1) // master_elem,
+            fwd_s=f,
+            bwd_s=b,
+            blocks=tuple(sorted(bl)),
+        )
+        for c, (f, b, bl) in enumerate(per_chunk)
+    )
+    # what the all-recompute step held beyond what was allocated at its start (chunk buffers, model
+    # states, the batch) and what it saved: the transient working set
     transient = step.peak_bytes - step.start_bytes - sum(saved.recompute) - saved.nonblock_recompute
-    return GraphProfile(chunk_size=chunk_size, chunks=chunks, blocks=tuple(blocks),
-                        nonblock_fwd_s=step.nonblock_fwd_s, nonblock_bwd_s=step.nonblock_bwd_s,
-                        nonblock_saved_bytes=saved.nonblock_keep, transient_bytes=max(0, transient),
-                        master_elem=master_elem, transfer_elem=transfer_elem, resident_cast_elem=resident_cast_elem,
-                        fragmentation=FRAGMENTATION if fragmentation is None else fragmentation)
+    return GraphProfile(
+        chunk_size=chunk_size,
+        chunks=chunks,
+        blocks=tuple(blocks),
+        nonblock_fwd_s=step.nonblock_fwd_s,
+        nonblock_bwd_s=step.nonblock_bwd_s,
+        nonblock_saved_bytes=saved.nonblock_keep,
+        transient_bytes=max(0, transient),
+        master_elem=master_elem,
+        transfer_elem=transfer_elem,
+        resident_cast_elem=resident_cast_elem,
+        fragmentation=FRAGMENTATION if fragmentation is None else fragmentation,
+    )

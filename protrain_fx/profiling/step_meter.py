@@ -1,14 +1,15 @@
-"""StepMeter: the measured side of a plan. Wraps a compiled graph and, without synchronizing the device,
-measures the time between successive calls (one training micro-step each) and the device's peak memory, into
-``plan.measured``; the plan cache entry (plan.json) is rewritten with them now and then. A non-finite loss
-marks the entry (a plan that gave one is never served from the cache again).
+"""StepMeter: the measured side of a plan. Wraps a compiled graph and, without synchronizing the
+device, measures the time between successive calls (one training micro-step each) and the device's
+peak memory, into ``plan.measured``; the plan cache entry (plan.json) is rewritten with them now and
+then. A non-finite loss marks the entry (a plan that gave one is never served from the cache again).
 
 On CUDA each call records an event; an interval is read only once its closing event has completed
-(``Event.query``), so the meter never waits. The first calls (compilation, the optimizer learning the
-accumulation count) are skipped; the peak counters are reset at the first measured call. With
-``PROTRAIN_PROFILE_BLOCKS=1`` the block marks of a recent step also give ``plan.measured["timeline"]`` (what
-:func:`protrain_fx.plot_memory` draws against the prediction).
+(``Event.query``), so the meter never waits. The first calls (compilation, the optimizer learning
+the accumulation count) are skipped; the peak counters are reset at the first measured call. With
+``PROTRAIN_PROFILE_BLOCKS=1`` the block marks of a recent step also give
+``plan.measured["timeline"]`` (what :func:`protrain_fx.plot_memory` draws against the prediction).
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,8 @@ import time
 
 import torch
 
-from protrain_fx.runtime import block_timer
 from protrain_fx.machine import pinned
+from protrain_fx.runtime import block_timer
 
 SKIP = 2  # calls before measuring
 WINDOW = 20  # intervals kept
@@ -47,14 +48,20 @@ class StepMeter:
         return run
 
     def _watch_loss(self, out) -> None:
-        """The graph's first scalar floating output (the loss, where the graph computes it) checked for being
-        finite without synchronizing: on CUDA the flag is copied to pinned memory and read once its event
-        has completed. A non-finite loss marks the plan in the plan cache (never served again) and is
-        said once; training is not changed (eager may give the same)."""
+        """The graph's first scalar floating output (the loss, where the graph computes it) checked
+        for being finite without synchronizing: on CUDA the flag is copied to pinned memory and read
+        once its event has completed. A non-finite loss marks the plan in the plan cache (never
+        served again) and is said once; training is not changed (eager may give the same)."""
         if self.nonfinite:
             return
-        loss = next((t for t in (out if isinstance(out, (list, tuple)) else [out])
-                     if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()), None)
+        loss = next(
+            (
+                t
+                for t in (out if isinstance(out, (list, tuple)) else [out])
+                if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()
+            ),
+            None,
+        )
         if loss is None:
             return
         if loss.device.type != "cuda":
@@ -67,8 +74,11 @@ class StepMeter:
                 return self._nonfinite(float(value))
             self.free_flags.append((flag, value))  # pinned pairs reused, not allocated per call
         if len(self.flags) < 4:
-            flag, value = self.free_flags.pop() if self.free_flags else (
-                pinned.pinned_empty(1, torch.bool), pinned.pinned_empty(1, torch.float32))
+            flag, value = (
+                self.free_flags.pop()
+                if self.free_flags
+                else (pinned.pinned_empty(1, torch.bool), pinned.pinned_empty(1, torch.float32))
+            )
             flag.copy_(torch.isfinite(loss.detach()), non_blocking=True)
             value.copy_(loss.detach(), non_blocking=True)
             ev = torch.cuda.Event()
@@ -80,11 +90,17 @@ class StepMeter:
 
         self.nonfinite = True
         logging.getLogger("protrain_fx").warning(
-            "protrain: graph %s gave a non-finite loss (%s) at call %d; its plan will not be served from the plan "
+            "protrain: graph %s gave a non-finite loss (%s) at call %d; its plan will not be "
+            "served from the plan "
             "cache again (if eager PyTorch gives a finite loss on the same step, please report it)",
-            self.plan.graph_name, value, self.calls)
+            self.plan.graph_name,
+            value,
+            self.calls,
+        )
         if self.save is not None:
-            self.save(self.plan, {"status": "nonfinite", "detail": f"loss {value} at call {self.calls}"})
+            self.save(
+                self.plan, {"status": "nonfinite", "detail": f"loss {value} at call {self.calls}"}
+            )
 
     def _now(self):
         if self.device.type == "cuda":
@@ -95,7 +111,8 @@ class StepMeter:
 
     def tick(self) -> None:
         self.calls += 1
-        if self.plan.profile_blocks:  # PROTRAIN_PROFILE_BLOCKS=1: the last step's marks are its memory timeline
+        # PROTRAIN_PROFILE_BLOCKS=1: the last step's marks are its memory timeline
+        if self.plan.profile_blocks:
             self._take_timeline()
         if self.calls <= SKIP:
             return
@@ -121,10 +138,14 @@ class StepMeter:
         marks = list(block_timer.RECORDER.marks)
         block_timer.RECORDER.clear()  # one step's marks at a time, however long the run
         if self.calls > SKIP + 1 and marks:
-            self.timeline = block_timer.memory_timeline(marks)  # synchronizes the device (profiling only)
+            # synchronizes the device (profiling only)
+            self.timeline = block_timer.memory_timeline(marks)
 
     def _update(self) -> None:
-        measured = {"iter_s": statistics.median(self.intervals), "steps_measured": len(self.intervals)}
+        measured = {
+            "iter_s": statistics.median(self.intervals),
+            "steps_measured": len(self.intervals),
+        }
         if self.timeline:
             measured["timeline"] = self.timeline
         if self.device.type == "cuda":

@@ -1,1 +1,2 @@
-"""What protrain shows: graph dumps per stage with the plan's annotations, and the memory timeline plot."""
+"""What protrain shows: graph dumps per stage with the plan's annotations, and the memory
+timeline plot."""

@@ -1,18 +1,22 @@
-"""Graph dumps: with ``dump_dir`` (or env ``PROTRAIN_DUMP_DIR``) every compiled graph gets one folder
+"""Graph dumps: with ``dump_dir`` (or env ``PROTRAIN_DUMP_DIR``) every compiled graph gets one
+folder
 
     <dump_dir>/graph_<NNN>/
         dynamo.py         the dynamo graph as protrain received it
         joint.py          the joint forward+backward graph after protrain's joint passes
         fw.py, bw.py      forward and backward graphs after protrain's passes, before Inductor
         inference.py      (inference-only graphs) the graph after protrain's passes
-        passes/           the graph after each pass: <stage>_<NN>_<pass>.py (protrain_fx/pipeline.py)
-        plan.json         Plan.to_dict()
-        annotations.tsv   one row per node of each stage: phase, block and its activation policy, whether the
-                          partitioner must recompute it, chunk, parameter, output bytes, profile columns
+        passes/           the graph after each pass: <stage>_<NN>_<pass>.py
+        (protrain_fx/pipeline.py) plan.json         Plan.to_dict() annotations.tsv   one row per
+        node of each stage: phase, block and its activation policy, whether the
+                          partitioner must recompute it, chunk, parameter, output bytes, profile
+                          columns
 
-The code is snapshotted when the stage is handed to Inductor, which later mutates the same graph objects.
-Every artifact also goes to torch's structured trace (``TORCH_TRACE=/tmp/trace``), where tlparse shows it.
+The code is snapshotted when the stage is handed to Inductor, which later mutates the same graph
+objects. Every artifact also goes to torch's structured trace (``TORCH_TRACE=/tmp/trace``), where
+tlparse shows it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,16 +26,28 @@ import os
 import torch
 import torch.fx as fx
 
-from protrain_fx.graph.annotation import annotation_of
-
 from protrain_fx import _compat
+from protrain_fx.graph.annotation import annotation_of
 from protrain_fx.plan.plan import Plan
 
 _GRAPH_SEQ = itertools.count()
 
 TSV_COLUMNS = (
-    "stage", "node", "op", "target", "phase", "region", "block", "policy", "recompute", "chunk", "param",
-    "out_bytes", "time_us", "mem_delta_bytes", "peak_bytes",
+    "stage",
+    "node",
+    "op",
+    "target",
+    "phase",
+    "region",
+    "block",
+    "policy",
+    "recompute",
+    "chunk",
+    "param",
+    "out_bytes",
+    "time_us",
+    "mem_delta_bytes",
+    "peak_bytes",
 )
 
 
@@ -42,7 +58,8 @@ def _out_bytes(node: fx.Node) -> str:
     for v in vals:
         if isinstance(v, torch.Tensor):
             n = v.numel()
-            if not isinstance(n, int):  # symbolic sizes: int() would specialize the graph to one shape
+            # symbolic sizes: int() would specialize the graph to one shape
+            if not isinstance(n, int):
                 return "symbolic"
             total += n * v.element_size()
     return str(total)
@@ -53,8 +70,8 @@ def graph_code(gm: fx.GraphModule) -> str:
 
 
 class GraphDump:
-    """Writes one compiled graph's artifacts; a no-op folder-wise when no dump_dir is set (the structured
-    trace still gets them when tracing is on)."""
+    """Writes one compiled graph's artifacts; a no-op folder-wise when no dump_dir is set (the
+    structured trace still gets them when tracing is on)."""
 
     def __init__(self, dump_dir: str | None, plan: Plan):
         self.name = f"graph_{next(_GRAPH_SEQ):03d}"
@@ -86,20 +103,37 @@ class GraphDump:
 
     def _row(self, stage: str, node: fx.Node) -> tuple:
         ann = annotation_of(node)
-        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        target = (
+            node.target
+            if isinstance(node.target, str)
+            else getattr(node.target, "__name__", str(node.target))
+        )
         prof = node.meta.get("protrain_profile") or {}
         policy = ""
         if ann is not None and ann.phase:
-            policy = self.plan.blocks[ann.block].policy if ann.block is not None and ann.block < len(self.plan.blocks) \
+            policy = (
+                self.plan.blocks[ann.block].policy
+                if ann.block is not None and ann.block < len(self.plan.blocks)
                 else "keep"
+            )
         recompute = "must" if str(node.meta.get("recompute", "")).endswith("MUST_RECOMPUTE") else ""
         return (
-            stage, node.name, node.op, str(target),
-            ann.phase if ann else "", ann.region if ann else "",
-            ann.block_name or "" if ann else "", policy, recompute,
+            stage,
+            node.name,
+            node.op,
+            str(target),
+            ann.phase if ann else "",
+            ann.region if ann else "",
+            ann.block_name or "" if ann else "",
+            policy,
+            recompute,
             "" if ann is None or ann.chunk is None else str(ann.chunk),
-            ann.param or "" if ann else "", _out_bytes(node),
-            *(str(prof[k]) if k in prof else "" for k in ("time_us", "mem_delta_bytes", "peak_bytes")),
+            ann.param or "" if ann else "",
+            _out_bytes(node),
+            *(
+                str(prof[k]) if k in prof else ""
+                for k in ("time_us", "mem_delta_bytes", "peak_bytes")
+            ),
         )
 
     def write_annotations(self) -> None:

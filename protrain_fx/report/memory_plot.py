@@ -32,11 +32,13 @@ def _bwd_start(points) -> float | None:
 
 
 def plot_memory(plan, path: str) -> str:
-    """Write a PNG memory timeline of ``plan`` (predicted against measured) to ``path``; return ``path``.
+    """Write a PNG memory timeline of ``plan`` (predicted against measured) to ``path``; return
+    ``path``.
 
-    Reads only ``plan.predicted``, ``plan.measured`` (dicts with ``iter_s``, ``peak_bytes``, optional
-    ``budget_bytes`` and ``timeline`` of ``[t_s, bytes, label]`` triples), ``plan.graph_name`` and the
-    knobs. Raises :class:`ProtrainError` if there is nothing to plot or matplotlib is missing.
+    Reads only ``plan.predicted``, ``plan.measured`` (dicts with ``iter_s``, ``peak_bytes``,
+    optional ``budget_bytes`` and ``timeline`` of ``[t_s, bytes, label]`` triples),
+    ``plan.graph_name`` and the knobs. Raises :class:`ProtrainError` if there is nothing to plot or
+    matplotlib is missing.
     """
     predicted = getattr(plan, "predicted", None) or {}
     measured = getattr(plan, "measured", None) or {}
@@ -52,7 +54,8 @@ def plot_memory(plan, path: str) -> str:
     ]
     if not pred_points and not meas_points and not lines:
         raise ProtrainError(
-            "plan has no predicted or measured memory to plot (plan.predicted and plan.measured have "
+            "plan has no predicted or measured memory to plot (plan.predicted and plan.measured "
+            "have "
             "no timeline, peak_bytes or budget_bytes); run the planner / a profiled step first"
         )
     try:
@@ -77,18 +80,26 @@ def plot_memory(plan, path: str) -> str:
                 ts, gib, _ = zip(*points)
                 ax.plot(ts, gib, drawstyle="steps-post", color=colour, linewidth=1.5, label=label)
         for name, nbytes, colour in lines:
-            ax.axhline(nbytes / _GIB, linestyle="--", linewidth=1, color=colour,
-                       label=f"{name} {nbytes / _GIB:.2f} GiB")
+            ax.axhline(
+                nbytes / _GIB,
+                linestyle="--",
+                linewidth=1,
+                color=colour,
+                label=f"{name} {nbytes / _GIB:.2f} GiB",
+            )
         bwd = _bwd_start(pred_points) if pred_points else _bwd_start(meas_points)
         if bwd is not None:
             ax.axvline(bwd, linestyle=":", color="grey", linewidth=1, label="fwd | bwd")
 
         knobs = ", ".join(
-            f"{k}={getattr(plan, 'n_' + k, None)}" for k in ("persist", "buffer", "swap", "checkpoint")
+            f"{k}={getattr(plan, 'n_' + k, None)}"
+            for k in ("persist", "buffer", "swap", "checkpoint")
         )
         chunk = getattr(plan, "chunk_size", None)
         chunk_s = f"chunk {chunk / _MIB:g} MiB" if chunk else "chunk ?"
-        ax.set_title(f"{getattr(plan, 'graph_name', '') or 'graph'}: {chunk_s}, {knobs}", fontsize=10)
+        ax.set_title(
+            f"{getattr(plan, 'graph_name', '') or 'graph'}: {chunk_s}, {knobs}", fontsize=10
+        )
         ax.set_xlabel("time (ms)")
         ax.set_ylabel("device memory (GiB)")
         ax.set_ylim(bottom=0)

@@ -1,20 +1,25 @@
-"""Which chunks a compiled graph works on, decided at every call from the parameters it is called with.
+"""Which chunks a compiled graph works on, decided at every call from the parameters it is called
+with.
 
-Dynamo calls one compiled graph with whatever parameters the traced frame holds: with regional compilation
-(``block.compile(backend="protrain")`` for every block) or a graph break inside the block loop, the graph of
-the first block runs for every block. protrain's ops find their chunk from the parameter tensors they are
-handed (protrain_fx/runtime/ops.py), so such a call works on the right chunks as long as those parameters are laid
-out as the graph's code expects: the same chunk grouping, offsets and placement. :class:`GraphBinding`
-checks that before each call (a pointer comparison when the parameters are the ones of the last call) and:
+Dynamo calls one compiled graph with whatever parameters the traced frame holds: with regional
+compilation (``block.compile(backend="protrain")`` for every block) or a graph break inside the
+block loop, the graph of the first block runs for every block. protrain's ops find their chunk from
+the parameter tensors they are handed (protrain_fx/runtime/ops.py), so such a call works on the
+right chunks as long as those parameters are laid out as the graph's code expects: the same chunk
+grouping, offsets and placement. :class:`GraphBinding` checks that before each call (a pointer
+comparison when the parameters are the ones of the last call) and:
 
-* parameters that belong to no chunk store yet (the next block's, at its first call) get a store made like
-  the graph's own (same layout, same placement), attached to the same optimizer;
-* parameters laid out otherwise (another store's chunks) make the call run the graph as dynamo traced it,
-  eagerly: exact (offloaded parameters are device views of their host values), only slower; said once.
+* parameters that belong to no chunk store yet (the next block's, at its first call) get a store
+  made like the graph's own (same layout, same placement), attached to the same optimizer;
+* parameters laid out otherwise (another store's chunks) make the call run the graph as dynamo
+  traced it, eagerly: exact (offloaded parameters are device views of their host values), only
+  slower; said once.
 
-:func:`runtime_guard` wraps each compiled forward and backward: an exception inside one (an OOM, a failing
-user function) leaves no device chunk buffer reserved and no copy queued, so the loop can go on.
+:func:`runtime_guard` wraps each compiled forward and backward: an exception inside one (an OOM, a
+failing user function) leaves no device chunk buffer reserved and no copy queued, so the loop can go
+on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,16 +27,17 @@ import weakref
 
 import torch
 
+from protrain_fx.errors import ProtrainError
 from protrain_fx.runtime import chunk_buffers, hybrid_optim, swap_pool
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
-from protrain_fx.errors import ProtrainError
 
 log = logging.getLogger("protrain_fx")
 
 
 def on_error(fn, catch, handle):
-    """``fn`` (a compiled graph, boxed or not) whose ``catch`` exceptions go to ``handle(e)``, which returns
-    the exception to raise (``e`` itself: re-raised as it is)."""
+    """``fn`` (a compiled graph, boxed or not) whose ``catch`` exceptions go to ``handle(e)``, which
+    returns the exception to raise (``e`` itself: re-raised as it is)."""
+
     def call(invoke):
         try:
             return invoke()
@@ -42,18 +48,24 @@ def on_error(fn, catch, handle):
             raise new from e
 
     if getattr(fn, "_boxed_call", False):
+
         def run(args):
             return call(lambda: fn(args))
+
         run._boxed_call = True
     else:
+
         def run(*args):
             return call(lambda: fn(*args))
+
     run.__wrapped__ = fn
     return run
 
 
 def runtime_guard(fn):
-    """``fn`` (a compiled graph, boxed or not) that resets protrain's run-time state if it raises."""
+    """``fn`` (a compiled graph, boxed or not) that resets protrain's run-time state if it
+    raises."""
+
     def reset(e):
         chunk_buffers.reset_all()
         swap_pool.reset_all()
@@ -63,18 +75,25 @@ def runtime_guard(fn):
 
 
 class GraphBinding:
-    """See the module docstring. ``positions``: the graph inputs that are parameters; ``params``: those the
-    graph was compiled with."""
+    """See the module docstring. ``positions``: the graph inputs that are parameters; ``params``:
+    those the graph was compiled with."""
 
-    def __init__(self, graph_name: str, positions: list[int], params: list[torch.nn.Parameter], optimizer,
-                 eager_graph):
+    def __init__(
+        self,
+        graph_name: str,
+        positions: list[int],
+        params: list[torch.nn.Parameter],
+        optimizer,
+        eager_graph,
+    ):
         self.graph_name = graph_name
         self.positions = positions
         self._last = [weakref.ref(p) for p in params]
         self._compiled_for = list(self._last)
         self._signature = _signature(params)
         stores = {id(s): s for s in (store_of(p) for p in params) if s is not None}
-        # a store made by this graph for exactly its parameters can be made again for another block's
+        # a store made by this graph for exactly its parameters can be made again for another
+        # block's
         self._template = None
         if len(stores) == 1:
             (t,) = stores.values()
@@ -93,8 +112,12 @@ class GraphBinding:
             return compiled(*args)
         if not self._said:
             self._said = True
-            log.warning("protrain: graph %s was called with parameters laid out in chunks unlike those it was "
-                        "compiled for; it runs eagerly for them (exact, slower)", self.graph_name)
+            log.warning(
+                "protrain: graph %s was called with parameters laid out in chunks unlike "
+                "those it was "
+                "compiled for; it runs eagerly for them (exact, slower)",
+                self.graph_name,
+            )
         return self._eager_graph(*args)
 
     def _bind(self, params: list) -> bool:
@@ -105,19 +128,23 @@ class GraphBinding:
         return _signature(params) == self._signature
 
     def _mirror(self, template: ChunkStore, params: list) -> None:
-        """A store for ``params`` made like ``template`` (the same layout over parameters of the same shapes
-        in the same order, the same placement)."""
+        """A store for ``params`` made like ``template`` (the same layout over parameters of the
+        same shapes in the same order, the same placement)."""
         by_entry = {}
         for p, ref in zip(params, self._compiled_for):
             t = ref()
             if t is None or store_of(t) is not template:
-                raise ProtrainError("protrain internal error: the graph's template parameters are gone")
+                raise ProtrainError(
+                    "protrain internal error: the graph's template parameters are gone"
+                )
             by_entry[template.entry_index(t)] = p
         named = [(template.entries[i].fqn, by_entry[i]) for i in range(len(template.entries))]
         from protrain_fx.runtime.param_values import HOST_VALUES
 
         host_values = {id(p): HOST_VALUES.pop(p) for _, p in named if p in HOST_VALUES}
-        store = ChunkStore(named, template.layout, template.n_persist, template.param_dtype, host_values)
+        store = ChunkStore(
+            named, template.layout, template.n_persist, template.param_dtype, host_values
+        )
         store.ensure_buffers(template.n_buffer)
         opt = self._optimizer() if self._optimizer is not None else None
         if store.offloaded_chunks and opt is not None:
@@ -125,9 +152,9 @@ class GraphBinding:
 
 
 def _signature(params: list) -> tuple | None:
-    """How ``params`` sit in chunks, relative to one another: per offloaded parameter (group, offset,
-    transfer dtype, chunk size), where group numbers the distinct (store, chunk) pairs in order of first
-    appearance, and None per resident one; None when a parameter is in no store."""
+    """How ``params`` sit in chunks, relative to one another: per offloaded parameter (group,
+    offset, transfer dtype, chunk size), where group numbers the distinct (store, chunk) pairs in
+    order of first appearance, and None per resident one; None when a parameter is in no store."""
     groups: dict[tuple[int, int], int] = {}
     out = []
     for p in params:
@@ -135,7 +162,8 @@ def _signature(params: list) -> tuple | None:
         if s is None:
             return None
         e = s.entry(p)
-        if not s.is_offloaded(e.chunk):  # the graph reads a resident parameter itself: any chunk will do
+        # the graph reads a resident parameter itself: any chunk will do
+        if not s.is_offloaded(e.chunk):
             out.append(None)
             continue
         g = groups.setdefault((s.id, e.chunk), len(groups))

@@ -1,20 +1,23 @@
-"""Runtime side of the block profiler: what ``protrain::mark`` and the profiled step record, in stream order.
+"""Runtime side of the block profiler: what ``protrain::mark`` and the profiled step record, in
+stream order.
 
-A mark records a timing point (a CUDA event on the current stream, or ``perf_counter`` on the CPU), the
-bytes allocated, and the peak since the previous mark (the peak counter is reset at every mark, so each
-interval's transient peak is its own). ``where`` for a block: 0 forward enters it, 1 forward leaves it, 2
-backward enters it (its output's gradient arrives), 3 backward leaves it. Block -1 holds the step's own
-marks (:data:`STEP_START`, :data:`FWD_END`, :data:`STEP_END`) and the brackets of every chunk copy the
-profiled step makes on the compute stream (:data:`COPY_START`, :data:`COPY_END`): copies are serialized with
-compute there, and :func:`block_timings` subtracts them, so the times are those of the compiled kernels.
+A mark records a timing point (a CUDA event on the current stream, or ``perf_counter`` on the CPU),
+the bytes allocated, and the peak since the previous mark (the peak counter is reset at every mark,
+so each interval's transient peak is its own). ``where`` for a block: 0 forward enters it, 1 forward
+leaves it, 2 backward enters it (its output's gradient arrives), 3 backward leaves it. Block -1
+holds the step's own marks (:data:`STEP_START`, :data:`FWD_END`, :data:`STEP_END`) and the brackets
+of every chunk copy the profiled step makes on the compute stream (:data:`COPY_START`,
+:data:`COPY_END`): copies are serialized with compute there, and :func:`block_timings` subtracts
+them, so the times are those of the compiled kernels.
 
-Host stalls: CUDA events time the device, but a device that waits for the host to queue the next kernel
-times the host. While :attr:`BlockRecorder.lead_s` is set (the profiled step on CUDA), every block and step
-mark first queues a spin kernel of that length (``torch.cuda._sleep``), bracketed like a copy so it is
-subtracted too: the host queues the interval's kernels while the device spins, and the interval measures
-the kernels back to back, however slowly the host ran (a loaded host measured some blocks of a GPT up to
-2.2x slower than the kernels run).
+Host stalls: CUDA events time the device, but a device that waits for the host to queue the next
+kernel times the host. While :attr:`BlockRecorder.lead_s` is set (the profiled step on CUDA), every
+block and step mark first queues a spin kernel of that length (``torch.cuda._sleep``), bracketed
+like a copy so it is subtracted too: the host queues the interval's kernels while the device spins,
+and the interval measures the kernels back to back, however slowly the host ran (a loaded host
+measured some blocks of a GPT up to 2.2x slower than the kernels run).
 """
+
 from __future__ import annotations
 
 import time
@@ -57,7 +60,8 @@ def _spin_cycles_per_s() -> float:
 class BlockRecorder:
     def __init__(self):
         self.marks: list[Mark] = []
-        self.lead_s = 0.0  # > 0: a block or step mark on CUDA first queues a spin this long (module docstring)
+        # > 0: a block or step mark on CUDA first queues a spin this long (module docstring)
+        self.lead_s = 0.0
 
     def record(self, block: int, where: int, device: torch.device) -> None:
         if device.type == "cuda" and self.lead_s > 0 and where not in (COPY_START, COPY_END):
@@ -67,7 +71,10 @@ class BlockRecorder:
         if device.type == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            alloc, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+            alloc, peak = (
+                torch.cuda.memory_allocated(device),
+                torch.cuda.max_memory_allocated(device),
+            )
             torch.cuda.reset_peak_memory_stats(device)
             self.marks.append(Mark(block, where, ev, alloc, peak))
         else:
@@ -87,10 +94,11 @@ def _ms(a, b) -> float:
 
 
 def _interval_ms(marks: list[Mark], first: int, last: int) -> float:
-    """Milliseconds from mark ``first`` to mark ``last`` less the chunk copies bracketed in between."""
+    """Milliseconds from mark ``first`` to mark ``last`` less the chunk copies bracketed in
+    between."""
     total = _ms(marks[first].point, marks[last].point)
     start = None
-    for m in marks[first + 1:last]:
+    for m in marks[first + 1 : last]:
         if m.block == STEP and m.where == COPY_START:
             start = m
         elif m.block == STEP and m.where == COPY_END and start is not None:
@@ -100,10 +108,11 @@ def _interval_ms(marks: list[Mark], first: int, last: int) -> float:
 
 
 def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]]:
-    """Per block: forward and backward milliseconds (first enter to last leave, in that phase, less chunk
-    copies) and the peak allocation inside each (after synchronizing the device when the points are CUDA
-    events). With the step's marks present, block -1 holds the whole forward and backward ("fwd_ms",
-    "bwd_ms"), the step's peak ("peak_bytes") and what was allocated at its start ("start_allocated")."""
+    """Per block: forward and backward milliseconds (first enter to last leave, in that phase, less
+    chunk copies) and the peak allocation inside each (after synchronizing the device when the
+    points are CUDA events). With the step's marks present, block -1 holds the whole forward and
+    backward ("fwd_ms", "bwd_ms"), the step's peak ("peak_bytes") and what was allocated at its
+    start ("start_allocated")."""
     marks = RECORDER.marks if marks is None else marks
     if any(not isinstance(m.point, float) for m in marks):
         torch.cuda.synchronize()
@@ -120,25 +129,41 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
                 continue
             row = out.setdefault(block, {})
             row[f"{phase}_ms"] = _interval_ms(marks, first, last)
-            row[f"{phase}_peak_bytes"] = max(m.peak for m in marks[first + 1:last + 1])
+            row[f"{phase}_peak_bytes"] = max(m.peak for m in marks[first + 1 : last + 1])
             row[f"{phase}_start_allocated"] = marks[first].allocated
-    where = {m.where: i for i, m in enumerate(marks) if m.block == STEP and m.where in (STEP_START, FWD_END, STEP_END)}
+    where = {
+        m.where: i
+        for i, m in enumerate(marks)
+        if m.block == STEP and m.where in (STEP_START, FWD_END, STEP_END)
+    }
     if len(where) == 3:
         s, f, e = where[STEP_START], where[FWD_END], where[STEP_END]
-        out[STEP] = {"fwd_ms": _interval_ms(marks, s, f), "bwd_ms": _interval_ms(marks, f, e),
-                     "peak_bytes": max(m.peak for m in marks[s + 1:e + 1]), "start_allocated": marks[s].allocated}
+        out[STEP] = {
+            "fwd_ms": _interval_ms(marks, s, f),
+            "bwd_ms": _interval_ms(marks, f, e),
+            "peak_bytes": max(m.peak for m in marks[s + 1 : e + 1]),
+            "start_allocated": marks[s].allocated,
+        }
     return out
 
 
 def memory_timeline(marks: list[Mark] | None = None) -> list[list]:
-    """``[t_s, allocated bytes, label]`` at every block mark of the step (copies included in the time)."""
+    """``[t_s, allocated bytes, label]`` at every block mark of the step (copies included in the
+    time)."""
     marks = RECORDER.marks if marks is None else marks
     if not marks:
         return []
     if any(not isinstance(m.point, float) for m in marks):
         torch.cuda.synchronize()
-    names = {FWD_ENTER: "fwd enter", FWD_EXIT: "fwd exit", BWD_ENTER: "bwd enter", BWD_EXIT: "bwd exit",
-             STEP_START: "step start", FWD_END: "backward starts", STEP_END: "step end"}
+    names = {
+        FWD_ENTER: "fwd enter",
+        FWD_EXIT: "fwd exit",
+        BWD_ENTER: "bwd enter",
+        BWD_EXIT: "bwd exit",
+        STEP_START: "step start",
+        FWD_END: "backward starts",
+        STEP_END: "step end",
+    }
     out = []
     for m in marks:
         if m.where in (COPY_START, COPY_END):

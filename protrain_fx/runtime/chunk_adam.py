@@ -12,6 +12,7 @@ and the gradient, which are all still there (the restored values are within floa
 originals). :class:`ChunkAdam` holds these steps as methods of the hybrid optimizer (which inherits
 them).
 """
+
 from __future__ import annotations
 
 import math
@@ -72,16 +73,28 @@ class ChunkAdam:
         for i in entries:
             by_group.setdefault(st.group_of[i], []).append(i)
         step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in entries}
-        whole = (len(by_group) == 1 and len(entries) == len(store.chunk_entry_indices(st.chunk))
-                 and len(step_counts) == 1 and master.dtype == torch.float32)
+        whole = (
+            len(by_group) == 1
+            and len(entries) == len(store.chunk_entry_indices(st.chunk))
+            and len(step_counts) == 1
+            and master.dtype == torch.float32
+        )
         if whole:
-            (gi, idxs), = by_group.items()
+            ((gi, idxs),) = by_group.items()
             step = torch.tensor(step_counts.pop(), dtype=torch.float32)
             g = groups[gi]
             if not self._one_pass_step(st, step, g):  # it writes the transfer copy itself
                 vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
-                _adam(g, [master], [grad], [st.exp_avg], [st.exp_avg_sq], vmax, [step],
-                      impl=_impl(store, g))
+                _adam(
+                    g,
+                    [master],
+                    [grad],
+                    [st.exp_avg],
+                    [st.exp_avg_sq],
+                    vmax,
+                    [step],
+                    impl=_impl(store, g),
+                )
                 store.refresh_transfer(st.chunk)
             else:
                 store.invalidate(st.chunk)
@@ -108,8 +121,7 @@ class ChunkAdam:
                     vmax.append(st.max_exp_avg_sq[sl])
                 steps.append(step_count)
             if params:
-                _adam(groups[gi], params, grads, m, v, vmax, steps,
-                      impl=_impl(store, groups[gi]))
+                _adam(groups[gi], params, grads, m, v, vmax, steps, impl=_impl(store, groups[gi]))
         store.refresh_transfer(st.chunk)
         return False
 
@@ -119,19 +131,34 @@ class ChunkAdam:
         where it does not apply."""
         store = st.store
         master, transfer = store.master[st.chunk], store.transfer[st.chunk]
-        if (st.max_exp_avg_sq is not None or g["amsgrad"] or master.dtype != torch.float32
-                or master.device.type != "cpu"
-                or transfer is not master and transfer.dtype != torch.bfloat16
-                or not cpu_adam.available() or _impl(store, g) != "fused"):
+        if (
+            st.max_exp_avg_sq is not None
+            or g["amsgrad"]
+            or master.dtype != torch.float32
+            or master.device.type != "cpu"
+            or transfer is not master
+            and transfer.dtype != torch.bfloat16
+            or not cpu_adam.available()
+            or _impl(store, g) != "fused"
+        ):
             return False
         step += 1  # torch counts the step before using it
         beta1, beta2 = g["betas"]
         cpu_adam.adam_step(
-            master, store.grad[st.chunk], st.exp_avg, st.exp_avg_sq,
+            master,
+            store.grad[st.chunk],
+            st.exp_avg,
+            st.exp_avg_sq,
             None if transfer is master else transfer,
-            float(step), lr=float(g["lr"]), beta1=float(beta1), beta2=float(beta2),
-            eps=float(g["eps"]), weight_decay=float(g["weight_decay"]),
-            decoupled=g["decoupled_weight_decay"], maximize=g["maximize"])
+            float(step),
+            lr=float(g["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(g["eps"]),
+            weight_decay=float(g["weight_decay"]),
+            decoupled=g["decoupled_weight_decay"],
+            maximize=g["maximize"],
+        )
         self.timers.one_pass_steps += 1
         return True
 
@@ -141,9 +168,15 @@ class ChunkAdam:
         rec, st.provisional = st.provisional, None
         store = st.store
         master, grad = store.master[st.chunk], store.grad[st.chunk]
-        spans = ([(0, master.numel(), rec.entries)] if rec.whole else
-                 [(store.host_slices(i)[0].start, store.host_slices(i)[0].stop, [i])
-                  for i in rec.entries if store.host_slices(i) is not None])
+        spans = (
+            [(0, master.numel(), rec.entries)]
+            if rec.whole
+            else [
+                (store.host_slices(i)[0].start, store.host_slices(i)[0].stop, [i])
+                for i in rec.entries
+                if store.host_slices(i) is not None
+            ]
+        )
         for lo, hi, idxs in spans:
             g = rec.groups[st.group_of[idxs[0]]]
             t = rec.steps_before[idxs[0]] + 1
@@ -189,14 +222,29 @@ def _adam(g: dict, params, grads, m, v, vmax, steps, *, impl: str) -> None:
     from torch.optim.adam import adam
 
     beta1, beta2 = g["betas"]
-    adam(params, grads, m, v, vmax, steps, foreach=impl == "foreach", fused=impl == "fused",
-         decoupled_weight_decay=g["decoupled_weight_decay"], amsgrad=g["amsgrad"], beta1=beta1,
-         beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
-         maximize=g["maximize"])
+    adam(
+        params,
+        grads,
+        m,
+        v,
+        vmax,
+        steps,
+        foreach=impl == "foreach",
+        fused=impl == "fused",
+        decoupled_weight_decay=g["decoupled_weight_decay"],
+        amsgrad=g["amsgrad"],
+        beta1=beta1,
+        beta2=beta2,
+        lr=g["lr"],
+        weight_decay=g["weight_decay"],
+        eps=g["eps"],
+        maximize=g["maximize"],
+    )
 
 
-def _adam_inverse(g: dict, t: float, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
-                  v: torch.Tensor) -> None:
+def _adam_inverse(
+    g: dict, t: float, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor
+) -> None:
     """Undo the Adam step number ``t`` with hyperparameters ``g`` on (p, m, v), in place, in
     float64."""
     beta1, beta2 = g["betas"]
@@ -204,7 +252,7 @@ def _adam_inverse(g: dict, t: float, p: torch.Tensor, grad: torch.Tensor, m: tor
     p1, m1, v1, gr = p.double(), m.double(), v.double(), grad.double()
     if g["maximize"]:
         gr = -gr
-    bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+    bc1, bc2 = 1 - beta1**t, 1 - beta2**t
     update = (lr / bc1) * m1 / (v1.sqrt() / math.sqrt(bc2) + eps)
     if g["decoupled_weight_decay"]:
         p0 = (p1 + update) / (1 - lr * wd) if wd != 0 else p1 + update

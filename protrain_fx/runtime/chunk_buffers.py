@@ -1,22 +1,24 @@
-"""Device chunk buffers ("slots"): where offloaded chunks land on the compute device, shared by every chunk
-store whose chunks have the same (device, dtype, size).
+"""Device chunk buffers ("slots"): where offloaded chunks land on the compute device, shared by
+every chunk store whose chunks have the same (device, dtype, size).
 
-A compiled graph reads an offloaded chunk through ``protrain::gather``, which returns a *fresh* tensor that
-Inductor owns: the slot's contents copied on the compute stream. Inductor alone then decides when that
-memory is dead (after the last kernel that reads it, fusions and inlined reads included), so a chunk's data
-can never be overwritten while compiled code still reads it. The slots only stage host-to-device copies:
+A compiled graph reads an offloaded chunk through ``protrain::gather``, which returns a *fresh*
+tensor that Inductor owns: the slot's contents copied on the compute stream. Inductor alone then
+decides when that memory is dead (after the last kernel that reads it, fusions and inlined reads
+included), so a chunk's data can never be overwritten while compiled code still reads it. The slots
+only stage host-to-device copies:
 
     EMPTY --prefetch--> RESERVED(c) --gather--> CACHED(c) --prefetch of another chunk--> RESERVED(d)
                            ^                       |
                            +----prefetch of c------+   (a hit: no copy; backward's first chunks are
                                                          forward's last)
 
-``prefetch`` issues the host-to-device copy on the copy stream into a slot that is EMPTY or the least
-recently used CACHED one; ``gather`` waits for it, copies the slot out and records when the compute stream
-is done reading the slot (the next copy into it waits for that). ``invalidate`` forgets a chunk whose host
-values changed; ``reset`` (after an exception inside a compiled graph) drops every reservation. On a CPU
-compute device the copies are real and synchronous.
+``prefetch`` issues the host-to-device copy on the copy stream into a slot that is EMPTY or the
+least recently used CACHED one; ``gather`` waits for it, copies the slot out and records when the
+compute stream is done reading the slot (the next copy into it waits for that). ``invalidate``
+forgets a chunk whose host values changed; ``reset`` (after an exception inside a compiled graph)
+drops every reservation. On a CPU compute device the copies are real and synchronous.
 """
+
 from __future__ import annotations
 
 import enum
@@ -26,11 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from protrain_fx import config
-
 from protrain_fx.errors import ProtrainError
 
-# debugging aid: PROTRAIN_DEBUG_POISON=1 fills a slot with NaN once gather has copied it out and never serves
-# a chunk from a slot without copying it again: compiled code that still read a slot would compute with NaN
+# debugging aid: PROTRAIN_DEBUG_POISON=1 fills a slot with NaN once gather has copied it out and
+# never serves a chunk from a slot without copying it again: compiled code that still read a slot
+# would compute with NaN
 POISON = config.settings().debug_poison
 
 
@@ -62,7 +64,9 @@ class Slot:
 
     def move(self, state: SlotState, key=None) -> None:
         if (self.state, state) not in _ALLOWED:
-            raise ProtrainError(f"protrain internal error: chunk buffer {self.state.value} -> {state.value}")
+            raise ProtrainError(
+                f"protrain internal error: chunk buffer {self.state.value} -> {state.value}"
+            )
         self.state, self.key = state, key
 
 
@@ -105,7 +109,9 @@ class ChunkBuffers:
             self.slots.append(Slot(torch.empty(self.numel, dtype=self.dtype, device=self.device)))
 
     def _find(self, key) -> Slot | None:
-        return next((s for s in self.slots if s.key == key and s.state is not SlotState.EMPTY), None)
+        return next(
+            (s for s in self.slots if s.key == key and s.state is not SlotState.EMPTY), None
+        )
 
     def holds(self, key) -> bool:
         return self._find(key) is not None
@@ -115,8 +121,9 @@ class ChunkBuffers:
         return s is not None and s.state is SlotState.RESERVED
 
     def prefetch(self, key, fill, on_compute: bool = False) -> None:
-        """Reserve a slot for chunk ``key`` and start ``fill(dst)`` (the host-to-device copy) unless a slot
-        already holds it; on the copy stream, or with ``on_compute`` on the compute stream (the profiler)."""
+        """Reserve a slot for chunk ``key`` and start ``fill(dst)`` (the host-to-device copy) unless
+        a slot already holds it; on the copy stream, or with ``on_compute`` on the compute stream
+        (the profiler)."""
         with self._lock:
             s = self._find(key)
             if s is not None and s.state is SlotState.RESERVED:
@@ -128,8 +135,11 @@ class ChunkBuffers:
             free = [x for x in self.slots if x.state is not SlotState.RESERVED]
             if not free:
                 raise ProtrainError(
-                    f"protrain: all {len(self.slots)} device chunk buffers are awaiting their gathers, so chunk "
-                    f"{key[1]} cannot be prefetched (the schedule prefetches more chunks than the plan's n_buffer)")
+                    f"protrain: all {len(self.slots)} device chunk buffers are awaiting their "
+                    "gathers, so chunk "
+                    f"{key[1]} cannot be prefetched (the schedule prefetches more chunks than the "
+                    "plan's n_buffer)"
+                )
             s = min(free, key=lambda x: (x.state is not SlotState.EMPTY, x.last_used))
             if s.state is SlotState.CACHED:
                 s.move(SlotState.EMPTY)
@@ -137,7 +147,8 @@ class ChunkBuffers:
             self._clock += 1
             s.last_used = self._clock
             if self.is_cuda and not on_compute:
-                if s.free is None:  # a new slot: its memory may be what queued compute work freed just now
+                # a new slot: its memory may be what queued compute work freed just now
+                if s.free is None:
                     self.streams.h2d.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self.streams.h2d):
                     if s.free is not None:
@@ -154,7 +165,8 @@ class ChunkBuffers:
             self.stats["h2d_bytes"] += n
 
     def gather(self, key, numel: int, fill, on_compute: bool = False) -> torch.Tensor:
-        """The chunk's data as a fresh tensor on the compute device (prefetching it now if no slot has it)."""
+        """The chunk's data as a fresh tensor on the compute device (prefetching it now if no
+        slot has it)."""
         s = self._find(key)
         if s is None or s.state is not SlotState.RESERVED:
             self.stats["unprefetched_gathers"] += int(s is None)
@@ -189,7 +201,8 @@ class ChunkBuffers:
                     s.move(SlotState.EMPTY)
 
     def reset(self) -> None:
-        """After an exception inside a compiled graph: no slot stays reserved (copies in flight finish first)."""
+        """After an exception inside a compiled graph: no slot stays reserved (copies in flight
+        finish first)."""
         if self.is_cuda:
             self.streams.h2d.synchronize()
         with self._lock:
@@ -202,8 +215,8 @@ class ChunkBuffers:
 
 
 class GradBuffers:
-    """Device buffers the packed gradients of offloaded chunks wait in until their copy to the host is done,
-    used in rotation (one (device, dtype, numel) set shared by every store)."""
+    """Device buffers the packed gradients of offloaded chunks wait in until their copy to the host
+    is done, used in rotation (one (device, dtype, numel) set shared by every store)."""
 
     N = 2
 
@@ -218,10 +231,14 @@ class GradBuffers:
         return len(self.bufs) * self.numel * self.dtype.itemsize
 
     def take(self) -> tuple[int, torch.Tensor]:
-        """The next buffer, once its last copy to the host is done (the compute stream waits for it)."""
+        """The next buffer, once its last copy to the host is done (the compute stream waits for
+        it)."""
         if not self.bufs:
             with torch.no_grad():
-                self.bufs = [torch.empty(self.numel, dtype=self.dtype, device=self.device) for _ in range(self.N)]
+                self.bufs = [
+                    torch.empty(self.numel, dtype=self.dtype, device=self.device)
+                    for _ in range(self.N)
+                ]
             self.done = [None] * self.N
         k = self._next
         self._next = (k + 1) % self.N

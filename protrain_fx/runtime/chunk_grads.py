@@ -12,16 +12,17 @@ accumulator first. A callback at the end of every backward waits for the worker,
 from a compiled graph and from code outside it. :class:`ChunkGrads` holds these as methods of
 :class:`protrain_fx.runtime.chunk_store.ChunkStore`, which inherits it.
 """
+
 from __future__ import annotations
 
 import threading
 
 import torch
 
-from protrain_fx.runtime import distributed, mapped
 from protrain_fx.errors import ProtrainError
-from protrain_fx.runtime.worker import WORKER
 from protrain_fx.machine import pinned
+from protrain_fx.runtime import distributed, mapped
+from protrain_fx.runtime.worker import WORKER
 
 N_STAGING = 4
 
@@ -64,12 +65,16 @@ def _end_of_backward() -> None:
         if store is None:
             continue
         p = store._params[i]()
-        if (p is not None and p.grad is store._grad_alias.get(i)
-                and store._grad_plain[i]._version != version):
+        if (
+            p is not None
+            and p.grad is store._grad_alias.get(i)
+            and store._grad_plain[i]._version != version
+        ):
             raise ProtrainError(
                 f"protrain: parameter {store.entries[i].fqn!r} received gradients both from a "
                 "protrain-compiled graph and from code outside it in the same backward pass, which "
-                "protrain cannot order; compile the code that uses it with backend='protrain' too")
+                "protrain cannot order; compile the code that uses it with backend='protrain' too"
+            )
 
 
 def _queue_end_of_backward() -> None:
@@ -110,8 +115,9 @@ class ChunkGrads:
     def ensure_grad(self, chunk: int) -> torch.Tensor:
         acc = self.grad.get(chunk)
         if acc is None:
-            acc = self.grad[chunk] = pinned.host_empty(self.host_numel(chunk), self.master_dtype,
-                                                       self.is_cuda)
+            acc = self.grad[chunk] = pinned.host_empty(
+                self.host_numel(chunk), self.master_dtype, self.is_cuda
+            )
             acc.zero_()
         return acc
 
@@ -129,14 +135,19 @@ class ChunkGrads:
             WORKER.wait_chunk((self.id, chunk))
             e = self.entries[i]
             with torch.no_grad():
-                self.ensure_grad(chunk)[e.offset:e.offset + e.numel].copy_(
-                    foreign.detach().reshape(-1))
+                self.ensure_grad(chunk)[e.offset : e.offset + e.numel].copy_(
+                    foreign.detach().reshape(-1)
+                )
             p.grad = self.grad_alias(i)
 
     def foreign_grads(self) -> bool:
-        return any(self._params[i]() is not None and self._params[i]().grad is not None
-                   and self._params[i]().grad is not self._grad_alias.get(i)
-                   for c in self.offloaded_chunks for i in self._chunk_entries[c])
+        return any(
+            self._params[i]() is not None
+            and self._params[i]().grad is not None
+            and self._params[i]().grad is not self._grad_alias.get(i)
+            for c in self.offloaded_chunks
+            for i in self._chunk_entries[c]
+        )
 
     def clear_grads(self, chunk: int) -> None:
         """Sharded stores: ``opt.zero_grad()`` (aliased stores see ``.grad = None`` instead)."""
@@ -163,8 +174,10 @@ class ChunkGrads:
         with torch.no_grad():
             if len(members) < len(all_entries):
                 buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
-            views = [buf[e.offset:e.offset + e.numel].view(e.shape)
-                     for e in (self.entries[i] for i in members)]
+            views = [
+                buf[e.offset : e.offset + e.numel].view(e.shape)
+                for e in (self.entries[i] for i in members)
+            ]
             torch._foreach_copy_(views, [g.detach() for g in grads])
             if self.world.sharded:
                 shard = torch.empty(self.host_numel(chunk), dtype=buf.dtype, device=buf.device)
@@ -213,8 +226,9 @@ class ChunkGrads:
                     acc[sl].add_(staged[sl])
         self._staging.give(staged)
 
-    def resident_grads_ready(self, chunk: int, grads: list[torch.Tensor],
-                             members: list[int]) -> None:
+    def resident_grads_ready(
+        self, chunk: int, grads: list[torch.Tensor], members: list[int]
+    ) -> None:
         """Data parallel: start averaging a resident chunk's parameter gradients (store entries
         ``members``) over the ranks, in place: the graph still returns them to autograd, after
         waiting for the collective at its end
@@ -222,8 +236,9 @@ class ChunkGrads:
         nothing."""
         if self.profiling:
             return
-        distributed.start_resident_all_reduce([self._params[i]() for i in members],
-                                              [g.detach() for g in grads])
+        distributed.start_resident_all_reduce(
+            [self._params[i]() for i in members], [g.detach() for g in grads]
+        )
         self._stats["resident_all_reduces"] += 1
 
     def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):

@@ -1,30 +1,34 @@
 """ChunkStore: the runtime owner of parameter values packed in chunks.
 
-Resident chunks (the first ``n_persist`` in first-use order) keep their parameters as ordinary device
-tensors: autograd fills ``param.grad`` and the user's optimizer steps them on the device. An offloaded chunk
-keeps in host memory (pinned on CUDA) its master copy, a copy in the transfer dtype (``param_dtype``; the
-master itself when they agree) and, from its first gradient on, a gradient accumulator. Its parameters and
-their gradients are views of that host memory on the compute device (protrain_fx/runtime/mapped.py), so eager code
-sees the right values; compiled graphs instead read the chunk through ``protrain::gather``, which copies it
-out of a device chunk buffer filled ahead of use by ``protrain::prefetch`` (protrain_fx/runtime/chunk_buffers.py).
+Resident chunks (the first ``n_persist`` in first-use order) keep their parameters as ordinary
+device tensors: autograd fills ``param.grad`` and the user's optimizer steps them on the device. An
+offloaded chunk keeps in host memory (pinned on CUDA) its master copy, a copy in the transfer dtype
+(``param_dtype``; the master itself when they agree) and, from its first gradient on, a gradient
+accumulator. Its parameters and their gradients are views of that host memory on the compute device
+(protrain_fx/runtime/mapped.py), so eager code sees the right values; compiled graphs instead read
+the chunk through ``protrain::gather``, which copies it out of a device chunk buffer filled ahead of
+use by ``protrain::prefetch`` (protrain_fx/runtime/chunk_buffers.py).
 
-Which store and chunk an op means is found at run time from the parameter tensors the graph is called with
-(:func:`store_of`), so one compiled graph can serve every block that shares its structure.
+Which store and chunk an op means is found at run time from the parameter tensors the graph is
+called with (:func:`store_of`), so one compiled graph can serve every block that shares its
+structure.
 
-Gradients of offloaded chunks arrive flat through ``protrain::chunk_grad``: packed into a device gradient
-buffer, copied to the host on the copy stream and added (or copied, for a parameter whose ``.grad`` is
-None) into the accumulator on the host worker (protrain_fx/runtime/worker.py); the parameters' ``.grad`` then is the
-accumulator's view, exactly as eager autograd would have left it. A callback at the end of every backward
-waits for the worker, so after ``loss.backward()`` returns, values and gradients are final. The attached
-optimizer (protrain_fx/runtime/hybrid_optim.py) may queue the chunk's CPU step right behind its gradient.
-That gradient path is protrain_fx/runtime/chunk_grads.py (methods :class:`ChunkStore` inherits).
+Gradients of offloaded chunks arrive flat through ``protrain::chunk_grad``: packed into a device
+gradient buffer, copied to the host on the copy stream and added (or copied, for a parameter whose
+``.grad`` is None) into the accumulator on the host worker (protrain_fx/runtime/worker.py); the
+parameters' ``.grad`` then is the accumulator's view, exactly as eager autograd would have left it.
+A callback at the end of every backward waits for the worker, so after ``loss.backward()`` returns,
+values and gradients are final. The attached optimizer (protrain_fx/runtime/hybrid_optim.py) may
+queue the chunk's CPU step right behind its gradient. That gradient path is
+protrain_fx/runtime/chunk_grads.py (methods :class:`ChunkStore` inherits).
 
-With several data-parallel ranks (protrain_fx/runtime/distributed.py) a rank keeps only its shard of each host
-tensor; parameters are then empty device *shells* and offloaded gradients stay on the host (read through
-``model.state_dict()`` hooks and protrain's clipping).
+With several data-parallel ranks (protrain_fx/runtime/distributed.py) a rank keeps only its shard of
+each host tensor; parameters are then empty device *shells* and offloaded gradients stay on the host
+(read through ``model.state_dict()`` hooks and protrain's clipping).
 
 On a CPU compute device the same code runs with real copies and no streams.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -34,18 +38,23 @@ from dataclasses import dataclass
 import torch
 
 from protrain_fx import config
-
-from protrain_fx.runtime import block_timer, distributed, mapped
 from protrain_fx._weakmap import IdentityWeakMap
-from protrain_fx.runtime.chunk_buffers import chunk_buffers, grad_buffers, release_unused, streams_of
-from protrain_fx.runtime.chunk_grads import ChunkGrads, GradStaging
-from protrain_fx.plan.layout import ALIGN_BYTES, ChunkLayout
 from protrain_fx.errors import ProtrainError
-from protrain_fx.options import format_bytes
-from protrain_fx.runtime.worker import WORKER
 from protrain_fx.machine import pinned
+from protrain_fx.options import format_bytes
+from protrain_fx.plan.layout import ALIGN_BYTES, ChunkLayout
+from protrain_fx.runtime import block_timer, distributed, mapped
+from protrain_fx.runtime.chunk_buffers import (
+    chunk_buffers,
+    grad_buffers,
+    release_unused,
+    streams_of,
+)
+from protrain_fx.runtime.chunk_grads import ChunkGrads, GradStaging
+from protrain_fx.runtime.worker import WORKER
 
-# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no overlap)
+# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no
+# overlap)
 DEBUG_SYNC = config.settings().sync_chunks
 _STORES: dict[int, "ChunkStore"] = {}
 _STORE_IDS = itertools.count()
@@ -57,7 +66,9 @@ def get_store(store_id: int) -> "ChunkStore":
     try:
         return _STORES[store_id]
     except KeyError:
-        raise ProtrainError(f"protrain chunk store {store_id} no longer exists (its model was freed)") from None
+        raise ProtrainError(
+            f"protrain chunk store {store_id} no longer exists (its model was freed)"
+        ) from None
 
 
 def store_of(param: torch.Tensor) -> "ChunkStore | None":
@@ -65,11 +76,15 @@ def store_of(param: torch.Tensor) -> "ChunkStore | None":
 
 
 def bound_chunk(anchor: torch.Tensor) -> tuple["ChunkStore", int]:
-    """The store and chunk of the parameter ``anchor`` (an op's way to know its chunk at run time)."""
+    """The store and chunk of the parameter ``anchor`` (an op's way to know its chunk at run
+    time)."""
     store = _PARAM_STORE.get(anchor)
     if store is None:
-        raise ProtrainError("protrain internal error: a compiled graph was called with a parameter that belongs "
-                            "to no chunk store (the graph's binding check did not run)")
+        raise ProtrainError(
+            "protrain internal error: a compiled graph was called with a parameter "
+            "that belongs "
+            "to no chunk store (the graph's binding check did not run)"
+        )
     return store, store.entry(anchor).chunk
 
 
@@ -116,8 +131,10 @@ class ChunkStore(ChunkGrads):
         for fqn, p in params:
             if p.device != self.device or p.dtype != self.master_dtype:
                 raise ProtrainError(
-                    f"protrain-fx needs all parameters of a graph on one device in one dtype; {fqn!r} is "
-                    f"{p.dtype} on {p.device}, {params[0][0]!r} is {self.master_dtype} on {self.device}"
+                    "protrain-fx needs all parameters of a graph on one device in one dtype; "
+                    f"{fqn!r} is "
+                    f"{p.dtype} on {p.device}, {params[0][0]!r} is {self.master_dtype} on "
+                    f"{self.device}"
                 )
         if not self.master_dtype.is_floating_point:
             raise ProtrainError(f"parameters must be floating point, got {self.master_dtype}")
@@ -127,9 +144,11 @@ class ChunkStore(ChunkGrads):
         self.n_chunks = layout.n_chunks
         self.n_persist = min(n_persist, self.n_chunks)
         elem = first.element_size()
-        # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to a multiple
+        # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to
+        # a multiple
         self.world = distributed.world()
-        self.aliased = not self.world.sharded  # parameters are views of their host values (not shells)
+        # parameters are views of their host values (not shells)
+        self.aliased = not self.world.sharded
         align_elems = max(1, ALIGN_BYTES // elem) * self.world.size
         by_fqn = dict(params)
         params_in_order: list[torch.nn.Parameter] = []
@@ -139,22 +158,29 @@ class ChunkStore(ChunkGrads):
             p = by_fqn[slot.fqn]
             self._entry_of[id(p)] = len(self.entries)
             params_in_order.append(p)
-            self.entries.append(ParamEntry(slot.fqn, slot.chunk, slot.offset // elem, p.numel(), p.shape))
+            self.entries.append(
+                ParamEntry(slot.fqn, slot.chunk, slot.offset // elem, p.numel(), p.shape)
+            )
         self._chunk_entries: list[list[int]] = [[] for _ in range(self.n_chunks)]
         for i, e in enumerate(self.entries):
             self._chunk_entries[e.chunk].append(i)
         self._chunk_numel = []
         for c in range(self.n_chunks):
-            end = max(self.entries[i].offset + self.entries[i].numel for i in self._chunk_entries[c])
+            end = max(
+                self.entries[i].offset + self.entries[i].numel for i in self._chunk_entries[c]
+            )
             self._chunk_numel.append((end + align_elems - 1) // align_elems * align_elems)
 
         self.is_cuda = self.device.type == "cuda"
         self.master: dict[int, torch.Tensor] = {}
         self.transfer: dict[int, torch.Tensor] = {}
-        self.grad: dict[int, torch.Tensor] = {}  # host gradient accumulators, from a chunk's first gradient on
-        self._grad_alias: dict[int, torch.Tensor] = {}  # entry -> its param.grad (a view of the accumulator)
+        # host gradient accumulators, from a chunk's first gradient on
+        self.grad: dict[int, torch.Tensor] = {}
+        # entry -> its param.grad (a view of the accumulator)
+        self._grad_alias: dict[int, torch.Tensor] = {}
         self._grad_plain: dict[int, torch.Tensor] = {}  # entry -> the same view as a plain tensor
-        self._synced: dict[int, int] = {}  # entry -> the parameter's version when protrain last read it
+        # entry -> the parameter's version when protrain last read it
+        self._synced: dict[int, int] = {}
         self._has_grad: set[int] = set()  # sharded stores: entries whose gradient is present
         self._params = [weakref.ref(p) for p in params_in_order]
         try:
@@ -173,16 +199,23 @@ class ChunkStore(ChunkGrads):
         self.grad_buffers = grad_buffers(self.device, self.master_dtype, big) if big else None
         self.streams = streams_of(self.device)
         self._staging: GradStaging | None = None
-        self.optimizer = None  # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
-        # set while the profiler runs a step (protrain_fx/profiling/profiler.py): chunk copies go on the compute stream
-        # between copy marks (so block times exclude them) and gradients are dropped
+        # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
+        self.optimizer = None
+        # set while the profiler runs a step (protrain_fx/profiling/profiler.py): chunk copies go on
+        # the compute stream between copy marks (so block times exclude them) and gradients are
+        # dropped
         self.profiling = False
-        self._stats = {"d2h_copies": 0, "d2h_bytes": 0, "resident_all_reduces": 0, "transfer_refreshes": 0}
+        self._stats = {
+            "d2h_copies": 0,
+            "d2h_bytes": 0,
+            "resident_all_reduces": 0,
+            "transfer_refreshes": 0,
+        }
 
     @property
     def stats(self) -> dict:
-        """Copy counters: this store's gradient copies, and its chunk buffers' (shared with stores of the same
-        chunk size) host-to-device copies and hits."""
+        """Copy counters: this store's gradient copies, and its chunk buffers' (shared with stores
+        of the same chunk size) host-to-device copies and hits."""
         return {**self._stats, **(self.buffers.stats if self.buffers is not None else {})}
 
     # ------------------------------------------------------------------------------------ layout
@@ -190,10 +223,11 @@ class ChunkStore(ChunkGrads):
         return self._chunk_numel[chunk]
 
     def _take_values(self, params_in_order: list, host_values: dict) -> None:
-        """Fill the chunks, one at a time, from ``host_values`` (id(param) -> its value on the host, for
-        parameters built under host_init or handed back by dissolve_store) or else the parameter itself.
-        Each value is dropped from ``host_values`` once its chunk holds it, so the old copies are freed while
-        the new ones are made: the host holds the values and the store together only one chunk at a time."""
+        """Fill the chunks, one at a time, from ``host_values`` (id(param) -> its value on the host,
+        for parameters built under host_init or handed back by dissolve_store) or else the parameter
+        itself. Each value is dropped from ``host_values`` once its chunk holds it, so the old
+        copies are freed while the new ones are made: the host holds the values and the store
+        together only one chunk at a time."""
         pin = self.is_cuda
         for c in range(self.n_chunks):
             members = [params_in_order[i] for i in self._chunk_entries[c]]
@@ -227,19 +261,21 @@ class ChunkStore(ChunkGrads):
                     self._synced[i] = p._version
                 else:
                     p.data = device_shell(p.shape, p.dtype, self.device)
-            if dropped_pinned:  # a dissolved store's chunk: its pinned block goes back to the OS now
+            # a dissolved store's chunk: its pinned block goes back to the OS now
+            if dropped_pinned:
                 pinned.release_cached_pinned_memory()
 
     def _give_values_back(self, params_in_order: list, host_values: dict | None) -> None:
         """A store that failed half-built: put the values of its finished offloaded chunks back into
-        ``host_values`` (views of their masters), so the parameters keep their values. Resident ones already
-        hold theirs. With several ranks a chunk keeps only this rank's shard: those values are lost."""
+        ``host_values`` (views of their masters), so the parameters keep their values. Resident ones
+        already hold theirs. With several ranks a chunk keeps only this rank's shard: those values
+        are lost."""
         if host_values is None or self.world.size > 1:
             return
         for c, master in self.master.items():
             for i in self._chunk_entries[c]:
                 p, e = params_in_order[i], self.entries[i]
-                host_values[id(p)] = master[e.offset:e.offset + e.numel].view(e.shape)
+                host_values[id(p)] = master[e.offset : e.offset + e.numel].view(e.shape)
 
     def host_numel(self, chunk: int) -> int:
         """Elements of the chunk this rank keeps on the host (all of them with one rank)."""
@@ -251,17 +287,17 @@ class ChunkStore(ChunkGrads):
         return self.world.rank * n, (self.world.rank + 1) * n
 
     def host_slices(self, index: int) -> tuple[slice, slice] | None:
-        """Where store entry ``index`` meets this rank's shard: (slice of the host tensors, slice of the
-        parameter's flat elements), or None when none of its elements are here."""
+        """Where store entry ``index`` meets this rank's shard: (slice of the host tensors, slice of
+        the parameter's flat elements), or None when none of its elements are here."""
         e = self.entries[index]
         lo, hi = self.host_range(e.chunk)
         a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
         return None if a >= b else (slice(a - lo, b - lo), slice(a - e.offset, b - e.offset))
 
     def host_chunk(self, chunk: int, shard: torch.Tensor | None = None) -> torch.Tensor:
-        """A whole offloaded chunk's host values: of its master copy, or of ``shard`` (another per-chunk host
-        tensor, e.g. an Adam moment). The tensor itself with one rank, every rank's shard gathered with
-        several (a collective: every rank calls it, in the same order)."""
+        """A whole offloaded chunk's host values: of its master copy, or of ``shard`` (another
+        per-chunk host tensor, e.g. an Adam moment). The tensor itself with one rank, every rank's
+        shard gathered with several (a collective: every rank calls it, in the same order)."""
         t = self.master[chunk] if shard is None else shard
         if not self.world.sharded:
             return t
@@ -298,21 +334,23 @@ class ChunkStore(ChunkGrads):
 
     # ------------------------------------------------------------------------------- values
     def read(self, param: torch.Tensor) -> torch.Tensor:
-        """The parameter's current value as a plain tensor (host copy for offloaded parameters; with several
-        ranks a collective, see :meth:`host_chunk`)."""
+        """The parameter's current value as a plain tensor (host copy for offloaded parameters; with
+        several ranks a collective, see :meth:`host_chunk`)."""
         if not self.param_is_offloaded(param):
             return param.detach()
         e = self.entry(param)
         WORKER.wait_chunk((self.id, e.chunk))
         self.sync_writes(e.chunk)
-        return self.host_chunk(e.chunk)[e.offset:e.offset + e.numel].view(e.shape).clone()
+        return self.host_chunk(e.chunk)[e.offset : e.offset + e.numel].view(e.shape).clone()
 
     def write(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Set an offloaded parameter's value (load_state_dict)."""
         e = self.entry(param)
         WORKER.wait_chunk((self.id, e.chunk))
         if tuple(value.shape) != tuple(e.shape):
-            raise ProtrainError(f"{e.fqn}: shape {tuple(value.shape)} does not match the parameter {tuple(e.shape)}")
+            raise ProtrainError(
+                f"{e.fqn}: shape {tuple(value.shape)} does not match the parameter {tuple(e.shape)}"
+            )
         part = self.host_slices(self.entry_index(param))
         if part is not None:  # this rank's share of it
             with torch.no_grad():
@@ -320,15 +358,16 @@ class ChunkStore(ChunkGrads):
         self.refresh_transfer(e.chunk)
 
     def refresh_transfer(self, chunk: int) -> None:
-        """After the master changed: rewrite the transfer-dtype copy and forget device copies of the chunk."""
+        """After the master changed: rewrite the transfer-dtype copy and forget device copies of
+        the chunk."""
         if self.transfer[chunk] is not self.master[chunk]:
             self.transfer[chunk].copy_(self.master[chunk])
         self.invalidate(chunk)
 
     def sync_writes(self, chunk: int) -> bool:
-        """Take in what eager code wrote into the chunk's parameters (``p.mul_(0.9)`` under no_grad, a
-        ``load_state_dict``, another optimizer): the parameters are views of the master, so only the transfer
-        copy and the device copies are stale. Returns whether anything was written."""
+        """Take in what eager code wrote into the chunk's parameters (``p.mul_(0.9)`` under no_grad,
+        a ``load_state_dict``, another optimizer): the parameters are views of the master, so only
+        the transfer copy and the device copies are stale. Returns whether anything was written."""
         if not self.aliased:
             return False
         changed = False
@@ -354,7 +393,8 @@ class ChunkStore(ChunkGrads):
 
     # ------------------------------------------------------------------------------ buffers
     def ensure_buffers(self, n_buffer: int) -> None:
-        """Have at least ``n_buffer`` device chunk buffers (called when a graph that gathers is compiled)."""
+        """Have at least ``n_buffer`` device chunk buffers (called when a graph that gathers is
+        compiled)."""
         if self.buffers is not None:
             self.buffers.ensure(n_buffer)
 
@@ -373,8 +413,9 @@ class ChunkStore(ChunkGrads):
 
     def _fill(self, chunk: int):
         def fill(dst: torch.Tensor) -> int:
-            """Copy the host values into the device buffer: the whole chunk, or with several ranks this rank's
-            shard into its place and an all-gather of the others (on the current stream)."""
+            """Copy the host values into the device buffer: the whole chunk, or with several ranks
+            this rank's shard into its place and an all-gather of the others (on the current
+            stream)."""
             src = self.transfer[chunk]
             n = self._chunk_numel[chunk]
             if self.profiling:
@@ -388,11 +429,13 @@ class ChunkStore(ChunkGrads):
             if self.profiling:
                 block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_END, self.device)
             return src.numel() * src.element_size()
+
         return fill
 
     def _ready_for_copy(self, chunk: int) -> None:
         WORKER.wait_chunk((self.id, chunk))  # a CPU step of the chunk may still be running
-        if self.optimizer is not None:  # a graph reads the chunk before opt.step(): a provisional step goes
+        # a graph reads the chunk before opt.step(): a provisional step goes
+        if self.optimizer is not None:
             self.optimizer.before_chunk_read(self, chunk)
         self.sync_writes(chunk)
 
@@ -407,18 +450,21 @@ class ChunkStore(ChunkGrads):
         self.buffers.prefetch((self.id, chunk), self._fill(chunk), on_compute=self.profiling)
 
     def gather(self, chunk: int) -> torch.Tensor:
-        """The chunk's parameters on the compute device: a fresh flat tensor in the transfer dtype that the
-        caller owns (see protrain_fx/runtime/chunk_buffers.py)."""
+        """The chunk's parameters on the compute device: a fresh flat tensor in the transfer dtype
+        that the caller owns (see protrain_fx/runtime/chunk_buffers.py)."""
         key = (self.id, chunk)
         if not self.buffers.is_reserved(key):
             self._ready_for_copy(chunk)
-        out = self.buffers.gather(key, self._chunk_numel[chunk], self._fill(chunk), on_compute=self.profiling)
+        out = self.buffers.gather(
+            key, self._chunk_numel[chunk], self._fill(chunk), on_compute=self.profiling
+        )
         if DEBUG_SYNC and self.is_cuda:
             torch.cuda.synchronize()
         return out
 
     def reset_after_error(self) -> None:
-        """An exception escaped a compiled graph: no chunk buffer stays reserved, no copy stays queued."""
+        """An exception escaped a compiled graph: no chunk buffer stays reserved, no copy stays
+        queued."""
         if self.buffers is not None:
             self.buffers.reset()
         try:
@@ -427,7 +473,8 @@ class ChunkStore(ChunkGrads):
             pass
 
     def unregister(self) -> None:
-        """Forget this store (its parameters then belong to none; protrain_fx.runtime.param_values.dissolve_store)."""
+        """Forget this store (its parameters then belong to none;
+        protrain_fx.runtime.param_values.dissolve_store)."""
         for p in self.params:
             if p is not None:
                 _PARAM_STORE.pop(p, None)
@@ -436,22 +483,30 @@ class ChunkStore(ChunkGrads):
     # ------------------------------------------------------------------------------ report
     @property
     def host_bytes(self) -> int:
-        """Host bytes this store holds (masters, transfer copies, gradient accumulators, staging)."""
-        tensors = list(self.master.values()) + [t for c, t in self.transfer.items() if t is not self.master[c]]
-        tensors += list(self.grad.values()) + (self._staging.free if self._staging is not None else [])
+        """Host bytes this store holds (masters, transfer copies, gradient accumulators,
+        staging)."""
+        tensors = list(self.master.values()) + [
+            t for c, t in self.transfer.items() if t is not self.master[c]
+        ]
+        tensors += list(self.grad.values()) + (
+            self._staging.free if self._staging is not None else []
+        )
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def describe(self) -> str:
         off = self.offloaded_chunks
         host = sum(self.host_numel(c) for c in off)
-        return (f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident, {len(off)} offloaded "
-                f"({format_bytes(host * self.master_dtype.itemsize)} of "
-                f"{str(self.master_dtype).replace('torch.', '')} master on the host)")
+        return (
+            f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident, {len(off)} "
+            "offloaded "
+            f"({format_bytes(host * self.master_dtype.itemsize)} of "
+            f"{str(self.master_dtype).replace('torch.', '')} master on the host)"
+        )
 
 
 def _forget_store(store_id: int) -> None:
-    """A store's model is gone (or it was dissolved): stop its worker use, free device buffers nobody else
-    of that size uses."""
+    """A store's model is gone (or it was dissolved): stop its worker use, free device buffers
+    nobody else of that size uses."""
     store = _STORES.pop(store_id, None)
     if store is None:
         return

@@ -10,6 +10,7 @@ store, first waits for the resident gradients' averaging over the ranks, takes t
 the device gradients and every rank's host shards together, and scales both; otherwise it calls
 torch's original.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,17 +33,28 @@ def install() -> None:
 
     original = clip_mod.clip_grad_norm_
 
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
-                        foreach=None):
+    def clip_grad_norm_(
+        parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None
+    ):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         # data parallel: resident gradients averaged over the ranks first
         distributed.wait_resident_grads()
-        handles = {store_of(p).optimizer for p in params if store_of(p) is not None
-                   and store_of(p).optimizer is not None and not store_of(p).aliased
-                   and store_of(p).param_is_offloaded(p)}
+        handles = {
+            store_of(p).optimizer
+            for p in params
+            if store_of(p) is not None
+            and store_of(p).optimizer is not None
+            and not store_of(p).aliased
+            and store_of(p).param_is_offloaded(p)
+        }
         if not handles:
-            return original(params, max_norm, norm_type=norm_type,
-                            error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+            return original(
+                params,
+                max_norm,
+                norm_type=norm_type,
+                error_if_nonfinite=error_if_nonfinite,
+                foreach=foreach,
+            )
         host = [g for h in handles for g in h.offloaded_grads(params)]
         device_grads = [p.grad for p in params if p.grad is not None]
         norm_type = float(norm_type)
@@ -54,8 +66,9 @@ def install() -> None:
         all_norms = torch.stack([n.to(dev) for n in norms + host_norms])
         total = torch.linalg.vector_norm(all_norms, norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
-                               "`parameters` is non-finite")
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite"
+            )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
             for g in device_grads:

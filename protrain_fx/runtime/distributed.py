@@ -1,23 +1,25 @@
-"""Data parallelism over ``torch.distributed`` (NCCL on CUDA, gloo on the CPU), ZeRO-3 style for offloaded
-chunks: launched with ``torchrun``, each rank compiles the same graphs, and
+"""Data parallelism over ``torch.distributed`` (NCCL on CUDA, gloo on the CPU), ZeRO-3 style for
+offloaded chunks: launched with ``torchrun``, each rank compiles the same graphs, and
 
-* every offloaded chunk is split in ``world size`` equal shards (its element count is padded to a multiple
-  of it); a rank keeps only its shard of the fp32 master, the transfer copy, the gradient accumulator and
-  the Adam moments in pinned host memory, and its CPU optimizer steps only that shard;
+* every offloaded chunk is split in ``world size`` equal shards (its element count is padded to a
+  multiple of it); a rank keeps only its shard of the fp32 master, the transfer copy, the gradient
+  accumulator and the Adam moments in pinned host memory, and its CPU optimizer steps only that
+  shard;
 * a gather copies the rank's shard into its place in a device chunk buffer and all-gathers the rest
-  (``protrain::prefetch``, on the host-to-device stream); a chunk's gradient is reduce-scattered (averaged)
-  before its shard goes to the host (``protrain::chunk_grad``);
-* resident chunks are replicated: their gradients are all-reduced (averaged) in place from inside backward,
-  one coalesced async all-reduce per chunk as soon as its gradients are complete, waited for at the end of
-  the backward graph (passes/resident_grads.py), so it overlaps the rest of backward; gradients that reach
-  autograd's hooks instead are all-reduced from there;
-  the user's optimizer steps them identically on every rank;
+  (``protrain::prefetch``, on the host-to-device stream); a chunk's gradient is reduce-scattered
+  (averaged) before its shard goes to the host (``protrain::chunk_grad``);
+* resident chunks are replicated: their gradients are all-reduced (averaged) in place from inside
+  backward, one coalesced async all-reduce per chunk as soon as its gradients are complete, waited
+  for at the end of the backward graph (passes/resident_grads.py), so it overlaps the rest of
+  backward; gradients that reach autograd's hooks instead are all-reduced from there; the user's
+  optimizer steps them identically on every rank;
 * the automatic plan is made on rank 0 and broadcast, so every rank runs the same plan.
 
-With one process (or none initialized) nothing here runs: :func:`world` has size 1 and every function is
-a no-op. Collectives are called in program order on the thread that runs the graphs (never from the
-optimizer's worker thread), so every rank issues them in the same order.
+With one process (or none initialized) nothing here runs: :func:`world` has size 1 and every
+function is a no-op. Collectives are called in program order on the thread that runs the graphs
+(never from the optimizer's worker thread), so every rank issues them in the same order.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,10 +49,13 @@ def world() -> World:
 
 
 def all_gather_into(full: torch.Tensor, shard: torch.Tensor) -> None:
-    """``full`` (flat, world size x shard) gets every rank's ``shard``; ``shard`` may be this rank's slice
-    of ``full`` (then on the CPU it is copied first: gloo does not gather in place)."""
-    if shard.device.type == "cpu" and shard.data_ptr() >= full.data_ptr() \
-            and shard.data_ptr() < full.data_ptr() + full.numel() * full.element_size():
+    """``full`` (flat, world size x shard) gets every rank's ``shard``; ``shard`` may be this rank's
+    slice of ``full`` (then on the CPU it is copied first: gloo does not gather in place)."""
+    if (
+        shard.device.type == "cpu"
+        and shard.data_ptr() >= full.data_ptr()
+        and shard.data_ptr() < full.data_ptr() + full.numel() * full.element_size()
+    ):
         shard = shard.clone()
     dist.all_gather_into_tensor(full, shard)
 
@@ -65,14 +70,14 @@ def reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor, size: int) -> N
 
 
 def _averages_in_place(t: torch.Tensor) -> bool:
-    """NCCL averages inside the collective (``ReduceOp.AVG``), which saves a pass over the tensor after it;
-    gloo has no AVG: the sum is divided afterwards."""
+    """NCCL averages inside the collective (``ReduceOp.AVG``), which saves a pass over the tensor
+    after it; gloo has no AVG: the sum is divided afterwards."""
     return t.is_cuda and dist.get_backend() == "nccl"
 
 
 def all_reduce_mean(t: torch.Tensor, size: int, async_op: bool = False):
-    """Average ``t`` over the ranks in place; with ``async_op`` returns ``(work, finish)``: ``finish()``
-    completes the average once the work is waited for."""
+    """Average ``t`` over the ranks in place; with ``async_op`` returns ``(work, finish)``:
+    ``finish()`` completes the average once the work is waited for."""
     if _averages_in_place(t):
         work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=async_op)
         finish = lambda: None  # noqa: E731
@@ -85,7 +90,8 @@ def all_reduce_mean(t: torch.Tensor, size: int, async_op: bool = False):
 
 
 def shard_norm(norms: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The ``norm_type`` norm over every rank's tensors, from the norms of this rank's (a collective)."""
+    """The ``norm_type`` norm over every rank's tensors, from the norms of this rank's (a
+    collective)."""
     local = torch.stack([n.to(device) for n in norms]) if norms else torch.zeros(1, device=device)
     if norm_type == float("inf"):
         t = local.max().reshape(1)
@@ -97,8 +103,8 @@ def shard_norm(norms: list[torch.Tensor], norm_type: float, device: torch.device
 
 
 def gather_host(shard: torch.Tensor, size: int, device: torch.device) -> torch.Tensor:
-    """Every rank's ``shard`` of a host tensor, concatenated on the host (through the device on CUDA: NCCL
-    moves device memory only). A collective: every rank calls it, in the same order."""
+    """Every rank's ``shard`` of a host tensor, concatenated on the host (through the device on
+    CUDA: NCCL moves device memory only). A collective: every rank calls it, in the same order."""
     if device.type == "cuda":
         local = shard.to(device)
         full = torch.empty(local.numel() * size, dtype=local.dtype, device=device)
@@ -110,8 +116,9 @@ def gather_host(shard: torch.Tensor, size: int, device: torch.device) -> torch.T
 
 
 def collective_bytes_per_s(device: torch.device, nbytes: int | None = None, reps: int = 5) -> float:
-    """The all-gather bus rate between the ranks (bytes of the gathered tensor x (N-1)/N per second), the
-    slowest rank's: a collective, every rank calls it. 256 MiB on CUDA, 8 MiB on the CPU by default."""
+    """The all-gather bus rate between the ranks (bytes of the gathered tensor x (N-1)/N per
+    second), the slowest rank's: a collective, every rank calls it. 256 MiB on CUDA, 8 MiB on the
+    CPU by default."""
     import time
 
     w = world()
@@ -126,8 +133,11 @@ def collective_bytes_per_s(device: torch.device, nbytes: int | None = None, reps
     for _ in range(reps):
         dist.all_gather_into_tensor(full, shard)
     sync()
-    rate = torch.tensor([full.numel() * 4 * (w.size - 1) / w.size / ((time.perf_counter() - t0) / reps)],
-                        dtype=torch.float64, device=device)
+    rate = torch.tensor(
+        [full.numel() * 4 * (w.size - 1) / w.size / ((time.perf_counter() - t0) / reps)],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)
     return float(rate.item())
 
@@ -143,18 +153,21 @@ def broadcast_object(obj):
 
 _HOOKED = IdentityWeakMap()
 _HOOKED_OPTIMIZERS = IdentityWeakMap()
-# resident gradients whose all-reduce is in flight: (work, finish); finish() runs once the work is waited for
+# resident gradients whose all-reduce is in flight: (work, finish); finish() runs once the work is
+# waited for
 _IN_FLIGHT: list = []
-_AVERAGED_IN_GRAPH = IdentityWeakMap()  # parameters whose gradients the graphs average (not the hooks)
+# parameters whose gradients the graphs average (not the hooks)
+_AVERAGED_IN_GRAPH = IdentityWeakMap()
 
 
 def all_reduce_mean_many(tensors: list[torch.Tensor], size: int):
-    """Start averaging each of ``tensors`` (dense) over the ranks in place, as one coalesced collective (NCCL
-    groups them: no flat copy); returns ``(work, finish)``: ``finish()`` completes the average once the work
-    is waited for."""
+    """Start averaging each of ``tensors`` (dense) over the ranks in place, as one coalesced
+    collective (NCCL groups them: no flat copy); returns ``(work, finish)``: ``finish()`` completes
+    the average once the work is waited for."""
     avg = _averages_in_place(tensors[0])
     op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
-    from torch.distributed.distributed_c10d import _coalescing_manager  # private; in torch since 2.1
+    # private; in torch since 2.1
+    from torch.distributed.distributed_c10d import _coalescing_manager
 
     with _coalescing_manager(async_ops=True) as work:
         for t in tensors:
@@ -165,14 +178,16 @@ def all_reduce_mean_many(tensors: list[torch.Tensor], size: int):
 
 def start_resident_all_reduce(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """Start averaging a resident chunk's gradients over the ranks in place (async, one coalesced
-    collective). Called from inside backward (``protrain::resident_grads``) on gradients the graph still
-    returns to autograd: ``protrain::resident_grads_wait`` at the end of that graph makes the compute stream
-    wait for the collective before autograd reads them (passes/resident_grads.py); the optimizer's step,
-    clipping and the next graph call also finish whatever is still in flight."""
+    collective). Called from inside backward (``protrain::resident_grads``) on gradients the graph
+    still returns to autograd: ``protrain::resident_grads_wait`` at the end of that graph makes the
+    compute stream wait for the collective before autograd reads them (passes/resident_grads.py);
+    the optimizer's step, clipping and the next graph call also finish whatever is still in flight.
+    """
     size = world().size
     for p in params:
         _AVERAGED_IN_GRAPH[p] = True
-    dense = [g if g.is_contiguous() else g.contiguous() for g in grads]  # collectives need dense tensors
+    # collectives need dense tensors
+    dense = [g if g.is_contiguous() else g.contiguous() for g in grads]
     work, average = all_reduce_mean_many(dense, size)
 
     def finish():
@@ -185,12 +200,14 @@ def start_resident_all_reduce(params: list[torch.Tensor], grads: list[torch.Tens
 
 
 def average_resident_grads(params, optimizer=None) -> None:
-    """Average ``params``' gradients over the ranks as autograd accumulates them (hooks, once per parameter).
+    """Average ``params``' gradients over the ranks as autograd accumulates them (hooks, once per
+    parameter).
 
     With the ``optimizer`` known, each all-reduce is started asynchronously (it overlaps the rest of
-    backward) and :func:`wait_resident_grads` finishes them before anything reads or adds to the gradients:
-    the optimizer's step (a pre-step hook), clipping, and the next call of a compiled graph (whose backward
-    accumulates into them). Without it each all-reduce completes inside its hook."""
+    backward) and :func:`wait_resident_grads` finishes them before anything reads or adds to the
+    gradients: the optimizer's step (a pre-step hook), clipping, and the next call of a compiled
+    graph (whose backward accumulates into them). Without it each all-reduce completes inside its
+    hook."""
     w = world()
     if not w.sharded:
         return
@@ -201,12 +218,14 @@ def average_resident_grads(params, optimizer=None) -> None:
         if p in _HOOKED or not p.requires_grad:
             continue
         _HOOKED[p] = True
-        p.register_post_accumulate_grad_hook(functools.partial(_average_hook, size=w.size, wait=optimizer is None))
+        p.register_post_accumulate_grad_hook(
+            functools.partial(_average_hook, size=w.size, wait=optimizer is None)
+        )
 
 
 def _average_hook(param: torch.Tensor, size: int, wait: bool) -> None:
-    """A resident gradient reached autograd (not averaged in the graph, passes/resident_grads.py): average
-    it now, or start averaging it (finished by wait_resident_grads)."""
+    """A resident gradient reached autograd (not averaged in the graph, passes/resident_grads.py):
+    average it now, or start averaging it (finished by wait_resident_grads)."""
     # the graph averages it itself and returned None (the hook still runs; .grad may hold earlier
     # micro-batches' averaged sum)
     if param.grad is None or param in _AVERAGED_IN_GRAPH:
@@ -219,8 +238,8 @@ def _average_hook(param: torch.Tensor, size: int, wait: bool) -> None:
 
 def wait_resident_grads() -> None:
     """Finish the resident gradients' all-reduces (see :func:`average_resident_grads` and
-    :func:`start_resident_all_reduce`); a no-op when none are in flight. On CUDA the wait orders the current
-    stream after them (the host does not block)."""
+    :func:`start_resident_all_reduce`); a no-op when none are in flight. On CUDA the wait orders the
+    current stream after them (the host does not block)."""
     if not _IN_FLIGHT:
         return
     done = list(_IN_FLIGHT)

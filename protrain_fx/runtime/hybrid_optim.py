@@ -1,37 +1,42 @@
-"""HybridOptimizer: the user's ``torch.optim.Adam``/``AdamW``, with the offloaded chunks' step on the CPU.
+"""HybridOptimizer: the user's ``torch.optim.Adam``/``AdamW``, with the offloaded chunks' step on
+the CPU.
 
-The user's optimizer object stays the one they step, schedule and checkpoint. Resident parameters are
-stepped by it on the device, as always. For the offloaded chunks of the stores attached to it, protrain
-keeps the Adam moments in host memory and runs the step on the CPU (one pass of protrain_fx/machine/cpu_adam.py
-over the flat chunk where it can), with the hyperparameters of the user's param groups; torch's own step
-skips those parameters (their ``.grad`` is hidden from it during ``opt.step()``).
+The user's optimizer object stays the one they step, schedule and checkpoint. Resident parameters
+are stepped by it on the device, as always. For the offloaded chunks of the stores attached to it,
+protrain keeps the Adam moments in host memory and runs the step on the CPU (one pass of
+protrain_fx/machine/cpu_adam.py over the flat chunk where it can), with the hyperparameters of the
+user's param groups; torch's own step skips those parameters (their ``.grad`` is hidden from it
+during ``opt.step()``).
 
-The step of a chunk may run *inside backward*, on the host worker right behind the chunk's last gradient,
-overlapped with the rest of backward. That is the speed of offloading, and it must not change the result.
-So such a step is provisional until ``opt.step()`` commits it:
+The step of a chunk may run *inside backward*, on the host worker right behind the chunk's last
+gradient, overlapped with the rest of backward. That is the speed of offloading, and it must not
+change the result. So such a step is provisional until ``opt.step()`` commits it:
 
-* it is taken only from the second cycle on, once protrain has seen how many gradients each chunk gets
-  between two ``opt.step()`` calls (gradient accumulation), never for AMSGrad or non-fp32 masters;
-* ``opt.step()`` commits it if nothing the step depended on changed since; if a hyperparameter changed
-  (``lr``, ``weight_decay``, ``betas``, ... set between ``backward()`` and ``opt.step()``), the step is
-  taken back and redone with the new values;
+* it is taken only from the second cycle on, once protrain has seen how many gradients each chunk
+  gets between two ``opt.step()`` calls (gradient accumulation), never for AMSGrad or non-fp32
+  masters;
+* ``opt.step()`` commits it if nothing the step depended on changed since; if a hyperparameter
+  changed (``lr``, ``weight_decay``, ``betas``, ... set between ``backward()`` and ``opt.step()``),
+  the step is taken back and redone with the new values;
 * taken back as well when anything writes the chunk's gradients before ``opt.step()`` (clipping,
-  unscaling: the gradient views call back first, protrain_fx/runtime/mapped.py), when another backward adds to
-  them (more micro-steps than learned), and when ``opt.zero_grad()`` comes without ``opt.step()`` (a skipped
-  step: an exception, a non-finite loss);
-* after clipping or a hyperparameter change between backward and step has been seen once, chunks step at
-  ``opt.step()`` from then on (every step would otherwise be taken back).
+  unscaling: the gradient views call back first, protrain_fx/runtime/mapped.py), when another
+  backward adds to them (more micro-steps than learned), and when ``opt.zero_grad()`` comes without
+  ``opt.step()`` (a skipped step: an exception, a non-finite loss);
+* after clipping or a hyperparameter change between backward and step has been seen once, chunks
+  step at ``opt.step()`` from then on (every step would otherwise be taken back).
 
-Taking a step back inverts Adam exactly in real arithmetic (in float64: the restored values are within
-float32 rounding of the originals), from the moments, the parameter and the gradient, which are all still
-there. ``opt.step(closure)`` runs the closure first, as Adam does. Gradients stay as eager leaves them
-(``param.grad`` is a view of the host accumulator; ``zero_grad()`` and ``set_to_none`` work as always).
-``opt.state_dict()`` / ``opt.load_state_dict()`` keep torch's format, keyed by the original parameters.
+Taking a step back inverts Adam exactly in real arithmetic (in float64: the restored values are
+within float32 rounding of the originals), from the moments, the parameter and the gradient, which
+are all still there. ``opt.step(closure)`` runs the closure first, as Adam does. Gradients stay as
+eager leaves them (``param.grad`` is a view of the host accumulator; ``zero_grad()`` and
+``set_to_none`` work as always). ``opt.state_dict()`` / ``opt.load_state_dict()`` keep torch's
+format, keyed by the original parameters.
 
 The chunk's CPU Adam step and its inverse are in protrain_fx/runtime/chunk_adam.py, torch's view of
 the state (``opt.state``, the state dicts) in protrain_fx/runtime/optim_state.py, both inherited by
 :class:`HybridOptimizer`; clipping of sharded gradients is in protrain_fx/runtime/clip.py.
 """
+
 from __future__ import annotations
 
 import threading
@@ -42,14 +47,18 @@ from dataclasses import dataclass
 
 import torch
 
+from protrain_fx.errors import ProtrainError
+from protrain_fx.machine import pinned
 from protrain_fx.runtime import clip, mapped
-from protrain_fx.runtime.chunk_adam import (ChunkAdam, ChunkOptState, Provisional,
-                                            step_hyperparameters)
+from protrain_fx.runtime.chunk_adam import (
+    ChunkAdam,
+    ChunkOptState,
+    Provisional,
+    step_hyperparameters,
+)
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
 from protrain_fx.runtime.optim_state import TorchStateView
-from protrain_fx.errors import ProtrainError
 from protrain_fx.runtime.worker import WORKER
-from protrain_fx.machine import pinned
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -69,9 +78,9 @@ def attach(opt: torch.optim.Optimizer, store: ChunkStore) -> "HybridOptimizer":
 
 
 def set_grad_accumulation(opt: torch.optim.Optimizer, micro_steps: int) -> None:
-    """Declare that every ``opt.step()`` follows exactly ``micro_steps`` backward passes, so the CPU step of
-    offloaded chunks can overlap the last backward from the first step on (a wrong count costs time, never
-    exactness: a provisional step is taken back)."""
+    """Declare that every ``opt.step()`` follows exactly ``micro_steps`` backward passes, so the CPU
+    step of offloaded chunks can overlap the last backward from the first step on (a wrong count
+    costs time, never exactness: a provisional step is taken back)."""
     if isinstance(micro_steps, bool) or not isinstance(micro_steps, int) or micro_steps < 1:
         raise ProtrainError(f"micro_steps must be an int >= 1, got {micro_steps!r}")
     opt._protrain_micro_steps = micro_steps
@@ -99,34 +108,43 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
     def __init__(self, opt: torch.optim.Optimizer):
         if type(opt) not in SUPPORTED:
             raise ProtrainError(
-                f"protrain can take over torch.optim.Adam or torch.optim.AdamW only, got {type(opt).__name__}; "
-                "leave options['optimizer'] unset and your optimizer steps offloaded parameters through device "
+                "protrain can take over torch.optim.Adam or torch.optim.AdamW only, got "
+                f"{type(opt).__name__}; "
+                "leave options['optimizer'] unset and your optimizer steps offloaded parameters "
+                "through device "
                 "views of host memory (exact, slower)"
             )
         for g in opt.param_groups:
             for flag in ("capturable", "differentiable"):
                 if g.get(flag):
-                    raise ProtrainError(f"protrain: {type(opt).__name__}({flag}=True) is not supported")
+                    raise ProtrainError(
+                        f"protrain: {type(opt).__name__}({flag}=True) is not supported"
+                    )
         self._opt = _WeakOpt(opt)
         self.decoupled = isinstance(opt, torch.optim.AdamW)
         self.stores: list[ChunkStore] = []
         self.states: dict[tuple[int, int], ChunkOptState] = {}
-        self.overlap = True  # in-backward steps; off for good once clipping or a late hyperparameter is seen
+        # in-backward steps; off for good once clipping or a late hyperparameter is seen
+        self.overlap = True
         self.notes: list[str] = []
         self.cycles = 0
         self.timers = Timers()
         self._members_sig = None
         self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        self._published: dict[int, dict] = {}  # id(param) -> the opt.state entry protrain made for it
+        # id(param) -> the opt.state entry protrain made for it
+        self._published: dict[int, dict] = {}
         self._lock = threading.Lock()
-        self._orig_zero_grad = weakref.WeakMethod(opt.zero_grad)  # nothing of protrain's may hold the optimizer
-        opt.zero_grad = types.MethodType(_zero_grad, opt)  # instance attributes: the class stays untouched
+        # nothing of protrain's may hold the optimizer
+        self._orig_zero_grad = weakref.WeakMethod(opt.zero_grad)
+        # instance attributes: the class stays untouched
+        opt.zero_grad = types.MethodType(_zero_grad, opt)
         prev_step = opt.step
 
         def step(o, closure=None):
             return _step(o, prev_step, closure)
 
-        if getattr(prev_step, "_wrapped_by_lr_sched", False):  # an LR scheduler's counter stays visible to it
+        # an LR scheduler's counter stays visible to it
+        if getattr(prev_step, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True
         opt.step = types.MethodType(step, opt)
         opt.register_step_pre_hook(lambda o, args, kwargs: handle_of(o)._before_step())
@@ -153,7 +171,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         for c in store.offloaded_chunks:
             n = store.host_numel(c)  # this rank's shard with several ranks
 
-            def buf():  # pinned at its exact size (torch 2.11 would round a chunk up to a power of two)
+            # pinned at its exact size (torch 2.11 would round a chunk up to a power of two)
+            def buf():
                 return pinned.host_empty(n, dtype, pin).zero_()
 
             st = ChunkOptState(store, c, buf(), buf(), buf() if amsgrad else None, [], {})
@@ -177,8 +196,9 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         self._members_sig = None
 
     def _refresh_members(self) -> None:
-        """Which offloaded parameters this optimizer steps, in which param group (after add_param_group, a
-        loaded state dict, or a new store); state the optimizer already has for them is taken over."""
+        """Which offloaded parameters this optimizer steps, in which param group (after
+        add_param_group, a loaded state dict, or a new store); state the optimizer already has for
+        them is taken over."""
         groups = self.opt.param_groups
         sig = tuple(id(p) for g in groups for p in g["params"])
         if sig != self._members_sig:
@@ -197,29 +217,31 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         for st in self.states.values():
             for i in st.members:
                 p = st.store.param(i)
-                # state torch made for it (a checkpoint loaded before the first call; a step torch took itself
-                # before protrain attached, e.g. a closure that compiled the model) moves to the host buffers
+                # state torch made for it (a checkpoint loaded before the first call; a step torch
+                # took itself before protrain attached, e.g. a closure that compiled the model)
+                # moves to the host buffers
                 if p is not None and p in self.opt.state and not self._ours(p):
                     self._import_state(st, i, self.opt.state.pop(p))
 
     # ----------------------------------------------------------------- gradients (graph side)
     def before_chunk_grad(self, store: ChunkStore, chunk: int) -> None:
-        """A gradient is about to be added to the chunk: a provisional step of it is taken back first."""
+        """A gradient is about to be added to the chunk: a provisional step of it is taken back
+        first."""
         st = self.states.get((store.id, chunk))
         if st is not None and st.provisional is not None:
             self._undo(st)
 
     def before_chunk_read(self, store: ChunkStore, chunk: int) -> None:
-        """A compiled graph is about to read the chunk (a forward before opt.step(): more micro-steps than
-        learned, an evaluation): a provisional step of it is taken back first, as eager would not have
-        stepped yet."""
+        """A compiled graph is about to read the chunk (a forward before opt.step(): more
+        micro-steps than learned, an evaluation): a provisional step of it is taken back first, as
+        eager would not have stepped yet."""
         st = self.states.get((store.id, chunk))
         if st is not None and st.provisional is not None:
             self._undo(st)
 
     def after_chunk_grad(self, store: ChunkStore, chunk: int, members: list[int]) -> None:
-        """The chunk's gradient is queued on the worker: if this completes the chunk's gradient as learned,
-        queue its step behind it (provisional until opt.step())."""
+        """The chunk's gradient is queued on the worker: if this completes the chunk's gradient as
+        learned, queue its step behind it (provisional until opt.step())."""
         st = self.states.get((store.id, chunk))
         if st is None:
             return
@@ -231,15 +253,24 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         if not entries:
             return
         groups = self._group_snapshot(st)
-        rec = Provisional(groups, {i: float(st.steps[i]) if i in st.steps else 0.0 for i in entries}, entries,
-                          False, {})
+        rec = Provisional(
+            groups,
+            {i: float(st.steps[i]) if i in st.steps else 0.0 for i in entries},
+            entries,
+            False,
+            {},
+        )
         st.provisional = rec
         WORKER.submit((store.id, chunk), self._provisional_step, st, rec)
 
     def _may_step_in_backward(self, st: ChunkOptState) -> bool:
-        return (self.overlap and st.learned is not None and st.max_exp_avg_sq is None
-                and st.store.master_dtype == torch.float32
-                and not any(g.get("amsgrad") for g in self.opt.param_groups))
+        return (
+            self.overlap
+            and st.learned is not None
+            and st.max_exp_avg_sq is None
+            and st.store.master_dtype == torch.float32
+            and not any(g.get("amsgrad") for g in self.opt.param_groups)
+        )
 
     def _provisional_step(self, st: ChunkOptState, rec: Provisional) -> None:
         t0 = time.perf_counter()
@@ -249,8 +280,10 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         self.timers.in_backward_steps += 1
 
     def _group_snapshot(self, st: ChunkOptState) -> dict[int, dict]:
-        return {gi: step_hyperparameters(self.opt.param_groups[gi], self.decoupled)
-                for gi in set(st.group_of.values())}
+        return {
+            gi: step_hyperparameters(self.opt.param_groups[gi], self.decoupled)
+            for gi in set(st.group_of.values())
+        }
 
     def _before_step(self) -> None:
         t0 = time.perf_counter()
@@ -267,9 +300,11 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
                 self._check_untouched(st, rec)
                 now = self._group_snapshot(st)
                 if any(now[gi] != rec.groups[gi] for gi in rec.groups):
-                    self._undo(st)  # a hyperparameter was set between backward and opt.step(): redo with it
-                    self._disable_overlap("a param group's hyperparameters changed between backward() and "
-                                          "opt.step()")
+                    # a hyperparameter was set between backward and opt.step(): redo with it
+                    self._undo(st)
+                    self._disable_overlap(
+                        "a param group's hyperparameters changed between backward() and opt.step()"
+                    )
                 else:
                     st.provisional = None
                     continue
@@ -291,9 +326,12 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         for i in rec.entries:
             if st.store.written_since(i, rec.param_versions.get(i, -1)):
                 raise ProtrainError(
-                    f"protrain: parameter {st.store.entries[i].fqn!r} was written between backward() and "
-                    "opt.step(), after protrain had already stepped it inside backward; write parameters "
-                    "before backward() or after opt.step()")
+                    f"protrain: parameter {st.store.entries[i].fqn!r} was written between "
+                    "backward() and "
+                    "opt.step(), after protrain had already stepped it inside backward; write "
+                    "parameters "
+                    "before backward() or after opt.step()"
+                )
 
     def _after_step(self) -> None:
         for p, g in self._hidden:
@@ -308,7 +346,9 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
     def _disable_overlap(self, why: str) -> None:
         if self.overlap:
             self.overlap = False
-            self.notes.append(f"{why}: offloaded chunks step at opt.step() from now on (not inside backward)")
+            self.notes.append(
+                f"{why}: offloaded chunks step at opt.step() from now on (not inside backward)"
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         WORKER.wait()
@@ -327,12 +367,16 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
     _zeroing = False
 
     def on_grad_write(self, keys: set) -> None:
-        """Gradients of these (store id, entry) are about to be written by eager code (clipping, unscaling):
-        a provisional step of their chunk is taken back first, and chunks step at opt.step() from now on."""
+        """Gradients of these (store id, entry) are about to be written by eager code (clipping,
+        unscaling): a provisional step of their chunk is taken back first, and chunks step at
+        opt.step() from now on."""
         if self._zeroing:
             return
-        self._disable_overlap("gradients of offloaded parameters are changed between backward() and opt.step() "
-                              "(clipping, unscaling)")
+        self._disable_overlap(
+            "gradients of offloaded parameters are changed between backward() "
+            "and opt.step() "
+            "(clipping, unscaling)"
+        )
         for store_id, i in keys:
             for st in self.states.values():
                 if st.store.id == store_id:
@@ -343,8 +387,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
 
     # --------------------------------------------------------------------------- clipping (sharded)
     def offloaded_grads(self, params) -> list[torch.Tensor]:
-        """Host gradient views of the offloaded parameters among ``params`` that have a gradient (sharded
-        stores, whose gradients are not in ``param.grad``)."""
+        """Host gradient views of the offloaded parameters among ``params`` that have a gradient
+        (sharded stores, whose gradients are not in ``param.grad``)."""
         WORKER.wait()
         out = []
         for _, st, i, e in self._offloaded(params):
@@ -358,8 +402,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
 
     # ---------------------------------------------------------------------- state dicts
     def _offloaded(self, params):
-        """(parameter, its chunk's state, store entry index, entry) for the offloaded ones among ``params``
-        that this optimizer steps."""
+        """(parameter, its chunk's state, store entry index, entry) for the offloaded ones among
+        ``params`` that this optimizer steps."""
         for p in params:
             store = store_of(p)
             if store is None or store.optimizer is not self or not store.param_is_offloaded(p):
@@ -369,7 +413,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
 
 
 class _WeakOpt:
-    """A weak reference to the optimizer (its hooks hold the handle; the handle must not hold it)."""
+    """A weak reference to the optimizer (its hooks hold the handle; the handle must not hold
+    it)."""
 
     def __init__(self, opt):
         self._ref = weakref.ref(opt)
@@ -382,8 +427,8 @@ class _WeakOpt:
 
 
 def _step(opt, prev_step, closure=None):
-    """``opt.step`` with a closure: evaluate it first (its backward hands protrain the gradients), then
-    step, as torch's Adam does."""
+    """``opt.step`` with a closure: evaluate it first (its backward hands protrain the gradients),
+    then step, as torch's Adam does."""
     if closure is None:
         return prev_step()
     with torch.enable_grad():

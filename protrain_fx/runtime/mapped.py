@@ -1,22 +1,26 @@
-"""Host memory that the compute device addresses directly: what an offloaded parameter and its gradient are.
+"""Host memory that the compute device addresses directly: what an offloaded parameter and its
+gradient are.
 
 An offloaded chunk's values live in host memory (its master copy, its gradient accumulator). Its
-``nn.Parameter`` is a view of that memory *on the compute device*: on a CUDA device a tensor whose data
-pointer is the pinned host buffer itself (unified virtual addressing: kernels read and write host memory
-over the bus), on the CPU a second tensor over the same storage. So everything eager PyTorch does with a
-parameter gives the right answer, only slower where it runs: ``print(p)``, ``p.norm()``, ``p.mul_(0.9)``
-under ``no_grad``, ``model.state_dict()``, ``load_state_dict``, another optimizer stepping it, a graph that
-dynamo runs eagerly. The compiled graphs never read it (they gather the low-precision copy into device
-buffers); the chunk store notices writes through the parameter's version counter and refreshes its copies.
+``nn.Parameter`` is a view of that memory *on the compute device*: on a CUDA device a tensor whose
+data pointer is the pinned host buffer itself (unified virtual addressing: kernels read and write
+host memory over the bus), on the CPU a second tensor over the same storage. So everything eager
+PyTorch does with a parameter gives the right answer, only slower where it runs: ``print(p)``,
+``p.norm()``, ``p.mul_(0.9)`` under ``no_grad``, ``model.state_dict()``, ``load_state_dict``,
+another optimizer stepping it, a graph that dynamo runs eagerly. The compiled graphs never read it
+(they gather the low-precision copy into device buffers); the chunk store notices writes through the
+parameter's version counter and refreshes its copies.
 
-Each view has a storage of its own that starts at the parameter's first element, as the parameter dynamo
-traced had, and a version counter of its own, so protrain's own writes into the host tensors (the CPU
-optimizer step, gradient copies) are not mistaken for the user's.
+Each view has a storage of its own that starts at the parameter's first element, as the parameter
+dynamo traced had, and a version counter of its own, so protrain's own writes into the host tensors
+(the CPU optimizer step, gradient copies) are not mistaken for the user's.
 
-:class:`HostGrad` is the gradient view: ``param.grad`` of an offloaded parameter. It calls back before any
-torch operation that writes it (clipping, unscaling, ``zero_()``), so that an optimizer step protrain already
-applied inside backward can be taken back first (protrain_fx/runtime/hybrid_optim.py).
+:class:`HostGrad` is the gradient view: ``param.grad`` of an offloaded parameter. It calls back
+before any torch operation that writes it (clipping, unscaling, ``zero_()``), so that an optimizer
+step protrain already applied inside backward can be taken back first
+(protrain_fx/runtime/hybrid_optim.py).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -26,23 +30,30 @@ from torch.utils._pytree import tree_flatten
 
 
 class _CudaInterface:
-    """``__cuda_array_interface__`` of ``nbytes`` bytes at ``offset`` into a pinned host buffer, as raw bytes;
-    torch.as_tensor keeps it (and so the buffer) alive as long as the device tensor it makes."""
+    """``__cuda_array_interface__`` of ``nbytes`` bytes at ``offset`` into a pinned host buffer, as
+    raw bytes; torch.as_tensor keeps it (and so the buffer) alive as long as the device tensor it
+    makes."""
 
     def __init__(self, host: torch.Tensor, offset: int, nbytes: int):
-        self.host, self.offset, self.nbytes = host, offset, nbytes  # ``host`` keeps the memory alive
+        # ``host`` keeps the memory alive
+        self.host, self.offset, self.nbytes = host, offset, nbytes
 
     @property
     def __cuda_array_interface__(self):
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.host.data_ptr() + self.offset, False),
-                "version": 2, "strides": None}
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.host.data_ptr() + self.offset, False),
+            "version": 2,
+            "strides": None,
+        }
 
 
 def device_view(host: torch.Tensor, offset: int, shape, device: torch.device) -> torch.Tensor:
-    """A tensor on ``device`` of ``shape`` over the memory of the contiguous host tensor ``host`` from element
-    ``offset`` on (pinned when ``device`` is CUDA). It has a storage of its own that starts there (storage
-    offset 0, like the parameter dynamo traced) and a version counter of its own, and it keeps ``host``
-    alive."""
+    """A tensor on ``device`` of ``shape`` over the memory of the contiguous host tensor ``host``
+    from element ``offset`` on (pinned when ``device`` is CUDA). It has a storage of its own that
+    starts there (storage offset 0, like the parameter dynamo traced) and a version counter of its
+    own, and it keeps ``host`` alive."""
     if not host.is_contiguous():
         raise ValueError("device_view needs a contiguous host tensor")
     shape = torch.Size(shape)
@@ -57,15 +68,17 @@ def device_view(host: torch.Tensor, offset: int, shape, device: torch.device) ->
     if device.type != "cuda":
         from protrain_fx.errors import ProtrainError
 
-        raise ProtrainError(f"protrain offloads to the host from CUDA or CPU devices only, not {device.type}")
+        raise ProtrainError(
+            f"protrain offloads to the host from CUDA or CPU devices only, not {device.type}"
+        )
     raw = torch.as_tensor(_CudaInterface(host, offset * elem, nbytes), device=device)
     return raw.view(host.dtype).view(shape)
 
 
 class HostGrad(torch.Tensor):
-    """``param.grad`` of an offloaded parameter: a view of its chunk's host gradient accumulator (see the
-    module docstring). ``on_write(grads)`` runs before any torch function that writes one of them in place;
-    results of other functions are plain tensors."""
+    """``param.grad`` of an offloaded parameter: a view of its chunk's host gradient accumulator
+    (see the module docstring). ``on_write(grads)`` runs before any torch function that writes one
+    of them in place; results of other functions are plain tensors."""
 
     on_write = None  # set by the chunk store: callable(list of HostGrad about to be written)
 
@@ -73,7 +86,8 @@ class HostGrad(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if HostGrad.on_write is not None and _writes(func) and args:
-            # what an in-place function writes is its first argument (a tensor, or the list of a foreach op)
+            # what an in-place function writes is its first argument (a tensor, or the list of a
+            # foreach op)
             written = [a for a in tree_flatten(args[0])[0] if isinstance(a, HostGrad)]
             if written and not _identity_scale(func, args):
                 HostGrad.on_write(written)
@@ -82,9 +96,9 @@ class HostGrad(torch.Tensor):
 
 
 def _identity_scale(func, args) -> bool:
-    """A multiply by exactly one, which changes nothing: ``clip_grad_norm_`` with a norm under ``max_norm``
-    (Hugging Face's Trainer calls it with ``max_norm=inf`` every step to log the norm). Reading a device
-    scalar synchronizes; the gradients are complete by then anyway."""
+    """A multiply by exactly one, which changes nothing: ``clip_grad_norm_`` with a norm under
+    ``max_norm`` (Hugging Face's Trainer calls it with ``max_norm=inf`` every step to log the norm).
+    Reading a device scalar synchronizes; the gradients are complete by then anyway."""
     if getattr(func, "__name__", "") not in ("mul_", "_foreach_mul_") or len(args) < 2:
         return False
     scale = args[1]
@@ -99,13 +113,16 @@ def _identity_scale(func, args) -> bool:
 
 
 def _writes(func) -> bool:
-    """Whether a torch function may write its first argument(s) in place (``mul_``, ``_foreach_mul_``,
-    ``copy_``, ``zero_``, torch's amp unscale)."""
+    """Whether a torch function may write its first argument(s) in place (``mul_``,
+    ``_foreach_mul_``, ``copy_``, ``zero_``, torch's amp unscale)."""
     name = getattr(func, "__name__", "") or ""
     if name == "__set__":  # setting an attribute such as .data
         return True
-    return name.endswith("_") and not name.endswith("__") or name in ("__setitem__", "__iadd__", "__isub__",
-                                                                       "__imul__", "__itruediv__")
+    return (
+        name.endswith("_")
+        and not name.endswith("__")
+        or name in ("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__")
+    )
 
 
 def host_grad(view: torch.Tensor) -> HostGrad:

@@ -1,37 +1,43 @@
-"""The ``protrain::`` custom ops the graph passes insert. Each is a thin call into the runtime, which owns all
-state. Ops name their chunk by a parameter tensor of it (the *anchor*), resolved at run time
-(:func:`protrain_fx.runtime.chunk_store.bound_chunk`): a graph serves whichever parameters it is called with.
+"""The ``protrain::`` custom ops the graph passes insert. Each is a thin call into the runtime,
+which owns all state. Ops name their chunk by a parameter tensor of it (the *anchor*), resolved at
+run time (:func:`protrain_fx.runtime.chunk_store.bound_chunk`): a graph serves whichever parameters
+it is called with.
 
-Every op takes a list of *tokens*: tensors produced by the nodes it must follow (the passes choose them), so
-the order survives Inductor's scheduling (Inductor reorders independent custom ops; a data dependency it
-cannot break). Ops that only order things return a 0-element token tensor; having no consumers, they are
-registered as having side effects (``SIDE_EFFECT_OPS``, by protrain_fx/graph/fx.py when the passes are
-imported, before any graph is compiled: Inductor's cache key does not see it).
+Every op takes a list of *tokens*: tensors produced by the nodes it must follow (the passes choose
+them), so the order survives Inductor's scheduling (Inductor reorders independent custom ops; a data
+dependency it cannot break). Ops that only order things return a 0-element token tensor; having no
+consumers, they are registered as having side effects (``SIDE_EFFECT_OPS``, by
+protrain_fx/graph/fx.py when the passes are imported, before any graph is compiled: Inductor's cache
+key does not see it).
 
-* ``gather(tokens, anchor, numel, dtype) -> flat``: the anchor's chunk on the compute device in the transfer
-  dtype, as a fresh tensor the graph owns (copied out of the device chunk buffer its prefetch filled, or
-  loaded now): Inductor frees it after its last reader, so no later copy can overwrite what it still reads.
-* ``vectors(flat, offsets, numels) -> [tensor]``: copies of the chunk's 1-D parameters (biases, norm weights)
-  as tensors of their own. Read as views at an offset into the gathered chunk, Inductor's CUDA code got a
-  bias wrong (GPT-style model, torch 2.11, H200); Inductor removes a plain ``clone`` as a no-op.
-* ``prefetch(tokens, anchor) -> token``: start the host-to-device copy of the anchor's chunk into a device
-  chunk buffer.
-* ``chunk_grad(grads, params, tokens) -> token``: the gradients of ``params`` (parameters of one offloaded
-  chunk): pack, copy to the host, accumulate, maybe step (:meth:`protrain_fx.runtime.chunk_store.ChunkStore.grad_ready`).
-* ``offload(x, tokens) -> host``: device-to-host copy of a swap block's saved activation into new (pinned)
-  host memory, started when ``x`` exists, from a copy of ``x`` of protrain's own (protrain_fx/runtime/swap_pool.py);
-  forward returns ``host`` instead of ``x``.
+* ``gather(tokens, anchor, numel, dtype) -> flat``: the anchor's chunk on the compute device in the
+  transfer dtype, as a fresh tensor the graph owns (copied out of the device chunk buffer its
+  prefetch filled, or loaded now): Inductor frees it after its last reader, so no later copy can
+  overwrite what it still reads.
+* ``vectors(flat, offsets, numels) -> [tensor]``: copies of the chunk's 1-D parameters (biases, norm
+  weights) as tensors of their own. Read as views at an offset into the gathered chunk, Inductor's
+  CUDA code got a bias wrong (GPT-style model, torch 2.11, H200); Inductor removes a plain ``clone``
+  as a no-op.
+* ``prefetch(tokens, anchor) -> token``: start the host-to-device copy of the anchor's chunk into a
+  device chunk buffer.
+* ``chunk_grad(grads, params, tokens) -> token``: the gradients of ``params`` (parameters of one
+  offloaded chunk): pack, copy to the host, accumulate, maybe step
+  (:meth:`protrain_fx.runtime.chunk_store.ChunkStore.grad_ready`).
+* ``offload(x, tokens) -> host``: device-to-host copy of a swap block's saved activation into new
+  (pinned) host memory, started when ``x`` exists, from a copy of ``x`` of protrain's own
+  (protrain_fx/runtime/swap_pool.py); forward returns ``host`` instead of ``x``.
 * ``offload_wait(hosts, tokens, device) -> token``: the compute stream waits for those copies.
-* ``reload_start(host, tokens, device) -> token`` / ``reload_take(host, tokens, device) -> x``: copy it back
-  one block ahead of use, and hand it to backward once the copy is done.
-* ``resident_grads(grads, tokens, store, chunk, members) -> token``: data parallel only: start averaging a
-  resident chunk's parameter gradients over the ranks, in place (one coalesced async all-reduce), now, in
-  backward, so it overlaps the rest of backward. The graph still returns those gradients (so Inductor never
-  reuses their memory while the collective runs).
-* ``resident_grads_wait(tokens, store) -> token``: at the end of that backward graph, the compute stream
-  waits for those all-reduces (:func:`protrain_fx.runtime.distributed.wait_resident_grads`) before autograd reads
-  the gradients.
+* ``reload_start(host, tokens, device) -> token`` / ``reload_take(host, tokens, device) -> x``: copy
+  it back one block ahead of use, and hand it to backward once the copy is done.
+* ``resident_grads(grads, tokens, store, chunk, members) -> token``: data parallel only: start
+  averaging a resident chunk's parameter gradients over the ranks, in place (one coalesced async
+  all-reduce), now, in backward, so it overlaps the rest of backward. The graph still returns those
+  gradients (so Inductor never reuses their memory while the collective runs).
+* ``resident_grads_wait(tokens, store) -> token``: at the end of that backward graph, the compute
+  stream waits for those all-reduces (:func:`protrain_fx.runtime.distributed.wait_resident_grads`)
+  before autograd reads the gradients.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -47,7 +53,9 @@ def _token(device: torch.device) -> torch.Tensor:
 
 
 @custom_op("protrain::gather", mutates_args=())
-def gather(tokens: List[torch.Tensor], anchor: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def gather(
+    tokens: List[torch.Tensor], anchor: torch.Tensor, numel: int, dtype: torch.dtype
+) -> torch.Tensor:
     store, chunk = chunk_store.bound_chunk(anchor)
     return store.gather(chunk)
 
@@ -59,7 +67,7 @@ def _(tokens, anchor, numel, dtype):
 
 @custom_op("protrain::vectors", mutates_args=())
 def vectors(flat: torch.Tensor, offsets: List[int], numels: List[int]) -> List[torch.Tensor]:
-    return [flat[o:o + n].clone() for o, n in zip(offsets, numels)]
+    return [flat[o : o + n].clone() for o, n in zip(offsets, numels)]
 
 
 @vectors.register_fake
@@ -80,7 +88,9 @@ def _(tokens, anchor):
 
 
 @custom_op("protrain::chunk_grad", mutates_args=())
-def chunk_grad(grads: List[torch.Tensor], params: List[torch.Tensor], tokens: List[torch.Tensor]) -> torch.Tensor:
+def chunk_grad(
+    grads: List[torch.Tensor], params: List[torch.Tensor], tokens: List[torch.Tensor]
+) -> torch.Tensor:
     store, chunk = chunk_store.bound_chunk(params[0])
     store.grad_ready(chunk, grads, [store.entry_index(p) for p in params])
     return _token(params[0].device)
@@ -102,7 +112,9 @@ def _(x, tokens):
 
 
 @custom_op("protrain::offload_wait", mutates_args=())
-def offload_wait(hosts: List[torch.Tensor], tokens: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+def offload_wait(
+    hosts: List[torch.Tensor], tokens: List[torch.Tensor], device: torch.device
+) -> torch.Tensor:
     swap_pool.swapper(device).offload_wait(hosts)
     return _token(device)
 
@@ -113,7 +125,9 @@ def _(hosts, tokens, device):
 
 
 @custom_op("protrain::reload_start", mutates_args=())
-def reload_start(host: torch.Tensor, tokens: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+def reload_start(
+    host: torch.Tensor, tokens: List[torch.Tensor], device: torch.device
+) -> torch.Tensor:
     swap_pool.swapper(device).reload_start(host)
     return _token(device)
 
@@ -124,7 +138,9 @@ def _(host, tokens, device):
 
 
 @custom_op("protrain::reload_take", mutates_args=())
-def reload_take(host: torch.Tensor, tokens: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+def reload_take(
+    host: torch.Tensor, tokens: List[torch.Tensor], device: torch.device
+) -> torch.Tensor:
     return swap_pool.swapper(device).reload_take(host)
 
 
@@ -134,8 +150,13 @@ def _(host, tokens, device):
 
 
 @custom_op("protrain::resident_grads", mutates_args=())
-def resident_grads(grads: List[torch.Tensor], tokens: List[torch.Tensor], store: int, chunk: int,
-                   members: List[int]) -> torch.Tensor:
+def resident_grads(
+    grads: List[torch.Tensor],
+    tokens: List[torch.Tensor],
+    store: int,
+    chunk: int,
+    members: List[int],
+) -> torch.Tensor:
     s = chunk_store.get_store(store)
     s.resident_grads_ready(chunk, grads, list(members))
     return _token(s.device)
@@ -171,16 +192,25 @@ GRAD_OPS = (CHUNK_GRAD, RESIDENT_GRADS)
 TOKEN_OPS = (PREFETCH, CHUNK_GRAD, RESIDENT_GRADS, RESIDENT_GRADS_WAIT, RELOAD_START, OFFLOAD_WAIT)
 ALL_OPS = (GATHER, *TOKEN_OPS)
 # where each op keeps its token list (argument index)
-TOKEN_ARG = {GATHER: 0, PREFETCH: 0, CHUNK_GRAD: 2, RESIDENT_GRADS: 1, RESIDENT_GRADS_WAIT: 0,
-             RELOAD_START: 1, RELOAD_TAKE: 1, OFFLOAD: 1, OFFLOAD_WAIT: 1}
-# FX's dead-code elimination keeps the token ops and offload although nothing may read their outputs:
-# protrain_fx/graph/fx.py registers them (the runtime does not import torch.fx)
+TOKEN_ARG = {
+    GATHER: 0,
+    PREFETCH: 0,
+    CHUNK_GRAD: 2,
+    RESIDENT_GRADS: 1,
+    RESIDENT_GRADS_WAIT: 0,
+    RELOAD_START: 1,
+    RELOAD_TAKE: 1,
+    OFFLOAD: 1,
+    OFFLOAD_WAIT: 1,
+}
+# FX's dead-code elimination keeps the token ops and offload although nothing may read their
+# outputs: protrain_fx/graph/fx.py registers them (the runtime does not import torch.fx)
 SIDE_EFFECT_OPS = (*TOKEN_OPS, OFFLOAD)
 
 
 def fake_value(target, args):
-    """The value a protrain op would return, built with the caller's (fake) tensor mode: ops whose only
-    tensor arguments may be empty lists cannot be traced through the fake mode itself."""
+    """The value a protrain op would return, built with the caller's (fake) tensor mode: ops whose
+    only tensor arguments may be empty lists cannot be traced through the fake mode itself."""
     if target is GATHER:
         _, anchor, numel, dtype = args
         return torch.empty(numel, dtype=dtype, device=anchor.meta["val"].device)
@@ -199,14 +229,18 @@ def fake_value(target, args):
     raise KeyError(target)
 
 
-# ------------------------------------------------------------------------------------ block profiling
-_BACKWARD_OF = {block_timer.FWD_EXIT: block_timer.BWD_ENTER, block_timer.FWD_ENTER: block_timer.BWD_EXIT}
+# ------------------------------------------------------------------------------------ block
+# profiling
+_BACKWARD_OF = {
+    block_timer.FWD_EXIT: block_timer.BWD_ENTER,
+    block_timer.FWD_ENTER: block_timer.BWD_EXIT,
+}
 
 
 @custom_op("protrain::mark", mutates_args=())
 def mark(x: torch.Tensor, block: int, where: int) -> torch.Tensor:
-    """Identity (a copy, so that what follows depends on it) that records a block boundary; its gradient
-    records the matching backward boundary (passes/block_marks.py)."""
+    """Identity (a copy, so that what follows depends on it) that records a block boundary; its
+    gradient records the matching backward boundary (passes/block_marks.py)."""
     block_timer.RECORDER.record(block, where, x.device)
     return x.clone()
 

@@ -11,6 +11,7 @@ and ``opt.load_state_dict()`` routes their saved state into the host buffers (a 
 saved state starts fresh, as in torch) and hands torch's loader the rest. :class:`TorchStateView`
 holds this as methods of the hybrid optimizer, which inherits it.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -72,9 +73,11 @@ class TorchStateView:
         if entry is not None and entry.get("step") is st.steps[i]:
             return
         e = store.entries[i]
-        view = {name: mapped.device_view(getattr(st, name), e.offset, e.shape, store.device)
-                for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-                if getattr(st, name) is not None}
+        view = {
+            name: mapped.device_view(getattr(st, name), e.offset, e.shape, store.device)
+            for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+            if getattr(st, name) is not None
+        }
         self.opt.state[p] = {"step": st.steps[i], **view}
         self._published[id(p)] = self.opt.state[p]
 
@@ -115,7 +118,8 @@ class TorchStateView:
                 continue  # never stepped: torch has no state for it either
             sl = slice(e.offset, e.offset + e.numel)
             names = ("exp_avg", "exp_avg_sq") + (
-                ("max_exp_avg_sq",) if st.max_exp_avg_sq is not None else ())
+                ("max_exp_avg_sq",) if st.max_exp_avg_sq is not None else ()
+            )
             entry = {"step": st.steps[i].clone()}
             entry.update({name: moment(st, name)[sl].clone().view(e.shape) for name in names})
             sd["state"][idx] = entry

@@ -1,8 +1,10 @@
-"""Where a parameter's value lives when it is not in the parameter: an offloaded chunk's host master copy
-(:mod:`protrain_fx.runtime.chunk_store`) or, before the first compile, :func:`host_init`'s pinned host copy. Hooks on
-the owning modules make ``model.state_dict()`` / ``model.load_state_dict()`` give and take plain tensors
-under the original keys, as if the parameter held its value.
+"""Where a parameter's value lives when it is not in the parameter: an offloaded chunk's host master
+copy (:mod:`protrain_fx.runtime.chunk_store`) or, before the first compile, :func:`host_init`'s
+pinned host copy. Hooks on the owning modules make ``model.state_dict()`` /
+``model.load_state_dict()`` give and take plain tensors under the original keys, as if the parameter
+held its value.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from protrain_fx._weakmap import IdentityWeakMap
-from protrain_fx.runtime.chunk_store import device_shell, store_of
 from protrain_fx.errors import ProtrainError
+from protrain_fx.runtime.chunk_store import device_shell, store_of
 
 # host_init's parameters before a ChunkStore takes them: parameter -> host tensor
 HOST_VALUES = IdentityWeakMap()
@@ -42,7 +44,9 @@ def write_value(p: torch.Tensor, value: torch.Tensor) -> None:
         store.write(p, value)
     elif p in HOST_VALUES:
         if HOST_VALUES[p].shape != value.shape:
-            raise ProtrainError(f"shape {tuple(value.shape)} does not match the parameter's {tuple(p.shape)}")
+            raise ProtrainError(
+                f"shape {tuple(value.shape)} does not match the parameter's {tuple(p.shape)}"
+            )
         HOST_VALUES[p].copy_(value)
     else:
         with torch.no_grad():
@@ -55,9 +59,20 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             state_dict[prefix + name] = value_of(p)
 
 
-def _load_from_state_dict(module, original, state_dict, prefix, local_metadata, strict, missing_keys,
-                          unexpected_keys, error_msgs):
-    external = {name: p for name, p in module._parameters.items() if p is not None and is_external(p)}
+def _load_from_state_dict(
+    module,
+    original,
+    state_dict,
+    prefix,
+    local_metadata,
+    strict,
+    missing_keys,
+    unexpected_keys,
+    error_msgs,
+):
+    external = {
+        name: p for name, p in module._parameters.items() if p is not None and is_external(p)
+    }
     for name, p in external.items():
         key = prefix + name
         if key not in state_dict:
@@ -65,15 +80,20 @@ def _load_from_state_dict(module, original, state_dict, prefix, local_metadata, 
             continue
         value = state_dict.pop(key)
         if tuple(value.shape) != tuple(p.shape):
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
-                              f"checkpoint, the shape in current model is {tuple(p.shape)}.")
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape "
+                f"{tuple(value.shape)} from "
+                f"checkpoint, the shape in current model is {tuple(p.shape)}."
+            )
             continue
         write_value(p, value)
     saved = {name: module._parameters[name] for name in external}
     for name in external:  # hidden from torch's loader, which would copy into the empty shell
         module._parameters[name] = None
     try:
-        original(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        original(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
     finally:
         module._parameters.update(saved)
 
@@ -84,14 +104,20 @@ def install_hooks(modules) -> None:
         if module in _HOOKED:
             continue
         module._register_state_dict_hook(_state_dict_hook)
-        module._load_from_state_dict = functools.partial(_load_from_state_dict, module, module._load_from_state_dict)
+        module._load_from_state_dict = functools.partial(
+            _load_from_state_dict, module, module._load_from_state_dict
+        )
         _HOOKED.add(module)
 
 
 def hook_owners_of(root: nn.Module, params) -> None:
     """Install the hooks on every module under ``root`` that owns one of ``params``."""
     ids = {id(p) for p in params}
-    install_hooks(m for m in root.modules() if any(id(p) in ids for p in m._parameters.values() if p is not None))
+    install_hooks(
+        m
+        for m in root.modules()
+        if any(id(p) in ids for p in m._parameters.values() if p is not None)
+    )
 
 
 @contextlib.contextmanager
@@ -101,12 +127,13 @@ def host_init(device="cuda"):
         with protrain_fx.host_init("cuda"):
             model = GPT(cfg)             # parameters are created (and initialized) in host memory
 
-    On exit every parameter created inside becomes a device *shell* (right shape and dtype, no memory) and
-    its value is kept in host memory as built (pageable: no second, pinned copy of the whole model; the chunk
-    store copies each value into its chunk and frees it); buffers move to ``device``. ``torch.compile(model,
-    backend="protrain")`` then takes the values from the host: resident chunks are copied to the device,
-    offloaded ones stay on the host. ``model.state_dict()`` and ``load_state_dict()`` work throughout. Run
-    such a model through protrain only: eager PyTorch would read the empty shells.
+    On exit every parameter created inside becomes a device *shell* (right shape and dtype, no
+    memory) and its value is kept in host memory as built (pageable: no second, pinned copy of the
+    whole model; the chunk store copies each value into its chunk and frees it); buffers move to
+    ``device``. ``torch.compile(model, backend="protrain")`` then takes the values from the host:
+    resident chunks are copied to the device, offloaded ones stay on the host.
+    ``model.state_dict()`` and ``load_state_dict()`` work throughout. Run such a model through
+    protrain only: eager PyTorch would read the empty shells.
     """
     device = torch.device(device)
     created_params: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -136,7 +163,8 @@ def host_init(device="cuda"):
         if id(p) in done:
             continue
         done.add(id(p))
-        host = p.data.detach()  # kept as built (pageable): the chunk store copies it into its pinned chunks
+        # kept as built (pageable): the chunk store copies it into its pinned chunks
+        host = p.data.detach()
         if host.untyped_storage().nbytes() != host.nbytes:
             host = host.clone()  # a view of something larger: keep only its own bytes
         HOST_VALUES[p] = host
@@ -149,9 +177,10 @@ def host_init(device="cuda"):
 
 
 def placement_snapshot(params) -> "callable":
-    """Remember where ``params`` keep their values now; the returned function puts them back there (a failed
-    compile leaves the model as it was): values held by chunk stores made since, or by host values set
-    since, return to plain tensors on their devices, and those stores are forgotten."""
+    """Remember where ``params`` keep their values now; the returned function puts them back there
+    (a failed compile leaves the model as it was): values held by chunk stores made since, or by
+    host values set since, return to plain tensors on their devices, and those stores are forgotten.
+    """
     before_store = {id(p): store_of(p) for p in params}
     before_host = {id(p) for p in params if p in HOST_VALUES}
     devices = {id(p): p.device for p in params}
@@ -188,17 +217,17 @@ def placement_snapshot(params) -> "callable":
 
 
 def dissolve_store(store) -> None:
-    """Hand ``store``'s parameters back as if built under :func:`host_init`: offloaded values become host
-    values (views of the store's master copies, kept alive until the next store takes them), resident ones
-    stay on the device, and the store is forgotten. The profiler does this after its step under the most
-    frugal placement, so the chosen plan's store starts from the same values. Only before any optimizer
-    state exists for the store (the profiler's gradients are dropped)."""
+    """Hand ``store``'s parameters back as if built under :func:`host_init`: offloaded values become
+    host values (views of the store's master copies, kept alive until the next store takes them),
+    resident ones stay on the device, and the store is forgotten. The profiler does this after its
+    step under the most frugal placement, so the chosen plan's store starts from the same values.
+    Only before any optimizer state exists for the store (the profiler's gradients are dropped)."""
     if store.optimizer is not None:
         raise ProtrainError("protrain: a chunk store with optimizer state cannot be re-placed")
     for c in store.offloaded_chunks:
         full = store.host_chunk(c)  # every rank's shard, with several ranks
         for p, e in store.chunk_entries(c):
-            HOST_VALUES[p] = full[e.offset:e.offset + e.numel].view(e.shape)
+            HOST_VALUES[p] = full[e.offset : e.offset + e.numel].view(e.shape)
     store.unregister()
     # its transfer copies go now (the masters live on in the views until the next store takes them)
     store.master, store.transfer = {}, {}

@@ -1,39 +1,41 @@
 """Swapping saved activations: their copies to host memory in forward and back in backward.
 
-Every call of a forward graph gets its own host memory for what it swaps (``protrain::offload`` allocates
-it, pinned on CUDA, from torch's caching host allocator, which reuses it once freed and once the copies
-that used it are done), so two forwards before one backward, or one block graph called for every block,
-never overwrite each other. The host tensor is what forward saves for backward; its data pointer names the
-copy in flight. On CUDA the copies run on the device's copy streams (protrain_fx/runtime/chunk_buffers.py):
+Every call of a forward graph gets its own host memory for what it swaps (``protrain::offload``
+allocates it, pinned on CUDA, from torch's caching host allocator, which reuses it once freed and
+once the copies that used it are done), so two forwards before one backward, or one block graph
+called for every block, never overwrite each other. The host tensor is what forward saves for
+backward; its data pointer names the copy in flight. On CUDA the copies run on the device's copy
+streams (protrain_fx/runtime/chunk_buffers.py):
 
-* ``offload(x)``: copy ``x`` on the compute stream into device memory of protrain's own (a fast on-device
-  copy), then from there to the host on the device-to-host stream. The copy must not read memory that
-  Inductor owns: Inductor gives a buffer to later kernels once its last reader has been *called*, and it may
-  hand the op a private copy of ``x`` made only for it (on CUDA, where its buffers have padded strides and
-  the op wants eager's), which no later op keeps alive; an H200 run read such reused memory and trained
-  with NaN losses. The staged copy is released to torch's allocator only once the transfer is done
-  (``record_stream``). ``offload_wait`` later makes the compute stream wait for the copies of a block (two
-  blocks on), which bounds how far they may lag;
-* ``reload_start(host)``: one block ahead of use, copy it into a new device tensor on the host-to-device
-  stream; ``reload_take(host)`` makes the compute stream wait for that copy and returns the tensor.
+* ``offload(x)``: copy ``x`` on the compute stream into device memory of protrain's own (a fast
+  on-device copy), then from there to the host on the device-to-host stream. The copy must not read
+  memory that Inductor owns: Inductor gives a buffer to later kernels once its last reader has been
+  *called*, and it may hand the op a private copy of ``x`` made only for it (on CUDA, where its
+  buffers have padded strides and the op wants eager's), which no later op keeps alive; an H200 run
+  read such reused memory and trained with NaN losses. The staged copy is released to torch's
+  allocator only once the transfer is done (``record_stream``). ``offload_wait`` later makes the
+  compute stream wait for the copies of a block (two blocks on), which bounds how far they may lag;
+* ``reload_start(host)``: one block ahead of use, copy it into a new device tensor on the
+  host-to-device stream; ``reload_take(host)`` makes the compute stream wait for that copy and
+  returns the tensor.
 
-On a CPU compute device the copies are real and synchronous. ``PROTRAIN_DEBUG_DEFER_OFFLOAD=1`` makes them
-as late as a CUDA copy could be: each offload copies only at its ``offload_wait``, so a graph that let a
-copy read memory it does not own computes wrong gradients on the CPU as it would on the GPU.
+On a CPU compute device the copies are real and synchronous. ``PROTRAIN_DEBUG_DEFER_OFFLOAD=1``
+makes them as late as a CUDA copy could be: each offload copies only at its ``offload_wait``, so a
+graph that let a copy read memory it does not own computes wrong gradients on the CPU as it would on
+the GPU.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 
 from protrain_fx import config
-
-from protrain_fx.runtime.chunk_buffers import streams_of
 from protrain_fx.machine import pinned
+from protrain_fx.runtime.chunk_buffers import streams_of
 
 DEFER = config.settings().debug_defer_offload
-# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device after every copy (no overlap, no race);
-# =offload or =reload after those copies only (which side a race is on)
+# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device after every copy (no overlap, no
+# race); =offload or =reload after those copies only (which side a race is on)
 SYNC_OFFLOAD, SYNC_RELOAD = config.settings().sync_offload, config.settings().sync_reload
 
 
@@ -53,7 +55,10 @@ class Swapper:
         self.stats["offloaded_bytes"] += host.numel() * host.element_size()
         if not self.is_cuda:
             if DEFER:  # a late copy must read memory of its own, as on the GPU
-                self._offloading[host.data_ptr()] = (host, x.clone(memory_format=torch.contiguous_format))
+                self._offloading[host.data_ptr()] = (
+                    host,
+                    x.clone(memory_format=torch.contiguous_format),
+                )
             else:
                 host.copy_(x)
             return host
@@ -81,7 +86,8 @@ class Swapper:
                 continue
             if self.is_cuda:
                 compute.wait_event(item[0])
-            else:  # a deferred copy (PROTRAIN_DEBUG_DEFER_OFFLOAD): now, as late as the GPU could do it
+            # a deferred copy (PROTRAIN_DEBUG_DEFER_OFFLOAD): now, as late as the GPU could do it
+            else:
                 item[0].copy_(item[1])
 
     def reload_start(self, host: torch.Tensor) -> None:
@@ -94,11 +100,12 @@ class Swapper:
             out.copy_(host)
             self._reloading[host.data_ptr()] = (out, None)
             return
-        # ``out`` was allocated on the compute stream, whose queued work may still use that memory, so the copy
-        # waits for everything queued there so far (the compute stream already waited for forward's copy of
-        # ``host``, offload_wait). The compute stream is named before the copy stream becomes the current one:
-        # inside ``torch.cuda.stream(h2d)`` the current stream *is* h2d, and waiting for it is no wait at all
-        # (the H200 race of issue 19 item 7: reloads wrote into memory that queued backward kernels still used)
+        # ``out`` was allocated on the compute stream, whose queued work may still use that memory,
+        # so the copy waits for everything queued there so far (the compute stream already waited
+        # for forward's copy of ``host``, offload_wait). The compute stream is named before the copy
+        # stream becomes the current one: inside ``torch.cuda.stream(h2d)`` the current stream *is*
+        # h2d, and waiting for it is no wait at all (the H200 race of issue 19 item 7: reloads wrote
+        # into memory that queued backward kernels still used)
         compute = torch.cuda.current_stream(self.device)
         self.streams.h2d.wait_stream(compute)
         with torch.cuda.stream(self.streams.h2d):

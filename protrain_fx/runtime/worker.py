@@ -1,11 +1,12 @@
-"""The host worker: one thread that runs, in order, what backward hands to the host (accumulating a chunk's
-gradient copy into its host gradient, the CPU optimizer step of that chunk), so the compute device never
-waits for them.
+"""The host worker: one thread that runs, in order, what backward hands to the host (accumulating a
+chunk's gradient copy into its host gradient, the CPU optimizer step of that chunk), so the compute
+device never waits for them.
 
-Tasks are tagged with the chunk they touch; :meth:`Worker.wait_chunk` waits for one chunk's tasks (before
-its host values are read), :meth:`Worker.wait` for all. The thread exists while some chunk store uses it
-and stops when the last one is gone, so a deleted model leaves no thread behind.
+Tasks are tagged with the chunk they touch; :meth:`Worker.wait_chunk` waits for one chunk's tasks
+(before its host values are read), :meth:`Worker.wait` for all. The thread exists while some chunk
+store uses it and stops when the last one is gone, so a deleted model leaves no thread behind.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,7 +34,9 @@ class Worker:
     def submit(self, key: tuple, fn, *args) -> Future:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-host")
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="protrain-host"
+                )
             fut = self._executor.submit(fn, *args)
             self._futures.append(fut)
             self._last[key] = fut
@@ -48,7 +51,8 @@ class Worker:
                     del self._last[key]
 
     def wait(self) -> None:
-        """Block until every task handed over so far is done; the first task's exception is raised."""
+        """Block until every task handed over so far is done; the first task's exception is
+        raised."""
         error = None
         while True:
             with self._lock:

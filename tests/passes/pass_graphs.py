@@ -1,6 +1,7 @@
 """Helpers of the synthetic pass tests: FX graphs built node by node on aten ops (each node's
 ``meta["val"]`` a FakeTensor, ``meta["protrain"]`` a NodeAnnotation given by hand), minimal plans,
 small real chunk stores on the CPU, and ways to look at a rewritten graph."""
+
 from __future__ import annotations
 
 import torch
@@ -74,15 +75,26 @@ class GraphBuilder:
 
 def make_plan(policies=(), n_buffer: int = 2, **fields) -> Plan:
     """A plan with one block per entry of ``policies`` ("keep" | "swap" | "recompute")."""
-    plan = Plan(chunk_size=0, n_persist=0, n_buffer=n_buffer, n_swap=0, n_checkpoint=0,
-                blocks=[BlockPlan(f"blocks.{i}", p) for i, p in enumerate(policies)])
+    plan = Plan(
+        chunk_size=0,
+        n_persist=0,
+        n_buffer=n_buffer,
+        n_swap=0,
+        n_checkpoint=0,
+        blocks=[BlockPlan(f"blocks.{i}", p) for i, p in enumerate(policies)],
+    )
     for k, v in fields.items():
         setattr(plan, k, v)
     return plan
 
 
-def make_store(shapes: dict[str, tuple], per_chunk: int, n_persist: int,
-               param_dtype=torch.float32, seed: int = 0):
+def make_store(
+    shapes: dict[str, tuple],
+    per_chunk: int,
+    n_persist: int,
+    param_dtype=torch.float32,
+    seed: int = 0,
+):
     """A real CPU chunk store of fresh parameters (``shapes``: fqn -> shape, in first-use order),
     ``per_chunk`` chunk bytes (fp32 master), the first ``n_persist`` chunks resident. Returns
     (store, params: fqn -> nn.Parameter, values: fqn -> a clone of its initial value). The caller

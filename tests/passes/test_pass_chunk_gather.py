@@ -8,14 +8,25 @@ view, resident chunks' placeholders are left alone, ``plan.grad_slots`` (and wit
 ``plan.resident_grad_slots``) are recorded, graphs with nothing to gather come back unchanged, and
 the rewritten graph computes what the original did when run on the CPU. One known bug (a cast as
 the chunk's first user) is an expected failure."""
+
 from __future__ import annotations
 
 import operator
 
-import pytest
 import torch
-from pass_graphs import GraphBuilder, aten, bwd, fwd, make_plan, make_store, names, nodes_of
-from pass_graphs import assert_well_linked, position, snapshot
+from pass_graphs import (
+    GraphBuilder,
+    assert_well_linked,
+    aten,
+    bwd,
+    fwd,
+    make_plan,
+    make_store,
+    names,
+    nodes_of,
+    position,
+    snapshot,
+)
 from torch._functorch._aot_autograd.descriptors import PlainAOTInput
 
 from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
@@ -25,8 +36,13 @@ from protrain_fx.runtime import ops
 prims = torch.ops.prims
 
 # three chunks of 128 B: (w0, b0), (w1, b1), (w2,); every parameter takes 64 B aligned
-SHAPES = {"blocks.0.w": (4, 4), "blocks.0.b": (4,), "blocks.1.w": (4, 4), "blocks.1.b": (4,),
-          "head.w": (1, 4)}
+SHAPES = {
+    "blocks.0.w": (4, 4),
+    "blocks.0.b": (4,),
+    "blocks.1.w": (4, 4),
+    "blocks.1.b": (4,),
+    "head.w": (1, 4),
+}
 
 
 def _mlp(store=None, params=None):
@@ -37,12 +53,22 @@ def _mlp(store=None, params=None):
     for i, (fqn, shape) in enumerate(SHAPES.items()):
         block = int(fqn.split(".")[1]) if fqn.startswith("blocks") else None
         chunk = store.entry(params[fqn]).chunk if store is not None else None
-        ph[fqn] = g.input(f"primals_{i + 1}", shape, ann=NodeAnnotation(
-            "forward", "block" if block is not None else "non_block", block, param=fqn, chunk=chunk,
-            input_kind="param"))
+        ph[fqn] = g.input(
+            f"primals_{i + 1}",
+            shape,
+            ann=NodeAnnotation(
+                "forward",
+                "block" if block is not None else "non_block",
+                block,
+                param=fqn,
+                chunk=chunk,
+                input_kind="param",
+            ),
+        )
     x = g.input("primals_6", (8, 4), ann=NodeAnnotation("forward", "non_block", input_kind="input"))
-    tan = g.input("tangents_1", (8, 4), ann=NodeAnnotation("backward", "non_block",
-                                                             input_kind="tangent"))
+    tan = g.input(
+        "tangents_1", (8, 4), ann=NodeAnnotation("backward", "non_block", input_kind="tangent")
+    )
     n = {}
     n["t0"] = g.op(aten.t.default, ph["blocks.0.w"], ann=fwd(0))
     n["mm0"] = g.op(aten.addmm.default, ph["blocks.0.b"], x, n["t0"], ann=fwd(0))
@@ -92,8 +118,14 @@ def test_one_gather_per_offloaded_chunk_before_its_first_use():
     assert g2.meta[META_KEY] == NodeAnnotation("forward", "non_block", chunk=2)
     # everything inserted for a chunk sits between the gather and that first use
     between = [m for m in gm.graph.nodes if pos[g1] <= pos[m] < pos[n["t1"]]]
-    assert [m.target for m in between] == [ops.GATHER, ops.VECTORS, operator.getitem,
-                                           aten.view.default, aten.slice.Tensor, aten.view.default]
+    assert [m.target for m in between] == [
+        ops.GATHER,
+        ops.VECTORS,
+        operator.getitem,
+        aten.view.default,
+        aten.slice.Tensor,
+        aten.view.default,
+    ]
     assert all(m.meta[META_KEY] == g1.meta[META_KEY] for m in between)
     assert all(isinstance(m.meta["val"], torch.Tensor) or m.target is ops.VECTORS for m in between)
     assert "partitioner_tag" not in g1.meta  # the graph had no partitioner tags
@@ -138,8 +170,10 @@ def test_resident_chunks_placeholders_are_left_alone_and_grad_slots_recorded():
     idx = {f: store.entry_index(p) for f, p in params.items()}
     # (store, chunk) -> [(primal ordinal, store entry, placeholder)]
     assert plan.grad_slots == {
-        (store.id, 1): [(2, idx["blocks.1.w"], n["blocks.1.w"]),
-                        (3, idx["blocks.1.b"], n["blocks.1.b"])],
+        (store.id, 1): [
+            (2, idx["blocks.1.w"], n["blocks.1.w"]),
+            (3, idx["blocks.1.b"], n["blocks.1.b"]),
+        ],
         (store.id, 2): [(4, idx["head.w"], n["head.w"])],
     }
     assert plan.resident_grad_slots == {}  # one rank
@@ -195,10 +229,16 @@ def _bf16_run(gm, ref, store, params, values):
 
 
 def _bf16_store():
-    store, params, values = make_store({"w": (4, 4), "b": (4,)}, per_chunk=128, n_persist=0,
-                                       param_dtype=torch.bfloat16)
-    plan = make_plan(("keep",), input_entry={0: (store.id, store.entry_index(params["w"])),
-                                             1: (store.id, store.entry_index(params["b"]))})
+    store, params, values = make_store(
+        {"w": (4, 4), "b": (4,)}, per_chunk=128, n_persist=0, param_dtype=torch.bfloat16
+    )
+    plan = make_plan(
+        ("keep",),
+        input_entry={
+            0: (store.id, store.entry_index(params["w"])),
+            1: (store.id, store.entry_index(params["b"])),
+        },
+    )
     return store, params, values, plan
 
 
@@ -222,8 +262,11 @@ def test_lower_transfer_dtype_upcasts_and_reads_existing_casts_directly():
         assert upcast.args[1] is torch.float32
         assert upcast.args[0].meta["val"].dtype is torch.bfloat16
     # in a graph with partitioner tags every inserted node is tagged as forward
-    inserted = [m for m in gm.graph.nodes if m.meta.get(META_KEY) is not None
-                and m.meta[META_KEY].chunk == 0]
+    inserted = [
+        m
+        for m in gm.graph.nodes
+        if m.meta.get(META_KEY) is not None and m.meta[META_KEY].chunk == 0
+    ]
     assert len(inserted) == 7  # the gather, per parameter a slice, a view and an upcast
     assert all(m.meta.get("partitioner_tag") == "is_forward" for m in inserted)
     # it computes what the original computes on parameters rounded to the transfer dtype

@@ -6,12 +6,24 @@ more buffers than gathers; each gather's tokens are its own prefetch and every p
 the most gathered chunks alive at once (and never decreases); a graph without gathers comes back
 unchanged; and the scheduled graph runs with exactly ``n_buffer`` device chunk buffers, every
 gather finding its chunk prefetched, computing what the unscheduled graph computes."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from pass_graphs import GraphBuilder, aten, assert_well_linked, bwd, fwd, make_plan, make_store
-from pass_graphs import names, nodes_of, position, snapshot
+from pass_graphs import (
+    GraphBuilder,
+    assert_well_linked,
+    aten,
+    bwd,
+    fwd,
+    make_plan,
+    make_store,
+    names,
+    nodes_of,
+    position,
+    snapshot,
+)
 
 from protrain_fx.errors import ProtrainError
 from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
@@ -37,8 +49,9 @@ def _sequential(store, params, shape=(4, 4)):
     gathers, adds = [], []
     for i, (a, p) in enumerate(zip(anchors, params.values())):
         c = store.entry(p).chunk
-        gathers.append(g.op(ops.GATHER, [], a, store.chunk_numel(c), torch.float32,
-                            ann=fwd(i, chunk=c)))
+        gathers.append(
+            g.op(ops.GATHER, [], a, store.chunk_numel(c), torch.float32, ann=fwd(i, chunk=c))
+        )
         flat = g.op(aten.slice.Tensor, gathers[-1], 0, 0, shape[0] * shape[1], ann=fwd(i, chunk=c))
         view = g.op(aten.view.default, flat, list(shape), ann=fwd(i, chunk=c))
         h = g.op(aten.add.Tensor, h, view, ann=fwd(i))
@@ -86,8 +99,12 @@ def test_two_buffers_prefetch_two_ahead():
     anchors = [g.args[1] for g in gathers]
     pos = position(gm)
     # two at the start, in gather order, then one after each of the first two gathers
-    assert [p.args for p in pre] == [([], anchors[0]), ([], anchors[1]),
-                                     ([gathers[0]], anchors[2]), ([gathers[1]], anchors[3])]
+    assert [p.args for p in pre] == [
+        ([], anchors[0]),
+        ([], anchors[1]),
+        ([gathers[0]], anchors[2]),
+        ([gathers[1]], anchors[3]),
+    ]
     assert pos[pre[1]] < pos[gathers[0]] and pre[1].next is gathers[0]
     assert gathers[0].next is pre[2] and gathers[1].next is pre[3]
     # tokens: every prefetch since the previous gather, and the gather's own prefetch

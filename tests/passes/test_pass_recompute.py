@@ -6,6 +6,7 @@ forward call_function node of a "recompute" block gets MUST_RECOMPUTE with its b
 swap blocks, non-block nodes, placeholders and backward nodes stay untagged; a plan without
 recompute blocks over a graph without gathers leaves the graph as it was; ``untag_blocks`` drops
 the block tags and keeps the gathers'. The pass only tags: the graph still computes the same."""
+
 from __future__ import annotations
 
 import operator
@@ -15,8 +16,12 @@ from pass_graphs import GraphBuilder, aten, bwd, fwd, make_plan, snapshot
 from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.graph.annotation import NodeAnnotation
-from protrain_fx.passes.recompute import AC_GRAPH_ID, recompute, tag_blocks_for_recompute
-from protrain_fx.passes.recompute import untag_blocks
+from protrain_fx.passes.recompute import (
+    AC_GRAPH_ID,
+    recompute,
+    tag_blocks_for_recompute,
+    untag_blocks,
+)
 from protrain_fx.runtime import ops
 
 prims = torch.ops.prims
@@ -26,8 +31,9 @@ POLICIES = ("recompute", "keep", "recompute", "swap")
 
 def _joint():
     g = GraphBuilder()
-    p = NodeAnnotation("forward", "block", 0, "blocks.0", param="blocks.0.w", chunk=0,
-                       input_kind="param")
+    p = NodeAnnotation(
+        "forward", "block", 0, "blocks.0", param="blocks.0.w", chunk=0, input_kind="param"
+    )
     w0 = g.input("primals_1", (4, 4), ann=p)  # resident
     w1 = g.input("primals_2", (4, 4), ann=fwd(1, chunk=1))  # offloaded: chunk 1
     w2 = g.input("primals_3", (4, 4), ann=fwd(0, chunk=2))  # offloaded: chunk 2

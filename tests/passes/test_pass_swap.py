@@ -7,11 +7,23 @@ naming them, and ``offload_wait`` before block b+2's first node (or at the outpu
 begins (its first node or its first reload), at the start when nothing comes earlier, the first
 take of block b+1 carrying block b's starts as tokens; graphs with nothing to swap come back
 unchanged; and forward and backward, rewritten, compute on the CPU what they computed before."""
+
 from __future__ import annotations
 
 import torch
-from pass_graphs import GraphBuilder, aten, assert_well_linked, bwd, fwd, make_plan, names
-from pass_graphs import nodes_of, output_values, position, snapshot
+from pass_graphs import (
+    GraphBuilder,
+    assert_well_linked,
+    aten,
+    bwd,
+    fwd,
+    make_plan,
+    names,
+    nodes_of,
+    output_values,
+    position,
+    snapshot,
+)
 
 from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
 from protrain_fx.passes.swap import swap_offload, swap_reload
@@ -54,8 +66,10 @@ def _backward():
     block 3's backward first, block 0's last."""
     g = GraphBuilder()
     shapes = {"gt": ((8, 4), torch.bool), "primals_1": ((8, 4), torch.float32)}
-    ph = {s: g.input(s, *shapes.get(s, ((8, 4) if s != "primals_2" else (4, 4), torch.float32)))
-          for s in SAVED}
+    ph = {
+        s: g.input(s, *shapes.get(s, ((8, 4) if s != "primals_2" else (4, 4), torch.float32)))
+        for s in SAVED
+    }
     tan = g.input("tangents_1", ())
     w = ph["primals_2"]
     n = dict(ph)
@@ -86,8 +100,12 @@ def test_offload_after_each_swapped_producer():
     assert_well_linked(gm)
     offloads = nodes_of(gm, ops.OFFLOAD)
     # float values of swap blocks 0, 2, 3; not the mask, not keep block 1, not the placeholders
-    assert [o.args for o in offloads] == [(n["mm"], []), (n["relu"], []), (n["relu_2"], []),
-                                          (n["mm_3"], [])]
+    assert [o.args for o in offloads] == [
+        (n["mm"], []),
+        (n["relu"], []),
+        (n["relu_2"], []),
+        (n["mm_3"], []),
+    ]
     for o in offloads:
         src = o.args[0]
         assert src.next is o  # right after its producer
@@ -140,8 +158,11 @@ def test_host_scalars_beside_cuda_work_stay():
 
 def test_offload_has_nothing_to_do():
     # no swap block; no saved values (an inference-like forward); swap blocks saving none of theirs
-    cases = [make_plan(("keep",) * 4, saved_names=list(SAVED)), _plan(saved=[]),
-             make_plan(("keep", "swap", "keep", "keep"), saved_names=list(SAVED))]
+    cases = [
+        make_plan(("keep",) * 4, saved_names=list(SAVED)),
+        _plan(saved=[]),
+        make_plan(("keep", "swap", "keep", "keep"), saved_names=list(SAVED)),
+    ]
     for plan in cases:
         gm, n, saved = _forward()
         if plan.blocks[1].policy == "swap":  # block 1 saves mm_1 and relu_1: drop them
