@@ -30,13 +30,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from models import GPT, GPTConfig  # noqa: E402
 
-from protrain_fx.plan.cost_model import (
+from protrain_fx.plan.cost_model import predict
+from protrain_fx.plan.profiles import (
     ADAM_BYTES_PER_PARAM,
     SWAP_FRAGMENTATION,
     GraphProfile,
     Hardware,
     Knobs,
-    predict,
 )
 from protrain_fx.plan.search import search
 from protrain_fx.profiling.profiler import SavedBytes, StaticProfile, StepProfile, graph_profile

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 
 def inductor_decompositions() -> dict:
@@ -167,3 +168,22 @@ def eager_backward_compile():
     if not hasattr(config, "force_non_lazy_backward_lowering"):
         return contextlib.nullcontext()
     return config.patch(force_non_lazy_backward_lowering=True)
+
+
+def num_outputs(gm: fx.GraphModule) -> int:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return len(pytree.arg_tree_leaves(*out.args))
+
+
+def mark_user_visible_outputs(gm: fx.GraphModule, first: int, count: int) -> None:
+    """What compile_fx does before Inductor: outputs the user sees keep eager strides."""
+    from torch._inductor import config
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = pytree.arg_tree_leaves(*out.args)
+    if not config.keep_output_stride:
+        out.meta["user_visible_output_idxs"] = []
+        return
+    out.meta["user_visible_output_idxs"] = [
+        i for i in range(first, min(first + count, len(leaves))) if isinstance(leaves[i], fx.Node)
+    ]

@@ -26,8 +26,6 @@ kept; a ``memory_budget`` is then an error); ``PROTRAIN_PLAN_CACHE=0`` ignores t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import time
@@ -35,24 +33,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protrain_fx import config
-from protrain_fx._version import __version__
+from protrain_fx import config, plan_cache
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph.fx import copy_graph_module
-from protrain_fx.machine import allocator, measure, memory, pinned, profile
+from protrain_fx.machine import allocator, measure, memory, pinned
 from protrain_fx.options import Options, format_bytes
-from protrain_fx.plan.cost_model import Hardware, LayoutCosts
+from protrain_fx.plan.cost_model import LayoutCosts
 from protrain_fx.plan.layout import choose_chunk_size, pack
+from protrain_fx.plan.profiles import Hardware
 from protrain_fx.plan.search import search
+from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
 from protrain_fx.profiling.profiler import graph_profile, profile_step
 from protrain_fx.runtime import distributed
 from protrain_fx.runtime.chunk_store import store_of
 from protrain_fx.runtime.param_values import dissolve_store
 
 log = logging.getLogger("protrain_fx")
-# bump when the profile or the cost model changes meaning: old cache entries miss
-COST_MODEL_VERSION = 11
-KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+# a plan that ran out of memory (or its cache entry's record of one) makes the next search keep its
+# predictions under this share of the failed plan's predicted peak
+FAILED_PEAK_MARGIN = 0.9
 
 
 @dataclass
@@ -119,149 +118,6 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     )
 
 
-def _cache_key(
-    gm, example_inputs, opts: Options, hw_key: str, budget: int, allocator_key: str
-) -> str:
-    shapes = [
-        (tuple(t.shape), str(t.dtype), tuple(t.stride()))
-        if isinstance(t, torch.Tensor)
-        else repr(t)
-        for t in example_inputs
-    ]
-    given = {k: getattr(opts, k) for k in KNOBS}
-    autocast = {
-        d: str(torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
-    }
-    blob = json.dumps(
-        [
-            COST_MODEL_VERSION,
-            __version__,
-            torch.__version__,
-            allocator_key,
-            gm.code,
-            shapes,
-            given,
-            hw_key,
-            budget >> 26,
-            distributed.world().size,
-            str(opts.param_dtype),
-            autocast,
-            opts.optimizer is not None,
-        ],
-        default=str,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-def cache_path(key: str) -> str:
-    return os.path.join(profile.cache_root(), "plans", f"{key}.json")
-
-
-def _read(path: str) -> dict | None:
-    if not config.settings().plan_cache:
-        return None
-    try:
-        with open(path) as f:
-            entry = json.load(f)
-        return entry if entry.get("version") == COST_MODEL_VERSION else None
-    except (OSError, ValueError):
-        return None
-
-
-# a plan that ran out of memory (or its cache entry's record of one) makes the next search keep its
-# predictions under this share of the failed plan's predicted peak
-FAILED_PEAK_MARGIN = 0.9
-
-
-def _usable(entry: dict | None, budget: int) -> tuple[dict | None, list[int], str | None]:
-    """``(entry to serve or None, predicted peaks of plans that failed, why the entry is not
-    served)``. A plan that ran out of memory or gave a non-finite loss is never served again; nor
-    one whose predicted peak exceeds the budget asked for now."""
-    if entry is None:
-        return None, [], None
-    failed = [int(x) for x in entry.get("failed_peaks", [])]
-    outcome = (entry.get("outcome") or {}).get("status")
-    if outcome in ("oom", "nonfinite"):
-        what = "ran out of device memory" if outcome == "oom" else "gave a non-finite loss"
-        return (
-            None,
-            failed,
-            f"the cached plan for this graph {what} before: not served again; planned anew",
-        )
-    peak = (entry.get("predicted") or {}).get("peak_bytes")
-    if peak is None or peak > budget:
-        return (
-            None,
-            failed,
-            (
-                f"the cached plan needs {format_bytes(peak)}, more than the budget "
-                f"({format_bytes(budget)}): planned anew"
-            ),
-        )
-    return entry, failed, None
-
-
-def save_entry(path: str, entry: dict) -> None:
-    """Write a plan cache entry (plan.json: knobs, predicted and measured, outcome), atomically."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(entry, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only cache must not stop training
-        log.warning("protrain: could not write the plan cache entry %s: %s", path, e)
-
-
-def cache_entry(
-    graph: str,
-    knobs: dict,
-    predicted: dict,
-    measured: dict | None,
-    chunks: list | None = None,
-    failed_peaks: list | None = None,
-    outcome: dict | None = None,
-) -> dict:
-    """plan.json: the knobs, predicted and measured time and peak (and the chunk table once
-    compiled), the predicted peaks of earlier plans for this graph that ran out of memory, and this
-    plan's outcome (None while it trains fine; ``{"status": "oom" | "nonfinite", "detail": ...}``
-    once it did not)."""
-    return {
-        "version": COST_MODEL_VERSION,
-        "graph": graph,
-        "knobs": knobs,
-        "predicted": predicted,
-        "measured": measured,
-        "chunks": chunks,
-        "failed_peaks": list(failed_peaks or []),
-        "outcome": outcome,
-    }
-
-
-def save_plan(path: str, plan, outcome: dict | None = None) -> None:
-    """Rewrite a cache entry from a compiled plan (its measured side filled by the step meter). An
-    outcome once recorded stays; one that ran out of memory adds its predicted peak to
-    ``failed_peaks``."""
-    old = _read(path) or {}
-    failed = list(old.get("failed_peaks", []))
-    outcome = outcome or old.get("outcome")
-    peak = (plan.predicted or {}).get("peak_bytes")
-    if outcome and outcome.get("status") == "oom" and peak is not None and peak not in failed:
-        failed.append(peak)
-    save_entry(
-        path,
-        cache_entry(
-            plan.graph_name,
-            {k: getattr(plan, k) for k in KNOBS},
-            plan.predicted,
-            plan.measured,
-            [c.to_dict() for c in plan.chunks],
-            failed,
-            outcome,
-        ),
-    )
-
-
 def choose(
     gm,
     example_inputs,
@@ -311,10 +167,12 @@ def choose(
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
     budget, budget_why = device_budget(opts, device, params)
     hw_profile = measure.hardware_profile(device)
-    key = _cache_key(gm, example_inputs, opts, hw_profile.key, budget, alloc.key)
-    path = cache_path(key)
+    key = plan_cache.key(gm, example_inputs, opts, hw_profile.key, budget, alloc.key)
+    path = plan_cache.path_of(key)
     # rank 0's cache decides for every rank
-    cached, failed, refused = distributed.broadcast_object(_usable(_read(path), budget))
+    cached, failed, refused = distributed.broadcast_object(
+        plan_cache.usable(plan_cache.read(path), budget)
+    )
     if refused:
         notes.append(refused)
     failed = sorted(set(failed) | set(failed_peaks))
@@ -472,7 +330,9 @@ def choose(
         raise NoPlanFits(*outcome[1]) from None
     knobs, predicted = outcome[1]
     if distributed.world().rank == 0:
-        save_entry(path, cache_entry(plan.graph_name, knobs, predicted, None, failed_peaks=failed))
+        plan_cache.save_entry(
+            path, plan_cache.entry(plan.graph_name, knobs, predicted, None, failed_peaks=failed)
+        )
     log.info(
         "protrain: profiled in %.1f s (+%.1f s compile), searched %d plans in %.3f s: %s",
         step.seconds,

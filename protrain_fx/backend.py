@@ -31,15 +31,14 @@ from typing import Sequence
 import torch
 import torch._guards
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
-from protrain_fx import _compat, autoplan, config, pipeline, placement
+from protrain_fx import _compat, autoplan, config, pipeline, placement, plan_cache
 from protrain_fx.errors import OptionsError, ProtrainError
 from protrain_fx.graph.blocks import detect_blocks
 from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.fx import copy_graph_module, saved_names
 from protrain_fx.graph.inputs import capture_graph_inputs
-from protrain_fx.machine import allocator, memory
+from protrain_fx.machine import allocator
 from protrain_fx.options import Options, forget_optimizer, format_bytes
 from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
@@ -52,25 +51,6 @@ from protrain_fx.runtime.optimizer_lookup import find_optimizer
 from protrain_fx.runtime.param_values import placement_snapshot
 
 log = logging.getLogger("protrain_fx")
-
-
-def _num_outputs(gm: fx.GraphModule) -> int:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return len(pytree.arg_tree_leaves(*out.args))
-
-
-def _mark_user_visible_outputs(gm: fx.GraphModule, first: int, count: int) -> None:
-    """What compile_fx does before Inductor: outputs the user sees keep eager strides."""
-    from torch._inductor import config
-
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    leaves = pytree.arg_tree_leaves(*out.args)
-    if not config.keep_output_stride:
-        out.meta["user_visible_output_idxs"] = []
-        return
-    out.meta["user_visible_output_idxs"] = [
-        i for i in range(first, min(first + count, len(leaves))) if isinstance(leaves[i], fx.Node)
-    ]
 
 
 class GraphCompiler:
@@ -178,9 +158,9 @@ class GraphCompiler:
             from torch._inductor import config
 
             if config.bw_outputs_user_visible:
-                _mark_user_visible_outputs(gm, 0, _num_outputs(gm))
+                _compat.mark_user_visible_outputs(gm, 0, _compat.num_outputs(gm))
             else:
-                _mark_user_visible_outputs(gm, 0, 0)
+                _compat.mark_user_visible_outputs(gm, 0, 0)
             return _compat.compile_fx_inner(
                 gm,
                 example_inputs,
@@ -189,7 +169,7 @@ class GraphCompiler:
             )
         is_inference = stage == "inference"
         first = _compat.mutated_input_output_count(is_inference)
-        _mark_user_visible_outputs(gm, first, self.num_orig_outputs)
+        _compat.mark_user_visible_outputs(gm, first, self.num_orig_outputs)
         return _compat.compile_fx_inner(
             gm,
             example_inputs,
@@ -246,7 +226,9 @@ def _compile_plan(
         if p is not None
     ]
     root = _traced_root(graph_inputs)
-    compiler = GraphCompiler(plan, opts, dump, len(example_inputs), _num_outputs(gm), bound, root)
+    compiler = GraphCompiler(
+        plan, opts, dump, len(example_inputs), _compat.num_outputs(gm), bound, root
+    )
     return aot_autograd(
         fw_compiler=compiler.forward,
         bw_compiler=compiler.backward,
@@ -357,7 +339,7 @@ class ProtrainGraph:
             plan.notes += choice.notes
             path = choice.cache_path
             compiled = StepMeter(
-                plan, device, lambda p, outcome=None: autoplan.save_plan(path, p, outcome)
+                plan, device, lambda p, outcome=None: plan_cache.save_plan(path, p, outcome)
             ).wrap(compiled)
         self.compiled = compiled
         plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
@@ -398,7 +380,7 @@ class ProtrainGraph:
 
     def _mark_failed(self, detail: str) -> None:
         if self.choice is not None and self.choice.cache_path:
-            autoplan.save_plan(
+            plan_cache.save_plan(
                 self.choice.cache_path, self.plan, {"status": "oom", "detail": detail}
             )
 
@@ -501,44 +483,11 @@ def _compile(
         plan.notes.append(f"allocator: {allocator.describe(allocator.prepare(device))}")
     # the automatic plan checked the host's memory; knobs given by hand are checked here
     if choice is None:
-        _check_host_memory(plan, opts, params, device)
+        placement.check_host_memory(plan, opts, params, device)
     plan.n_buffer_searched = choice is not None and searched_n_buffer
     register_plan(plan, live, options)
     compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
     return compiled, plan, device, choice
-
-
-def _check_host_memory(plan: Plan, opts: Options, params: list, device) -> None:
-    """Before anything is allocated: the host memory that offloading the chunks of parameters
-    without a store yet needs (master, gradient, two moments, the transfer copy) fits what the host
-    has, less a reserve."""
-    from protrain_fx.errors import NoPlanFits
-    from protrain_fx.options import format_bytes
-    from protrain_fx.runtime.chunk_store import store_of
-
-    live = [p for p in params if p is not None]
-    if opts.n_persist is None or not live or any(store_of(p) is not None for p in live):
-        return
-    layout, elem = plan.layout, live[0].element_size()
-    offloaded = sum(
-        layout.used_bytes(c) for c in range(min(opts.n_persist, layout.n_chunks), layout.n_chunks)
-    )
-    transfer = opts.param_dtype.itemsize if opts.param_dtype is not None else elem
-    per_param_bytes = 4 * elem + (transfer if transfer != elem else 0)
-    need = offloaded // elem * per_param_bytes
-    _, _, available, total = memory.current_memory(device)
-    reserve = max(2 << 30, int(0.05 * total))
-    if need > available - reserve:
-        raise NoPlanFits(
-            f"protrain: n_persist={opts.n_persist} offloads {format_bytes(offloaded)} of "
-            "parameters, which need "
-            f"{format_bytes(need)} of host memory (master, gradient, two Adam moments, transfer "
-            "copy); the host has "
-            f"{format_bytes(available)} available and protrain keeps a {format_bytes(reserve)} "
-            "reserve: keep more "
-            "chunks resident (a larger n_persist) or free host memory",
-            min_host_bytes=need + reserve,
-        )
 
 
 def _after_resident_grads(compiled):

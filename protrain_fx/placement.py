@@ -14,11 +14,14 @@ import torch
 import torch.fx as fx
 
 from protrain_fx import _compat
+from protrain_fx.errors import NoPlanFits
 from protrain_fx.graph.fx import saved_activation_bytes
-from protrain_fx.options import Options
-from protrain_fx.plan.cost_model import ADAM_STATES, estimate_device_bytes
+from protrain_fx.machine import memory
+from protrain_fx.options import Options, format_bytes
+from protrain_fx.plan.cost_model import estimate_device_bytes
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.plan import ChunkPlan, Plan
+from protrain_fx.plan.profiles import ADAM_STATES
 from protrain_fx.runtime import distributed, hybrid_optim
 from protrain_fx.runtime.chunk_store import ChunkStore, get_store, store_of
 from protrain_fx.runtime.param_values import HOST_VALUES, hook_owners_of
@@ -178,3 +181,32 @@ def allocate_buffers(plan: Plan, gm: fx.GraphModule) -> None:
     with _compat.real_tensor_mode():  # compile callbacks run under aot_autograd's fake mode
         for store_id in sorted({sid for sid, _ in plan.input_entry.values()}):
             get_store(store_id).ensure_buffers(max(1, plan.n_buffer))
+
+
+def check_host_memory(plan: Plan, opts: Options, params: list, device) -> None:
+    """Before anything is allocated: the host memory that offloading the chunks of parameters
+    without a store yet needs (master, gradient, two moments, the transfer copy) fits what the host
+    has, less a reserve."""
+    live = [p for p in params if p is not None]
+    if opts.n_persist is None or not live or any(store_of(p) is not None for p in live):
+        return
+    layout, elem = plan.layout, live[0].element_size()
+    offloaded = sum(
+        layout.used_bytes(c) for c in range(min(opts.n_persist, layout.n_chunks), layout.n_chunks)
+    )
+    transfer = opts.param_dtype.itemsize if opts.param_dtype is not None else elem
+    per_param_bytes = 4 * elem + (transfer if transfer != elem else 0)
+    need = offloaded // elem * per_param_bytes
+    _, _, available, total = memory.current_memory(device)
+    reserve = max(2 << 30, int(0.05 * total))
+    if need > available - reserve:
+        raise NoPlanFits(
+            f"protrain: n_persist={opts.n_persist} offloads {format_bytes(offloaded)} of "
+            "parameters, which need "
+            f"{format_bytes(need)} of host memory (master, gradient, two Adam moments, transfer "
+            "copy); the host has "
+            f"{format_bytes(available)} available and protrain keeps a {format_bytes(reserve)} "
+            "reserve: keep more "
+            "chunks resident (a larger n_persist) or free host memory",
+            min_host_bytes=need + reserve,
+        )

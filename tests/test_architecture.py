@@ -27,7 +27,16 @@ LAYERS = [
     ("report", ("report",)),
     (
         "orchestration",
-        ("autoplan", "placement", "pipeline", "backend", "testing", "__init__", "integrations"),
+        (
+            "plan_cache",
+            "autoplan",
+            "placement",
+            "pipeline",
+            "backend",
+            "testing",
+            "__init__",
+            "integrations",
+        ),
     ),
 ]
 

@@ -7,7 +7,7 @@ import torch
 from models import build
 
 import protrain_fx
-from protrain_fx import autoplan
+from protrain_fx import autoplan, plan_cache
 from protrain_fx.errors import NoPlanFits
 from protrain_fx.testing import compare_with_eager, make_adamw, random_batches, train_steps
 
@@ -143,7 +143,7 @@ def test_on_the_cpu_a_generous_budget_keeps_every_chunk_resident():
 
 def test_plan_cache_skips_profiling(monkeypatch, tmp_path):
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
-    monkeypatch.setattr(autoplan, "cache_path", lambda key: str(tmp_path / f"{key}.json"))
+    monkeypatch.setattr(plan_cache, "path_of", lambda key: str(tmp_path / f"{key}.json"))
     options = dict(OPTS, memory_budget="1GiB")
     first = gpt()
     opt = make_adamw(first)

@@ -10,7 +10,7 @@ import torch
 from models import build
 
 import protrain_fx
-from protrain_fx import autoplan
+from protrain_fx import plan_cache as plan_cache_module
 from protrain_fx.backend import StepOutOfMemory
 from protrain_fx.errors import NoPlanFits
 from protrain_fx.machine import allocator
@@ -32,7 +32,7 @@ def state_bytes(model) -> int:
 @pytest.fixture
 def plan_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
-    monkeypatch.setattr(autoplan, "cache_path", lambda key: str(tmp_path / f"{key}.json"))
+    monkeypatch.setattr(plan_cache_module, "path_of", lambda key: str(tmp_path / f"{key}.json"))
     return tmp_path
 
 

@@ -9,14 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protrain_fx.errors import NoPlanFits
-from protrain_fx.plan.cost_model import (
-    BlockProfile,
-    ChunkProfile,
-    GraphProfile,
-    Hardware,
-    Knobs,
-    predict,
-)
+from protrain_fx.plan.cost_model import predict
+from protrain_fx.plan.profiles import BlockProfile, ChunkProfile, GraphProfile, Hardware, Knobs
 from protrain_fx.plan.search import brute_force, search
 
 HW = Hardware(

@@ -22,13 +22,8 @@ from dataclasses import dataclass
 
 from protrain_fx.errors import NoPlanFits
 from protrain_fx.options import format_bytes
-from protrain_fx.plan.cost_model import (
-    GraphProfile,
-    Hardware,
-    LayoutCosts,
-    Prediction,
-    _ProfileArrays,
-)
+from protrain_fx.plan.cost_model import LayoutCosts, _ProfileArrays
+from protrain_fx.plan.profiles import GraphProfile, Hardware, Prediction
 
 
 @dataclass(frozen=True)
@@ -202,7 +197,8 @@ def brute_force(
     n_buffers=(1, 2, 3),
 ) -> Prediction | None:
     """Every plan priced from scratch with cost_model.predict (for tests)."""
-    from protrain_fx.plan.cost_model import Knobs, predict
+    from protrain_fx.plan.cost_model import predict
+    from protrain_fx.plan.profiles import Knobs
 
     best, best_key = None, None
     for prof in profiles:

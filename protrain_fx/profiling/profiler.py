@@ -23,7 +23,7 @@ forward time is taken out by the FLOP share above), outside blocks the rest, and
 allocation, from which the largest transient working set (logits, loss, a recomputed block) follows.
 
 :func:`graph_profile` turns both into the cost model's
-:class:`~protrain_fx.plan.cost_model.GraphProfile` for any chunk size: block times are spread over
+:class:`~protrain_fx.plan.profiles.GraphProfile` for any chunk size: block times are spread over
 the chunks holding the block's parameters by bytes.
 """
 
@@ -41,8 +41,8 @@ from protrain_fx import _compat, config
 from protrain_fx.graph.annotation import annotation_of
 from protrain_fx.graph.fx import copy_graph_module, saved_values, tensor_bytes
 from protrain_fx.passes.recompute import tag_blocks_for_recompute, untag_blocks
-from protrain_fx.plan.cost_model import FRAGMENTATION, BlockProfile, ChunkProfile, GraphProfile
 from protrain_fx.plan.layout import pack
+from protrain_fx.plan.profiles import FRAGMENTATION, BlockProfile, ChunkProfile, GraphProfile
 from protrain_fx.runtime import block_timer, ops
 
 

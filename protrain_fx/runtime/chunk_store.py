@@ -37,13 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from protrain_fx import config
 from protrain_fx._weakmap import IdentityWeakMap
 from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
 from protrain_fx.options import format_bytes
 from protrain_fx.plan.layout import ALIGN_BYTES, ChunkLayout
-from protrain_fx.runtime import block_timer, distributed, mapped
+from protrain_fx.runtime import distributed, mapped
 from protrain_fx.runtime.chunk_buffers import (
     chunk_buffers,
     grad_buffers,
@@ -51,11 +50,9 @@ from protrain_fx.runtime.chunk_buffers import (
     streams_of,
 )
 from protrain_fx.runtime.chunk_grads import ChunkGrads, GradStaging
+from protrain_fx.runtime.chunk_transfers import ChunkTransfers
 from protrain_fx.runtime.worker import WORKER
 
-# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no
-# overlap)
-DEBUG_SYNC = config.settings().sync_chunks
 _STORES: dict[int, "ChunkStore"] = {}
 _STORE_IDS = itertools.count()
 # parameter -> its store (weak: a dead model takes its store with it)
@@ -112,7 +109,7 @@ class ParamEntry:
     shape: torch.Size
 
 
-class ChunkStore(ChunkGrads):
+class ChunkStore(ChunkGrads, ChunkTransfers):
     """Parameter values of one set of parameters, chunked; see the module docstring."""
 
     def __init__(
@@ -390,87 +387,6 @@ class ChunkStore(ChunkGrads):
     def param_version(self, index: int) -> int:
         p = self._params[index]()
         return -1 if p is None else p._version
-
-    # ------------------------------------------------------------------------------ buffers
-    def ensure_buffers(self, n_buffer: int) -> None:
-        """Have at least ``n_buffer`` device chunk buffers (called when a graph that gathers is
-        compiled)."""
-        if self.buffers is not None:
-            self.buffers.ensure(n_buffer)
-
-    @property
-    def n_buffer(self) -> int:
-        return len(self.buffers.slots) if self.buffers is not None else 0
-
-    def invalidate(self, chunk: int | None = None) -> None:
-        """Forget device copies of ``chunk`` (all chunks when None): their host values changed."""
-        if self.buffers is None:
-            return
-        if chunk is None:
-            self.buffers.forget_store(self.id)
-        else:
-            self.buffers.invalidate((self.id, chunk))
-
-    def _fill(self, chunk: int):
-        def fill(dst: torch.Tensor) -> int:
-            """Copy the host values into the device buffer: the whole chunk, or with several ranks
-            this rank's shard into its place and an all-gather of the others (on the current
-            stream)."""
-            src = self.transfer[chunk]
-            n = self._chunk_numel[chunk]
-            if self.profiling:
-                block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_START, self.device)
-            if not self.world.sharded:
-                dst[:n].copy_(src, non_blocking=True)
-            else:
-                lo, hi = self.host_range(chunk)
-                dst[lo:hi].copy_(src, non_blocking=True)
-                distributed.all_gather_into(dst[:n], dst[lo:hi])
-            if self.profiling:
-                block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_END, self.device)
-            return src.numel() * src.element_size()
-
-        return fill
-
-    def _ready_for_copy(self, chunk: int) -> None:
-        WORKER.wait_chunk((self.id, chunk))  # a CPU step of the chunk may still be running
-        # a graph reads the chunk before opt.step(): a provisional step goes
-        if self.optimizer is not None:
-            self.optimizer.before_chunk_read(self, chunk)
-        self.sync_writes(chunk)
-
-    def prefetch(self, chunk: int) -> None:
-        """Start copying ``chunk`` into a device buffer (no copy when a buffer still holds it)."""
-        if not self.is_offloaded(chunk):
-            return
-        if DEBUG_SYNC and self.is_cuda:
-            torch.cuda.synchronize()
-        self._ready_for_copy(chunk)
-        # while profiling, copies go on the compute stream, between the profiler's copy marks
-        self.buffers.prefetch((self.id, chunk), self._fill(chunk), on_compute=self.profiling)
-
-    def gather(self, chunk: int) -> torch.Tensor:
-        """The chunk's parameters on the compute device: a fresh flat tensor in the transfer dtype
-        that the caller owns (see protrain_fx/runtime/chunk_buffers.py)."""
-        key = (self.id, chunk)
-        if not self.buffers.is_reserved(key):
-            self._ready_for_copy(chunk)
-        out = self.buffers.gather(
-            key, self._chunk_numel[chunk], self._fill(chunk), on_compute=self.profiling
-        )
-        if DEBUG_SYNC and self.is_cuda:
-            torch.cuda.synchronize()
-        return out
-
-    def reset_after_error(self) -> None:
-        """An exception escaped a compiled graph: no chunk buffer stays reserved, no copy stays
-        queued."""
-        if self.buffers is not None:
-            self.buffers.reset()
-        try:
-            WORKER.wait()
-        except Exception:  # the graph's own error is the one that matters
-            pass
 
     def unregister(self) -> None:
         """Forget this store (its parameters then belong to none;

@@ -1,0 +1,137 @@
+"""What the cost model is given and what it returns: per-block and per-chunk profiles of a graph
+(:class:`GraphProfile`), the machine's rates (:class:`Hardware`), the knobs of a plan
+(:class:`Knobs`) and the prediction (:class:`Prediction`); and the calibration constants the model
+applies, each with the measurement it comes from. protrain_fx/plan/cost_model.py prices a plan from
+these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+FRAGMENTATION = 1.10  # ProTrain's allocator factor; calibrated per machine when measurements exist
+# reserved over allocated when blocks swap: the host-reload buffers come and go in sizes that
+# fragment the allocator (H200, expandable segments: 1.06 and 1.08 with swapping, 1.003-1.03
+# without; benchmarks/results/autoplan_h200.md), on top of the profile's factor
+SWAP_FRAGMENTATION = 1.07
+# CPU Adam inside a training step vs alone: the step of CPU-bound plans, less forward and the first
+# gradient, over the offloaded parameters at the alone rate (the hardware profile's fastest
+# repetition). On the H200 hosts 1.12-1.33 over eight such plans, median 1.25
+# (benchmarks/results/autoplan_h200.md, runs 4-7; the chunk issue's per-phase timers measured
+# 1.10-1.15 for the step's part inside backward alone)
+CPU_CONTENTION = 1.25
+# compute kernels slow down while an NCCL collective runs beside them (its kernels take SMs and
+# memory bandwidth): the 1.4B GPT's backward on 2 H200s (NVLink) ran 4.8 ms longer over the 19.6 ms
+# its resident all-reduces overlapped it (benchmarks/results/dp_h200.md, run 4's trace): 0.24 ms per
+# ms of overlap
+COLLECTIVE_CONTENTION = 0.24
+# fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes
+# three), so the device's Adam rate times this is the memory bandwidth its streaming kernels get
+# (H200: ~3.4 TB/s), the rate of the dtype casts below
+ADAM_BYTES_PER_PARAM = 28
+ADAM_STATES = 2
+GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (runtime/chunk_buffers.py)
+STAGING = 4  # pinned staging buffers of the CPU optimizer (runtime/chunk_grads.py)
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    fwd_s: float  # forward compute
+    bwd_s: float  # backward compute (without recomputation)
+    keep_bytes: int  # device bytes forward keeps for backward when the block keeps its activations
+    input_bytes: int  # ... when it recomputes (what the partitioner stashes: its input)
+    swap_resident_bytes: int = 0  # ... when it swaps (what cannot be swapped: masks, host scalars)
+    recompute_s: float | None = None  # what recomputing it in backward costs (default: fwd_s)
+
+    @property
+    def recompute_cost_s(self) -> float:
+        return self.fwd_s if self.recompute_s is None else self.recompute_s
+
+
+@dataclass(frozen=True)
+class ChunkProfile:
+    numel: int  # parameters (padding included: the whole chunk moves)
+    fwd_s: float  # forward compute from this chunk's gather to the next chunk's
+    bwd_s: float  # backward compute of the same stretch
+    # blocks whose compute falls in that stretch (their recompute lands here)
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    """What the cost model needs of one graph for one chunk size."""
+
+    chunk_size: int
+    chunks: tuple[ChunkProfile, ...]
+    blocks: tuple[BlockProfile, ...]
+    nonblock_fwd_s: float = 0.0
+    nonblock_bwd_s: float = 0.0
+    nonblock_saved_bytes: int = 0
+    # largest working set of backward outside saved activations (logits, loss)
+    transient_bytes: int = 0
+    master_elem: int = 4
+    transfer_elem: int = 2
+    # forward saves a compute-dtype copy of resident parameters that autocast casts (offloaded
+    # chunks arrive in that dtype and are re-gathered in backward instead): bytes per resident
+    # parameter element
+    resident_cast_elem: int = 0
+    # reserved / allocated; calibrate from measurements where known
+    fragmentation: float = FRAGMENTATION
+
+
+@dataclass(frozen=True)
+class Hardware:
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    duplex_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    gpu_adam_params_per_s: float
+    # data parallelism (protrain_fx/runtime/distributed.py): ranks, and the collectives' bus rate
+    # (an all-gather or reduce-scatter of B bytes moves B (N-1)/N per rank; an all-reduce twice
+    # that), measured at planning
+    world_size: int = 1
+    collective_bytes_per_s: float = math.inf
+    # CPU Adam inside a training step against ``cpu_adam_params_per_s`` (the hardware profile's rate
+    # alone)
+    cpu_contention: float = CPU_CONTENTION
+    # compute seconds lost per second of a collective overlapping it
+    collective_contention: float = COLLECTIVE_CONTENTION
+    # the compute device is the host's CPU: the offloaded chunks' CPU optimizer shares the cores
+    # that compute, so it adds to the step instead of running beside backward (offloading then only
+    # pays under a budget)
+    shared_compute: bool = False
+
+    def collective_s(self, nbytes: float, passes: int = 1) -> float:
+        """Seconds of ``passes`` all-gathers / reduce-scatters of ``nbytes`` (0 with one rank)."""
+        n = self.world_size
+        return 0.0 if n == 1 else passes * nbytes * (n - 1) / n / self.collective_bytes_per_s
+
+    @classmethod
+    def of(cls, profile) -> "Hardware":
+        """From a :class:`protrain_fx.machine.profile.HardwareProfile`."""
+        return cls(
+            profile.h2d_bytes_per_s,
+            profile.d2h_bytes_per_s,
+            profile.duplex_bytes_per_s,
+            profile.cpu_adam_params_per_s,
+            profile.gpu_adam_params_per_s,
+        )
+
+
+@dataclass(frozen=True)
+class Knobs:
+    chunk_size: int
+    n_persist: int
+    n_buffer: int
+    n_swap: int
+    n_checkpoint: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    knobs: Knobs
+    time_s: float
+    peak_bytes: int
+    host_bytes: int  # pinned host memory the plan allocates
+    breakdown: dict = field(default_factory=dict, compare=False)

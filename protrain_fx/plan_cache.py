@@ -1,0 +1,167 @@
+"""The plan cache: an automatic plan is chosen once per graph, machine and setting, and reused.
+
+An entry is keyed by the graph's code, its input shapes, strides and dtypes, the options, the
+hardware profile's key, the device budget, the allocator's settings, the world size, and the
+versions of torch, protrain and the cost model (:func:`key`). It records the knobs, the prediction
+and the outcome of the runs that used it: a plan that ran out of memory or gave a non-finite loss is
+never served again, and a plan whose predicted peak is over the budget asked for now is refused
+(:func:`usable`). Entries are JSON files under the cache directory, written atomically.
+``PROTRAIN_PLAN_CACHE=0`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import torch
+
+from protrain_fx import config
+from protrain_fx._version import __version__
+from protrain_fx.machine import profile
+from protrain_fx.options import Options, format_bytes
+from protrain_fx.runtime import distributed
+
+log = logging.getLogger("protrain_fx")
+
+# bump when the profile or the cost model changes meaning: old cache entries miss
+COST_MODEL_VERSION = 11
+KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+
+
+def key(gm, example_inputs, opts: Options, hw_key: str, budget: int, allocator_key: str) -> str:
+    shapes = [
+        (tuple(t.shape), str(t.dtype), tuple(t.stride()))
+        if isinstance(t, torch.Tensor)
+        else repr(t)
+        for t in example_inputs
+    ]
+    given = {k: getattr(opts, k) for k in KNOBS}
+    autocast = {
+        d: str(torch.get_autocast_dtype(d)) for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)
+    }
+    blob = json.dumps(
+        [
+            COST_MODEL_VERSION,
+            __version__,
+            torch.__version__,
+            allocator_key,
+            gm.code,
+            shapes,
+            given,
+            hw_key,
+            budget >> 26,
+            distributed.world().size,
+            str(opts.param_dtype),
+            autocast,
+            opts.optimizer is not None,
+        ],
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def path_of(key: str) -> str:
+    return os.path.join(profile.cache_root(), "plans", f"{key}.json")
+
+
+def read(path: str) -> dict | None:
+    if not config.settings().plan_cache:
+        return None
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+        return entry if entry.get("version") == COST_MODEL_VERSION else None
+    except (OSError, ValueError):
+        return None
+
+
+def usable(entry: dict | None, budget: int) -> tuple[dict | None, list[int], str | None]:
+    """``(entry to serve or None, predicted peaks of plans that failed, why the entry is not
+    served)``. A plan that ran out of memory or gave a non-finite loss is never served again; nor
+    one whose predicted peak exceeds the budget asked for now."""
+    if entry is None:
+        return None, [], None
+    failed = [int(x) for x in entry.get("failed_peaks", [])]
+    outcome = (entry.get("outcome") or {}).get("status")
+    if outcome in ("oom", "nonfinite"):
+        what = "ran out of device memory" if outcome == "oom" else "gave a non-finite loss"
+        return (
+            None,
+            failed,
+            f"the cached plan for this graph {what} before: not served again; planned anew",
+        )
+    peak = (entry.get("predicted") or {}).get("peak_bytes")
+    if peak is None or peak > budget:
+        return (
+            None,
+            failed,
+            (
+                f"the cached plan needs {format_bytes(peak)}, more than the budget "
+                f"({format_bytes(budget)}): planned anew"
+            ),
+        )
+    return entry, failed, None
+
+
+def save_entry(path: str, entry: dict) -> None:
+    """Write a plan cache entry (plan.json: knobs, predicted and measured, outcome), atomically."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(entry, f, indent=1, default=str)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache must not stop training
+        log.warning("protrain: could not write the plan cache entry %s: %s", path, e)
+
+
+def entry(
+    graph: str,
+    knobs: dict,
+    predicted: dict,
+    measured: dict | None,
+    chunks: list | None = None,
+    failed_peaks: list | None = None,
+    outcome: dict | None = None,
+) -> dict:
+    """plan.json: the knobs, predicted and measured time and peak (and the chunk table once
+    compiled), the predicted peaks of earlier plans for this graph that ran out of memory, and this
+    plan's outcome (None while it trains fine; ``{"status": "oom" | "nonfinite", "detail": ...}``
+    once it did not)."""
+    return {
+        "version": COST_MODEL_VERSION,
+        "graph": graph,
+        "knobs": knobs,
+        "predicted": predicted,
+        "measured": measured,
+        "chunks": chunks,
+        "failed_peaks": list(failed_peaks or []),
+        "outcome": outcome,
+    }
+
+
+def save_plan(path: str, plan, outcome: dict | None = None) -> None:
+    """Rewrite a cache entry from a compiled plan (its measured side filled by the step meter). An
+    outcome once recorded stays; one that ran out of memory adds its predicted peak to
+    ``failed_peaks``."""
+    old = read(path) or {}
+    failed = list(old.get("failed_peaks", []))
+    outcome = outcome or old.get("outcome")
+    peak = (plan.predicted or {}).get("peak_bytes")
+    if outcome and outcome.get("status") == "oom" and peak is not None and peak not in failed:
+        failed.append(peak)
+    save_entry(
+        path,
+        entry(
+            plan.graph_name,
+            {k: getattr(plan, k) for k in KNOBS},
+            plan.predicted,
+            plan.measured,
+            [c.to_dict() for c in plan.chunks],
+            failed,
+            outcome,
+        ),
+    )

@@ -1,0 +1,105 @@
+"""The host-to-device path of a chunk store: a chunk's values copied into a device chunk buffer
+ahead of use (``prefetch``) and out of it into a tensor the compiled graph owns (``gather``).
+
+A chunk may be copied only once the host worker is done with it (a CPU optimizer step may still be
+writing its transfer copy), once a provisional in-backward step has been committed or taken back,
+and once writes that eager code made to its parameters are taken in. :class:`ChunkTransfers` holds
+these as methods of :class:`~protrain_fx.runtime.chunk_store.ChunkStore`, which inherits them; the
+slots themselves, their streams and their life cycle are protrain_fx/runtime/chunk_buffers.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protrain_fx import config
+from protrain_fx.runtime import block_timer, distributed
+from protrain_fx.runtime.worker import WORKER
+
+# debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no
+# overlap)
+DEBUG_SYNC = config.settings().sync_chunks
+
+
+class ChunkTransfers:
+    """Copies of a store's offloaded chunks to the compute device (mixed into ChunkStore)."""
+
+    def ensure_buffers(self, n_buffer: int) -> None:
+        """Have at least ``n_buffer`` device chunk buffers (called when a graph that gathers is
+        compiled)."""
+        if self.buffers is not None:
+            self.buffers.ensure(n_buffer)
+
+    @property
+    def n_buffer(self) -> int:
+        return len(self.buffers.slots) if self.buffers is not None else 0
+
+    def invalidate(self, chunk: int | None = None) -> None:
+        """Forget device copies of ``chunk`` (all chunks when None): their host values changed."""
+        if self.buffers is None:
+            return
+        if chunk is None:
+            self.buffers.forget_store(self.id)
+        else:
+            self.buffers.invalidate((self.id, chunk))
+
+    def _fill(self, chunk: int):
+        def fill(dst: torch.Tensor) -> int:
+            """Copy the host values into the device buffer: the whole chunk, or with several ranks
+            this rank's shard into its place and an all-gather of the others (on the current
+            stream)."""
+            src = self.transfer[chunk]
+            n = self._chunk_numel[chunk]
+            if self.profiling:
+                block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_START, self.device)
+            if not self.world.sharded:
+                dst[:n].copy_(src, non_blocking=True)
+            else:
+                lo, hi = self.host_range(chunk)
+                dst[lo:hi].copy_(src, non_blocking=True)
+                distributed.all_gather_into(dst[:n], dst[lo:hi])
+            if self.profiling:
+                block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_END, self.device)
+            return src.numel() * src.element_size()
+
+        return fill
+
+    def _ready_for_copy(self, chunk: int) -> None:
+        WORKER.wait_chunk((self.id, chunk))  # a CPU step of the chunk may still be running
+        # a graph reads the chunk before opt.step(): a provisional step goes
+        if self.optimizer is not None:
+            self.optimizer.before_chunk_read(self, chunk)
+        self.sync_writes(chunk)
+
+    def prefetch(self, chunk: int) -> None:
+        """Start copying ``chunk`` into a device buffer (no copy when a buffer still holds it)."""
+        if not self.is_offloaded(chunk):
+            return
+        if DEBUG_SYNC and self.is_cuda:
+            torch.cuda.synchronize()
+        self._ready_for_copy(chunk)
+        # while profiling, copies go on the compute stream, between the profiler's copy marks
+        self.buffers.prefetch((self.id, chunk), self._fill(chunk), on_compute=self.profiling)
+
+    def gather(self, chunk: int) -> torch.Tensor:
+        """The chunk's parameters on the compute device: a fresh flat tensor in the transfer dtype
+        that the caller owns (see protrain_fx/runtime/chunk_buffers.py)."""
+        key = (self.id, chunk)
+        if not self.buffers.is_reserved(key):
+            self._ready_for_copy(chunk)
+        out = self.buffers.gather(
+            key, self._chunk_numel[chunk], self._fill(chunk), on_compute=self.profiling
+        )
+        if DEBUG_SYNC and self.is_cuda:
+            torch.cuda.synchronize()
+        return out
+
+    def reset_after_error(self) -> None:
+        """An exception escaped a compiled graph: no chunk buffer stays reserved, no copy stays
+        queued."""
+        if self.buffers is not None:
+            self.buffers.reset()
+        try:
+            WORKER.wait()
+        except Exception:  # the graph's own error is the one that matters
+            pass
