@@ -27,76 +27,33 @@ import subprocess
 import sys
 import time
 
+# Llama-3.2-3B's shape (tied 128k vocabulary), batch 4 x 1024, 20 steps at 24 GiB
+LLAMA_3B = dict(
+    hidden=3072,
+    layers=28,
+    heads=24,
+    kv=8,
+    ffn=8192,
+    vocab=128256,
+    batch=4,
+    seq=1024,
+    steps=20,
+    cap_gib=24,
+)
+# 25 of 28 blocks swapped, 3 recomputed, 6 of 8 chunks offloaded: the automatic plan of an earlier
+# version for the 3B shape, which trained with NaN losses from step 1 (issue 19 item 7)
+SWAP25 = {"n_swap": 25, "n_checkpoint": 3}
+SWAP25_GIVEN = dict(SWAP25, chunk_size=1612947456, n_persist=2, n_buffer=1)
+
 SCENARIOS = {
-    "llama3.2-3b": dict(
-        hidden=3072,
-        layers=28,
-        heads=24,
-        kv=8,
-        ffn=8192,
-        vocab=128256,
-        batch=4,
-        seq=1024,
-        steps=20,
-        cap_gib=24,
-        options={},
-    ),
-    # the automatic plan of an earlier version for this case, which trained with NaN losses from
-    # step 1
-    "llama3.2-3b-swap25": dict(
-        hidden=3072,
-        layers=28,
-        heads=24,
-        kv=8,
-        ffn=8192,
-        vocab=128256,
-        batch=4,
-        seq=1024,
-        steps=20,
-        cap_gib=24,
-        options={"n_swap": 25, "n_checkpoint": 3},
-    ),
+    "llama3.2-3b": dict(LLAMA_3B, options={}),
+    "llama3.2-3b-swap25": dict(LLAMA_3B, options=SWAP25),
     # the same plan given in full (PROTRAIN_AUTOPLAN=0 skips the profiling compile)
-    "llama3.2-3b-swap25-given": dict(
-        hidden=3072,
-        layers=28,
-        heads=24,
-        kv=8,
-        ffn=8192,
-        vocab=128256,
-        batch=4,
-        seq=1024,
-        steps=20,
-        cap_gib=24,
-        options={
-            "chunk_size": 1612947456,
-            "n_persist": 2,
-            "n_buffer": 1,
-            "n_swap": 25,
-            "n_checkpoint": 3,
-        },
-    ),
+    "llama3.2-3b-swap25-given": dict(LLAMA_3B, options=SWAP25_GIVEN),
     # the same plan at 40 GiB, where the CPU runs furthest ahead of the device (before the fix: NaN
     # from step 2)
     "llama3.2-3b-swap25-given-40gib": dict(
-        hidden=3072,
-        layers=28,
-        heads=24,
-        kv=8,
-        ffn=8192,
-        vocab=128256,
-        batch=4,
-        seq=1024,
-        steps=20,
-        cap_gib=40,
-        reference="llama3.2-3b-swap25-given",
-        options={
-            "chunk_size": 1612947456,
-            "n_persist": 2,
-            "n_buffer": 1,
-            "n_swap": 25,
-            "n_checkpoint": 3,
-        },
+        LLAMA_3B, cap_gib=40, reference="llama3.2-3b-swap25-given", options=SWAP25_GIVEN
     ),
     "llama3.2-1b": dict(
         hidden=2048,
