@@ -73,6 +73,12 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def cpu_adam_choice() -> str:
+    """``PROTRAIN_CPU_ADAM`` alone ("" or "torch"): read on the per-chunk optimizer path, where
+    parsing every variable each time would be wasted work."""
+    return _choice("PROTRAIN_CPU_ADAM", ("", "torch"))
+
+
 def _float(name: str) -> float | None:
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
@@ -134,7 +140,7 @@ def settings() -> Settings:
         refresh_hardware=_flag("PROTRAIN_REFRESH_HARDWARE", False),
         host_memory=_text("PROTRAIN_HOST_MEMORY"),
         dump_dir=_text("PROTRAIN_DUMP_DIR"),
-        cpu_adam=_choice("PROTRAIN_CPU_ADAM", ("", "torch")),
+        cpu_adam=cpu_adam_choice(),
         profile_blocks=_flag("PROTRAIN_PROFILE_BLOCKS", False),
         profile_spin_s=_float("PROTRAIN_PROFILE_SPIN_S"),
         debug_sync=_choice("PROTRAIN_DEBUG_SYNC", ("", "0", "1", "offload", "reload")).replace(

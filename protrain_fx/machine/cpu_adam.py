@@ -143,7 +143,7 @@ def _build() -> ctypes.CDLL:
 def available() -> bool:
     """Whether the one-pass kernel can be used (built on first call)."""
     global _lib, _tried, _build_error
-    if config.settings().cpu_adam == "torch":
+    if config.cpu_adam_choice() == "torch":
         return False
     if _tried:  # decided (built or not): no lock on the per-chunk path
         return _lib is not None
