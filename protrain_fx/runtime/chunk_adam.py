@@ -68,6 +68,7 @@ class ChunkAdam:
         where it applies. Otherwise one call per param group over the parameters. Returns whether it
         was the whole-chunk call."""
         store = st.store
+        store.wait_copies(st.chunk)  # a prefetch may still be reading the values stepped here
         master, grad = store.master[st.chunk], store.grad[st.chunk]
         by_group: dict[int, list[int]] = {}
         for i in entries:
@@ -167,6 +168,7 @@ class ChunkAdam:
         WORKER.wait_chunk((st.store.id, st.chunk))
         rec, st.provisional = st.provisional, None
         store = st.store
+        store.wait_copies(st.chunk)
         master, grad = store.master[st.chunk], store.grad[st.chunk]
         spans = (
             [(0, master.numel(), rec.entries)]

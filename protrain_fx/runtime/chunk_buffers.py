@@ -14,9 +14,17 @@ only stage host-to-device copies:
 
 ``prefetch`` issues the host-to-device copy on the copy stream into a slot that is EMPTY or the
 least recently used CACHED one; ``gather`` waits for it, copies the slot out and records when the
-compute stream is done reading the slot (the next copy into it waits for that). ``invalidate``
-forgets a chunk whose host values changed; ``reset`` (after an exception inside a compiled graph)
-drops every reservation. On a CPU compute device the copies are real and synchronous.
+compute stream is done reading the slot (the next copy into it waits for that). ``reset`` (after an
+exception inside a compiled graph) drops every reservation. On a CPU compute device the copies are
+real and synchronous.
+
+The host values of a chunk change behind a slot's back: the host worker's CPU optimizer step may
+run while the slot is RESERVED (a backward prefetched the chunk, Inductor put the chunk's gradient
+ahead of its gather, the step started at once). ``invalidate`` therefore bumps the chunk's
+*generation*; a slot remembers the generation it was filled from, its gather still serves those
+values (what the running backward must see, as eager would) but leaves the slot EMPTY instead of
+CACHED, and a prefetch never hits a slot of an older generation. Writers of a chunk's host values
+first wait for copies of it still in flight (:meth:`ChunkBuffers.wait_copies`).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ class Slot:
     ready: object = None  # copy-stream event: the host-to-device copy is done
     free: object = None  # compute-stream event: gather's read of the slot is done
     last_used: int = 0
+    generation: int = 0  # the chunk's generation its data was copied from
 
     def move(self, state: SlotState, key=None) -> None:
         if (self.state, state) not in _ALLOWED:
@@ -97,6 +106,7 @@ class ChunkBuffers:
         self.streams = streams_of(device)
         self._clock = 0
         self._lock = threading.Lock()
+        self._generation: dict[tuple, int] = {}  # (store id, chunk) -> times its values changed
         self.stats = {"h2d_copies": 0, "h2d_bytes": 0, "slot_hits": 0, "unprefetched_gathers": 0}
 
     @property
@@ -128,10 +138,13 @@ class ChunkBuffers:
             s = self._find(key)
             if s is not None and s.state is SlotState.RESERVED:
                 return  # already prefetched (a gather without a schedule, or prefetched twice)
-            if s is not None and not POISON:
+            current = self._generation.get(key, 0)
+            if s is not None and not POISON and s.generation == current:
                 s.move(SlotState.RESERVED, key)
                 self.stats["slot_hits"] += 1
                 return
+            if s is not None:  # an older generation's values: never served again
+                s.move(SlotState.EMPTY)
             free = [x for x in self.slots if x.state is not SlotState.RESERVED]
             if not free:
                 raise ProtrainError(
@@ -144,6 +157,7 @@ class ChunkBuffers:
             if s.state is SlotState.CACHED:
                 s.move(SlotState.EMPTY)
             s.move(SlotState.RESERVED, key)
+            s.generation = current
             self._clock += 1
             s.last_used = self._clock
             if self.is_cuda and not on_compute:
@@ -182,14 +196,18 @@ class ChunkBuffers:
                 s.free = torch.cuda.Event()
                 s.free.record(compute)
             s.move(SlotState.CACHED, key)
+            if s.generation != self._generation.get(key, 0):
+                s.move(SlotState.EMPTY)  # the host values changed since the copy
             if POISON:
                 s.buffer.fill_(float("nan"))
                 s.move(SlotState.EMPTY)
         return out
 
     def invalidate(self, key) -> None:
-        """Forget the cached copy of chunk ``key`` (its host values changed)."""
+        """The host values of chunk ``key`` changed: no slot serves the older ones to a later
+        prefetch (a reserved slot still serves its gather; see the module docstring)."""
         with self._lock:
+            self._generation[key] = self._generation.get(key, 0) + 1
             s = self._find(key)
             if s is not None and s.state is SlotState.CACHED:
                 s.move(SlotState.EMPTY)
@@ -197,8 +215,22 @@ class ChunkBuffers:
     def forget_store(self, store_id: int) -> None:
         with self._lock:
             for s in self.slots:
-                if s.key is not None and s.key[0] == store_id and s.state is SlotState.CACHED:
-                    s.move(SlotState.EMPTY)
+                if s.key is not None and s.key[0] == store_id and s.state is not SlotState.EMPTY:
+                    self._generation[s.key] = self._generation.get(s.key, 0) + 1
+                    if s.state is SlotState.CACHED:
+                        s.move(SlotState.EMPTY)
+
+    def wait_copies(self, key) -> None:
+        """Block until no host-to-device copy of chunk ``key`` is in flight (before its host values
+        are overwritten: the copy reads them asynchronously)."""
+        with self._lock:
+            events = [
+                s.ready
+                for s in self.slots
+                if s.key == key and s.state is SlotState.RESERVED and s.ready is not None
+            ]
+        for e in events:
+            e.synchronize()
 
     def reset(self) -> None:
         """After an exception inside a compiled graph: no slot stays reserved (copies in flight

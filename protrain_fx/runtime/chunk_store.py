@@ -358,6 +358,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         """After the master changed: rewrite the transfer-dtype copy and forget device copies of
         the chunk."""
         if self.transfer[chunk] is not self.master[chunk]:
+            self.wait_copies(chunk)
             self.transfer[chunk].copy_(self.master[chunk])
         self.invalidate(chunk)
 

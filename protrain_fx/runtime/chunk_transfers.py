@@ -30,6 +30,12 @@ class ChunkTransfers:
         if self.buffers is not None:
             self.buffers.ensure(n_buffer)
 
+    def wait_copies(self, chunk: int) -> None:
+        """Before the chunk's host values are overwritten (a CPU optimizer step, its inverse): wait
+        for host-to-device copies of it still in flight."""
+        if self.buffers is not None and self.is_cuda:
+            self.buffers.wait_copies((self.id, chunk))
+
     @property
     def n_buffer(self) -> int:
         return len(self.buffers.slots) if self.buffers is not None else 0
