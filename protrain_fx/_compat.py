@@ -187,3 +187,17 @@ def mark_user_visible_outputs(gm: fx.GraphModule, first: int, count: int) -> Non
     out.meta["user_visible_output_idxs"] = [
         i for i in range(first, min(first + count, len(leaves))) if isinstance(leaves[i], fx.Node)
     ]
+
+
+def dynamo_compile_started_s() -> float | None:
+    """When dynamo began compiling the frame now being compiled (``time.time()`` seconds), from its
+    metrics context (torch 2.6+); None where that is not available."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        mc = get_metrics_context()
+        if mc.in_progress():
+            return mc._start_time_ns / 1e9
+    except (ImportError, AttributeError):
+        pass
+    return None

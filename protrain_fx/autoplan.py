@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protrain_fx import config, plan_cache
+from protrain_fx import config, plan_cache, progress
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.machine import allocator, measure, memory, pinned
@@ -176,7 +176,9 @@ def choose(
     if refused:
         notes.append(refused)
     failed = sorted(set(failed) | set(failed_peaks))
+    prog = progress.current()
     if cached is not None and not failed_peaks:
+        prog.line(f"plan from the plan cache ({path}): no profiling")
         knobs = cached["knobs"]
         predicted = dict(cached["predicted"], from_cache=True)
         return Choice(
@@ -212,11 +214,17 @@ def choose(
         dump_dir=opts.dump_dir and os.path.join(opts.dump_dir, "profiling"),
     )
     t0 = time.perf_counter()
-    compiled, plan = compile_profiling(copy_graph_module(gm), frugal)
+    with prog.phase(
+        "profiling compile",
+        "compiling the profiling plan (every chunk offloaded, every block recomputed; "
+        f"{opts.compiler})",
+    ):
+        compiled, plan = compile_profiling(copy_graph_module(gm), frugal)
     compile_s = time.perf_counter() - t0
     stores = list({id(s): s for s in (store_of(p) for p in live) if s is not None}.values())
     try:
-        step = profile_step(compiled, list(example_inputs), stores, n_blocks, device)
+        with prog.phase("profiling", "profiling one step (1 + 2 runs)"):
+            step = profile_step(compiled, list(example_inputs), stores, n_blocks, device)
     except torch.OutOfMemoryError as e:
         raise NoPlanFits(
             "protrain could not profile this graph: the most frugal plan (every chunk offloaded, "
@@ -288,6 +296,7 @@ def choose(
     knobs_given = dict(
         n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"]
     )
+    prog.line(f"searching the plans under a budget of {format_bytes(budget)}")
     try:  # every rank searches; rank 0's outcome is the one every rank runs (distributed.py)
         # n_persist = every chunk, which depends on the chunk size: one search per size
         if all_resident:
@@ -333,7 +342,12 @@ def choose(
         plan_cache.save_entry(
             path, plan_cache.entry(plan.graph_name, knobs, predicted, None, failed_peaks=failed)
         )
-    log.info(
+    prog.phases["search"] = predicted["search_s"]
+    prog.line(
+        f"searched {predicted['plans_evaluated']} plans in {predicted['search_s']:.2f} s: "
+        + ", ".join(f"{k}={v}" for k, v in knobs.items())
+    )
+    log.debug(
         "protrain: profiled in %.1f s (+%.1f s compile), searched %d plans in %.3f s: %s",
         step.seconds,
         compile_s,

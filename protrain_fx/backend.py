@@ -32,7 +32,7 @@ import torch
 import torch._guards
 import torch.fx as fx
 
-from protrain_fx import _compat, autoplan, config, pipeline, placement, plan_cache
+from protrain_fx import _compat, autoplan, config, pipeline, placement, plan_cache, progress
 from protrain_fx.errors import OptionsError, ProtrainError
 from protrain_fx.graph.blocks import detect_blocks
 from protrain_fx.graph.build_plan import make_plan
@@ -80,6 +80,7 @@ class GraphCompiler:
         self._root = weakref.ref(root) if root is not None else None  # the module dynamo traced
         # read now: aot_autograd's callbacks run with autocast off
         self.autocast = autocast_dtypes()
+        self.progress = progress.current()
 
     @property
     def params(self) -> list:
@@ -146,7 +147,16 @@ class GraphCompiler:
         placement.allocate_buffers(self.plan, gm)
         self.dump.stage(dump_name, gm)
         self.dump.write_plan()
-        compiled = runtime_guard(self._final_compile(stage, gm, example_inputs))
+        prog = progress.Silent() if self.plan.profiling else self.progress
+        what = f"compiling the backward ({self.options.compiler})"
+        with (
+            prog.phase("backward compile", what)
+            if stage == "backward"
+            else contextlib.nullcontext()
+        ):
+            compiled = runtime_guard(self._final_compile(stage, gm, example_inputs))
+        if stage != "forward":
+            prog.ready()
         return _backward_oom_guard(compiled, self.plan) if stage == "backward" else compiled
 
     def _final_compile(self, stage: str, gm: fx.GraphModule, example_inputs: Sequence):
@@ -263,6 +273,7 @@ def protrain_backend(
         if found is not None:
             opts = dataclasses.replace(opts, optimizer=found)
             del found
+    progress.begin(_graph_name())
     # as dynamo traced it: what a call with other parameters runs
     eager_graph = copy_graph_module(gm)
     restore = placement_snapshot(live)
@@ -279,6 +290,7 @@ def protrain_backend(
         eager_graph, graph_inputs, params, options, merged, opts.optimizer, example_inputs
     )
     graph.install(compiled, plan, device, choice, opts)
+    progress.end()
     return graph
 
 
@@ -457,6 +469,8 @@ def _compile(
     live = [p for p in params if p is not None]
     device = live[0].device if live else None
     name = graph_name or _graph_name()
+    prog = progress.current() if graph_name is None else progress.Silent()
+    prog.arrived(len(gm.graph.nodes), live, len(structure.blocks), device)
     choice = None
     if autoplan.wanted(opts, params, device):
 
@@ -486,7 +500,8 @@ def _compile(
         placement.check_host_memory(plan, opts, params, device)
     plan.n_buffer_searched = choice is not None and searched_n_buffer
     register_plan(plan, live, options)
-    compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
+    with prog.phase("compile", f"compiling the plan (aot_autograd, passes, {opts.compiler})"):
+        compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
     return compiled, plan, device, choice
 
 

@@ -17,7 +17,7 @@ PACKAGE, PASSES_DIR = ROOT / "protrain_fx", ROOT / "passes"
 
 # bottom to top; a module may import modules of its own layer or of the layers below
 LAYERS = [
-    ("base", ("_compat", "_version", "_weakmap", "config", "errors", "options")),
+    ("base", ("_compat", "_version", "_weakmap", "config", "errors", "options", "progress")),
     ("machine", ("machine",)),
     ("plan", ("plan",)),
     ("runtime", ("runtime",)),

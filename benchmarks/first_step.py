@@ -1,0 +1,345 @@
+"""Time to the first step, cold and warm, protrain against torch.compile (issue 23; GPU).
+
+Per model, four processes in a row: protrain with empty caches (Inductor's and protrain's plan
+cache; the hardware profile is measured once beforehand and copied in, as on any machine protrain
+ran on before), protrain again with those caches warm, then torch.compile cold and warm likewise.
+Each process builds the model on the device (random init, seed 0), makes a fused AdamW, compiles,
+and trains ``--steps`` steps on fixed random tokens under bf16 autocast; it reports the seconds from
+before the model is built to the end of the first step (``first_step_s``), protrain's progress
+breakdown (its ``ready after`` line: tracing, profiling compile, profiling, search, compile,
+backward compile), the steady tokens/s of the steps after the third, and the losses (protrain's
+against torch.compile's: same init and data). protrain runs under ``--cap-gib``; torch.compile
+uncapped.
+
+    python benchmarks/first_step.py --models llama3.2-3b,gpt-1.42b \\
+        --out benchmarks/results/first_step_h200
+
+writes ``OUT.json`` and ``OUT.md``; ``--only MODEL:SYSTEM:CACHE`` runs some rows, ``--merge`` adds
+rows to an existing ``OUT.json``. ``--run`` (internal) is one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+T_START = time.perf_counter()
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+MODELS = {
+    # Llama-3.2-3B's shape through transformers (tied 128k vocabulary), batch 4 x 1024
+    "llama3.2-3b": dict(
+        kind="hf_llama",
+        hidden=3072,
+        layers=28,
+        heads=24,
+        kv=8,
+        ffn=8192,
+        vocab=128256,
+        batch=4,
+        seq=1024,
+    ),
+    # the suite's 1.42 B GPT (benchmarks/suite/scenarios.py GPT_1_4B), batch 4 x 1024
+    "gpt-1.42b": dict(
+        kind="gpt",
+        cfg=dict(
+            n_layer=24,
+            n_embd=2048,
+            n_head=16,
+            vocab_size=50304,
+            block_size=1024,
+            tie_embeddings=False,
+        ),
+        vocab=50304,
+        batch=4,
+        seq=1024,
+    ),
+}
+SYSTEMS = ("protrain", "torch.compile")
+CACHES = ("cold", "warm")
+
+
+def build(spec: dict):
+    import torch
+
+    torch.manual_seed(0)
+    if spec["kind"] == "hf_llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(
+            vocab_size=spec["vocab"],
+            hidden_size=spec["hidden"],
+            intermediate_size=spec["ffn"],
+            num_hidden_layers=spec["layers"],
+            num_attention_heads=spec["heads"],
+            num_key_value_heads=spec["kv"],
+            max_position_embeddings=max(2048, spec["seq"]),
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+
+        def loss_of(m, x):
+            return m(input_ids=x, labels=x).loss
+
+        return model, loss_of
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from models import build as build_own
+
+    with torch.device("cuda"):
+        model = build_own("gpt", **spec["cfg"])
+
+    def loss_of(m, x):
+        return m(x[:, :-1], x[:, 1:])
+
+    return model, loss_of
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+        print(record.getMessage(), file=sys.stderr, flush=True)
+
+
+def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
+    import torch
+
+    t_imported = time.perf_counter()
+    spec = MODELS[model_name]
+    dev = torch.device("cuda")
+    if system == "protrain" and cap_gib:
+        torch.cuda.set_per_process_memory_fraction(
+            cap_gib * 2**30 / torch.cuda.get_device_properties(dev).total_memory
+        )
+    lines = _Lines()
+    logging.getLogger("protrain_fx").addHandler(lines)
+    logging.getLogger("protrain_fx").setLevel(logging.INFO)
+    t0 = time.perf_counter()
+    model, loss_of = build(spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    build_s = time.perf_counter() - t0
+    if system == "protrain":
+        import protrain_fx.backend
+
+        if "protrain" not in torch._dynamo.list_backends(exclude_tags=()):
+            torch._dynamo.register_backend(protrain_fx.backend.protrain_backend, name="protrain")
+        compiled = torch.compile(model, backend="protrain", options={"optimizer": opt})
+    else:
+        compiled = torch.compile(model)
+    g = torch.Generator().manual_seed(1)
+    data = [
+        torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
+        for _ in range(steps)
+    ]
+    losses, times, first = [], [], None
+    for x in data:
+        ts = time.perf_counter()
+        x = x.to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(compiled, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - ts)
+        if first is None:
+            first = time.perf_counter() - t0
+            print(f"first step after {first:.1f} s", file=sys.stderr, flush=True)
+    steady = times[3:] or times[1:]
+    tokens = spec["batch"] * spec["seq"]
+    row = {
+        "model": model_name,
+        "system": system,
+        "cap_gib": cap_gib if system == "protrain" else None,
+        "import_s": round(t_imported - T_START, 2),
+        "build_s": round(build_s, 2),
+        "first_step_s": round(first, 2),
+        "tokens_per_s": round(tokens * len(steady) / sum(steady), 1),
+        "losses": losses,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / 2**30, 2),
+        "progress": lines.lines,
+    }
+    ready = [line for line in lines.lines if "ready after" in line]
+    row["ready_line"] = ready[-1] if ready else None
+    if system == "protrain":
+        import protrain_fx
+
+        plan = protrain_fx.get_plan(compiled)
+        d = plan.to_dict()
+        row["plan"] = {
+            k: d[k] for k in ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+        }
+    return row
+
+
+def child(model_name: str, system: str, cache: str, dirs: dict, args) -> dict:
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = dirs[(model_name, system, "inductor")]
+    env["PROTRAIN_CACHE_DIR"] = dirs[(model_name, system, "protrain")]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--run",
+        model_name,
+        system,
+        "--steps",
+        str(args.steps),
+        "--cap-gib",
+        str(args.cap_gib),
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    sys.stderr.write(proc.stderr[-4000:])
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    row = (
+        rows[0]
+        if rows
+        else {
+            "model": model_name,
+            "system": system,
+            "error": proc.stderr[-1500:] or f"exit {proc.returncode}",
+        }
+    )
+    row["cache"] = cache
+    row["process_s"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama3.2-3b,gpt-1.42b")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cap-gib", type=float, default=24.0)
+    ap.add_argument(
+        "--only", default="", help="MODEL:SYSTEM:CACHE,... (a warm row needs its cold row first)"
+    )
+    ap.add_argument("--merge", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "first_step_h200"))
+    ap.add_argument("--run", nargs=2, metavar=("MODEL", "SYSTEM"))
+    args = ap.parse_args()
+    if args.run:
+        row = run_one(args.run[0], args.run[1], args.steps, args.cap_gib)
+        print("RESULT " + json.dumps(row), flush=True)
+        return
+    work = tempfile.mkdtemp(prefix="first_step_")
+    hardware = os.path.join(work, "hardware_base")
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch; from protrain_fx.machine import measure; "
+            "measure.hardware_profile(torch.device('cuda'))",
+        ],
+        env=dict(os.environ, PROTRAIN_CACHE_DIR=hardware),
+        check=True,
+        cwd=ROOT,
+    )
+    wanted = [w for w in args.only.split(",") if w]
+    rows = []
+    if args.merge and os.path.exists(args.out + ".json"):
+        rows = json.load(open(args.out + ".json"))["rows"]
+    dirs: dict = {}
+    for model_name in args.models.split(","):
+        for system in SYSTEMS:
+            for kind in ("inductor", "protrain"):
+                d = os.path.join(work, f"{model_name}-{system}-{kind}")
+                if kind == "protrain":
+                    shutil.copytree(hardware, d)
+                dirs[(model_name, system, kind)] = d
+            for cache in CACHES:
+                if wanted and f"{model_name}:{system}:{cache}" not in wanted:
+                    continue
+                row = child(model_name, system, cache, dirs, args)
+                rows = [
+                    r
+                    for r in rows
+                    if (r["model"], r["system"], r.get("cache")) != (model_name, system, cache)
+                ]
+                rows.append(row)
+                print(
+                    json.dumps({k: v for k, v in row.items() if k not in ("progress", "losses")}),
+                    flush=True,
+                )
+                _write(args.out, rows, args)
+    _write(args.out, rows, args)
+
+
+def _loss_diff(rows, row) -> float | None:
+    ref = next(
+        (
+            r
+            for r in rows
+            if r["model"] == row["model"] and r["system"] == "torch.compile" and r.get("losses")
+        ),
+        None,
+    )
+    if ref is None or not row.get("losses") or row is ref:
+        return None
+    n = min(len(ref["losses"]), len(row["losses"]))
+    return max(abs(a - b) / abs(b) for a, b in zip(row["losses"][:n], ref["losses"][:n]))
+
+
+def _write(out: str, rows: list, args) -> None:
+    for r in rows:
+        r["loss_rel_vs_torch_compile"] = _loss_diff(rows, r)
+    meta = {
+        "command": "python benchmarks/first_step.py " + " ".join(sys.argv[1:]),
+        "steps": args.steps,
+        "cap_gib": args.cap_gib,
+    }
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+        meta["device"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [
+        f"# Time to the first step (`{meta['command']}`)",
+        "",
+        f"{meta.get('device', '?')}, torch {meta.get('torch', '?')}; protrain under a "
+        f"{args.cap_gib:g} GiB cap, torch.compile uncapped; seconds from before the model is built "
+        "to the end of the first step; tokens/s over the steps after the third.",
+        "",
+        "| model | system | caches | first step (s) | protrain's phases | tokens/s "
+        "| peak reserved (GiB) | loss rel. vs torch.compile |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("error"):
+            lines.append(
+                f"| {r['model']} | {r['system']} | {r.get('cache')} "
+                f"| error: {r['error'][-200:]!r} | | | | |"
+            )
+            continue
+        phases = (
+            (r.get("ready_line") or "").split("(", 1)[-1].rstrip(")") if r.get("ready_line") else ""
+        )
+        rel = r.get("loss_rel_vs_torch_compile")
+        lines.append(
+            f"| {r['model']} | {r['system']} | {r['cache']} | {r['first_step_s']} | {phases} | "
+            f"{r['tokens_per_s']} | {r['peak_reserved_gib']} | "
+            f"{'' if rel is None else f'{rel:.2e}'} |"
+        )
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Progress lines while a graph waits for its first step (issue 23.3): one line per phase on the
+``protrain_fx.progress`` logger, with the seconds since dynamo began the graph; a level quiets
+them."""
+
+import logging
+import subprocess
+import sys
+
+import torch
+from models import build
+
+from protrain_fx.testing import random_batches
+
+
+def _train_one_step(options):
+    torch.manual_seed(0)
+    model = build("gpt", n_layer=2, n_embd=32, n_head=2, block_size=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="protrain", options={"optimizer": opt, **options})
+    ((x, y),) = random_batches(1, 2, 16)
+    compiled(x, y).backward()
+    opt.step()
+
+
+def test_one_line_per_phase_under_an_automatic_plan(caplog):
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        _train_one_step({"compiler": "eager", "memory_budget": "1GB"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "protrain_fx.progress"]
+    text = "\n".join(lines)
+    order = [
+        "nodes,",
+        "compiling the profiling plan",
+        "profiling one step",
+        "searching the plans",
+        "searched",
+        "compiling the plan",
+        "compiling the backward",
+        "ready after",
+    ]
+    where = [next((i for i, line in enumerate(lines) if key in line), -1) for key in order]
+    assert -1 not in where and where == sorted(where), text
+    assert all(line.startswith("protrain [") and " s] graph " in line for line in lines), text
+    ready = lines[where[-1]]
+    for phase in ("tracing", "profiling compile", "profiling", "search", "compile"):
+        assert f"{phase} " in ready, ready
+
+
+def test_lines_are_on_stderr_by_default_and_a_level_quiets_them():
+    """In a fresh interpreter with no logging configured the lines reach stderr; with the
+    ``protrain_fx`` logger at WARNING, none do."""
+    code = (
+        "import logging, sys\n"
+        "sys.path.insert(0, 'examples'); sys.path.insert(0, 'tests')\n"
+        "from test_progress import _train_one_step\n"
+        "if sys.argv[1] == 'quiet': logging.getLogger('protrain_fx').setLevel(logging.WARNING)\n"
+        "_train_one_step({'compiler': 'eager'})\n"
+    )
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for mode in ("default", "quiet"):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, mode], cwd=root, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[mode] = proc.stderr
+    assert "compiling the plan" in out["default"] and "ready after" in out["default"]
+    assert "protrain [" not in out["quiet"], out["quiet"][-2000:]
