@@ -35,6 +35,7 @@ import torch
 
 from protrain_fx import config, plan_cache, progress
 from protrain_fx.errors import NoPlanFits, ProtrainError
+from protrain_fx.graph import regional
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.machine import allocator, measure, memory, pinned
 from protrain_fx.options import Options, format_bytes
@@ -127,11 +128,13 @@ def choose(
     opts: Options,
     compile_profiling,
     failed_peaks: tuple[int, ...] = (),
+    root=None,
 ) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
     of the graph under the profiling plan with the given options. ``failed_peaks``: predicted peaks
     of plans of this graph that ran out of memory in this process (the plan cache remembers those of
-    earlier runs)."""
+    earlier runs). ``root``: the module dynamo traced; one of ``N`` blocks of one structure
+    (regional compilation, protrain_fx/graph/regional.py) gets ``1/N`` of the budget."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
@@ -165,7 +168,19 @@ def choose(
             "opt} to let the plan offload chunks)"
         )
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
-    budget, budget_why = device_budget(opts, device, params)
+    peers = regional.siblings(root) if root is not None else []
+    n_peers = max(1, len(peers))
+    placed = params + [p for m in peers if m is not root for p in m.parameters()]
+    budget, budget_why = device_budget(opts, device, placed)
+    if n_peers > 1:
+        budget //= n_peers
+        budget_why += f", divided by the {n_peers} blocks of this structure"
+        notes.append(
+            f"regional compilation: this graph's module is one of {n_peers} blocks of one "
+            f"structure, so its plan is chosen for 1/{n_peers} of the budget "
+            f"({format_bytes(budget)}); code outside the compiled blocks is not planned and must "
+            "fit in the reserve"
+        )
     hw_profile = measure.hardware_profile(device)
     key = plan_cache.key(gm, example_inputs, opts, hw_profile.key, budget, alloc.key)
     path = plan_cache.path_of(key)
@@ -285,6 +300,7 @@ def choose(
     # the profiling store's masters (host_init's values moved into them) are freed as the plan's
     # store takes each chunk over
     host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))
+    host_budget //= n_peers  # every block of a regional compilation offloads its share
     hw = Hardware.of(hw_profile)
     if device.type == "cpu":  # the CPU optimizer would run on the cores that compute
         hw = dataclasses.replace(hw, shared_compute=True)
@@ -326,7 +342,15 @@ def choose(
             if all_resident
             else ""
         )
-        failure = (f"{e} (budget: {budget_why}){hint}", e.min_device_bytes, e.min_host_bytes)
+        min_dev, min_host = e.min_device_bytes, e.min_host_bytes
+        if n_peers > 1 and min_dev is not None:  # in terms of the whole budget the user sets
+            min_dev = min_dev * n_peers
+            hint += (
+                f"; for all {n_peers} blocks of this regional compilation the budget must be at "
+                f"least {format_bytes(min_dev)} ({min_dev} bytes)"
+            )
+            min_host = min_host * n_peers if min_host is not None else None
+        failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host)
         outcome = distributed.broadcast_object(("failed", failure))
     else:
         outcome = distributed.broadcast_object(

@@ -465,7 +465,8 @@ def _compile(
     failed_peaks: tuple = (),
     graph_name: str | None = None,
 ):
-    structure = detect_blocks(gm, _traced_root(graph_inputs))
+    root = _traced_root(graph_inputs)
+    structure = detect_blocks(gm, root)
     live = [p for p in params if p is not None]
     device = live[0].device if live else None
     name = graph_name or _graph_name()
@@ -489,6 +490,7 @@ def _compile(
             opts,
             compile_profiling,
             failed_peaks,
+            root=root,
         )
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options

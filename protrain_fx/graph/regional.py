@@ -1,0 +1,57 @@
+"""Regional compilation: a graph whose module is one of several blocks of the same structure.
+
+With ``for b in model.layers: b.compile(backend="protrain")`` each block is compiled on its own,
+and dynamo may run one compiled graph for all of them (or compile each separately when guards
+differ). Either way every block's parameters, saved activations and resident chunks are live at
+the end of forward at once, while the plan of one block's graph sees one block. So the automatic
+plan of such a graph is chosen for the block's share of the budget: ``1/N`` of it for ``N`` blocks
+of that structure in the block's container, with the parameters of all ``N`` counted as placed by
+the plan (not as memory of others). What runs outside the blocks (embedding, head, loss) is not
+planned under regional compilation; the plan's notes say so.
+
+The container is found from the block itself (the ``_modules`` dict that holds it, through the
+garbage collector's referrers), since a module does not know its parent.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch.nn as nn
+
+
+def _signature(m: nn.Module) -> tuple:
+    return (type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()))
+
+
+def _container_of(module: nn.Module) -> tuple[dict, str] | None:
+    """The ``_modules`` dict of the module that holds ``module`` (the first found), with its key
+    there. (A ``_modules`` dict is referred to by its owner's ``__dict__``, whose ``_modules`` entry
+    it is.)"""
+    for ref in gc.get_referrers(module):
+        if not isinstance(ref, dict):
+            continue
+        key = next((k for k, v in ref.items() if v is module), None)
+        if key is None:
+            continue
+        if any(isinstance(o, dict) and o.get("_modules") is ref for o in gc.get_referrers(ref)):
+            return ref, key
+    return None
+
+
+def siblings(root) -> list[nn.Module]:
+    """The blocks of ``root``'s structure (same class, same parameter names, shapes and dtypes)
+    in the container that holds ``root``, ``root`` included; ``[root]`` when ``root`` is no such
+    block (a whole model, a module held by no container, a container of other kinds)."""
+    if not isinstance(root, nn.Module) or not any(True for _ in root.parameters()):
+        return [root] if root is not None else []
+    found = _container_of(root)
+    if found is None:
+        return [root]
+    modules, key = found
+    if not key.isdigit():  # an attribute (model.head), not an entry of a list of blocks
+        return [root]
+    sig = _signature(root)
+    same = [m for k, m in list(modules.items()) if k.isdigit() and isinstance(m, nn.Module)]
+    same = [m for m in same if m is root or _signature(m) == sig]
+    return same if len(same) > 1 else [root]
