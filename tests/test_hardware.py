@@ -60,6 +60,12 @@ def test_profile_on_cpu_is_positive_and_finite(measured):
     assert 0 < p.host_available_bytes <= p.host_total_bytes
     assert p.pinned_limit_bytes is None or p.pinned_limit_bytes > 0
     assert p.cpu_cores >= 1 and p.cpu_threads >= 1 and p.copy_bytes > 0 and p.cpu_adam_numel > 0
+    # the host's triad bandwidth, and the CPU step's bytes touched per second as a share of it
+    # (issue 24.4; on this 2-core VM the step's five streams run faster than the triad's three)
+    assert math.isfinite(p.host_triad_bytes_per_s) and p.host_triad_bytes_per_s > 1e8
+    frac = p.cpu_adam_bandwidth_fraction()
+    assert frac is not None and 0 < frac < 10
+    assert f"{frac:.0%} of the host's triad bandwidth" in p.summary()
     # about 0.6 s on a 2-core box; generous for a loaded CI runner
     assert 0 < p.measure_seconds < 15
     assert p.measured_at

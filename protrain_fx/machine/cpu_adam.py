@@ -78,6 +78,13 @@ restrict v,
   else if (l2 != 0.0f)   { ADAM_LOOP(1, 0) }
   else                   { ADAM_LOOP(0, 0) }
 }
+
+/* STREAM's triad, built and threaded like the step above: the host's bandwidth to compare with. */
+void protrain_triad(float* restrict a, const float* restrict b, const float* restrict c, float s,
+                    int64_t n, int nthreads) {
+  _Pragma("omp parallel for simd num_threads(nthreads) schedule(dynamic, 16384)")
+  for (int64_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
+}
 """
 
 _lock = threading.Lock()
@@ -137,7 +144,19 @@ def _build() -> ctypes.CDLL:
     fn = lib.protrain_adam_bf16
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 9 + [ctypes.c_int]
+    triad_fn = lib.protrain_triad
+    triad_fn.restype = None
+    triad_fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
     return lib
+
+
+def triad(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, s: float) -> None:
+    """``a = b + s * c`` over contiguous fp32 CPU tensors of one length, with the kernel's build
+    and threads (only where :func:`available`)."""
+    n = a.numel()
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n for t in (b, c)):
+        raise ValueError("triad needs contiguous fp32 CPU tensors of one length")
+    _lib.protrain_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), s, n, torch.get_num_threads())
 
 
 def available() -> bool:

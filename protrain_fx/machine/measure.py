@@ -1,6 +1,7 @@
 """Measuring the machine: copy bandwidths between pinned host memory and the device (each way and
 both at once), the AdamW rate of the CPU step protrain runs for offloaded chunks and of the device's
-fused step. protrain_fx/machine/profile.py says what is measured, how, and why it is cached.
+fused step, and the host's memory bandwidth (a STREAM triad). protrain_fx/machine/profile.py says
+what is measured, how, and why it is cached.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
             MiB,
         )
         cpu_adam = _measure_cpu_adam(cpu_numel)
+        triad = _measure_host_triad(cpu_numel)
     memlock = memlock_limit()
     profile = HardwareProfile(
         key=profile_key(dev),
@@ -119,6 +121,7 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
         copy_bytes=copy_bytes,
         cpu_adam_numel=cpu_numel,
         cpu_adam_kind=cpu_adam_kind(),
+        host_triad_bytes_per_s=triad,
         gpu_adam_numel=cpu_numel if gpu_numel is None else gpu_numel,
         measure_seconds=round(time.perf_counter() - t0, 3),
     )
@@ -303,6 +306,32 @@ def _measure_cpu_adam(numel: int) -> float:
     # the fastest repetition: what the host can do; a busy moment (another process compiling) only
     # slows some
     return numel / max(min(times), 1e-9)
+
+
+def _measure_host_triad(numel: int) -> float:
+    """The host's memory bandwidth as STREAM's triad measures it (``a = b + s * c`` over float32
+    arrays far larger than the caches; 12 bytes per element), the fastest of a few repetitions:
+    what the CPU optimizer step, which is memory-bound, can at best reach. Built and threaded like
+    the one-pass Adam kernel where it builds (torch.add otherwise, which reached about half of that
+    on the 2-core CI machine)."""
+    from protrain_fx.machine import cpu_adam
+
+    b, c = torch.rand(numel), torch.rand(numel)
+    a = torch.empty(numel)
+
+    def run():
+        if cpu_adam.available():
+            cpu_adam.triad(a, b, c, 0.5)
+        else:
+            torch.add(b, c, alpha=0.5, out=a)
+
+    run()  # warm-up (pages touched)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return 12 * numel / max(min(times), 1e-9)
 
 
 def _measure_gpu_adam(dev: torch.device, numel: int) -> float:

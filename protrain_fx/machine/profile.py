@@ -59,7 +59,7 @@ from protrain_fx.machine.memory import (
 log = logging.getLogger(__name__)
 
 # 2: the CPU rate is that of the step runtime/hybrid_optim.py runs (one-pass kernel or torch + copy)
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: host_triad_bytes_per_s
 
 
 ENV_CACHE_DIR = "PROTRAIN_CACHE_DIR"
@@ -108,6 +108,21 @@ class HardwareProfile:
     gpu_adam_numel: int = 0
     measure_seconds: float = 0.0
     cpu_adam_kind: str = ""  # which CPU step cpu_adam_params_per_s timed
+    host_triad_bytes_per_s: float = 0.0  # the host's memory bandwidth (STREAM triad), 0: unknown
+
+    def cpu_adam_bytes_per_param(self) -> int:
+        """Host memory bytes one parameter's CPU step touches: the one-pass kernel reads parameter,
+        gradient and both moments and writes parameter, moments and the bf16 copy (30); torch's
+        fused Adam then a copy sweeps twice (28 + 6)."""
+        return 30 if self.cpu_adam_kind.startswith("one-pass") else 34
+
+    def cpu_adam_bandwidth_fraction(self) -> float | None:
+        """The CPU step's rate in bytes touched per second as a fraction of the triad bandwidth
+        (None when the bandwidth is unknown)."""
+        if not self.host_triad_bytes_per_s:
+            return None
+        bytes_per_s = self.cpu_adam_params_per_s * self.cpu_adam_bytes_per_param()
+        return bytes_per_s / self.host_triad_bytes_per_s
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -164,11 +179,22 @@ class HardwareProfile:
             "GB/s, "
             f"both {self.duplex_bytes_per_s / G:.1f} GB/s; AdamW cpu "
             f"{self.cpu_adam_params_per_s / G:.2f} "
-            f"G params/s, device {self.gpu_adam_params_per_s / G:.2f} G params/s; device "
+            f"G params/s{self._bandwidth_note()}, device {self.gpu_adam_params_per_s / G:.2f} "
+            "G params/s; device "
             f"{self.device_free_bytes / 2**30:.1f}/{self.device_total_bytes / 2**30:.1f} GiB "
             "free, host "
             f"{self.host_available_bytes / 2**30:.1f}/{self.host_total_bytes / 2**30:.1f} GiB "
             "available"
+        )
+
+    def _bandwidth_note(self) -> str:
+        frac = self.cpu_adam_bandwidth_fraction()
+        if frac is None:
+            return ""
+        return (
+            f" ({frac:.0%} of the host's triad bandwidth, "
+            f"{self.host_triad_bytes_per_s / 1e9:.1f} GB/s, at "
+            f"{self.cpu_adam_bytes_per_param()} B per parameter)"
         )
 
 
