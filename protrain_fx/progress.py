@@ -67,17 +67,25 @@ class Progress:
         """One line as the phase starts; its seconds are added to ``phases[name]``."""
         self.line(message or name)
         t0 = time.perf_counter()
+        self._open = (name, t0)
         try:
             yield
         finally:
+            self._open = None
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    _open: tuple[str, float] | None = None
 
     def ready(self) -> None:
         """The graph can run its first step: one line with the phases' seconds."""
         if self.finished:
             return
         self.finished = True
-        parts = ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+        phases = dict(self.phases)
+        if self._open is not None:  # ready from inside a phase (an inference graph's compile)
+            name, t0 = self._open
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
         self.line(f"ready after {self.elapsed():.1f} s ({parts})")
 
 

@@ -45,6 +45,17 @@ def test_one_line_per_phase_under_an_automatic_plan(caplog):
         assert f"{phase} " in ready, ready
 
 
+def test_an_inference_graph_is_ready_after_its_compile(caplog):
+    torch.manual_seed(0)
+    model = build("gpt", n_layer=2, n_embd=32, n_head=2, block_size=32)
+    compiled = torch.compile(model, backend="protrain", options={"compiler": "eager"})
+    ((x, y),) = random_batches(1, 2, 16)
+    with caplog.at_level(logging.INFO, logger="protrain_fx"), torch.no_grad():
+        compiled(x, y)
+    ready = [r.getMessage() for r in caplog.records if "ready after" in r.getMessage()]
+    assert len(ready) == 1 and "compile " in ready[0], ready
+
+
 def test_lines_are_on_stderr_by_default_and_a_level_quiets_them():
     """In a fresh interpreter with no logging configured the lines reach stderr; with the
     ``protrain_fx`` logger at WARNING, none do."""
