@@ -31,37 +31,26 @@ import tempfile
 import time
 
 T_START = time.perf_counter()
+
+from hf_exactness import LLAMA_3B  # noqa: E402  (stdlib imports only)
+from hf_exactness import build as build_hf_llama  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 MODELS = {
-    # Llama-3.2-3B's shape through transformers (tied 128k vocabulary), batch 4 x 1024
+    # Llama-3.2-3B's shape through transformers (hf_exactness.LLAMA_3B: tied 128k vocabulary),
+    # batch 4 x 1024
     "llama3.2-3b": dict(
+        {
+            k: LLAMA_3B[k]
+            for k in ("hidden", "layers", "heads", "kv", "ffn", "vocab", "batch", "seq")
+        },
         kind="hf_llama",
-        hidden=3072,
-        layers=28,
-        heads=24,
-        kv=8,
-        ffn=8192,
-        vocab=128256,
-        batch=4,
-        seq=1024,
     ),
-    # the suite's 1.42 B GPT (benchmarks/suite/scenarios.py GPT_1_4B), batch 4 x 1024
-    "gpt-1.42b": dict(
-        kind="gpt",
-        cfg=dict(
-            n_layer=24,
-            n_embd=2048,
-            n_head=16,
-            vocab_size=50304,
-            block_size=1024,
-            tie_embeddings=False,
-        ),
-        vocab=50304,
-        batch=4,
-        seq=1024,
-    ),
+    # the suite's 1.42 B GPT (benchmarks/suite/scenarios.py GPT_1_4B, read in the child), batch
+    # 4 x 1024
+    "gpt-1.42b": dict(kind="gpt", vocab=50304, batch=4, seq=1024),
 }
 SYSTEMS = ("protrain", "torch.compile")
 CACHES = ("cold", "warm")
@@ -70,23 +59,8 @@ CACHES = ("cold", "warm")
 def build(spec: dict):
     import torch
 
-    torch.manual_seed(0)
     if spec["kind"] == "hf_llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(
-            vocab_size=spec["vocab"],
-            hidden_size=spec["hidden"],
-            intermediate_size=spec["ffn"],
-            num_hidden_layers=spec["layers"],
-            num_attention_heads=spec["heads"],
-            num_key_value_heads=spec["kv"],
-            max_position_embeddings=max(2048, spec["seq"]),
-            tie_word_embeddings=True,
-            attn_implementation="sdpa",
-        )
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(cfg)
+        model = build_hf_llama(spec)  # seed 0, on the device
 
         def loss_of(m, x):
             return m(input_ids=x, labels=x).loss
@@ -94,9 +68,12 @@ def build(spec: dict):
         return model, loss_of
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from models import build as build_own
+    from suite.scenarios import GPT_1_4B
 
+    assert GPT_1_4B["vocab_size"] == spec["vocab"]
+    torch.manual_seed(0)
     with torch.device("cuda"):
-        model = build_own("gpt", **spec["cfg"])
+        model = build_own("gpt", **GPT_1_4B)
 
     def loss_of(m, x):
         return m(x[:, :-1], x[:, 1:])
