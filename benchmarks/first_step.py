@@ -52,8 +52,15 @@ MODELS = {
     # 4 x 1024
     "gpt-1.42b": dict(kind="gpt", vocab=50304, batch=4, seq=1024),
 }
-SYSTEMS = ("protrain", "torch.compile")
-CACHES = ("cold", "warm")
+# protrain-whole: protrain as before issue 23's short profile (PROTRAIN_PROFILE_WHOLE=1: the
+# profiling plan compiles the whole graph), cold only: the comparison of time and of the steady
+# tokens/s and losses that the short profile must leave unchanged
+SYSTEMS = ("protrain", "protrain-whole", "torch.compile")
+CACHES = {
+    "protrain": ("cold", "warm"),
+    "protrain-whole": ("cold",),
+    "torch.compile": ("cold", "warm"),
+}
 
 
 def build(spec: dict):
@@ -97,7 +104,7 @@ def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
     t_imported = time.perf_counter()
     spec = MODELS[model_name]
     dev = torch.device("cuda")
-    if system == "protrain" and cap_gib:
+    if system.startswith("protrain") and cap_gib:
         torch.cuda.set_per_process_memory_fraction(
             cap_gib * 2**30 / torch.cuda.get_device_properties(dev).total_memory
         )
@@ -108,7 +115,7 @@ def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
     model, loss_of = build(spec)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     build_s = time.perf_counter() - t0
-    if system == "protrain":
+    if system.startswith("protrain"):
         import protrain_fx.backend
 
         if "protrain" not in torch._dynamo.list_backends(exclude_tags=()):
@@ -141,7 +148,7 @@ def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
     row = {
         "model": model_name,
         "system": system,
-        "cap_gib": cap_gib if system == "protrain" else None,
+        "cap_gib": cap_gib if system.startswith("protrain") else None,
         "import_s": round(t_imported - T_START, 2),
         "build_s": round(build_s, 2),
         "first_step_s": round(first, 2),
@@ -152,7 +159,7 @@ def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
     }
     ready = [line for line in lines.lines if "ready after" in line]
     row["ready_line"] = ready[-1] if ready else None
-    if system == "protrain":
+    if system.startswith("protrain"):
         import protrain_fx
 
         plan = protrain_fx.get_plan(compiled)
@@ -160,6 +167,14 @@ def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
         row["plan"] = {
             k: d[k] for k in ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
         }
+        pred = plan.predicted or {}
+        row["predicted"] = {
+            "iter_s": pred.get("iter_s"),
+            "peak_gib": pred.get("peak_bytes") and round(pred["peak_bytes"] / 2**30, 2),
+            "profile_compile_s": pred.get("profile_compile_s"),
+            "from_cache": pred.get("from_cache"),
+        }
+        row["notes"] = list(plan.notes)
     return row
 
 
@@ -167,6 +182,8 @@ def child(model_name: str, system: str, cache: str, dirs: dict, args) -> dict:
     env = dict(os.environ)
     env["TORCHINDUCTOR_CACHE_DIR"] = dirs[(model_name, system, "inductor")]
     env["PROTRAIN_CACHE_DIR"] = dirs[(model_name, system, "protrain")]
+    if system == "protrain-whole":
+        env["PROTRAIN_PROFILE_WHOLE"] = "1"
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -237,7 +254,7 @@ def main() -> None:
                 if kind == "protrain":
                     shutil.copytree(hardware, d)
                 dirs[(model_name, system, kind)] = d
-            for cache in CACHES:
+            for cache in CACHES[system]:
                 if wanted and f"{model_name}:{system}:{cache}" not in wanted:
                     continue
                 row = child(model_name, system, cache, dirs, args)
@@ -295,14 +312,14 @@ def _write(out: str, rows: list, args) -> None:
         "to the end of the first step; tokens/s over the steps after the third.",
         "",
         "| model | system | caches | first step (s) | protrain's phases | tokens/s "
-        "| peak reserved (GiB) | loss rel. vs torch.compile |",
-        "|---|---|---|---|---|---|---|---|",
+        "| peak reserved (GiB) | loss rel. vs torch.compile | plan |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("error"):
             lines.append(
                 f"| {r['model']} | {r['system']} | {r.get('cache')} "
-                f"| error: {r['error'][-200:]!r} | | | | |"
+                f"| error: {r['error'][-200:]!r} | | | | | |"
             )
             continue
         phases = (
@@ -312,7 +329,13 @@ def _write(out: str, rows: list, args) -> None:
         lines.append(
             f"| {r['model']} | {r['system']} | {r['cache']} | {r['first_step_s']} | {phases} | "
             f"{r['tokens_per_s']} | {r['peak_reserved_gib']} | "
-            f"{'' if rel is None else f'{rel:.2e}'} |"
+            f"{'' if rel is None else f'{rel:.2e}'} | "
+            + (
+                ", ".join(f"{k} {v}" for k, v in r["plan"].items() if k != "chunk_size")
+                if r.get("plan")
+                else ""
+            )
+            + " |"
         )
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -9,9 +9,10 @@ For a new training graph (on a CUDA device, or wherever a ``memory_budget`` is g
    or gave a non-finite loss (never served again: the new search keeps its predictions under 90% of
    the failed plan's peak) or its predicted peak exceeds the budget asked for now;
 2. otherwise compiles the graph under the most frugal plan (every chunk offloaded, every block
-   recomputed), runs one profiled step on the real inputs (protrain_fx/profiling/profiler.py;
-   nothing it does reaches training), and gives the parameters back (the chosen plan places them
-   afresh);
+   recomputed; when its blocks repeat, a copy with three of them, whose measurements stand for all
+   blocks: protrain_fx/graph/shorten.py), runs one profiled step on the real inputs
+   (protrain_fx/profiling/profiler.py; nothing it does reaches training), and gives the parameters
+   back (the chosen plan places them afresh);
 3. searches every plan with the cost model (protrain_fx/plan/search.py) under the budget
    (``memory_budget``, or the device memory this process can use less :func:`reserve_bytes`) and the
    host memory, honouring the knobs given in the options;
@@ -37,6 +38,7 @@ from protrain_fx import config, plan_cache, progress
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
 from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.graph.shorten import shorten
 from protrain_fx.machine import allocator, measure, memory, pinned
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts
@@ -44,7 +46,7 @@ from protrain_fx.plan.layout import choose_chunk_size, pack
 from protrain_fx.plan.profiles import Hardware
 from protrain_fx.plan.search import search
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
-from protrain_fx.profiling.profiler import graph_profile, profile_step
+from protrain_fx.profiling.profiler import expand_profile, graph_profile, profile_step
 from protrain_fx.runtime import distributed
 from protrain_fx.runtime.chunk_store import store_of
 from protrain_fx.runtime.param_values import dissolve_store
@@ -131,7 +133,8 @@ def choose(
     root=None,
 ) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
-    of the graph under the profiling plan with the given options. ``failed_peaks``: predicted peaks
+    of the graph under the profiling plan with the given options and block structure (the graph's,
+    or that of its short copy: protrain_fx/graph/shorten.py). ``failed_peaks``: predicted peaks
     of plans of this graph that ran out of memory in this process (the plan cache remembers those of
     earlier runs). ``root``: the module dynamo traced; one of ``N`` blocks of one structure
     (regional compilation, protrain_fx/graph/regional.py) gets ``1/N`` of the budget."""
@@ -216,30 +219,47 @@ def choose(
             )
             notes.append(f"budget lowered to {format_bytes(budget)}: {budget_why}")
 
-    # ---- profile under the most frugal plan
+    # ---- profile under the most frugal plan, on a copy with three of the blocks when they repeat
     param_entries = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
     default_size = fixed["chunk_size"] or choose_chunk_size(param_entries)
+    short, whole_why = (
+        (None, "PROTRAIN_PROFILE_WHOLE=1")
+        if config.settings().profile_whole
+        else shorten(gm, structure)
+    )
+    profiled = short.structure if short is not None else structure
+    n_profiled = len(profiled.blocks)
+    if short is not None:
+        notes.append(
+            f"profiled a copy of the graph with {n_profiled} of its {n_blocks} blocks (the first, "
+            "a middle and the last; the others compute the same)"
+        )
+    elif n_blocks:
+        notes.append(f"profiled the whole graph: {whole_why}")
     frugal = dataclasses.replace(
         opts,
         chunk_size=default_size,
         n_persist=0,
         n_buffer=fixed["n_buffer"],
         n_swap=0,
-        n_checkpoint=n_blocks,
+        n_checkpoint=n_profiled,
         dump_dir=opts.dump_dir and os.path.join(opts.dump_dir, "profiling"),
     )
     t0 = time.perf_counter()
     with prog.phase(
         "profiling compile",
-        "compiling the profiling plan (every chunk offloaded, every block recomputed; "
-        f"{opts.compiler})",
+        "compiling the profiling plan (every chunk offloaded, every block recomputed"
+        + (f"; {n_profiled} of {n_blocks} blocks" if short is not None else "")
+        + f"; {opts.compiler})",
     ):
-        compiled, plan = compile_profiling(copy_graph_module(gm), frugal)
+        compiled, plan = compile_profiling(
+            short.gm if short is not None else copy_graph_module(gm), frugal, profiled
+        )
     compile_s = time.perf_counter() - t0
     stores = list({id(s): s for s in (store_of(p) for p in live) if s is not None}.values())
     try:
         with prog.phase("profiling", "profiling one step (1 + 2 runs)"):
-            step = profile_step(compiled, list(example_inputs), stores, n_blocks, device)
+            step = profile_step(compiled, list(example_inputs), stores, n_profiled, device)
     except torch.OutOfMemoryError as e:
         raise NoPlanFits(
             "protrain could not profile this graph: the most frugal plan (every chunk offloaded, "
@@ -251,6 +271,8 @@ def choose(
     finally:
         del compiled
     static = plan.static_profile
+    if short is not None:
+        step, static = expand_profile(step, static, short.expand)
     host_freed = 0  # host bytes the plan's store frees as it takes the parameters over
     if not existing:
         for s in stores:
@@ -425,6 +447,8 @@ def _prediction(
             "fragmentation": prof.fragmentation,
             "saved_keep": static.saved.keep,
             "saved_recompute": static.saved.recompute,
+            "saved_nonblock_keep": static.saved.nonblock_keep,
+            "saved_nonblock_recompute": static.saved.nonblock_recompute,
             "recomputed_share": static.recomputed_share,
             "timeline": step.timeline,
             "conditions": step.conditions,

@@ -475,8 +475,8 @@ def _compile(
     choice = None
     if autoplan.wanted(opts, params, device):
 
-        def compile_profiling(copy: fx.GraphModule, frugal: Options):
-            plan = make_plan(name, graph_inputs, structure, frugal)
+        def compile_profiling(copy: fx.GraphModule, frugal: Options, profiled):
+            plan = make_plan(name, graph_inputs, profiled, frugal)
             plan.profiling = plan.profile_blocks = True
             with _compat.eager_backward_compile():  # the profiler runs backward inside this compile
                 return _compile_plan(copy, example_inputs, graph_inputs, params, plan, frugal), plan

@@ -38,6 +38,8 @@ VARIABLES = {
     "one-pass kernel",
     "PROTRAIN_PROFILE_BLOCKS": "1: time every block in the chosen plan's steps too (block marks in "
     "the graph)",
+    "PROTRAIN_PROFILE_WHOLE": "1: profile the whole graph, not a copy of it with three of its "
+    "blocks (protrain_fx/graph/shorten.py)",
     "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default "
     "0.003)",
     "PROTRAIN_DEBUG_SYNC": "1: synchronize the device around every chunk and swap copy; offload / "
@@ -107,6 +109,7 @@ class Settings:
     dump_dir: str | None
     cpu_adam: str  # "" or "torch"
     profile_blocks: bool
+    profile_whole: bool
     profile_spin_s: float | None
     debug_sync: str  # "", "1", "offload" or "reload"
     debug_poison: bool
@@ -142,6 +145,7 @@ def settings() -> Settings:
         dump_dir=_text("PROTRAIN_DUMP_DIR"),
         cpu_adam=cpu_adam_choice(),
         profile_blocks=_flag("PROTRAIN_PROFILE_BLOCKS", False),
+        profile_whole=_flag("PROTRAIN_PROFILE_WHOLE", False),
         profile_spin_s=_float("PROTRAIN_PROFILE_SPIN_S"),
         debug_sync=_choice("PROTRAIN_DEBUG_SYNC", ("", "0", "1", "offload", "reload")).replace(
             "0", ""

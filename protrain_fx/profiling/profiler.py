@@ -5,7 +5,8 @@ policy, from two partitions of copies of the joint graph with the partitioner th
 one where every block keeps (block recompute tags dropped) and one where every block recomputes
 (what a checkpointed block keeps: the values it restarts from). A saved value counts for the block
 that produced it, except under recomputation, where a block's input (produced by the block before
-it) counts for the block that restarts from it; values produced outside blocks count as non-block.
+it) counts for the block that restarts from it; values produced outside blocks count as non-block
+(a block's backward node the partitioner moved into forward is the block's).
 Also per block, the share of its forward FLOPs that the all-recompute backward recomputes (the
 partitioner saves some outputs, e.g. attention's, and never recomputes what only feeds saved
 values).
@@ -29,6 +30,7 @@ the chunks holding the block's parameters by bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -89,7 +91,9 @@ def _attribute(nodes: list[fx.Node], n_blocks: int, restart: bool) -> tuple[list
     for node in nodes:
         nbytes = tensor_bytes(node)
         ann = annotation_of(node)
-        block = ann.block if ann is not None and ann.phase == "forward" else None
+        # a value of a block's backward that the partitioner computes in forward (a view of a
+        # saved activation) is that block's too: its backward frees it
+        block = ann.block if ann is not None else None
         if restart:
             # a block's input is produced by the region before it: it counts for the first later
             # block that reads it in forward
@@ -400,6 +404,38 @@ def profile_step(
         timeline=timeline,
         conditions=conditions,
     )
+
+
+def expand_profile(
+    step: StepProfile, static: StaticProfile, expand: list[int]
+) -> tuple[StepProfile, StaticProfile]:
+    """The profile of a short copy of the graph (protrain_fx/graph/shorten.py) as the full graph's:
+    block ``b`` of the full graph takes what was measured and derived for block ``expand[b]`` of the
+    short one. The step's peak grows by what the blocks cut out save under recomputation (the
+    profiled plan recomputes every block), so the transient working set :func:`graph_profile`
+    derives from it is the short step's."""
+
+    def widen(values: list) -> list:
+        return [values[e] for e in expand]
+
+    saved = static.saved
+    wide_saved = SavedBytes(
+        widen(saved.keep), widen(saved.recompute), saved.nonblock_keep, saved.nonblock_recompute
+    )
+    wide_static = StaticProfile(
+        wide_saved,
+        widen(static.recomputed_share),
+        widen(static.signatures) if len(static.signatures) == len(saved.keep) else [],
+    )
+    extra = sum(wide_saved.recompute) - sum(saved.recompute)
+    wide_step = dataclasses.replace(
+        step,
+        block_fwd_s=widen(step.block_fwd_s),
+        block_bwd_s=widen(step.block_bwd_s),
+        peak_bytes=step.peak_bytes + extra,
+        conditions=dict(step.conditions, profiled_blocks=len(step.block_fwd_s), blocks=len(expand)),
+    )
+    return wide_step, wide_static
 
 
 # ------------------------------------------------------------------------------------ GraphProfile
