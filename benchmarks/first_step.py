@@ -222,6 +222,7 @@ def main() -> None:
         "--only", default="", help="MODEL:SYSTEM:CACHE,... (a warm row needs its cold row first)"
     )
     ap.add_argument("--merge", action="store_true")
+    ap.add_argument("--label", default="", help="a name for this run's rows (shown in the table)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "first_step_h200"))
     ap.add_argument("--run", nargs=2, metavar=("MODEL", "SYSTEM"))
     args = ap.parse_args()
@@ -242,6 +243,13 @@ def main() -> None:
         check=True,
         cwd=ROOT,
     )
+    # the hardware profile every protrain row plans with (host triad bandwidth, CPU Adam rate)
+    hardware_profile = {}
+    for root, _, files in os.walk(hardware):
+        for f in files:
+            if f.endswith(".json"):
+                hardware_profile = json.load(open(os.path.join(root, f)))
+    args.hardware_profile = hardware_profile
     wanted = [w for w in args.only.split(",") if w]
     rows = []
     if args.merge and os.path.exists(args.out + ".json"):
@@ -258,10 +266,12 @@ def main() -> None:
                 if wanted and f"{model_name}:{system}:{cache}" not in wanted:
                     continue
                 row = child(model_name, system, cache, dirs, args)
+                row["label"] = args.label
                 rows = [
                     r
                     for r in rows
-                    if (r["model"], r["system"], r.get("cache")) != (model_name, system, cache)
+                    if (r["model"], r["system"], r.get("cache"), r.get("label", ""))
+                    != (model_name, system, cache, args.label)
                 ]
                 rows.append(row)
                 print(
@@ -294,6 +304,7 @@ def _write(out: str, rows: list, args) -> None:
         "command": "python benchmarks/first_step.py " + " ".join(sys.argv[1:]),
         "steps": args.steps,
         "cap_gib": args.cap_gib,
+        "hardware_profile": getattr(args, "hardware_profile", None),
     }
     try:
         import torch
@@ -327,7 +338,8 @@ def _write(out: str, rows: list, args) -> None:
         )
         rel = r.get("loss_rel_vs_torch_compile")
         lines.append(
-            f"| {r['model']} | {r['system']} | {r['cache']} | {r['first_step_s']} | {phases} | "
+            f"| {r['model']} | {r['system']}{' (' + r['label'] + ')' if r.get('label') else ''} "
+            f"| {r['cache']} | {r['first_step_s']} | {phases} | "
             f"{r['tokens_per_s']} | {r['peak_reserved_gib']} | "
             f"{'' if rel is None else f'{rel:.2e}'} | "
             + (

@@ -37,12 +37,13 @@ import torch
 from protrain_fx import config, plan_cache, progress
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
+from protrain_fx.graph.build_plan import default_chunk_size
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.graph.shorten import shorten
 from protrain_fx.machine import allocator, measure, memory, pinned
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts
-from protrain_fx.plan.layout import choose_chunk_size, pack
+from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import Hardware
 from protrain_fx.plan.search import search
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
@@ -221,7 +222,7 @@ def choose(
 
     # ---- profile under the most frugal plan, on a copy with three of the blocks when they repeat
     param_entries = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
-    default_size = fixed["chunk_size"] or choose_chunk_size(param_entries)
+    default_size = fixed["chunk_size"] or default_chunk_size(param_entries, structure)
     short, whole_why = (
         (None, "PROTRAIN_PROFILE_WHOLE=1")
         if config.settings().profile_whole

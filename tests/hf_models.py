@@ -33,7 +33,8 @@ def hf_llama(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(llama_config(**overrides))
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == model.config.tie_word_embeddings
     return model.train()
 
 

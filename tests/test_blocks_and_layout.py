@@ -121,8 +121,42 @@ def test_pack_first_use_order_and_alignment():
     ]
     assert all(s.offset % ALIGN_BYTES == 0 for s in layout.slots)
     assert layout.n_chunks == 3 and layout.waste_bytes == 3 * 512 - 965
-    with pytest.raises(OptionsError, match="smallest chunk_size that works is 512 B"):
-        pack(params, 256)
+    # parameters larger than the chunk size get chunks of their own, exactly their (aligned) size
+    small = pack(params, 256)
+    assert [(s.fqn, s.chunk, s.offset) for s in small.slots] == [
+        ("a", 0, 0),
+        ("b", 1, 0),
+        ("c", 2, 0),
+        ("d", 3, 0),
+        ("e", 4, 0),
+    ]
+    assert [small.capacity(c) for c in range(5)] == [256, 320, 256, 512, 256]
+    assert small.oversized == [1, 3]
+    assert small.waste_bytes == 256 + 320 + 256 + 512 + 256 - 965
+    with pytest.raises(OptionsError, match="smaller than the 64 B alignment"):
+        pack(params, 32)
+
+
+def test_chunks_are_sized_for_the_blocks_not_for_a_large_embedding():
+    """Llama-3.2-3B's shape: the 128256 x 3072 embedding (1.47 GiB in fp32) no longer sets the
+    chunk size; it gets a chunk of its own and the blocks' chunks are sized for their largest
+    matrix (8192 x 3072)."""
+    emb = ("embed", 128256 * 3072 * 4)
+    layer = [
+        (f"l{i}.{n}", rows * 3072 * 4)
+        for i in range(4)
+        for n, rows in (("q", 3072), ("k", 1024), ("v", 1024), ("o", 3072), ("up", 8192))
+    ]
+    params = [emb] + layer + [("norm", 3072 * 4)]
+    size = choose_chunk_size(params, block_params=layer)
+    assert 8192 * 3072 * 4 <= size <= 2 * 8192 * 3072 * 4
+    layout = pack(params, size)
+    assert layout.oversized == [0] and layout.params_of(0)[0].fqn == "embed"
+    assert layout.capacity(0) == emb[1] and all(
+        layout.capacity(c) == size for c in range(1, layout.n_chunks)
+    )
+    # without the blocks the embedding sets the size, as before
+    assert choose_chunk_size(params) >= emb[1]
 
 
 @settings(max_examples=60, deadline=None)

@@ -105,10 +105,21 @@ def test_mode_is_rejected():
         torch.compile(model, backend="protrain", mode="max-autotune")(torch.randn(1, 2))
 
 
-def test_chunk_size_below_largest_parameter_names_the_minimum():
+def test_chunk_size_below_largest_parameter_gives_it_a_chunk_of_its_own():
     # largest: the 256 x 16 fp32 embedding, 16 KiB
     model = build("gpt", n_layer=1, n_embd=16, n_head=2)
     x, y = random_batches(1, 1, 4)[0]
-    with pytest.raises(Exception, match="smallest chunk_size that works is 16384 B"):
-        torch.compile(model, backend="protrain", options={"chunk_size": "4KiB"})(x, y)
-    assert protrain_fx  # the package imported fine
+    compiled = torch.compile(model, backend="protrain", options={"chunk_size": "4KiB"})
+    assert torch.isfinite(compiled(x, y))
+    plan = protrain_fx.get_plan(compiled)
+    big = [c for c in plan.chunks if c.bytes > plan.chunk_size]
+    # the token embedding (and the position embedding, 8 KiB) each in a chunk of its own
+    assert big[0].params == ["wte.weight"] and big[0].bytes == 16384
+    assert all(len(c.params) == 1 for c in big)
+    with pytest.raises(Exception, match="smaller than the 64 B alignment"):
+        torch._dynamo.reset()
+        torch.compile(
+            build("gpt", n_layer=1, n_embd=16, n_head=2),
+            backend="protrain",
+            options={"chunk_size": 32},
+        )(x, y)

@@ -33,11 +33,18 @@ def block_knobs(options: Options, n_blocks: int, notes: list[str]) -> tuple[int,
     return n_swap, n_checkpoint
 
 
+def default_chunk_size(params: list[tuple[str, int]], structure: BlockStructure) -> int:
+    """The chunk size sized for the blocks' parameters (``(fqn, nbytes)``; larger parameters
+    outside them get chunks of their own: protrain_fx/plan/layout.py)."""
+    in_blocks = [(f, b) for f, b in params if structure.block_of_param(f) is not None]
+    return choose_chunk_size(params, block_params=in_blocks)
+
+
 def make_plan(
     graph_name: str, inputs: list[GraphInput], structure: BlockStructure, options: Options
 ) -> Plan:
     params = [(gi.fqn or gi.node_name, gi.nbytes) for gi in inputs if gi.is_param]
-    chunk_size = options.chunk_size or choose_chunk_size(params)
+    chunk_size = options.chunk_size or default_chunk_size(params, structure)
     layout = pack(params, chunk_size)
     chunks = [
         ChunkPlan(

@@ -1,11 +1,14 @@
-"""Packing parameters into fixed-size chunks, in first-use order.
+"""Packing parameters into chunks, in first-use order.
 
 A chunk is a contiguous range of ``chunk_size`` bytes holding whole parameters (a parameter never
 spans two chunks), filled greedily in the order the graph first uses the parameters, so a chunk's
 parameters are needed at about the same time. Tied parameters appear once (dynamo gives a shared
-parameter one placeholder). Without a given ``chunk_size`` the size is chosen to waste the least
-padding, in the manner of ProTrain's appendix B.1: candidates from the largest parameter upwards,
-scaled to the model.
+parameter one placeholder). A parameter larger than ``chunk_size`` (a large vocabulary's embedding
+or head) gets a chunk of its own, exactly its size: chunks are sized for the transformer blocks,
+not for the largest parameter (issue 24: Llama-3.2-3B's 1.47 GiB embedding had made every chunk
+1.5 GiB, 8 chunks for 3.2 B parameters). Without a given ``chunk_size`` the size is chosen to waste
+the least padding, in the manner of ProTrain's appendix B.1: candidates from the largest parameter
+of the blocks (of all parameters when there are no blocks) upwards, scaled to the model.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protrain_fx.errors import OptionsError
-from protrain_fx.options import format_bytes
 
 # Elements are aligned inside a chunk so every parameter view starts on a 64-byte boundary.
 ALIGN_BYTES = 64
@@ -43,42 +45,62 @@ class ChunkLayout:
     def used_bytes(self, chunk: int) -> int:
         return sum(s.nbytes for s in self.slots if s.chunk == chunk)
 
+    def capacity(self, chunk: int) -> int:
+        """The chunk's bytes: ``chunk_size``, or its one oversized parameter's (aligned)."""
+        return max(
+            self.chunk_size,
+            max((s.offset + _align(s.nbytes) for s in self.slots if s.chunk == chunk), default=0),
+        )
+
+    @property
+    def oversized(self) -> list[int]:
+        """Chunks holding one parameter larger than ``chunk_size``."""
+        return [c for c in range(self.n_chunks) if self.capacity(c) > self.chunk_size]
+
     @property
     def waste_bytes(self) -> int:
-        return self.n_chunks * self.chunk_size - sum(s.nbytes for s in self.slots)
+        capacity = sum(self.capacity(c) for c in range(self.n_chunks))
+        return capacity - sum(s.nbytes for s in self.slots)
 
 
 def pack(params: list[tuple[str, int]], chunk_size: int) -> ChunkLayout:
-    """Greedy first-use-order packing of ``(fqn, nbytes)`` into chunks of ``chunk_size`` bytes."""
-    largest = max((_align(b) for _, b in params), default=0)
-    if params and chunk_size < largest:
-        name = max(params, key=lambda p: p[1])[0]
+    """Greedy first-use-order packing of ``(fqn, nbytes)`` into chunks of ``chunk_size`` bytes; a
+    parameter larger than that gets a chunk of its own."""
+    if chunk_size < ALIGN_BYTES:
         raise OptionsError(
-            f"chunk_size {format_bytes(chunk_size)} ({chunk_size} B) is smaller than the largest "
-            "parameter "
-            f"{name!r} ({largest} B aligned); the smallest chunk_size that works is {largest} B"
+            f"chunk_size {chunk_size} B is smaller than the {ALIGN_BYTES} B alignment of a "
+            "parameter inside a chunk"
         )
-    slots, chunk, used = [], 0, 0
+    slots, chunk, used, open_chunk = [], 0, 0, False
     for fqn, nbytes in params:
         need = _align(nbytes)
-        if used + need > chunk_size and used > 0:
+        if open_chunk and (used + need > chunk_size or need > chunk_size):
             chunk, used = chunk + 1, 0
         slots.append(ParamSlot(fqn, chunk, used, nbytes))
         used += need
-    return ChunkLayout(chunk_size, tuple(slots), chunk + 1 if params else 0)
+        open_chunk = True
+        if need > chunk_size:  # an oversized parameter's chunk is closed after it
+            chunk, used, open_chunk = chunk + 1, 0, False
+    return ChunkLayout(chunk_size, tuple(slots), chunk + open_chunk)
 
 
 def choose_chunk_size(
-    params: list[tuple[str, int]], *, min_chunks: int = 4, n_candidates: int = 256
+    params: list[tuple[str, int]],
+    *,
+    block_params: list[tuple[str, int]] | None = None,
+    min_chunks: int = 4,
+    n_candidates: int = 256,
 ) -> int:
     """The chunk size with the least padding waste among candidates between the largest (aligned)
-    parameter and the larger of twice that and ``total / min_chunks``; ties go to the smaller size
-    (finer placement granularity). ``min_chunks`` keeps small models from collapsing into one chunk.
-    """
+    parameter of the blocks (``block_params``; of ``params`` when none are given) and the larger of
+    twice that and ``total / min_chunks``; ties go to the smaller size (finer placement
+    granularity). Larger parameters get chunks of their own (:func:`pack`). ``min_chunks`` keeps
+    small models from collapsing into one chunk."""
     if not params:
         return ALIGN_BYTES
-    largest = max(_align(b) for _, b in params)
-    total = sum(_align(b) for _, b in params)
+    sizing = block_params or params
+    largest = max(_align(b) for _, b in sizing)
+    total = sum(_align(b) for _, b in params if _align(b) <= largest)
     upper = max(largest, min(2 * largest, max(largest, total // min_chunks)))
     step = max(
         ALIGN_BYTES, _align((upper - largest) // n_candidates) if upper > largest else ALIGN_BYTES

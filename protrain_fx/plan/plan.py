@@ -140,7 +140,9 @@ class Plan:
             rows = [("chunk", "placement", "bytes", "fill", "params", "first .. last parameter")]
             for c in self.chunks:
                 span = c.params[0] if len(c.params) == 1 else f"{c.params[0]} .. {c.params[-1]}"
-                fill = f"{100 * c.bytes / self.chunk_size:.0f}%" if self.chunk_size else "-"
+                # an oversized parameter's chunk is its own size
+                size = max(self.chunk_size, c.bytes)
+                fill = f"{100 * c.bytes / size:.0f}%" if size else "-"
                 rows.append(
                     (str(c.id), c.placement, format_bytes(c.bytes), fill, str(len(c.params)), span)
                 )
