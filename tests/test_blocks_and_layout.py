@@ -111,25 +111,17 @@ def test_hugging_face_models(name):
 
 def test_pack_first_use_order_and_alignment():
     params = [("a", 100), ("b", 300), ("c", 64), ("d", 500), ("e", 1)]
+
+    def placed(layout):  # (fqn, chunk, offset) of every parameter
+        return [(s.fqn, s.chunk, s.offset) for s in layout.slots]
+
     layout = pack(params, 512)
-    assert [(s.fqn, s.chunk, s.offset) for s in layout.slots] == [
-        ("a", 0, 0),
-        ("b", 0, 128),
-        ("c", 0, 448),
-        ("d", 1, 0),
-        ("e", 2, 0),
-    ]
+    assert placed(layout) == [("a", 0, 0), ("b", 0, 128), ("c", 0, 448), ("d", 1, 0), ("e", 2, 0)]
     assert all(s.offset % ALIGN_BYTES == 0 for s in layout.slots)
     assert layout.n_chunks == 3 and layout.waste_bytes == 3 * 512 - 965
     # parameters larger than the chunk size get chunks of their own, exactly their (aligned) size
     small = pack(params, 256)
-    assert [(s.fqn, s.chunk, s.offset) for s in small.slots] == [
-        ("a", 0, 0),
-        ("b", 1, 0),
-        ("c", 2, 0),
-        ("d", 3, 0),
-        ("e", 4, 0),
-    ]
+    assert placed(small) == [("a", 0, 0), ("b", 1, 0), ("c", 2, 0), ("d", 3, 0), ("e", 4, 0)]
     assert [small.capacity(c) for c in range(5)] == [256, 320, 256, 512, 256]
     assert small.oversized == [1, 3]
     assert small.waste_bytes == 256 + 320 + 256 + 512 + 256 - 965

@@ -136,14 +136,12 @@ def shorten(gm: fx.GraphModule, structure: BlockStructure) -> tuple[ShortGraph |
     stand_in = {
         node: members[expand[b]][i] for b in range(KEPT, n) for i, node in enumerate(members[b])
     }
-    for node in nodes[cut_to + 1 :]:
-        for a in node.all_input_nodes:
+    for node in nodes[cut_to + 1 :]:  # (a refusal leaves a half-edited copy: it is dropped)
+        for a in list(node.all_input_nodes):
             if a in cut and a not in stand_in:
                 return None, (
                     f"{node.name} after the blocks reads {a.name}, which is not a block's"
                 )
-    for node in nodes[cut_to + 1 :]:
-        for a in list(node.all_input_nodes):
             if a in cut:
                 node.replace_input_with(a, stand_in[a])
     for node in reversed(nodes[cut_from : cut_to + 1]):

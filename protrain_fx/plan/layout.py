@@ -54,13 +54,18 @@ class ChunkLayout:
 
     @property
     def oversized(self) -> list[int]:
-        """Chunks holding one parameter larger than ``chunk_size``."""
-        return [c for c in range(self.n_chunks) if self.capacity(c) > self.chunk_size]
+        """Chunks holding one parameter larger than ``chunk_size`` (each alone in its chunk)."""
+        return [s.chunk for s in self.slots if _align(s.nbytes) > self.chunk_size]
 
     @property
     def waste_bytes(self) -> int:
-        capacity = sum(self.capacity(c) for c in range(self.n_chunks))
-        return capacity - sum(s.nbytes for s in self.slots)
+        # one pass (choose_chunk_size packs 256 candidates): an oversized chunk's capacity is its
+        # one parameter's aligned size
+        capacity, used = self.n_chunks * self.chunk_size, 0
+        for s in self.slots:
+            capacity += max(0, _align(s.nbytes) - self.chunk_size)
+            used += s.nbytes
+        return capacity - used
 
 
 def pack(params: list[tuple[str, int]], chunk_size: int) -> ChunkLayout:
