@@ -33,12 +33,22 @@ class SearchResult:
     seconds: float
 
 
-def plan_key(time_s: float, n_persist: int, n_swap: int, n_checkpoint: int, peak: int) -> tuple:
+def plan_key(
+    time_s: float,
+    n_persist: int,
+    n_swap: int,
+    n_checkpoint: int,
+    peak: int,
+    chunk_size: int = 0,
+    n_buffer: int = 0,
+) -> tuple:
     """What "better" means: faster; at equal predicted time (the model hides transfers and the CPU
     step behind compute exactly, so ties are common) more resident chunks, then fewer swapped, then
-    fewer recomputed blocks (less traffic and work the model may not see), then the smaller peak."""
+    fewer recomputed blocks (less traffic and work the model may not see), then the smaller peak,
+    then the smaller chunks and fewer buffers (so that a full tie does not depend on the order the
+    layouts were tried in)."""
     # times equal to the microsecond tie
-    return (round(time_s, 6), -n_persist, n_swap, n_checkpoint, peak)
+    return (round(time_s, 6), -n_persist, n_swap, n_checkpoint, peak, chunk_size, n_buffer)
 
 
 def n_buffer_candidates(n_buffer: int | None, min_n_buffer: int = 1) -> list[int]:
@@ -146,7 +156,7 @@ def _search(
             t = lc.time_s(p)
             if best_key is not None and t > best_key[0] + 1e-6:
                 continue  # slower than the best even after rounding: not a tie
-            key = plan_key(t, p, s, k, peak)
+            key = plan_key(t, p, s, k, peak, prof.chunk_size, nb)
             if best_key is None or key < best_key:
                 best_key, best = key, lc.predict(p)
     if best is None:  # the smallest peak and pinned footprint over every layout, for the error
@@ -211,7 +221,7 @@ def brute_force(
                             host_budget is not None and pred.host_bytes > host_budget
                         ):
                             continue
-                        key = plan_key(pred.time_s, p, s, k, pred.peak_bytes)
+                        key = plan_key(pred.time_s, p, s, k, pred.peak_bytes, prof.chunk_size, nb)
                         if best_key is None or key < best_key:
                             best, best_key = pred, key
     return best
