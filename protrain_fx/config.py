@@ -48,9 +48,13 @@ VARIABLES = {
     "PROTRAIN_DEBUG_POISON": "1: fill a chunk buffer with NaN once its gather has copied it out",
     "PROTRAIN_DEBUG_DEFER_OFFLOAD": "1: on the CPU, copy a swapped activation only at its "
     "offload_wait",
+    "PROTRAIN_LOSS_CHUNK_BYTES": "fp32 bytes of logits per chunk of the chunked cross-entropy "
+    "(default 128MiB; passes/chunked_loss.py)",
     "PROTRAIN_DISABLE_PASSES": "comma-separated graph passes to skip (debugging; "
     "protrain_fx/pipeline.py)",
 }
+# the chunked cross-entropy's fp32 logits per chunk (passes/chunked_loss.py)
+LOSS_CHUNK_BYTES = 128 << 20
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
@@ -91,6 +95,18 @@ def _float(name: str) -> float | None:
         raise OptionsError(f"{name}={raw!r}: expected a number of seconds") from None
 
 
+def _bytes(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    from protrain_fx.options import parse_bytes
+
+    value = parse_bytes(raw, what=name)
+    if value < 1:
+        raise OptionsError(f"{name}={raw!r}: expected a positive size (e.g. 64MiB)")
+    return value
+
+
 def _text(name: str) -> str | None:
     return os.environ.get(name) or None
 
@@ -115,6 +131,7 @@ class Settings:
     debug_poison: bool
     debug_defer_offload: bool
     disable_passes: tuple[str, ...]
+    loss_chunk_bytes: int
     # not protrain's, read here too so that no other module touches os.environ
     xdg_cache_home: str | None
     cc: str | None
@@ -155,6 +172,7 @@ def settings() -> Settings:
         disable_passes=tuple(
             p.strip() for p in os.environ.get("PROTRAIN_DISABLE_PASSES", "").split(",") if p.strip()
         ),
+        loss_chunk_bytes=_bytes("PROTRAIN_LOSS_CHUNK_BYTES", LOSS_CHUNK_BYTES),
         xdg_cache_home=_text("XDG_CACHE_HOME"),
         cc=_text("CC"),
         pytorch_alloc_conf=",".join(

@@ -32,6 +32,7 @@ from protrain_fx.passes.annotate import annotate
 from protrain_fx.passes.block_marks import block_marks
 from protrain_fx.passes.chunk_gather import chunk_gather
 from protrain_fx.passes.chunk_schedule import chunk_schedule
+from protrain_fx.passes.chunked_loss import chunked_loss
 from protrain_fx.passes.optimizer_calls import optimizer_calls
 from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.resident_grads import resident_grads
@@ -79,6 +80,7 @@ INPUTS = DECISION | frozenset(
 PASSES: dict[str, PassSpec] = {
     s.name: s
     for s in (
+        _spec("chunked_loss", chunked_loss, writes={"notes"}),
         _spec("block_marks", block_marks, reads={"profile_blocks", "blocks", "block_structure"}),
         _spec(
             "annotate",
@@ -133,7 +135,7 @@ PASSES: dict[str, PassSpec] = {
 
 # The passes of each stage, in the order they run; a training graph's stages run in this order too.
 STAGES: dict[str, tuple[str, ...]] = {
-    "dynamo": ("block_marks",),
+    "dynamo": ("chunked_loss", "block_marks"),
     "joint": ("annotate", "user_checkpoints", "chunk_gather", "optimizer_calls", "recompute"),
     "forward": ("swap_offload", "chunk_schedule"),
     "backward": ("swap_reload", "resident_grads", "chunk_schedule"),

@@ -1,0 +1,200 @@
+"""Cross-entropy over token chunks: the ``protrain::`` ops that passes/chunked_loss.py puts in place
+of a model's ``F.cross_entropy`` over the output projection's logits.
+
+The loss of a row (a token) depends on that row alone: ``-log_softmax(x)[target]`` in fp32, and so
+does its gradient. So the rows can be taken ``chunk_rows`` at a time, and the fp32 copy of the
+logits, the log-softmax eager saves for backward and the fp32 gradient (each ``tokens x vocab x 4``
+bytes: 2 GiB for 4 x 1024 tokens of a 128k vocabulary) exist one chunk at a time. Each chunk runs
+eager's own kernels (``log_softmax``, ``nll_loss_backward``, ``log_softmax_backward``), whose
+results per row do not depend on the other rows; forward keeps one number per row (the picked
+log-probability) and reduces them with eager's ``nll_loss``, in the same order; backward computes
+each chunk's log-softmax again. From the logits, loss and gradient are therefore eager's bit for
+bit.
+
+* ``cross_entropy(logits, target, ignore_index, reduction, chunk_rows) -> (loss, total_weight)``:
+  from 2-D logits of any floating dtype, upcast to fp32 per chunk (as Hugging Face's
+  ``ForCausalLMLoss`` does with ``logits.float()``); the gradient comes back in the logits' dtype.
+* ``linear_cross_entropy(hidden, weight, target, ..., compute_dtype) -> (loss, total_weight)``: the
+  same from the hidden states and the output projection's weight (``logits = hidden @ weight.T`` in
+  ``compute_dtype``, the dtype autocast would run the projection in), for a graph whose logits feed
+  the loss alone: the logits then exist one chunk at a time too, and backward recomputes each
+  chunk's logits (one more matmul of the head's size) to return the gradients of ``hidden`` and
+  ``weight``; the weight's is summed over the chunks in fp32 (the one result that is not eager's bit
+  for bit: within fp32 rounding).
+
+``reduction`` is ``"mean"`` (over the rows whose target is not ``ignore_index``, as eager's) or
+``"sum"``. The ops are opaque to Inductor (their kernels are eager ATen calls per chunk).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch.library import custom_op
+
+_REDUCTION = {"mean": 1, "sum": 2}  # at::Reduction
+
+
+def _rows(n: int, chunk_rows: int):
+    for start in range(0, n, chunk_rows):
+        yield start, min(n, start + chunk_rows)
+
+
+def _log_probs(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax of some rows of logits, as eager's ``cross_entropy(x.float())`` makes it."""
+    return torch.log_softmax(x.float(), 1)
+
+
+def _picked(logp: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``logp[i, target[i]]`` (0 on ignored rows), by eager's ``nll_loss`` without reduction: a
+    target out of range is its error too."""
+    return -torch.ops.aten.nll_loss_forward(logp, target, None, 0, ignore_index)[0]
+
+
+def _reduce(picked, target, ignore_index: int, reduction: str):
+    """(loss, total weight): eager's ``nll_loss`` over the picked log-probabilities, as an
+    ``(n, 1)`` input whose class 0 holds them, so the reduction adds the same values in the same
+    order as eager's over ``(n, vocab)``."""
+    classes = torch.where(target != ignore_index, 0, ignore_index)
+    return torch.ops.aten.nll_loss_forward(
+        picked.unsqueeze(1), classes, None, _REDUCTION[reduction], ignore_index
+    )
+
+
+def _grad_rows(grad, logp, target, ignore_index: int, reduction: str, total_weight):
+    """The fp32 gradient of some rows' logits: eager's ``nll_loss_backward`` then
+    ``log_softmax_backward`` on those rows (``total_weight`` counts every row of the loss)."""
+    g = torch.ops.aten.nll_loss_backward(
+        grad, logp, target, None, _REDUCTION[reduction], ignore_index, total_weight
+    )
+    return torch._log_softmax_backward_data(g, logp, 1, torch.float32)
+
+
+# ------------------------------------------------------------------------------ from the logits
+@custom_op("protrain::cross_entropy", mutates_args=())
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, chunk_rows: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    picked = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for a, b in _rows(logits.shape[0], chunk_rows):
+        picked[a:b] = _picked(_log_probs(logits[a:b]), target[a:b], ignore_index)
+    return _reduce(picked, target, ignore_index, reduction)
+
+
+@cross_entropy.register_fake
+def _(logits, target, ignore_index, reduction, chunk_rows):
+    return logits.new_empty((), dtype=torch.float32), logits.new_empty((), dtype=torch.float32)
+
+
+@custom_op("protrain::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(
+    grad: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    total_weight: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_rows: int,
+) -> torch.Tensor:
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    for a, b in _rows(logits.shape[0], chunk_rows):
+        logp = _log_probs(logits[a:b])
+        out[a:b] = _grad_rows(grad, logp, target[a:b], ignore_index, reduction, total_weight)
+    return out
+
+
+@cross_entropy_backward.register_fake
+def _(grad, logits, target, total_weight, ignore_index, reduction, chunk_rows):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, target, ignore_index, reduction, chunk_rows = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.args = (ignore_index, reduction, chunk_rows)
+
+
+def _ce_backward(ctx, grad_loss, grad_total_weight):
+    logits, target, total_weight = ctx.saved_tensors
+    dlogits = cross_entropy_backward(grad_loss, logits, target, total_weight, *ctx.args)
+    return dlogits, None, None, None, None
+
+
+cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup)
+
+
+# --------------------------------------------------------------- from the hidden states and weight
+@custom_op("protrain::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_rows: int,
+    compute_dtype: torch.dtype,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    picked = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    wt = weight.to(compute_dtype).t()
+    for a, b in _rows(hidden.shape[0], chunk_rows):
+        logp = _log_probs(hidden[a:b].to(compute_dtype) @ wt)
+        picked[a:b] = _picked(logp, target[a:b], ignore_index)
+    return _reduce(picked, target, ignore_index, reduction)
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, target, ignore_index, reduction, chunk_rows, compute_dtype):
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((), dtype=torch.float32)
+
+
+@custom_op("protrain::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    total_weight: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    chunk_rows: int,
+    compute_dtype: torch.dtype,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    # the logits' gradient, a chunk at a time, in the dtype the projection ran in; then the
+    # projection's backward as eager runs it (the same two matmuls over every row)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dlogits = torch.empty((n, vocab), dtype=compute_dtype, device=hidden.device)
+    h = hidden.to(compute_dtype)
+    w = weight.to(compute_dtype)
+    for a, b in _rows(n, chunk_rows):
+        logp = _log_probs(h[a:b] @ w.t())
+        dlogits[a:b] = _grad_rows(grad, logp, target[a:b], ignore_index, reduction, total_weight)
+        del logp
+    return (dlogits @ w).to(hidden.dtype), (dlogits.t() @ h).to(weight.dtype)
+
+
+@linear_cross_entropy_backward.register_fake
+def _(
+    grad, hidden, weight, target, total_weight, ignore_index, reduction, chunk_rows, compute_dtype
+):
+    return (
+        torch.empty_like(hidden, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+    )
+
+
+def _lce_setup(ctx, inputs, output):
+    hidden, weight, target, ignore_index, reduction, chunk_rows, compute_dtype = inputs
+    ctx.save_for_backward(hidden, weight, target, output[1])
+    ctx.args = (ignore_index, reduction, chunk_rows, compute_dtype)
+
+
+def _lce_backward(ctx, grad_loss, grad_total_weight):
+    hidden, weight, target, total_weight = ctx.saved_tensors
+    dh, dw = linear_cross_entropy_backward(
+        grad_loss, hidden, weight, target, total_weight, *ctx.args
+    )
+    return dh, dw, None, None, None, None, None
+
+
+linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)

@@ -1,0 +1,227 @@
+"""The chunked head and loss (issue 24.2, passes/chunked_loss.py): cross-entropy over the output
+projection's logits is computed a chunk of rows at a time, in forward and backward, with no change
+to the model; the loss and gradients are eager's bit for bit, and no tensor of the logits' full size
+remains in the graphs of a model that returns the loss alone."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_models import HF_VOCAB, hf_llama
+
+from protrain_fx.plan.plan import get_plan
+from protrain_fx.runtime import loss_ops  # noqa: F401
+from protrain_fx.testing import compare_with_eager, random_batches
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    # 8 rows of a 512 vocabulary per chunk: the 32-token batches take 4 chunks
+    monkeypatch.setenv("PROTRAIN_LOSS_CHUNK_BYTES", "16KiB")
+
+
+# ------------------------------------------------------------------------------------- the ops
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_ops_give_eagers_loss_and_gradients(reduction, fused, dtype):
+    g = torch.Generator().manual_seed(0)
+    n, width, vocab = 37, 16, 50  # 37 rows in chunks of 8: a ragged last chunk
+    hidden = torch.randn(n, width, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=g, requires_grad=True)
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[::5] = -100
+    ref = F.cross_entropy(
+        (hidden.to(dtype) @ weight.to(dtype).t()).float(), target, reduction=reduction
+    )
+    want = torch.autograd.grad(ref, (hidden, weight))
+    if fused:
+        loss, _ = torch.ops.protrain.linear_cross_entropy(
+            hidden, weight, target, -100, reduction, 8, dtype
+        )
+    else:
+        logits = hidden.to(dtype) @ weight.to(dtype).t()
+        loss, _ = torch.ops.protrain.cross_entropy(logits, target, -100, reduction, 8)
+    got = torch.autograd.grad(loss, (hidden, weight))
+    # eager's kernels a chunk at a time: bit for bit
+    assert loss.dtype == torch.float32 and torch.equal(loss, ref)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_ops_pass_torchs_custom_op_checks():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(9, 7, generator=g, requires_grad=True)
+    target = torch.randint(0, 7, (9,), generator=g)
+    torch.library.opcheck(torch.ops.protrain.cross_entropy.default, (logits, target, -1, "mean", 4))
+    hidden = torch.randn(9, 5, generator=g, requires_grad=True)
+    weight = torch.randn(7, 5, generator=g, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.protrain.linear_cross_entropy.default,
+        (hidden, weight, target, -1, "sum", 4, torch.float32),
+    )
+
+
+# --------------------------------------------------------------------------------- the models
+class LossOnly(torch.nn.Module):
+    """Returns the loss alone: the logits feed nothing else, so head and loss are fused."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x, y):
+        return self.lm(input_ids=x, labels=x, use_cache=False).loss
+
+
+class LossAndLogits(torch.nn.Module):
+    """Hugging Face's output as the model returns it: loss and logits (the logits stay)."""
+
+    def __init__(self, lm, num_items=None):
+        super().__init__()
+        self.lm = lm
+        self.num_items = num_items
+
+    def forward(self, x, y):
+        kw = {} if self.num_items is None else {"num_items_in_batch": self.num_items}
+        out = self.lm(input_ids=x, labels=x, use_cache=False, **kw)
+        self.last_logits = out.logits.detach()
+        return out.loss
+
+
+class HandWritten(torch.nn.Module):
+    """A hand-written head and loss with ``ignore_index=-1`` and an untied, bias-free head."""
+
+    def __init__(self, vocab=HF_VOCAB, width=64, reduction="mean", label_smoothing=0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(width), torch.nn.Linear(width, width), torch.nn.GELU()
+            )
+            for _ in range(4)
+        )
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.reduction, self.label_smoothing = reduction, label_smoothing
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + b(h)
+        logits = self.head(h)
+        y = y.clone()
+        y[:, ::3] = -1
+        return F.cross_entropy(
+            logits.view(-1, logits.shape[-1]),
+            y.view(-1),
+            ignore_index=-1,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+        )
+
+
+def rewrite_notes(plan) -> list[str]:
+    return [n for n in plan.notes if n.startswith("cross-entropy over")]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "hf-tied-loss-only",
+        "hf-untied-loss-only",
+        "hf-loss-and-logits",
+        "hf-num-items",
+        "hand-written",
+    ],
+)
+def test_models_train_like_eager_with_the_chunked_loss_and_offloaded_chunks(case):
+    if case == "hf-tied-loss-only":
+        model, fused = LossOnly(hf_llama()), True
+    elif case == "hf-untied-loss-only":
+        model, fused = LossOnly(hf_llama(tie_word_embeddings=False)), True
+    elif case == "hf-loss-and-logits":
+        model, fused = LossAndLogits(hf_llama()), False
+    elif case == "hf-num-items":  # reduction="sum", divided by the trainer's token count
+        model, fused = LossAndLogits(hf_llama(tie_word_embeddings=False), num_items=29), False
+    else:
+        model, fused = HandWritten(reduction="sum"), True
+    r = compare_with_eager(
+        model,
+        random_batches(3, 2, 16, vocab=HF_VOCAB),
+        {"compiler": "eager", "n_persist": 0},
+        give_optimizer=True,
+    )
+    notes = rewrite_notes(r.plan)
+    assert len(notes) == 1 and "in chunks of 8 rows" in notes[0]
+    assert ("head and loss fused" in notes[0]) == fused
+    # eager's kernels, chunk by chunk: the same losses and parameters, bit for bit
+    assert r.losses == r.ref_losses and r.max_param_abs == 0.0 and r.max_param_update > 1e-3
+    if case == "hf-loss-and-logits":  # the logits the model returns are eager's
+        x = random_batches(1, 2, 16, vocab=HF_VOCAB, seed=5)[0][0]
+        with torch.no_grad():
+            r.compiled(x, x)
+            r.ref(x, x)
+        assert torch.equal(r.compiled.last_logits, r.ref.last_logits)
+
+
+def test_the_chunked_loss_with_inductor_and_autocast_matches_eager():
+    r = compare_with_eager(
+        LossOnly(hf_llama(tie_word_embeddings=False)),
+        random_batches(3, 2, 16, vocab=HF_VOCAB),
+        {"compiler": "inductor", "n_persist": 0},
+        give_optimizer=True,
+        autocast_dtype=torch.bfloat16,
+    )
+    assert len(rewrite_notes(r.plan)) == 1
+    # bf16: Inductor's fused kernels round unlike eager's (as without the pass)
+    assert r.max_loss_rel <= 2e-2 and r.max_param_update > 1e-3
+
+
+def test_what_is_not_exact_to_rewrite_stays_eagers():
+    r = compare_with_eager(
+        HandWritten(label_smoothing=0.1),
+        random_batches(2, 2, 16, vocab=HF_VOCAB),
+        {"compiler": "eager", "n_persist": 0},
+        give_optimizer=True,
+    )
+    assert rewrite_notes(r.plan) == [] and r.max_loss_rel == 0.0
+
+
+def test_no_tensor_of_the_logits_size_remains_in_the_graphs(monkeypatch):
+    """The joint, forward and backward graphs as the backend builds them: with the fused head and
+    loss, no node holds a tensor of tokens x vocab elements; without the pass, eager's graphs hold
+    several (the check can fail)."""
+    from protrain_fx import pipeline
+
+    run_stage = pipeline.run_stage
+
+    def big_nodes():
+        seen = []
+
+        def spy(stage, gm, plan, dump):
+            gm = run_stage(stage, gm, plan, dump)
+            for n in gm.graph.nodes:
+                val = n.meta.get("val")
+                for v in val if isinstance(val, (list, tuple)) else [val]:
+                    if (
+                        isinstance(v, torch.Tensor)
+                        and v.numel() == 32 * HF_VOCAB
+                        and HF_VOCAB in v.shape
+                    ):
+                        seen.append((stage, n.name))
+            return gm
+
+        monkeypatch.setattr(pipeline, "run_stage", spy)
+        model = LossOnly(hf_llama(tie_word_embeddings=False))
+        compiled = torch.compile(
+            model, backend="protrain", options={"compiler": "eager", "n_persist": 0}
+        )
+        x = random_batches(1, 2, 16, vocab=HF_VOCAB)[0][0]
+        compiled(x, x).backward()
+        return seen, get_plan(compiled)
+
+    seen, plan = big_nodes()
+    assert len(rewrite_notes(plan)) == 1 and seen == []
+    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "chunked_loss")
+    torch._dynamo.reset()
+    seen, plan = big_nodes()
+    assert rewrite_notes(plan) == [] and len(seen) >= 3
