@@ -444,6 +444,7 @@ def _prediction(
             "nonblock_bwd_ms": 1e3 * step.nonblock_bwd_s,
             "peak_bytes": step.peak_bytes,
             "transient_bytes": prof.transient_bytes,
+            "tail_bytes": prof.tail_bytes,
             "reserved_ratio": step.reserved_ratio,
             "fragmentation": prof.fragmentation,
             "saved_keep": static.saved.keep,

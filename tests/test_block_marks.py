@@ -30,6 +30,29 @@ def test_marks_time_every_block_and_keep_parity(monkeypatch, tmp_path, compiler)
     assert wheres == {(b, w) for b in range(3) for w in range(4)}
 
 
+def test_the_step_records_the_peak_after_the_last_blocks_backward():
+    """``tail_peak_bytes``: the highest allocation between the last block's backward exit and the
+    step's end (copies inside included), which the cost model adds to the resident gradients."""
+    M = block_timer.Mark
+    S = block_timer.STEP
+    marks = [
+        M(S, block_timer.STEP_START, 0.0, 100, 100),
+        M(0, block_timer.FWD_ENTER, 0.1, 110, 120),
+        M(0, block_timer.FWD_EXIT, 0.2, 150, 160),
+        M(S, block_timer.FWD_END, 0.3, 160, 400),  # the head and loss: their own peak
+        M(0, block_timer.BWD_ENTER, 0.4, 170, 300),
+        M(0, block_timer.BWD_EXIT, 0.5, 140, 210),
+        M(S, block_timer.COPY_START, 0.6, 150, 260),  # a chunk's gradient copied out
+        M(S, block_timer.COPY_END, 0.7, 150, 330),
+        M(S, block_timer.STEP_END, 0.8, 120, 250),
+    ]
+    step = block_timer.block_timings(marks)[S]
+    assert step["peak_bytes"] == 400 and step["start_allocated"] == 100
+    assert step["tail_peak_bytes"] == 330
+    no_blocks = [m for m in marks if m.block == S]
+    assert block_timer.block_timings(no_blocks)[S]["tail_peak_bytes"] == 0
+
+
 def test_no_marks_unless_asked(monkeypatch):
     monkeypatch.delenv("PROTRAIN_PROFILE_BLOCKS", raising=False)
     block_timer.RECORDER.clear()

@@ -278,10 +278,11 @@ class LayoutCosts:
     def peak_bytes(self, n_persist: int) -> int:
         """Resident parameters and moments, the chunk and gradient buffers, and the larger of the
         two ends of backward: at its start every saved activation (plus the cast copies of resident
-        parameters) and the transient; at its end the resident gradients (activations freed block by
-        block as gradients appear, so in between the sum stays under the larger end). With several
-        ranks the resident gradients are averaged in place (passes/resident_grads.py): no more
-        memory."""
+        parameters) and the transient; at its end the resident gradients and what the code after
+        the last block holds beside them (``tail_bytes``: the embedding's dense gradient, a tied
+        head's gradient held since backward began; activations are freed block by block as
+        gradients appear, so in between the sum stays under the larger end). With several ranks the
+        resident gradients are averaged in place (passes/resident_grads.py): no more memory."""
         prof = self.prof
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)  # params, moments
         grads = self.resident_bytes[n_persist]  # with several ranks too: averaged in place
@@ -290,7 +291,7 @@ class LayoutCosts:
         buffers = self.n_buffer * big * prof.transfer_elem + (
             GRAD_BUFFERS * big * prof.master_elem if big else 0
         )
-        live = max(self.activation_bytes + casts + self.transient_bytes, grads)
+        live = max(self.activation_bytes + casts + self.transient_bytes, grads + prof.tail_bytes)
         return int(math.ceil((states + buffers + live) * self.fragmentation))
 
     def host_bytes(self, n_persist: int) -> int:
@@ -427,7 +428,7 @@ class LayoutCosts:
             act -= kept[i]
             grads = grads_total * (n - i) // max(1, n)
             points.append([t, (static + max(act, 0) + grads) * frag, f"bwd block {i}"])
-        points.append([t_total, (static + grads_total) * frag, "step end"])
+        points.append([t_total, (static + grads_total + prof.tail_bytes) * frag, "step end"])
         return [[p[0], int(p[1]), p[2]] for p in points]
 
     def predict(self, n_persist: int) -> Prediction:
@@ -435,6 +436,7 @@ class LayoutCosts:
         parts.update(
             activation_bytes=self.activation_bytes,
             transient_bytes=self.transient_bytes,
+            tail_bytes=self.prof.tail_bytes,
             swapped_bytes=self.swapped_total(n_persist),
         )
         knobs = Knobs(

@@ -216,7 +216,8 @@ class Plan:
                 f"{1e3 * b['cpu_optim_s']:.1f} ms "
                 f"(beside backward); activations {format_bytes(b['activation_bytes'])}, "
                 "transient "
-                f"{format_bytes(b['transient_bytes'])}, swapped to the host "
+                f"{format_bytes(b['transient_bytes'])}, after the blocks "
+                f"{format_bytes(b.get('tail_bytes', 0))}, swapped to the host "
                 f"{format_bytes(b['swapped_bytes'])}; "
                 f"pinned host memory {format_bytes(p.get('host_bytes'))}"
             )

@@ -70,6 +70,9 @@ class GraphProfile:
     nonblock_saved_bytes: int = 0
     # largest working set of backward outside saved activations (logits, loss)
     transient_bytes: int = 0
+    # what the end of backward holds beside the resident gradients (after the last block: the
+    # embedding's dense gradient, a tied head's gradient, their sum)
+    tail_bytes: int = 0
     master_elem: int = 4
     transfer_elem: int = 2
     # forward saves a compute-dtype copy of resident parameters that autocast casts (offloaded

@@ -241,6 +241,10 @@ class StepProfile:
     # clock and NVML's clock throttle reasons at the end (a slow profile can then be told from a
     # slow host or GPU)
     conditions: dict = field(default_factory=dict)
+    # the highest allocation after the last block's backward, above start_bytes: what backward's
+    # end holds beside the resident gradients (a large embedding's dense gradient, a tied head's
+    # gradient held since backward began, their sum)
+    tail_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -373,7 +377,7 @@ def profile_step(
                 best["bwd"] = [min(a, b) for a, b in zip(best["bwd"], row["bwd"])]
                 for k in ("fwd_ms", "bwd_ms"):
                     best["step"][k] = min(best["step"][k], row["step"][k])
-                for k in ("peak_bytes", "start_allocated"):
+                for k in ("peak_bytes", "start_allocated", "tail_peak_bytes"):
                     best["step"][k] = max(best["step"][k], row["step"][k])
         timeline = block_timer.memory_timeline()
         conditions.update(loadavg_after=_loadavg(), **_device_clocks(device))
@@ -403,6 +407,9 @@ def profile_step(
         seconds=time.perf_counter() - t0,
         timeline=timeline,
         conditions=conditions,
+        tail_bytes=max(0, int(step["tail_peak_bytes"]) - int(step["start_allocated"]))
+        if step["tail_peak_bytes"]
+        else 0,
     )
 
 
@@ -509,6 +516,7 @@ def graph_profile(
         nonblock_bwd_s=step.nonblock_bwd_s,
         nonblock_saved_bytes=saved.nonblock_keep,
         transient_bytes=max(0, transient),
+        tail_bytes=step.tail_bytes,
         master_elem=master_elem,
         transfer_elem=transfer_elem,
         resident_cast_elem=resident_cast_elem,

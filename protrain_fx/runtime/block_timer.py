@@ -111,8 +111,9 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
     """Per block: forward and backward milliseconds (first enter to last leave, in that phase, less
     chunk copies) and the peak allocation inside each (after synchronizing the device when the
     points are CUDA events). With the step's marks present, block -1 holds the whole forward and
-    backward ("fwd_ms", "bwd_ms"), the step's peak ("peak_bytes") and what was allocated at its
-    start ("start_allocated")."""
+    backward ("fwd_ms", "bwd_ms"), the step's peak ("peak_bytes"), what was allocated at its
+    start ("start_allocated") and the peak after the last block's backward ("tail_peak_bytes": the
+    embedding's backward and the gradients' last accumulations; 0 without blocks)."""
     marks = RECORDER.marks if marks is None else marks
     if any(not isinstance(m.point, float) for m in marks):
         torch.cuda.synchronize()
@@ -138,11 +139,18 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
     }
     if len(where) == 3:
         s, f, e = where[STEP_START], where[FWD_END], where[STEP_END]
+        last_block = max(
+            (i for i, m in enumerate(marks) if m.block != STEP and m.where == BWD_EXIT and i < e),
+            default=None,
+        )
         out[STEP] = {
             "fwd_ms": _interval_ms(marks, s, f),
             "bwd_ms": _interval_ms(marks, f, e),
             "peak_bytes": max(m.peak for m in marks[s + 1 : e + 1]),
             "start_allocated": marks[s].allocated,
+            "tail_peak_bytes": 0
+            if last_block is None
+            else max(m.peak for m in marks[last_block + 1 : e + 1]),
         }
     return out
 
