@@ -31,8 +31,9 @@ def test_marks_time_every_block_and_keep_parity(monkeypatch, tmp_path, compiler)
 
 
 def test_the_step_records_the_peak_after_the_last_blocks_backward():
-    """``tail_peak_bytes``: the highest allocation between the last block's backward exit and the
-    step's end (copies inside included), which the cost model adds to the resident gradients."""
+    """``tail_bytes``: the highest allocation between the last block's backward exit and the step's
+    end (copies inside included), above the step's start; the cost model adds it to the resident
+    gradients."""
     M = block_timer.Mark
     S = block_timer.STEP
     marks = [
@@ -48,9 +49,9 @@ def test_the_step_records_the_peak_after_the_last_blocks_backward():
     ]
     step = block_timer.block_timings(marks)[S]
     assert step["peak_bytes"] == 400 and step["start_allocated"] == 100
-    assert step["tail_peak_bytes"] == 330
+    assert step["tail_bytes"] == 330 - 100
     no_blocks = [m for m in marks if m.block == S]
-    assert block_timer.block_timings(no_blocks)[S]["tail_peak_bytes"] == 0
+    assert block_timer.block_timings(no_blocks)[S]["tail_bytes"] == 0
 
 
 def test_no_marks_unless_asked(monkeypatch):

@@ -241,9 +241,7 @@ class StepProfile:
     # clock and NVML's clock throttle reasons at the end (a slow profile can then be told from a
     # slow host or GPU)
     conditions: dict = field(default_factory=dict)
-    # the highest allocation after the last block's backward, above start_bytes: what backward's
-    # end holds beside the resident gradients (a large embedding's dense gradient, a tied head's
-    # gradient held since backward began, their sum)
+    # what backward's end holds beside the resident gradients (block_timer: "tail_bytes")
     tail_bytes: int = 0
 
     def to_dict(self) -> dict:
@@ -377,7 +375,7 @@ def profile_step(
                 best["bwd"] = [min(a, b) for a, b in zip(best["bwd"], row["bwd"])]
                 for k in ("fwd_ms", "bwd_ms"):
                     best["step"][k] = min(best["step"][k], row["step"][k])
-                for k in ("peak_bytes", "start_allocated", "tail_peak_bytes"):
+                for k in ("peak_bytes", "start_allocated", "tail_bytes"):
                     best["step"][k] = max(best["step"][k], row["step"][k])
         timeline = block_timer.memory_timeline()
         conditions.update(loadavg_after=_loadavg(), **_device_clocks(device))
@@ -407,9 +405,7 @@ def profile_step(
         seconds=time.perf_counter() - t0,
         timeline=timeline,
         conditions=conditions,
-        tail_bytes=max(0, int(step["tail_peak_bytes"]) - int(step["start_allocated"]))
-        if step["tail_peak_bytes"]
-        else 0,
+        tail_bytes=int(step["tail_bytes"]),
     )
 
 

@@ -112,8 +112,9 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
     chunk copies) and the peak allocation inside each (after synchronizing the device when the
     points are CUDA events). With the step's marks present, block -1 holds the whole forward and
     backward ("fwd_ms", "bwd_ms"), the step's peak ("peak_bytes"), what was allocated at its
-    start ("start_allocated") and the peak after the last block's backward ("tail_peak_bytes": the
-    embedding's backward and the gradients' last accumulations; 0 without blocks)."""
+    start ("start_allocated") and the peak after the last block's backward above that start
+    ("tail_bytes": a large embedding's dense gradient, a tied head's gradient held since backward
+    began, their sum; 0 without blocks)."""
     marks = RECORDER.marks if marks is None else marks
     if any(not isinstance(m.point, float) for m in marks):
         torch.cuda.synchronize()
@@ -148,9 +149,9 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
             "bwd_ms": _interval_ms(marks, f, e),
             "peak_bytes": max(m.peak for m in marks[s + 1 : e + 1]),
             "start_allocated": marks[s].allocated,
-            "tail_peak_bytes": 0
+            "tail_bytes": 0
             if last_block is None
-            else max(m.peak for m in marks[last_block + 1 : e + 1]),
+            else max(0, max(m.peak for m in marks[last_block + 1 : e + 1]) - marks[s].allocated),
         }
     return out
 
