@@ -36,12 +36,22 @@ def inductor_joint_passes(joint: fx.GraphModule) -> fx.GraphModule:
 
 
 def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
-    """Inductor's inner compiler (keywords only: 2.13 added a positional parameter)."""
+    """Inductor's inner compiler (keywords only: 2.13 added a positional parameter), with
+    protrain's ops in its FX graph cache key: the key sees a graph's code, not what the custom ops
+    it calls return (a cached graph asserting an older op's outputs failed on a newer one), so the
+    key's ``cache_key_tag`` gets :func:`protrain_fx.runtime.ops.fingerprint`."""
     from torch._inductor.compile_fx import compile_fx_inner as inner
     from torch._inductor.utils import BoxedBool
 
+    from protrain_fx.runtime.ops import fingerprint
+
     kwargs.setdefault("cudagraphs", BoxedBool(False))
-    return inner(gm, example_inputs, **kwargs)
+    cfg = torch.compiler.config
+    if not hasattr(cfg, "cache_key_tag"):
+        return inner(gm, example_inputs, **kwargs)
+    tag = ";".join(t for t in (cfg.cache_key_tag, fingerprint()) if t)
+    with cfg.patch(cache_key_tag=tag):
+        return inner(gm, example_inputs, **kwargs)
 
 
 def forward_static_input_idxs(num_dynamo_inputs: int, num_fw_inputs: int) -> list[int]:

@@ -225,3 +225,28 @@ def test_no_tensor_of_the_logits_size_remains_in_the_graphs(monkeypatch):
     torch._dynamo.reset()
     seen, plan = big_nodes()
     assert rewrite_notes(plan) == [] and len(seen) >= 3
+
+
+def test_inductors_cache_key_carries_protrains_ops(monkeypatch):
+    """Inductor's FX graph cache keys a graph by its code, not by what protrain's custom ops
+    return: a graph compiled against an earlier version of an op failed its output assertion after
+    the op changed. protrain adds its version and a digest of its ops' modules to the key's tag,
+    beside the user's own tag."""
+    import torch._inductor.compile_fx as compile_fx
+    import torch.fx as fx
+
+    from protrain_fx import _compat
+    from protrain_fx.runtime.ops import fingerprint
+
+    seen = []
+
+    def inner(gm, example_inputs, **kwargs):
+        seen.append(torch.compiler.config.cache_key_tag)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", inner)
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "user-tag")
+    _compat.compile_fx_inner(fx.symbolic_trace(lambda x: x + 1), [torch.ones(1)])
+    assert seen == [f"user-tag;{fingerprint()}"]
+    assert torch.compiler.config.cache_key_tag == "user-tag"
+    assert fingerprint().startswith("protrain-")
