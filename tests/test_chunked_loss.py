@@ -126,8 +126,7 @@ def rewrite_notes(plan) -> list[str]:
 @pytest.mark.parametrize(
     "case",
     [
-        "hf-tied-loss-only",
-        "hf-untied-loss-only",
+        "hf-tied-loss-only",  # untied and fused: under Inductor and autocast below
         "hf-loss-and-logits",
         "hf-num-items",
         "hand-written",
@@ -136,8 +135,6 @@ def rewrite_notes(plan) -> list[str]:
 def test_models_train_like_eager_with_the_chunked_loss_and_offloaded_chunks(case):
     if case == "hf-tied-loss-only":
         model, fused = LossOnly(hf_llama()), True
-    elif case == "hf-untied-loss-only":
-        model, fused = LossOnly(hf_llama(tie_word_embeddings=False)), True
     elif case == "hf-loss-and-logits":
         model, fused = LossAndLogits(hf_llama()), False
     elif case == "hf-num-items":  # reduction="sum", divided by the trainer's token count
@@ -146,7 +143,7 @@ def test_models_train_like_eager_with_the_chunked_loss_and_offloaded_chunks(case
         model, fused = HandWritten(reduction="sum"), True
     r = compare_with_eager(
         model,
-        random_batches(3, 2, 16, vocab=HF_VOCAB),
+        random_batches(2, 2, 16, vocab=HF_VOCAB),
         {"compiler": "eager", "n_persist": 0},
         give_optimizer=True,
     )
@@ -166,7 +163,7 @@ def test_models_train_like_eager_with_the_chunked_loss_and_offloaded_chunks(case
 def test_the_chunked_loss_with_inductor_and_autocast_matches_eager():
     r = compare_with_eager(
         LossOnly(hf_llama(tie_word_embeddings=False)),
-        random_batches(3, 2, 16, vocab=HF_VOCAB),
+        random_batches(2, 2, 16, vocab=HF_VOCAB),
         {"compiler": "inductor", "n_persist": 0},
         give_optimizer=True,
         autocast_dtype=torch.bfloat16,
