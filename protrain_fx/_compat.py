@@ -39,17 +39,18 @@ def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs
     """Inductor's inner compiler (keywords only: 2.13 added a positional parameter), with
     protrain's ops in its FX graph cache key: the key sees a graph's code, not what the custom ops
     it calls return (a cached graph asserting an older op's outputs failed on a newer one), so the
-    key's ``cache_key_tag`` gets :func:`protrain_fx.runtime.ops.fingerprint`."""
+    key's ``cache_key_tag`` gets :func:`protrain_fx._version.ops_fingerprint`."""
     from torch._inductor.compile_fx import compile_fx_inner as inner
     from torch._inductor.utils import BoxedBool
 
-    from protrain_fx.runtime.ops import fingerprint
+    from protrain_fx._version import ops_fingerprint
 
     kwargs.setdefault("cudagraphs", BoxedBool(False))
     cfg = torch.compiler.config
-    if not hasattr(cfg, "cache_key_tag"):
+    user_tag = getattr(cfg, "cache_key_tag", None)  # None: a torch without it
+    if user_tag is None:
         return inner(gm, example_inputs, **kwargs)
-    tag = ";".join(t for t in (cfg.cache_key_tag, fingerprint()) if t)
+    tag = ";".join(t for t in (user_tag, ops_fingerprint()) if t)
     with cfg.patch(cache_key_tag=tag):
         return inner(gm, example_inputs, **kwargs)
 

@@ -233,7 +233,7 @@ def test_inductors_cache_key_carries_protrains_ops(monkeypatch):
     import torch.fx as fx
 
     from protrain_fx import _compat
-    from protrain_fx.runtime.ops import fingerprint
+    from protrain_fx._version import ops_fingerprint as fingerprint
 
     seen = []
 
@@ -242,8 +242,9 @@ def test_inductors_cache_key_carries_protrains_ops(monkeypatch):
         return gm.forward
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", inner)
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "user-tag")
-    _compat.compile_fx_inner(fx.symbolic_trace(lambda x: x + 1), [torch.ones(1)])
+    # the config module's own patch: setting and restoring its attributes by hand hides them
+    with torch.compiler.config.patch(cache_key_tag="user-tag"):
+        _compat.compile_fx_inner(fx.symbolic_trace(lambda x: x + 1), [torch.ones(1)])
+        assert torch.compiler.config.cache_key_tag == "user-tag"
     assert seen == [f"user-tag;{fingerprint()}"]
-    assert torch.compiler.config.cache_key_tag == "user-tag"
     assert fingerprint().startswith("protrain-")

@@ -40,28 +40,12 @@ key does not see it).
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
 from typing import List
 
 import torch
 from torch.library import custom_op
 
 from protrain_fx.runtime import block_timer, chunk_store, distributed, swap_pool
-
-
-@functools.lru_cache(maxsize=None)
-def fingerprint() -> str:
-    """protrain's version and a digest of the modules that define its custom ops (this one and
-    loss_ops.py): part of Inductor's cache key (protrain_fx/_compat.py)."""
-    from protrain_fx._version import __version__
-
-    digest = hashlib.sha256()
-    for name in ("ops.py", "loss_ops.py"):
-        with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
-            digest.update(f.read())
-    return f"protrain-{__version__}-{digest.hexdigest()[:16]}"
 
 
 def _token(device: torch.device) -> torch.Tensor:
