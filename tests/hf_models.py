@@ -49,5 +49,17 @@ def hf_loss_no_cache(model, x, y=None):
     return model(input_ids=x, labels=x, use_cache=False).loss
 
 
+class LossOnly(torch.nn.Module):
+    """An HF causal LM called as ``(x, y) -> loss`` with its own loss (labels = inputs), returning
+    the loss alone: its logits feed nothing else."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x, y):
+        return self.lm(input_ids=x, labels=x, use_cache=False).loss
+
+
 def largest_param_bytes(model) -> int:
     return max(p.numel() * p.element_size() for p in model.parameters())

@@ -6,7 +6,7 @@ remains in the graphs of a model that returns the loss alone."""
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import HF_VOCAB, hf_llama
+from hf_models import HF_VOCAB, LossOnly, hf_llama
 
 from protrain_fx.plan.plan import get_plan
 from protrain_fx.runtime import loss_ops  # noqa: F401
@@ -61,17 +61,6 @@ def test_the_ops_pass_torchs_custom_op_checks():
 
 
 # --------------------------------------------------------------------------------- the models
-class LossOnly(torch.nn.Module):
-    """Returns the loss alone: the logits feed nothing else, so head and loss are fused."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, x, y):
-        return self.lm(input_ids=x, labels=x, use_cache=False).loss
-
-
 class LossAndLogits(torch.nn.Module):
     """Hugging Face's output as the model returns it: loss and logits (the logits stay)."""
 

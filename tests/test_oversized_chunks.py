@@ -3,25 +3,15 @@ vocabulary's embedding or untied head) gets a chunk of its own, and every placem
 (resident, offloaded) trains exactly like eager PyTorch."""
 
 import pytest
-import torch
-from hf_models import hf_llama
+from hf_models import LossOnly, hf_llama
 
 from protrain_fx.testing import compare_with_eager, random_batches
 
 VOCAB = 2048  # 2048 x 64 fp32 = 512 KiB, against 32 KiB for the blocks' largest matrix
 
 
-class LossOf(torch.nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, x, y):
-        return self.lm(input_ids=x, labels=x, use_cache=False).loss
-
-
 def model(tied: bool):
-    return LossOf(
+    return LossOnly(
         hf_llama(
             vocab_size=VOCAB,
             hidden_size=64,
