@@ -105,7 +105,10 @@ class ChunkBuffers:
         self.slots: list[Slot] = []
         self.streams = streams_of(device)
         self._clock = 0
-        self._lock = threading.Lock()
+        # reentrant: a collected store's finalizer (chunk_store._forget_store, run by a garbage
+        # collection that any allocation may start) calls forget_store, also on a thread inside this
+        # lock
+        self._lock = threading.RLock()
         self._generation: dict[tuple, int] = {}  # (store id, chunk) -> times its values changed
         self.stats = {"h2d_copies": 0, "h2d_bytes": 0, "slot_hits": 0, "unprefetched_gathers": 0}
 
@@ -304,10 +307,10 @@ def grad_buffers(device: torch.device, dtype: torch.dtype, numel: int) -> GradBu
 def release_unused(live_keys: set) -> None:
     """Free the buffers of sizes no live store uses any more (a deleted model's)."""
     for table in (_BUFFERS, _GRAD_BUFFERS):
-        for key in [k for k in table if k not in live_keys]:
+        for key in [k for k in list(table) if k not in live_keys]:
             del table[key]
 
 
 def reset_all() -> None:
-    for b in _BUFFERS.values():
+    for b in list(_BUFFERS.values()):
         b.reset()

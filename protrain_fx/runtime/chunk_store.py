@@ -431,7 +431,7 @@ def _forget_store(store_id: int) -> None:
     if store.buffers is not None:
         store.buffers.forget_store(store_id)
     live = set()
-    for s in _STORES.values():
+    for s in list(_STORES.values()):
         if s.buffers is not None:
             live.add((s.device, s.param_dtype, s.buffers.numel))
             live.add((s.device, s.master_dtype, s.grad_buffers.numel))
