@@ -19,9 +19,11 @@ fp32 loss and gradient a chunk of rows at a time:
 Only what is exact is rewritten: no class weights, no label smoothing, ``reduction`` ``"mean"`` or
 ``"sum"``, an fp32 loss (as eager computes it after ``float()`` or under autocast), a vocabulary of
 static size. The op runs eager's kernels a chunk at a time, so loss and gradients are eager's
-bit for bit (a test checks it). The fused op costs one more matmul of the head's size in backward;
-the profiler measures the rewritten graph, so the cost model prices it. The pass records each
-rewrite in ``plan.notes``. ``PROTRAIN_DISABLE_PASSES=chunked_loss`` keeps eager's loss.
+bit for bit (a test checks it); the fused op's logits come from a matmul of the chunk's rows, which
+some BLAS (AMD EPYC's) rounds by an ulp otherwise than the same rows of the whole matmul. The fused
+op costs one more matmul of the head's size in backward; the profiler measures the rewritten graph,
+so the cost model prices it. The pass records each rewrite in ``plan.notes``.
+``PROTRAIN_DISABLE_PASSES=chunked_loss`` keeps eager's loss.
 """
 
 from __future__ import annotations
