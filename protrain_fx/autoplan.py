@@ -207,9 +207,11 @@ def choose(
             path,
             failed,
         )
+    unlowered = None  # the budget before a failed plan lowered it
     if failed:
         margin = int(min(failed) * FAILED_PEAK_MARGIN)
         if margin < budget:
+            unlowered = budget
             budget, budget_why = (
                 margin,
                 (
@@ -336,23 +338,41 @@ def choose(
         n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"]
     )
     prog.line(f"searching the plans under a budget of {format_bytes(budget)}")
-    try:  # every rank searches; rank 0's outcome is the one every rank runs (distributed.py)
-        # n_persist = every chunk, which depends on the chunk size: one search per size
+
+    def searched(budget):
+        """The search under ``budget``; n_persist = every chunk depends on the chunk size, so
+        all-resident searches once per size."""
         if all_resident:
             results = [
                 search([p], hw, budget, host_budget, n_persist=len(p.chunks), **knobs_given)
                 for p in profiles
             ]
             res = min(results, key=lambda r: (r.best.time_s, r.best.peak_bytes))
-            res = dataclasses.replace(
+            return dataclasses.replace(
                 res,
                 evaluated=sum(r.evaluated for r in results),
                 seconds=sum(r.seconds for r in results),
             )
-        else:
-            res = search(
-                profiles, hw, budget, host_budget, n_persist=fixed["n_persist"], **knobs_given
+        return search(
+            profiles, hw, budget, host_budget, n_persist=fixed["n_persist"], **knobs_given
+        )
+
+    try:  # every rank searches; rank 0's outcome is the one every rank runs (distributed.py)
+        try:
+            res = searched(budget)
+        except NoPlanFits as e:
+            # under 90% of a failed plan's peak nothing fits, but a plan smaller than the failed one
+            # does: the smallest
+            smallest = e.min_device_bytes
+            if unlowered is None or smallest is None or smallest >= min(failed + [unlowered + 1]):
+                raise
+            budget, budget_why = (
+                smallest,
+                "the smallest plan's peak: 90% of the peak of a plan of this graph that ran out "
+                f"of memory ({format_bytes(min(failed))}) is below it",
             )
+            notes.append(f"budget raised to {format_bytes(budget)}: {budget_why}")
+            res = searched(budget)
     except NoPlanFits as e:
         hint = (
             (

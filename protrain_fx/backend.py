@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import weakref
 from typing import Sequence
@@ -32,21 +31,21 @@ import torch
 import torch._guards
 import torch.fx as fx
 
-from protrain_fx import _compat, autoplan, config, pipeline, placement, plan_cache, progress
+from protrain_fx import _compat, autoplan, config, pipeline, placement, progress
+from protrain_fx.compiled_graph import ProtrainGraph, StepOutOfMemory  # noqa: F401 (re-exported)
 from protrain_fx.errors import OptionsError, ProtrainError
 from protrain_fx.graph.blocks import detect_blocks
 from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.fx import copy_graph_module, saved_names
 from protrain_fx.graph.inputs import capture_graph_inputs
 from protrain_fx.machine import allocator
-from protrain_fx.options import Options, forget_optimizer, format_bytes
+from protrain_fx.options import Options, forget_optimizer
 from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
 from protrain_fx.profiling import profiler
-from protrain_fx.profiling.step_meter import StepMeter
 from protrain_fx.report.dump import GraphDump
-from protrain_fx.runtime import distributed, ops  # noqa: F401  (ops: registers the protrain:: custom ops)
-from protrain_fx.runtime.binding import GraphBinding, on_error, runtime_guard
+from protrain_fx.runtime import distributed, ops, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
+from protrain_fx.runtime.binding import on_error, runtime_guard
 from protrain_fx.runtime.optimizer_lookup import find_optimizer
 from protrain_fx.runtime.param_values import placement_snapshot
 
@@ -287,172 +286,11 @@ def protrain_backend(
         restore()  # a failed compile leaves the model as it was
         raise
     graph = ProtrainGraph(
-        eager_graph, graph_inputs, params, options, merged, opts.optimizer, example_inputs
+        eager_graph, graph_inputs, params, options, merged, opts.optimizer, example_inputs, _compile
     )
     graph.install(compiled, plan, device, choice, opts)
     progress.end()
     return graph
-
-
-class ProtrainGraph:
-    """One dynamo graph as protrain runs it: the compiled code, bound at each call to the parameters
-    it is called with (binding.py), measured by its StepMeter, and what a CUDA out-of-memory error
-    inside it does.
-
-    A forward that runs out of memory under an automatic plan has changed nothing yet (runtime_guard
-    has reset the buffers): the plan is marked failed in the plan cache (never served again), the
-    graph is planned anew with its predictions kept under 90% of the failed plan's predicted peak
-    (the chunk placement stays: the optimizer's state lives in it; activation knobs and buffers are
-    searched), and the forward is redone on the same inputs; one line says so. A backward that runs
-    out of memory cannot be redone without the user's forward: the plan is marked failed, the next
-    forward re-plans first, and :class:`StepOutOfMemory` (a ``torch.OutOfMemoryError``) says that
-    the step's gradients are dropped and the batch can be redone after ``opt.zero_grad()`` (nothing
-    of the step was applied)."""
-
-    MAX_REPLANS = 3
-
-    def __init__(
-        self, eager_graph, graph_inputs, params: list, options, merged, optimizer, example_inputs
-    ):
-        self._eager_graph = eager_graph  # as dynamo traced it: for re-planning
-        self._graph_inputs = graph_inputs
-        self._params = [None if p is None else weakref.ref(p) for p in params]
-        # a graph with symbolic sizes (dynamic shapes) is re-planned as it was compiled: under
-        # dynamo's tracing context (its fake mode knows the example inputs' symbolic sizes) on its
-        # example inputs (the parameters among them held weakly); a re-plan from a call's concrete
-        # inputs would specialize it
-        self._symbolic = any(isinstance(e, torch.SymInt) for e in example_inputs)
-        param_positions = {gi.index for gi, p in zip(graph_inputs, params) if p is not None}
-        self._examples = [None if i in param_positions else e for i, e in enumerate(example_inputs)]
-        self._tracing = torch._guards.TracingContext.try_get() if self._symbolic else None
-        # the user's dict (get_plan finds plans by it) and it over the defaults; their optimizer
-        # held weakly
-        self._options, self._merged = options, merged
-        # given or found
-        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
-        self.replans = 0
-        # a backward ran out of memory: re-plan before the next forward
-        self._pending: str | None = None
-
-    def install(self, compiled, plan: Plan, device, choice, opts: Options) -> None:
-        live = [r() for r in self._params if r is not None]
-        positions = [gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None]
-        self.binding = GraphBinding(
-            plan.graph_name, positions, live, opts.optimizer, self._eager_graph
-        )
-        if distributed.world().sharded:
-            compiled = _after_resident_grads(compiled)
-        self.plan, self.device = plan, device
-        # of an automatic plan (nothing that holds the optimizer): where it is cached, what failed
-        # before
-        self.choice = None if choice is None else dataclasses.replace(choice, options=None)
-        if choice is not None:
-            plan.predicted = choice.predicted
-            plan.notes += choice.notes
-            path = choice.cache_path
-            compiled = StepMeter(
-                plan, device, lambda p, outcome=None: plan_cache.save_plan(path, p, outcome)
-            ).wrap(compiled)
-        self.compiled = compiled
-        plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
-
-    def __call__(self, *args):
-        if self._pending is not None:
-            detail, self._pending = self._pending, None
-            self._replan(args, detail, "backward")
-        try:
-            return self.binding(self.compiled, args)
-        except torch.OutOfMemoryError as e:
-            if (
-                self.choice is None
-                or self.replans >= self.MAX_REPLANS
-                or isinstance(e, StepOutOfMemory)
-            ):
-                raise
-            self._replan(args, str(e).splitlines()[0], "forward")
-            return self(*args)
-
-    def _backward_ran_out(self, e: BaseException) -> BaseException:
-        """From the backward's guard: what to raise instead of ``e``."""
-        if self.choice is None or self.replans >= self.MAX_REPLANS:
-            return e
-        detail = str(e).splitlines()[0]
-        self._mark_failed(detail)
-        self._pending = detail
-        return StepOutOfMemory(
-            f"protrain: out of device memory in the backward of graph {self.plan.graph_name} "
-            f"({detail}); the plan "
-            "(predicted peak "
-            + format_bytes((self.plan.predicted or {}).get("peak_bytes"))
-            + ") is marked failed "
-            "and the next forward re-plans with a margin. Nothing of this step was applied: call "
-            "opt.zero_grad() "
-            "and redo the batch (or skip it)"
-        )
-
-    def _mark_failed(self, detail: str) -> None:
-        if self.choice is not None and self.choice.cache_path:
-            plan_cache.save_plan(
-                self.choice.cache_path, self.plan, {"status": "oom", "detail": detail}
-            )
-
-    def _replan(self, args, detail: str, where: str) -> None:
-        self.replans += 1
-        failed = (self.plan.predicted or {}).get("peak_bytes")
-        if where == "forward":
-            self._mark_failed(detail)
-        log.warning(
-            "protrain: out of device memory in the %s of graph %s (%s) under a plan "
-            "predicted to peak at "
-            "%s; re-planning with its predictions under %.0f%% of that and %s",
-            where,
-            self.plan.graph_name,
-            detail,
-            format_bytes(failed),
-            100 * autoplan.FAILED_PEAK_MARGIN,
-            "redoing the forward on the same inputs" if where == "forward" else "going on",
-        )
-        import gc
-
-        gc.collect()
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        params = [
-            None if r is None else args[gi.index] for gi, r in zip(self._graph_inputs, self._params)
-        ]
-        self._params = [None if p is None else weakref.ref(p) for p in params]
-        opts = Options.from_dict(self._merged)
-        if opts.optimizer is None and self._optimizer is not None and self._optimizer() is not None:
-            # the one found at compile time
-            opts = dataclasses.replace(opts, optimizer=self._optimizer())
-        peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
-        gm = copy_graph_module(self._eager_graph)
-        examples = list(args)
-        if self._symbolic and self._tracing is not None:
-            examples = [a if e is None else e for a, e in zip(args, self._examples)]
-        with (
-            torch._guards.tracing(self._tracing)
-            if self._tracing is not None
-            else contextlib.nullcontext()
-        ):
-            compiled, plan, device, choice = _compile(
-                gm,
-                examples,
-                self._graph_inputs,
-                params,
-                opts,
-                self._options,
-                failed_peaks=peaks,
-                graph_name=self.plan.graph_name,
-            )
-        plan.notes.append(
-            f"re-planned after running out of device memory in the {where} ({detail})"
-        )
-        self.install(compiled, plan, device, choice, opts)
-
-
-class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
-    """A backward under an automatic plan ran out of device memory (see :class:`ProtrainGraph`)."""
 
 
 def _compile(
@@ -505,15 +343,3 @@ def _compile(
     with prog.phase("compile", f"compiling the plan (aot_autograd, passes, {opts.compiler})"):
         compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
     return compiled, plan, device, choice
-
-
-def _after_resident_grads(compiled):
-    """Data parallel: the graph's backward adds to resident gradients, so their all-reduces still in
-    flight from the last backward finish first (distributed.wait_resident_grads)."""
-
-    @functools.wraps(compiled)
-    def run(*args):
-        distributed.wait_resident_grads()
-        return compiled(*args)
-
-    return run

@@ -33,6 +33,7 @@ LAYERS = [
             "placement",
             "pipeline",
             "backend",
+            "compiled_graph",
             "testing",
             "__init__",
             "integrations",

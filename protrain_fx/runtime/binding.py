@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from protrain_fx.errors import ProtrainError
-from protrain_fx.runtime import chunk_buffers, hybrid_optim, swap_pool
+from protrain_fx.runtime import chunk_buffers, chunk_grads, hybrid_optim, swap_pool
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
 
 log = logging.getLogger("protrain_fx")
@@ -69,6 +69,7 @@ def runtime_guard(fn):
     def reset(e):
         chunk_buffers.reset_all()
         swap_pool.reset_all()
+        chunk_grads.forget_end_of_backward()
         return e
 
     return on_error(fn, BaseException, reset)

@@ -21,7 +21,7 @@ import torch
 
 from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
-from protrain_fx.runtime import distributed, mapped
+from protrain_fx.runtime import distributed, mapped, step_redo
 from protrain_fx.runtime.worker import WORKER
 
 N_STAGING = 4
@@ -52,6 +52,12 @@ class _Backward:
 
     queued = False
     touched: dict = {}  # (store id, entry) -> gradient version when protrain set it
+
+
+def forget_end_of_backward() -> None:
+    """A backward that raised: the callback it queued never runs (its graph task failed), so the
+    next backward queues its own."""
+    _Backward.queued = False
 
 
 def _end_of_backward() -> None:
@@ -161,6 +167,9 @@ class ChunkGrads:
         accumulator on the host worker. While profiling, gradients are dropped."""
         if self.profiling:
             return
+        key = (self.id, chunk, tuple(members))
+        if not step_redo.first_time(key):  # a redone backward: handed over before it ran out
+            return
         if self.optimizer is not None:
             # takes back a step of this chunk not yet committed
             self.optimizer.before_chunk_grad(self, chunk)
@@ -210,6 +219,7 @@ class ChunkGrads:
                 self._has_grad.add(i)
         if self.optimizer is not None:
             self.optimizer.after_chunk_grad(self, chunk, members)
+        step_redo.handed_over(key)
         _queue_end_of_backward()
 
     def _accumulate(self, acc: torch.Tensor, staged: torch.Tensor, parts, event) -> None:

@@ -1,0 +1,385 @@
+"""A compiled dynamo graph as protrain runs it (:class:`ProtrainGraph`), and what a CUDA
+out-of-memory error inside one of its calls does: a forward is re-planned and redone; a backward is
+re-planned and redone inside ``loss.backward()`` by replaying the forward (:class:`_RedoableCall`),
+or, where the call cannot be replayed, raises :class:`StepOutOfMemory`. The compile itself is
+protrain_fx/backend.py's, handed in."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import weakref
+
+import torch
+import torch._guards
+
+from protrain_fx import autoplan, plan_cache
+from protrain_fx.errors import NoPlanFits, ProtrainError
+from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.options import Options, format_bytes
+from protrain_fx.plan.plan import Plan
+from protrain_fx.profiling.step_meter import StepMeter
+from protrain_fx.runtime import distributed, step_redo
+from protrain_fx.runtime.binding import GraphBinding
+
+log = logging.getLogger("protrain_fx")
+
+
+class ProtrainGraph:
+    """One dynamo graph as protrain runs it: the compiled code, bound at each call to the parameters
+    it is called with (binding.py), measured by its StepMeter, and what a CUDA out-of-memory error
+    inside it does.
+
+    A forward that runs out of memory under an automatic plan has changed nothing yet (runtime_guard
+    has reset the buffers): the plan is marked failed in the plan cache (never served again), the
+    graph is planned anew with its predictions kept under 90% of the failed plan's predicted peak
+    (the chunk placement stays: the optimizer's state lives in it; activation knobs and buffers are
+    searched), and the forward is redone on the same inputs; one line says so.
+
+    A backward is redone the same way. A training call of a graph whose inputs other than
+    parameters need no gradient (a whole model's: token ids, labels, masks) runs as one
+    :class:`_RedoableCall`: it keeps the call's inputs, random-number state and autocast state, and
+    its backward runs the compiled backward itself, recording which chunks' gradients it hands over
+    (protrain_fx/runtime/step_redo.py). Out of memory there, the plan is marked failed, the graph is
+    re-planned, the forward replayed on the same inputs with the same random numbers, and the
+    backward run again, handing over only the chunks not handed over before; resident parameters'
+    gradients reach ``.grad`` only when a backward completes. The user's ``loss.backward()`` returns
+    as if nothing happened, one line says what did; nothing is lost or applied twice. A graph fed
+    activations that need gradients (regional compilation, a graph break) cannot be replayed without
+    keeping them: there, and after ``MAX_REPLANS`` re-plans, :class:`StepOutOfMemory` (a
+    ``torch.OutOfMemoryError``) says that the step's gradients are incomplete and the batch can be
+    redone after ``opt.zero_grad()``, and the next forward re-plans first."""
+
+    MAX_REPLANS = 3
+
+    def __init__(
+        self,
+        eager_graph,
+        graph_inputs,
+        params: list,
+        options,
+        merged,
+        optimizer,
+        example_inputs,
+        compile_graph,
+    ):
+        # backend._compile: (gm, examples, graph inputs, params, opts, options, failed_peaks=,
+        # graph_name=) -> (compiled, plan, device, choice)
+        self._compile = compile_graph
+        self._eager_graph = eager_graph  # as dynamo traced it: for re-planning
+        self._graph_inputs = graph_inputs
+        self._params = [None if p is None else weakref.ref(p) for p in params]
+        # a graph with symbolic sizes (dynamic shapes) is re-planned as it was compiled: under
+        # dynamo's tracing context (its fake mode knows the example inputs' symbolic sizes) on its
+        # example inputs (the parameters among them held weakly); a re-plan from a call's concrete
+        # inputs would specialize it
+        self._symbolic = any(isinstance(e, torch.SymInt) for e in example_inputs)
+        param_positions = {gi.index for gi, p in zip(graph_inputs, params) if p is not None}
+        self._examples = [None if i in param_positions else e for i, e in enumerate(example_inputs)]
+        self._tracing = torch._guards.TracingContext.try_get() if self._symbolic else None
+        # the user's dict (get_plan finds plans by it) and it over the defaults; their optimizer
+        # held weakly
+        self._options, self._merged = options, merged
+        # given or found
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        self.replans = 0
+        # a backward ran out of memory: re-plan before the next forward
+        self._pending: str | None = None
+
+    def install(self, compiled, plan: Plan, device, choice, opts: Options) -> None:
+        live = [r() for r in self._params if r is not None]
+        positions = [gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None]
+        self.binding = GraphBinding(
+            plan.graph_name, positions, live, opts.optimizer, self._eager_graph
+        )
+        if distributed.world().sharded:
+            compiled = _after_resident_grads(compiled)
+        self.plan, self.device = plan, device
+        # of an automatic plan (nothing that holds the optimizer): where it is cached, what failed
+        # before
+        self.choice = None if choice is None else dataclasses.replace(choice, options=None)
+        if choice is not None:
+            plan.predicted = choice.predicted
+            plan.notes += choice.notes
+            path = choice.cache_path
+            compiled = StepMeter(
+                plan, device, lambda p, outcome=None: plan_cache.save_plan(path, p, outcome)
+            ).wrap(compiled)
+        self.compiled = compiled
+        plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
+
+    def __call__(self, *args):
+        if self._pending is not None:
+            detail, self._pending = self._pending, None
+            self._replan(args, detail, "backward")
+        if self.choice is not None and torch.is_grad_enabled() and self._replayable(args):
+            out = _RedoableCall.apply(self, *args)
+            return list(out) if self._returns_list else out
+        return self._forward(args)
+
+    def _forward(self, args):
+        try:
+            out = self.binding(self.compiled, args)
+        except torch.OutOfMemoryError as e:
+            if (
+                self.choice is None
+                or self.replans >= self.MAX_REPLANS
+                or isinstance(e, StepOutOfMemory)
+            ):
+                raise
+            self._replan(args, str(e).splitlines()[0], "forward")
+            return self._forward(args)
+        self._returns_list = isinstance(out, list)
+        return out
+
+    _returns_list = False
+
+    def _replayable(self, args) -> bool:
+        """Whether a backward of this call can be redone: some parameter needs a gradient and no
+        other input does (those are activations of code outside the graph, which a replay would
+        have to keep)."""
+        params = {gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None}
+        wants = False
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                if i not in params:
+                    return False
+                wants = True
+        return wants
+
+    def _backward(self, call: "_CallRecord", grads) -> None:
+        """The backward of one :class:`_RedoableCall`: see the class docstring."""
+        while True:
+            pairs = [
+                (o, g)
+                for o, g in zip(call.outputs, grads)
+                if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
+            ]
+            if not pairs:
+                return
+            try:
+                self._redoing = True
+                with step_redo.handing_over(call.handed_over):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                return
+            except torch.OutOfMemoryError as e:
+                if self.replans >= self.MAX_REPLANS or isinstance(e, StepOutOfMemory):
+                    raise self._backward_gave_up(str(e).splitlines()[0]) from e
+                detail = str(e).splitlines()[0]
+            finally:
+                self._redoing = False
+            del pairs
+            call.outputs = None  # the failed backward's saved activations go
+            self._mark_failed(detail)
+            try:
+                with call.ambient():
+                    self._replan(call.args, detail, "backward", len(call.handed_over))
+                    call.outputs = call.replay(self._forward)
+            except NoPlanFits as e:  # no plan below the failed one: the batch cannot be redone
+                raise self._backward_gave_up(detail, str(e)) from e
+
+    def _backward_ran_out(self, e: BaseException) -> BaseException:
+        """From the backward's guard: what to raise instead of ``e``."""
+        if self._redoing or self.choice is None:  # _backward handles it; a fixed plan: as it is
+            return e
+        return self._backward_gave_up(str(e).splitlines()[0])
+
+    _redoing = False
+
+    def _backward_gave_up(self, detail: str, no_plan: str | None = None) -> BaseException:
+        """What a backward that ran out of memory (``detail``) and is not redone raises;
+        ``no_plan``: why no smaller plan exists."""
+        self._mark_failed(detail)
+        if self.replans < self.MAX_REPLANS and no_plan is None:
+            self._pending = detail
+        return StepOutOfMemory(
+            f"protrain: out of device memory in the backward of graph {self.plan.graph_name} "
+            f"({detail}); the plan "
+            "(predicted peak "
+            + format_bytes((self.plan.predicted or {}).get("peak_bytes"))
+            + ") is marked failed"
+            + (
+                " and the next forward re-plans with a margin"
+                if self._pending
+                else f" after {self.replans} re-plans"
+                if no_plan is None
+                else f"; no smaller plan exists ({no_plan})"
+            )
+            + ". The step's gradients are incomplete and nothing of it was applied: call "
+            "opt.zero_grad() and redo the batch (or skip it)"
+        )
+
+    def _mark_failed(self, detail: str) -> None:
+        if self.choice is not None and self.choice.cache_path:
+            plan_cache.save_plan(
+                self.choice.cache_path, self.plan, {"status": "oom", "detail": detail}
+            )
+
+    def _replan(self, args, detail: str, where: str, handed_over: int | None = None) -> None:
+        """``handed_over``: a backward to be redone, which had handed over that many chunks'
+        gradients."""
+        self.replans += 1
+        failed = (self.plan.predicted or {}).get("peak_bytes")
+        if where == "forward":
+            self._mark_failed(detail)
+        if where == "forward":
+            then = "redoing the forward on the same inputs"
+        elif handed_over is not None:
+            then = (
+                "redoing the step's forward and backward on the same inputs (the "
+                f"{handed_over} chunk gradients handed over before are kept, not added again)"
+            )
+        else:
+            then = "going on"
+        log.warning(
+            "protrain: out of device memory in the %s of graph %s (%s) under a plan "
+            "predicted to peak at "
+            "%s; re-planning with its predictions under %.0f%% of that and %s",
+            where,
+            self.plan.graph_name,
+            detail,
+            format_bytes(failed),
+            100 * autoplan.FAILED_PEAK_MARGIN,
+            then,
+        )
+        import gc
+
+        gc.collect()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        params = [
+            None if r is None else args[gi.index] for gi, r in zip(self._graph_inputs, self._params)
+        ]
+        self._params = [None if p is None else weakref.ref(p) for p in params]
+        opts = Options.from_dict(self._merged)
+        if opts.optimizer is None and self._optimizer is not None and self._optimizer() is not None:
+            # the one found at compile time
+            opts = dataclasses.replace(opts, optimizer=self._optimizer())
+        peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
+        gm = copy_graph_module(self._eager_graph)
+        examples = list(args)
+        if self._symbolic and self._tracing is not None:
+            examples = [a if e is None else e for a, e in zip(args, self._examples)]
+        with (
+            torch._guards.tracing(self._tracing)
+            if self._tracing is not None
+            else contextlib.nullcontext()
+        ):
+            compiled, plan, device, choice = self._compile(
+                gm,
+                examples,
+                self._graph_inputs,
+                params,
+                opts,
+                self._options,
+                failed_peaks=peaks,
+                graph_name=self.plan.graph_name,
+            )
+        plan.notes.append(
+            f"re-planned after running out of device memory in the {where} ({detail})"
+        )
+        self.install(compiled, plan, device, choice, opts)
+
+
+class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
+    """A backward under an automatic plan ran out of device memory (see :class:`ProtrainGraph`)."""
+
+
+class _CallRecord:
+    """What replaying one training call of a graph needs: its inputs, the random-number and
+    autocast state it ran under, its outputs (holding its autograd graph), and which chunks'
+    gradients its backward has handed over."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.autocast = [
+            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+            for t in ("cpu", "cuda")
+            if t == "cpu" or torch.cuda.is_available()
+        ]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.outputs = None
+        self.handed_over: set = set()
+
+    @contextlib.contextmanager
+    def ambient(self):
+        """The forward's grad mode and autocast state (a backward runs on autograd's thread, which
+        has neither)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            for t, on, dtype in self.autocast:
+                stack.enter_context(
+                    torch.autocast(t, dtype=dtype, enabled=on, cache_enabled=self.autocast_cache)
+                )
+            yield
+
+    def replay(self, forward):
+        """The forward again, on the same inputs and random numbers; the generators left as they
+        were."""
+        cpu_now = torch.get_rng_state()
+        cuda_now = torch.cuda.get_rng_state_all() if self.cuda_rng is not None else None
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        try:
+            return list(forward(self.args))
+        finally:
+            torch.set_rng_state(cpu_now)
+            if cuda_now is not None:
+                torch.cuda.set_rng_state_all(cuda_now)
+
+
+class _RedoableCall(torch.autograd.Function):
+    """A training call of a :class:`ProtrainGraph` whose backward can be redone (see there): the
+    compiled code's outputs (and autograd graph) stay inside, the caller gets them detached, and
+    this function's backward runs theirs."""
+
+    @staticmethod
+    def forward(ctx, graph, *args):
+        call = _CallRecord(args)
+        with torch.enable_grad():
+            out = graph._forward(args)
+        call.outputs = list(out)
+        ctx.graph, ctx.call = graph, call
+        ctx.set_materialize_grads(False)
+        detached = []
+        for o in call.outputs:
+            if isinstance(o, torch.Tensor):
+                d = o.detach()
+                if not o.requires_grad:
+                    ctx.mark_non_differentiable(d)
+                detached.append(d)
+            else:
+                detached.append(o)
+        return tuple(detached)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call, ctx.call = ctx.call, None
+        if call is None:
+            raise ProtrainError(
+                "protrain: a second backward through the same call of a compiled graph "
+                "(retain_graph=True) is not supported under an automatic plan; run the forward "
+                "again"
+            )
+        try:
+            ctx.graph._backward(call, grads)
+        finally:
+            call.outputs = None
+        return (None,) * (1 + len(call.args))
+
+
+def _after_resident_grads(compiled):
+    """Data parallel: the graph's backward adds to resident gradients, so their all-reduces still in
+    flight from the last backward finish first (distributed.wait_resident_grads)."""
+
+    @functools.wraps(compiled)
+    def run(*args):
+        distributed.wait_resident_grads()
+        return compiled(*args)
+
+    return run
