@@ -6,9 +6,11 @@ Checked on torch 2.11 (GPU machine) and 2.13 (CI).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import torch
+import torch._guards
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
@@ -31,8 +33,15 @@ def inductor_joint_passes(joint: fx.GraphModule) -> fx.GraphModule:
     """Inductor's joint-graph passes: its pattern matcher and the user's ``joint_custom_pre_pass`` /
     ``joint_custom_post_pass`` (same signature on 2.11 and 2.13)."""
     from torch._inductor.compile_fx import _recursive_joint_graph_passes
+    from torch._inductor.virtualized import V
 
-    return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True)
+    # Inductor runs them inside compile_fx's ``V.set_fake_mode``; its random-number passes
+    # (replace_random: dropout) enter ``V.fake_mode`` and failed without it
+    fake = torch._guards.detect_fake_mode(
+        [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
+    )
+    with V.set_fake_mode(fake) if fake is not None else contextlib.nullcontext():
+        return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True)
 
 
 def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
