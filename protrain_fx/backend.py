@@ -286,7 +286,14 @@ def protrain_backend(
         restore()  # a failed compile leaves the model as it was
         raise
     graph = ProtrainGraph(
-        eager_graph, graph_inputs, params, options, merged, opts.optimizer, example_inputs, _compile
+        eager_graph,
+        graph_inputs,
+        params,
+        options,
+        merged,
+        opts.optimizer,
+        example_inputs,
+        lambda *a, **k: _compile(*a, **k),  # looked up at each call (tests patch it)
     )
     graph.install(compiled, plan, device, choice, opts)
     progress.end()

@@ -262,10 +262,13 @@ class ProtrainGraph:
         examples = list(args)
         if self._symbolic and self._tracing is not None:
             examples = [a if e is None else e for a, e in zip(args, self._examples)]
-        with (
-            torch._guards.tracing(self._tracing)
+        # a tracing context of its own otherwise: Inductor records there the strides its forward
+        # gives the saved activations, and compiles the backward for them (without one, a
+        # re-planned HF Llama's backward asserted a transposed attention tensor it got contiguous)
+        with torch._guards.tracing(
+            self._tracing
             if self._tracing is not None
-            else contextlib.nullcontext()
+            else torch._guards.TracingContext(_fake_mode_for(examples))
         ):
             compiled, plan, device, choice = self._compile(
                 gm,
@@ -383,3 +386,10 @@ def _after_resident_grads(compiled):
         return compiled(*args)
 
     return run
+
+
+def _fake_mode_for(examples):
+    """A fake mode for a re-plan's compile of real example inputs (dynamo's is gone by then)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return torch._guards.detect_fake_mode(examples) or FakeTensorMode()
