@@ -1,0 +1,143 @@
+"""A backward that runs out of device memory, redone inside ``loss.backward()`` (issue 21,
+deliverable 2), on the GPU: where the CPU tests cannot look (autograd's CUDA thread, CUDA random
+numbers, bf16 autocast, Inductor's code).
+
+Two runs of one Hugging Face Llama (tied embeddings, GQA, attention dropout 0.1, its own
+``labels=`` loss) from the same init on the same batches, bf16 autocast, AdamW, protrain with every
+chunk offloaded under a budget: one uninterrupted, one where a CUDA out-of-memory error is raised
+inside the second step's backward after its first chunk's gradients were handed over (injected:
+``ChunkStore.grad_ready`` raises once). The training loop has no retry. Reported: whether the loop
+saw an exception, the line protrain logged, the losses of both runs and the largest difference of
+their final weights (the redone step runs a re-planned, recompiled graph: Inductor's rounding may
+differ, nothing else).
+
+    python benchmarks/redo_check.py --out $OUT/redo_check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+import torch
+
+STEPS = 4
+DEV = "cuda"
+
+
+def build():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        attention_dropout=0.1,
+        attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(cfg).to(DEV).train()
+
+
+def run(inject_at: int | None, said: list) -> dict:
+    from protrain_fx.runtime.chunk_store import ChunkStore
+
+    torch._dynamo.reset()
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"optimizer": opt, "memory_budget": 8 * nbytes, "n_persist": 0},
+    )
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 8192, (4, 256), generator=g).to(DEV) for _ in range(STEPS)]
+    torch.manual_seed(2)
+    real = ChunkStore.grad_ready
+    calls = {"n": 0, "raised": 0}
+
+    def flaky(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == inject_at:
+            calls["raised"] += 1
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 1.00 GiB (injected)"
+            )
+        return real(self, *a, **k)
+
+    losses, seen, t0 = [], None, time.perf_counter()
+    try:
+        for i, x in enumerate(data):
+            if i == 1 and inject_at:
+                ChunkStore.grad_ready = flaky
+            with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
+                loss = compiled(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    except Exception as e:  # the loop has no retry: any exception here is a failure
+        import traceback
+
+        seen = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+    finally:
+        ChunkStore.grad_ready = real
+    return {
+        "losses": losses,
+        "exception_seen_by_loop": seen,
+        "injected": calls["raised"],
+        "seconds": round(time.perf_counter() - t0, 1),
+        "state": {k: v.detach().float().cpu() for k, v in model.state_dict().items()},
+        "logged": list(said),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+
+    said: list = []
+
+    class Catch(logging.Handler):
+        def emit(self, rec):
+            if "out of device memory" in rec.getMessage():
+                said.append(rec.getMessage())
+
+    logging.getLogger("protrain_fx").addHandler(Catch())
+    plain = run(None, said)
+    said.clear()
+    redone = run(2, said)
+    diff = max((plain["state"][k] - redone["state"][k]).abs().max().item() for k in plain["state"])
+    rel = (
+        max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], redone["losses"]))
+        if len(redone["losses"]) == len(plain["losses"])
+        else None
+    )
+    out = {
+        "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "uninterrupted": {k: v for k, v in plain.items() if k != "state"},
+        "redone": {k: v for k, v in redone.items() if k != "state"},
+        "loss_rel_max": rel,
+        "final_weights_max_abs_diff": diff,
+    }
+    with open(args.out + ".json", "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
