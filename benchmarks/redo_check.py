@@ -56,7 +56,7 @@ def run(inject_at: int | None, said: list) -> dict:
     compiled = torch.compile(
         model,
         backend="protrain",
-        options={"optimizer": opt, "memory_budget": 8 * nbytes, "n_persist": 0},
+        options={"optimizer": opt, "memory_budget": 16 * nbytes, "n_persist": 0},
     )
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 8192, (4, 256), generator=g).to(DEV) for _ in range(STEPS)]

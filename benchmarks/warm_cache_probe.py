@@ -70,7 +70,7 @@ def child(result: str, device: str) -> None:
     compiled = torch.compile(
         model,
         backend="protrain",
-        options={"optimizer": opt, "memory_budget": 3 * nbytes, "n_persist": 0},
+        options={"optimizer": opt, "memory_budget": 8 * nbytes, "n_persist": 0},
     )
     x = torch.randint(0, cfg.vocab_size, (2, 128), device=device)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
