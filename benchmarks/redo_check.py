@@ -27,23 +27,35 @@ STEPS = 4
 DEV = "cuda"
 
 
-def build():
+def small_llama(device, *, vocab: int, ffn: int, layers: int, **extra):
+    """An HF ``LlamaForCausalLM`` of width 256 (GQA 4/2 heads, tied embeddings), seed 0, in train
+    mode on ``device``; ``extra``: more config fields (also warm_cache_probe.py's model)."""
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=8192,
+        vocab_size=vocab,
         hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=True,
+        **extra,
+    )
+    return transformers.LlamaForCausalLM(cfg).to(device).train()
+
+
+def build():
+    return small_llama(
+        DEV,
+        vocab=8192,
+        ffn=688,
+        layers=4,
         attention_dropout=0.1,
         attn_implementation="eager",
     )
-    return transformers.LlamaForCausalLM(cfg).to(DEV).train()
 
 
 def run(inject_at: int | None, said: list) -> dict:

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def child(result: str, device: str) -> None:
     import torch
-    import transformers
+    from redo_check import small_llama  # this folder: the script's own
     from torch._dynamo.utils import counters
     from torch._inductor import codecache
 
@@ -53,18 +53,7 @@ def child(result: str, device: str) -> None:
     lg.setLevel(logging.INFO)
     lg.addHandler(Catch())
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(cfg).to(device).train()
+    model = small_llama(device, vocab=4096, ffn=512, layers=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     compiled = torch.compile(
@@ -72,7 +61,7 @@ def child(result: str, device: str) -> None:
         backend="protrain",
         options={"optimizer": opt, "memory_budget": 8 * nbytes, "n_persist": 0},
     )
-    x = torch.randint(0, cfg.vocab_size, (2, 128), device=device)
+    x = torch.randint(0, model.config.vocab_size, (2, 128), device=device)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
     with amp:
         loss = compiled(input_ids=x, labels=x).loss
