@@ -64,10 +64,14 @@ class ProtrainGraph:
         optimizer,
         example_inputs,
         compile_graph,
+        root=None,
     ):
         # backend._compile: (gm, examples, graph inputs, params, opts, options, failed_peaks=,
         # graph_name=) -> (compiled, plan, device, choice)
         self._compile = compile_graph
+        # the module dynamo traced (held weakly), for the state-dict hooks of stores the binding
+        # makes
+        self._root = weakref.ref(root) if isinstance(root, torch.nn.Module) else None
         self._eager_graph = eager_graph  # as dynamo traced it: for re-planning
         self._graph_inputs = graph_inputs
         self._params = [None if p is None else weakref.ref(p) for p in params]
@@ -92,7 +96,12 @@ class ProtrainGraph:
         live = [r() for r in self._params if r is not None]
         positions = [gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None]
         self.binding = GraphBinding(
-            plan.graph_name, positions, live, opts.optimizer, self._eager_graph
+            plan.graph_name,
+            positions,
+            live,
+            opts.optimizer,
+            self._eager_graph,
+            self._root() if self._root is not None else None,
         )
         if distributed.world().sharded:
             compiled = _after_resident_grads(compiled)

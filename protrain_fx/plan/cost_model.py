@@ -96,9 +96,17 @@ class _ProfileArrays:
         for ch in chunks:
             self.numel.append(self.numel[-1] + ch.numel)
             self.resident_bytes.append(self.resident_bytes[-1] + ch.numel * me)
-        self.largest_offloaded = [0] * (n + 1)
+        # elements of the device chunk buffers (and of the gradient buffers, host staging) when
+        # chunks c.. are offloaded: each store's buffers hold a chunk of the layout's size, or its
+        # largest offloaded chunk if that is larger, and stores of one such size share them
+        # (protrain_fx/runtime/chunk_store.py)
+        capacity = prof.chunk_size // me
+        self.buffer_numel = [0] * (n + 1)
+        largest_in: dict[int, int] = {}
         for c in range(n - 1, -1, -1):
-            self.largest_offloaded[c] = max(self.largest_offloaded[c + 1], chunks[c].numel)
+            g = chunks[c].group
+            largest_in[g] = max(largest_in.get(g, 0), chunks[c].numel)
+            self.buffer_numel[c] = sum({max(capacity, v) for v in largest_in.values()})
         last = chunks[-1] if chunks else None
         self.first_grad_s = (
             (
@@ -224,10 +232,10 @@ class LayoutCosts:
             raise ValueError(f"n_swap + n_checkpoint = {n_swap + n_checkpoint} > {n_blocks} blocks")
         A = arrays or _ProfileArrays(prof, hw, n_buffer)
         self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
-        self.numel, self.resident_bytes, self.largest_offloaded = (
+        self.numel, self.resident_bytes, self.buffer_numel = (
             A.numel,
             A.resident_bytes,
-            A.largest_offloaded,
+            A.buffer_numel,
         )
         self.first_grad_s, self.swap_window_s = A.first_grad_s, A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
@@ -287,7 +295,7 @@ class LayoutCosts:
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)  # params, moments
         grads = self.resident_bytes[n_persist]  # with several ranks too: averaged in place
         casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
-        big = self.largest_offloaded[n_persist]
+        big = self.buffer_numel[n_persist]
         buffers = self.n_buffer * big * prof.transfer_elem + (
             GRAD_BUFFERS * big * prof.master_elem if big else 0
         )
@@ -298,7 +306,7 @@ class LayoutCosts:
         """Pinned host bytes of one rank (its shards)."""
         prof = self.prof
         offloaded = (self.numel[-1] - self.numel[n_persist]) // self.hw.world_size
-        big = self.largest_offloaded[n_persist]
+        big = self.buffer_numel[n_persist]
         # fp32 master, gradient accumulator and two moments, the transfer copy; staging; the swap
         # pool
         per_param = prof.master_elem * (2 + ADAM_STATES) + (
@@ -391,7 +399,7 @@ class LayoutCosts:
         prof, frag = self.prof, self.fragmentation
         t_total, parts = self.time_s(n_persist, detail=True)
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)
-        big = self.largest_offloaded[n_persist]
+        big = self.buffer_numel[n_persist]
         static = (
             states
             + self.n_buffer * big * prof.transfer_elem

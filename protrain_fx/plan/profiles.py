@@ -56,6 +56,9 @@ class ChunkProfile:
     bwd_s: float  # backward compute of the same stretch
     # blocks whose compute falls in that stretch (their recompute lands here)
     blocks: tuple[int, ...] = ()
+    # the chunk store that holds it: one per region of a graph compiled in regions
+    # (protrain_fx/graph/regions.py), all 0 for a whole graph
+    group: int = 0
 
 
 @dataclass(frozen=True)

@@ -86,12 +86,16 @@ class GraphBinding:
         params: list[torch.nn.Parameter],
         optimizer,
         eager_graph,
+        root=None,
     ):
         self.graph_name = graph_name
+        # the module dynamo traced: a store made for other parameters installs its state-dict
+        # hooks there when its parameters are shells (several ranks)
+        self._root = weakref.ref(root) if isinstance(root, torch.nn.Module) else None
         self.positions = positions
         self._last = [weakref.ref(p) for p in params]
         self._compiled_for = list(self._last)
-        self._signature = _signature(params)
+        self._signature = placement_signature(params)
         stores = {id(s): s for s in (store_of(p) for p in params) if s is not None}
         # a store made by this graph for exactly its parameters can be made again for another
         # block's
@@ -121,12 +125,22 @@ class GraphBinding:
             )
         return self._eager_graph(*args)
 
+    def bind(self, params: list) -> None:
+        """Bind ``params`` now (the regions of a program that share this graph's code, before the
+        first step): stores made like the graph's own when they have none; their layout must be the
+        one the graph was compiled for."""
+        if not self._bind(params):
+            raise ProtrainError(
+                f"protrain internal error: graph {self.graph_name}'s code was bound to parameters "
+                "laid out otherwise"
+            )
+
     def _bind(self, params: list) -> bool:
         if all(store_of(p) is None for p in params) and self._template is not None:
             template = self._template()
             if template is not None:
                 self._mirror(template, params)
-        return _signature(params) == self._signature
+        return placement_signature(params) == self._signature
 
     def _mirror(self, template: ChunkStore, params: list) -> None:
         """A store for ``params`` made like ``template`` (the same layout over parameters of the
@@ -150,9 +164,14 @@ class GraphBinding:
         opt = self._optimizer() if self._optimizer is not None else None
         if store.offloaded_chunks and opt is not None:
             hybrid_optim.attach(opt, store)
+        root = self._root() if self._root is not None else None
+        if store.offloaded_chunks and not store.aliased and root is not None:
+            from protrain_fx.runtime.param_values import hook_owners_of
+
+            hook_owners_of(root, [p for _, p in named])
 
 
-def _signature(params: list) -> tuple | None:
+def placement_signature(params: list) -> tuple | None:
     """How ``params`` sit in chunks, relative to one another: per offloaded parameter (group,
     offset, transfer dtype, chunk size), where group numbers the distinct (store, chunk) pairs in
     order of first appearance, and None per resident one; None when a parameter is in no store."""

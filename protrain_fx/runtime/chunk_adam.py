@@ -52,6 +52,10 @@ class ChunkOptState:
     steps: dict[int, torch.Tensor] = field(default_factory=dict)
     arrivals: int = 0  # gradients handed to the chunk since the last opt.step()
     learned: int | None = None  # arrivals per cycle, as seen at the last opt.step()
+    # arrivals in one backward (a tied weight's chunk gets two in a model compiled in regions), as
+    # seen in the first backward that reached it, and in the backward running now
+    per_backward: int | None = None
+    in_backward: int = 0
     provisional: Provisional | None = None
 
 

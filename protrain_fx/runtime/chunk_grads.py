@@ -16,6 +16,7 @@ from a compiled graph and from code outside it. :class:`ChunkGrads` holds these 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -47,6 +48,20 @@ class GradStaging:
             self._cond.notify()
 
 
+_STAGINGS: "weakref.WeakValueDictionary[tuple, GradStaging]" = weakref.WeakValueDictionary()
+
+
+def shared_staging(numel: int, dtype: torch.dtype, pin: bool) -> GradStaging:
+    """The staging buffers of that size, shared by every store that stages gradients of it (a model
+    compiled in regions has a store per block: one set of buffers, not one per store); freed with
+    the last store that uses them."""
+    key = (numel, dtype, pin)
+    staging = _STAGINGS.get(key)
+    if staging is None:
+        staging = _STAGINGS[key] = GradStaging(numel, dtype, pin)
+    return staging
+
+
 class _Backward:
     """What the running backward pass handed to the host: waited for once, at its end."""
 
@@ -66,6 +81,9 @@ def _end_of_backward() -> None:
     _Backward.queued = False
     touched, _Backward.touched = _Backward.touched, {}
     WORKER.wait()
+    for opt in {id(s.optimizer): s.optimizer for s in list(_STORES.values())}.values():
+        if opt is not None:
+            opt.backward_ended()
     for (store_id, i), version in touched.items():
         store = _STORES.get(store_id)
         if store is None:
@@ -167,8 +185,8 @@ class ChunkGrads:
         accumulator on the host worker. While profiling, gradients are dropped."""
         if self.profiling:
             return
-        key = (self.id, chunk, tuple(members))
-        if not step_redo.first_time(key):  # a redone backward: handed over before it ran out
+        record = step_redo.first_time((self.id, chunk, tuple(members)))
+        if record is None:  # a redone backward: handed over before it ran out
             return
         if self.optimizer is not None:
             # takes back a step of this chunk not yet committed
@@ -200,7 +218,11 @@ class ChunkGrads:
         else:
             if self._staging is None:
                 big = max(self.host_numel(c) for c in self.offloaded_chunks)
-                self._staging = GradStaging(big, self.master_dtype, self.is_cuda)
+                self._staging = shared_staging(
+                    max(big, self.chunk_capacity // self.world.size),
+                    self.master_dtype,
+                    self.is_cuda,
+                )
             dst = self._staging.take()
         event = self.copy_to_host(buf, dst)
         self.grad_buffers.copied(k, event)
@@ -219,7 +241,7 @@ class ChunkGrads:
                 self._has_grad.add(i)
         if self.optimizer is not None:
             self.optimizer.after_chunk_grad(self, chunk, members)
-        step_redo.handed_over(key)
+        step_redo.handed_over(record)
         _queue_end_of_backward()
 
     def _accumulate(self, acc: torch.Tensor, staged: torch.Tensor, parts, event) -> None:

@@ -167,6 +167,9 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
                 self.entries[i].offset + self.entries[i].numel for i in self._chunk_entries[c]
             )
             self._chunk_numel.append((end + align_elems - 1) // align_elems * align_elems)
+        # elements of a chunk of the layout's size (what its device buffers hold)
+        self.chunk_capacity = (layout.chunk_size // elem + align_elems - 1) // align_elems
+        self.chunk_capacity *= align_elems
 
         self.is_cuda = self.device.type == "cuda"
         self.master: dict[int, torch.Tensor] = {}
@@ -191,7 +194,11 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         WORKER.attach(self)
         weakref.finalize(params_in_order[0], _forget_store, self.id)
 
+        # device buffers hold a whole chunk of the layout's size (a larger, oversized one if the
+        # store offloads one): stores of one chunk size share them (one store per region of a
+        # model compiled in regions, protrain_fx/graph/regions.py)
         big = max((self._chunk_numel[c] for c in self.offloaded_chunks), default=0)
+        big = max(big, self.chunk_capacity) if big else 0
         self.buffers = chunk_buffers(self.device, self.param_dtype, big) if big else None
         self.grad_buffers = grad_buffers(self.device, self.master_dtype, big) if big else None
         self.streams = streams_of(self.device)

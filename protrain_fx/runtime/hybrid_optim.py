@@ -87,7 +87,8 @@ def set_grad_accumulation(opt: torch.optim.Optimizer, micro_steps: int) -> None:
     h = handle_of(opt)
     if h is not None:
         for st in h.states.values():
-            st.learned = st.learned or micro_steps
+            if st.learned is None and st.per_backward is not None:
+                st.learned = micro_steps * st.per_backward
 
 
 @dataclass
@@ -175,9 +176,9 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
             def buf():
                 return pinned.host_empty(n, dtype, pin).zero_()
 
+            # arrivals per step: learned at the first opt.step(), or, with the micro-steps declared,
+            # once the first backward has shown how many each backward brings
             st = ChunkOptState(store, c, buf(), buf(), buf() if amsgrad else None, [], {})
-            micro = getattr(self.opt, "_protrain_micro_steps", None)
-            st.learned = micro
             self.states[(store.id, c)] = st
         self.stores.append(store)
         store.optimizer = self
@@ -246,6 +247,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         if st is None:
             return
         st.arrivals += 1
+        st.in_backward += 1
         if not self._may_step_in_backward(st) or st.arrivals != st.learned:
             return
         self._refresh_members()
@@ -262,6 +264,18 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         )
         st.provisional = rec
         WORKER.submit((store.id, chunk), self._provisional_step, st, rec)
+
+    def backward_ended(self) -> None:
+        """A backward pass is over (chunk_grads' end-of-backward callback): the first one a chunk's
+        gradients came in tells how many arrive per backward, which with declared micro-steps
+        (:func:`set_grad_accumulation`) gives the arrivals per step."""
+        micro = getattr(self.opt, "_protrain_micro_steps", None)
+        for st in self.states.values():
+            if st.in_backward and st.per_backward is None:
+                st.per_backward = st.in_backward
+                if micro is not None and st.learned is None:
+                    st.learned = micro * st.per_backward
+            st.in_backward = 0
 
     def _may_step_in_backward(self, st: ChunkOptState) -> bool:
         return (

@@ -18,27 +18,35 @@ from __future__ import annotations
 import contextlib
 
 # the set of the backward running now (one at a time: autograd runs a device's backward functions
-# on one thread; a backward inside another, the profiler's in a re-plan, runs with None)
+# on one thread; a backward inside another, the profiler's in a re-plan, runs with None), and how
+# often each key was met in it so far
 _current: set | None = None
+_seen: dict = {}
 
 
 @contextlib.contextmanager
 def handing_over(delivered: set | None):
     """Run a backward recording in ``delivered`` (and skipping what it holds); None: no record."""
-    global _current
-    before, _current = _current, delivered
+    global _current, _seen
+    before, _current, _seen = (_current, _seen), delivered, {}
     try:
         yield
     finally:
-        _current = before
+        _current, _seen = before
 
 
-def first_time(key: tuple) -> bool:
-    """Whether the gradients ``key`` (store id, chunk, members) are still to be handed over in this
-    step."""
-    return _current is None or key not in _current
+def first_time(key: tuple) -> tuple | None:
+    """The hand-over of the gradients ``key`` (store id, chunk, members) that is due now, as the
+    record :func:`handed_over` takes: ``key`` with how often this backward met it before (a tied
+    weight's chunk gets its gradients from two graphs of a model compiled in regions); None when
+    an earlier try of this step's backward handed it over already."""
+    if _current is None:
+        return key
+    n = _seen.get(key, 0)
+    _seen[key] = n + 1
+    return None if (key, n) in _current else (key, n)
 
 
-def handed_over(key: tuple) -> None:
+def handed_over(record: tuple) -> None:
     if _current is not None:
-        _current.add(key)
+        _current.add(record)

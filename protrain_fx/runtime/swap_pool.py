@@ -14,7 +14,9 @@ streams (protrain_fx/runtime/chunk_buffers.py):
   buffers have padded strides and the op wants eager's), which no later op keeps alive; an H200 run
   read such reused memory and trained with NaN losses. The staged copy is released to torch's
   allocator only once the transfer is done (``record_stream``). ``offload_wait`` later makes the
-  compute stream wait for the copies of a block (two blocks on), which bounds how far they may lag;
+  compute stream wait for the copies of a block (two blocks on), which bounds how far they may lag
+  (in a model compiled in regions, a block's graph ends with its wait: the swapper keeps it until
+  the region two on begins, :meth:`Swapper.region_begins`);
 * ``reload_start(host)``: one block ahead of use, copy it into a new device tensor on the
   host-to-device stream; ``reload_take(host)`` makes the compute stream wait for that copy and
   returns the tensor.
@@ -49,6 +51,10 @@ class Swapper:
         self._offloading: dict[int, tuple] = {}  # host data_ptr -> (event or deferred source)
         self._reloading: dict[int, tuple[torch.Tensor, object]] = {}
         self.stats = {"offloaded_bytes": 0, "reloaded_bytes": 0}
+        # a model compiled in regions (protrain_fx/region_program.py) runs one block per graph:
+        # a block's offload_wait is kept and done when the block two regions on begins
+        self._region = None  # the region running now, while a program runs its forward
+        self._deferred: list[tuple[int, list]] = []  # (region, its copies to wait for)
 
     def offload(self, x: torch.Tensor) -> torch.Tensor:
         host = pinned.cached_host_empty(x.shape, x.dtype, pin=self.is_cuda)
@@ -79,16 +85,35 @@ class Swapper:
         return host
 
     def offload_wait(self, hosts: list[torch.Tensor]) -> None:
+        items = [self._offloading.pop(h.data_ptr(), None) for h in hosts]
+        items = [i for i in items if i is not None]
+        if self._region is not None:  # at a region's end: two regions on
+            self._deferred.append((self._region, items))
+            return
+        self._wait(items)
+
+    def _wait(self, items: list) -> None:
         compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
-        for host in hosts:
-            item = self._offloading.pop(host.data_ptr(), None)
-            if item is None:
-                continue
+        for item in items:
             if self.is_cuda:
                 compute.wait_event(item[0])
             # a deferred copy (PROTRAIN_DEBUG_DEFER_OFFLOAD): now, as late as the GPU could do it
+            # (after its graph returned, in regions: autograd has saved the host tensor, whose
+            # version the copy must not bump)
             else:
-                item[0].copy_(item[1])
+                item[0].data.copy_(item[1])
+
+    def region_begins(self, index: int | None) -> None:
+        """A program's forward enters region ``index`` (None: it is done): the compute stream waits
+        for the copies of blocks that ended two regions before (all of them when done)."""
+        keep = []
+        for region, items in self._deferred:
+            if index is None or region <= index - 2:
+                self._wait(items)
+            else:
+                keep.append((region, items))
+        self._deferred = keep
+        self._region = index
 
     def reload_start(self, host: torch.Tensor) -> None:
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
@@ -136,6 +161,8 @@ class Swapper:
             self.streams.h2d.synchronize()
         self._offloading.clear()
         self._reloading.clear()
+        self._deferred.clear()
+        self._region = None
 
 
 _SWAPPERS: dict[torch.device, Swapper] = {}
@@ -148,6 +175,12 @@ def swapper(device: torch.device) -> Swapper:
     if device not in _SWAPPERS:
         _SWAPPERS[device] = Swapper(device)
     return _SWAPPERS[device]
+
+
+def region_begins(index: int | None) -> None:
+    """See :meth:`Swapper.region_begins` (every device's swapper)."""
+    for s in _SWAPPERS.values():
+        s.region_begins(index)
 
 
 def reset_all() -> None:
