@@ -39,7 +39,8 @@ from protrain_fx.plan.profiles import (
     Knobs,
 )
 from protrain_fx.plan.search import search
-from protrain_fx.profiling.profiler import SavedBytes, StaticProfile, StepProfile, graph_profile
+from protrain_fx.profiling.profiler import StepProfile, graph_profile
+from protrain_fx.profiling.static import SavedBytes, StaticProfile
 
 RESULTS = os.path.join(HERE, "results")
 ANCHOR = dict(

@@ -52,7 +52,7 @@ def annotate(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 region="block" if block is not None else "non_block",
                 block=block,
                 block_name=structure.blocks[block].name if block is not None else None,
-                param=(gi.fqn or gi.node_name) if gi.kind != "input" else None,
+                param=(gi.fqn or gi.node_name) if gi.kind in ("param", "buffer") else None,
                 chunk=chunk,
                 input_kind=gi.kind,
             )

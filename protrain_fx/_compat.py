@@ -190,6 +190,30 @@ def eager_backward_compile():
     return config.patch(force_non_lazy_backward_lowering=True)
 
 
+class SeveralGraphs:
+    """Several aot_autograd graphs compiled under one tracing context (a graph compiled in regions,
+    protrain_fx/region_program.py), as dynamo's DDPOptimizer compiles its buckets: where torch
+    compiles a backward only at its first call (no ``force_non_lazy_backward_lowering``), that
+    compile must see the forward metadata of its own graph, not of the last one compiled. Call
+    :meth:`compiled` after each graph's compile, in order; the backwards then compile in reverse
+    order, as backward runs them."""
+
+    def __init__(self):
+        self.ctx = torch._guards.TracingContext.try_get()
+        self.buckets = None
+        if self.ctx is not None and hasattr(self.ctx, "ddp_optimizer_ctx"):
+            from torch._dynamo.backends.distributed import DDPOptimizerContext
+
+            if self.ctx.ddp_optimizer_ctx is None:
+                self.ctx.ddp_optimizer_ctx = DDPOptimizerContext()
+            self.buckets = self.ctx.ddp_optimizer_ctx
+
+    def compiled(self) -> None:
+        if self.buckets is not None and getattr(self.ctx, "fw_metadata", None) is not None:
+            self.buckets.curr_bucket += 1
+            self.buckets.metadata_per_bucket.append(self.ctx.fw_metadata)
+
+
 def num_outputs(gm: fx.GraphModule) -> int:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     return len(pytree.arg_tree_leaves(*out.args))
@@ -221,3 +245,10 @@ def dynamo_compile_started_s() -> float | None:
     except (ImportError, AttributeError):
         pass
     return None
+
+
+def allow_non_fake_inputs(mode):
+    """``mode`` (a FakeTensorMode) taking real tensors (parameters) beside fake ones for a while."""
+    from unittest import mock
+
+    return mock.patch.object(mode, "allow_non_fake_inputs", True)

@@ -37,7 +37,7 @@ import torch
 from protrain_fx import config, plan_cache, progress
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
-from protrain_fx.graph.build_plan import default_chunk_size
+from protrain_fx.graph.build_plan import chunked_params, default_chunk_size
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.graph.shorten import shorten
 from protrain_fx.machine import allocator, measure, memory, pinned
@@ -132,13 +132,17 @@ def choose(
     compile_profiling,
     failed_peaks: tuple[int, ...] = (),
     root=None,
+    regions=None,
 ) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
     of the graph under the profiling plan with the given options and block structure (the graph's,
     or that of its short copy: protrain_fx/graph/shorten.py). ``failed_peaks``: predicted peaks
     of plans of this graph that ran out of memory in this process (the plan cache remembers those of
     earlier runs). ``root``: the module dynamo traced; one of ``N`` blocks of one structure
-    (regional compilation, protrain_fx/graph/regional.py) gets ``1/N`` of the budget."""
+    (regional compilation, protrain_fx/graph/regional.py) gets ``1/N`` of the budget.
+    ``regions``: the graph's :class:`~protrain_fx.graph.regions.RegionSplit` when it is compiled in
+    regions (chunks never span two; the profiling plan runs the whole graph, each distinct region
+    compiled once)."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
@@ -154,12 +158,14 @@ def choose(
             if fixed["n_checkpoint"] is not None
             else None,
         )
+    param_entries, groups = chunked_params(graph_inputs, regions)
     if existing:
         store = next(iter(existing.values()))
-        own = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
-        # this graph may hold fewer chunks than the store
-        n_own = pack(own, store.layout.chunk_size).n_chunks
-        fixed.update(chunk_size=store.layout.chunk_size, n_persist=min(store.n_persist, n_own))
+        # this graph may hold fewer chunks than the store; in regions, each region's store keeps
+        # its first chunks resident
+        n_own = pack(param_entries, store.layout.chunk_size, groups).n_chunks
+        resident = sum(s.n_persist for s in existing.values())
+        fixed.update(chunk_size=store.layout.chunk_size, n_persist=min(resident, n_own))
         notes.append(
             "chunk placement kept from this model's earlier graph; activation knobs searched"
         )
@@ -186,7 +192,9 @@ def choose(
             "fit in the reserve"
         )
     hw_profile = measure.hardware_profile(device)
-    key = plan_cache.key(gm, example_inputs, opts, hw_profile.key, budget, alloc.key)
+    key = plan_cache.key(
+        gm, example_inputs, opts, hw_profile.key, budget, alloc.key, regions is not None
+    )
     path = plan_cache.path_of(key)
     # rank 0's cache decides for every rank
     cached, failed, refused = distributed.broadcast_object(
@@ -223,11 +231,12 @@ def choose(
             notes.append(f"budget lowered to {format_bytes(budget)}: {budget_why}")
 
     # ---- profile under the most frugal plan, on a copy with three of the blocks when they repeat
-    param_entries = [(gi.fqn or gi.node_name, gi.nbytes) for gi in graph_inputs if gi.is_param]
-    default_size = fixed["chunk_size"] or default_chunk_size(param_entries, structure)
+    default_size = fixed["chunk_size"] or default_chunk_size(param_entries, structure, groups)
     short, whole_why = (
         (None, "PROTRAIN_PROFILE_WHOLE=1")
         if config.settings().profile_whole
+        else (None, "compiled in regions: each distinct block once")
+        if regions is not None
         else shorten(gm, structure)
     )
     profiled = short.structure if short is not None else structure
@@ -318,6 +327,7 @@ def choose(
             transfer_elem=transfer_elem,
             resident_cast_elem=cast_elem,
             fragmentation=frag,
+            groups=groups,
         )
         for cs in sizes
     ]

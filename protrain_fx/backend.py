@@ -31,9 +31,10 @@ import torch
 import torch._guards
 import torch.fx as fx
 
-from protrain_fx import _compat, autoplan, config, pipeline, placement, progress
+from protrain_fx import _compat, autoplan, config, pipeline, placement, progress, region_program
 from protrain_fx.compiled_graph import ProtrainGraph, StepOutOfMemory  # noqa: F401 (re-exported)
 from protrain_fx.errors import OptionsError, ProtrainError
+from protrain_fx.graph import regions
 from protrain_fx.graph.blocks import detect_blocks
 from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.fx import copy_graph_module, saved_names
@@ -42,7 +43,7 @@ from protrain_fx.machine import allocator
 from protrain_fx.options import Options, forget_optimizer
 from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
-from protrain_fx.profiling import profiler
+from protrain_fx.profiling import static
 from protrain_fx.report.dump import GraphDump
 from protrain_fx.runtime import distributed, ops, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
 from protrain_fx.runtime.binding import on_error, runtime_guard
@@ -109,7 +110,7 @@ class GraphCompiler:
         joint = pipeline.run_stage("joint", joint, self.plan, self.dump)
         self.dump.stage("joint", joint)
         if self.plan.profiling:
-            saved = profiler.saved_bytes_by_block(
+            saved = static.saved_bytes_by_block(
                 joint,
                 len(self.plan.blocks),
                 lambda g: _compat.min_cut_partition(g, joint_inputs, **kwargs),
@@ -117,10 +118,10 @@ class GraphCompiler:
         fw, bw = _compat.min_cut_partition(joint, joint_inputs, **kwargs)
         if self.plan.profiling:
             n_blocks = len(self.plan.blocks)
-            self.plan.static_profile = profiler.StaticProfile(
+            self.plan.static_profile = static.StaticProfile(
                 saved,
-                profiler.recomputed_share(fw, bw, n_blocks),
-                profiler.block_signatures(fw, bw, n_blocks),
+                static.recomputed_share(fw, bw, n_blocks),
+                static.block_signatures(fw, bw, n_blocks),
             )
         self.plan.saved_names = saved_names(bw)
         return fw, bw
@@ -294,10 +295,35 @@ def protrain_backend(
         opts.optimizer,
         example_inputs,
         lambda *a, **k: _compile(*a, **k),  # looked up at each call (tests patch it)
+        _traced_root(graph_inputs),
     )
     graph.install(compiled, plan, device, choice, opts)
     progress.end()
     return graph
+
+
+def _split(gm, structure, graph_inputs):
+    """The graph's regions (protrain_fx/graph/regions.py), or None when it is compiled whole."""
+    if not config.settings().regions or not any(gi.is_param for gi in graph_inputs):
+        return None
+    found, _why = regions.split(copy_graph_module(gm), structure)
+    return found
+
+
+def _compile_graph(gm, example_inputs, graph_inputs, params, plan: Plan, opts: Options, split):
+    """The graph compiled whole, or in regions (protrain_fx/region_program.py) when ``split``."""
+    if split is None:
+        return _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
+    return region_program.compile_program(
+        gm,
+        plan.block_structure,
+        example_inputs,
+        graph_inputs,
+        opts,
+        plan,
+        _compile_plan,
+        _traced_root(graph_inputs),
+    )
 
 
 def _compile(
@@ -312,6 +338,7 @@ def _compile(
 ):
     root = _traced_root(graph_inputs)
     structure = detect_blocks(gm, root)
+    split = _split(gm, structure, graph_inputs)
     live = [p for p in params if p is not None]
     device = live[0].device if live else None
     name = graph_name or _graph_name()
@@ -321,10 +348,13 @@ def _compile(
     if autoplan.wanted(opts, params, device):
 
         def compile_profiling(copy: fx.GraphModule, frugal: Options, profiled):
-            plan = make_plan(name, graph_inputs, profiled, frugal)
+            plan = make_plan(name, graph_inputs, profiled, frugal, split)
             plan.profiling = plan.profile_blocks = True
             with _compat.eager_backward_compile():  # the profiler runs backward inside this compile
-                return _compile_plan(copy, example_inputs, graph_inputs, params, plan, frugal), plan
+                compiled = _compile_graph(
+                    copy, example_inputs, graph_inputs, params, plan, frugal, split
+                )
+            return compiled, plan
 
         choice = autoplan.choose(
             gm,
@@ -336,10 +366,11 @@ def _compile(
             compile_profiling,
             failed_peaks,
             root=root,
+            regions=split,
         )
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
-    plan = make_plan(name, graph_inputs, structure, opts)
+    plan = make_plan(name, graph_inputs, structure, opts, split)
     if device is not None:  # knobs given by hand too: no fragmentation from protrain's buffers
         plan.notes.append(f"allocator: {allocator.describe(allocator.prepare(device))}")
     # the automatic plan checked the host's memory; knobs given by hand are checked here
@@ -347,6 +378,9 @@ def _compile(
         placement.check_host_memory(plan, opts, params, device)
     plan.n_buffer_searched = choice is not None and searched_n_buffer
     register_plan(plan, live, options)
-    with prog.phase("compile", f"compiling the plan (aot_autograd, passes, {opts.compiler})"):
-        compiled = _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
+    how = "in regions, " if split is not None else ""
+    with prog.phase("compile", f"compiling the plan ({how}aot_autograd, passes, {opts.compiler})"):
+        compiled = _compile_graph(gm, example_inputs, graph_inputs, params, plan, opts, split)
+    if split is not None:
+        prog.ready()
     return compiled, plan, device, choice

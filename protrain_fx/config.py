@@ -40,6 +40,8 @@ VARIABLES = {
     "the graph)",
     "PROTRAIN_PROFILE_WHOLE": "1: profile the whole graph, not a copy of it with three of its "
     "blocks (protrain_fx/graph/shorten.py)",
+    "PROTRAIN_REGIONS": "0: compile a training graph whole instead of one region per block, each "
+    "distinct block compiled once (protrain_fx/graph/regions.py)",
     "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default "
     "0.003)",
     "PROTRAIN_DEBUG_SYNC": "1: synchronize the device around every chunk and swap copy; offload / "
@@ -126,6 +128,7 @@ class Settings:
     cpu_adam: str  # "" or "torch"
     profile_blocks: bool
     profile_whole: bool
+    regions: bool
     profile_spin_s: float | None
     debug_sync: str  # "", "1", "offload" or "reload"
     debug_poison: bool
@@ -163,6 +166,7 @@ def settings() -> Settings:
         cpu_adam=cpu_adam_choice(),
         profile_blocks=_flag("PROTRAIN_PROFILE_BLOCKS", False),
         profile_whole=_flag("PROTRAIN_PROFILE_WHOLE", False),
+        regions=_flag("PROTRAIN_REGIONS", True),
         profile_spin_s=_float("PROTRAIN_PROFILE_SPIN_S"),
         debug_sync=_choice("PROTRAIN_DEBUG_SYNC", ("", "0", "1", "offload", "reload")).replace(
             "0", ""

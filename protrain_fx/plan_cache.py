@@ -31,7 +31,15 @@ COST_MODEL_VERSION = 13
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
 
 
-def key(gm, example_inputs, opts: Options, hw_key: str, budget: int, allocator_key: str) -> str:
+def key(
+    gm,
+    example_inputs,
+    opts: Options,
+    hw_key: str,
+    budget: int,
+    allocator_key: str,
+    regions: bool = False,
+) -> str:
     shapes = [
         (tuple(t.shape), str(t.dtype), tuple(t.stride()))
         if isinstance(t, torch.Tensor)
@@ -57,6 +65,7 @@ def key(gm, example_inputs, opts: Options, hw_key: str, budget: int, allocator_k
             str(opts.param_dtype),
             autocast,
             opts.optimizer is not None,
+            regions,  # compiled in regions: chunks never span two (another layout)
         ],
         default=str,
     )

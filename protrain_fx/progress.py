@@ -119,3 +119,15 @@ def end() -> None:
     """The backend is done with its graph: later compiles on this thread say nothing until the
     next :func:`begin`."""
     _CURRENT.progress = None
+
+
+@contextlib.contextmanager
+def silenced():
+    """Compiles inside say nothing (a graph compiled in regions says one line per region code,
+    protrain_fx/region_program.py, not one per stage of each)."""
+    before = getattr(_CURRENT, "progress", None)
+    _CURRENT.progress = Silent()
+    try:
+        yield
+    finally:
+        _CURRENT.progress = before

@@ -16,6 +16,19 @@ import torch
 from protrain_fx.plan.plan import Plan, get_plan
 
 
+def stores_of(model: torch.nn.Module) -> list:
+    """The chunk stores that hold ``model``'s parameters, in the order of their first parameter
+    (one per region when the model is compiled in regions, protrain_fx/graph/regions.py)."""
+    from protrain_fx.runtime.chunk_store import store_of
+
+    out = []
+    for p in model.parameters():
+        s = store_of(p)
+        if s is not None and s not in out:
+            out.append(s)
+    return out
+
+
 def random_batches(n: int, batch: int, seq: int, vocab: int = 256, seed: int = 0, device="cpu"):
     """``n`` (tokens, targets) pairs of shape (batch, seq)."""
     g = torch.Generator().manual_seed(seed)

@@ -23,3 +23,10 @@ def no_plan_cache(monkeypatch):
     """Automatic plans are searched afresh in every test (tests/test_autoplan.py checks the cache
     itself)."""
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+
+
+@pytest.fixture
+def whole_graph(monkeypatch):
+    """The graph compiled whole (``PROTRAIN_REGIONS=0``), not in regions: for tests that read one
+    graph's stages, dumps or passes (tests/test_regions.py covers regions)."""
+    monkeypatch.setenv("PROTRAIN_REGIONS", "0")

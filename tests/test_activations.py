@@ -124,6 +124,7 @@ def _saved_bytes(monkeypatch, options):
     return device, host
 
 
+@pytest.mark.usefixtures("whole_graph")
 def test_recompute_and_swap_shrink_what_forward_keeps(monkeypatch):
     """All-recompute saves much less on the device than all-keep; all-swap moves the block
     activations to host memory. (The GPU benchmark measures the memory itself.)"""
@@ -151,6 +152,7 @@ def test_no_blocks_with_checkpoint_says_so():
     assert any("asked for more blocks than the 0 detected" in n for n in plan.notes), plan.notes
 
 
+@pytest.mark.usefixtures("whole_graph")
 def test_dumps_show_swap_and_recompute(tmp_path):
     m = model("gpt")
     compiled = torch.compile(

@@ -32,6 +32,7 @@ LAYERS = [
             "autoplan",
             "placement",
             "pipeline",
+            "region_program",
             "backend",
             "compiled_graph",
             "testing",

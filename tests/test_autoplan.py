@@ -23,7 +23,6 @@ def state_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-# 8 layers: profiled on a short copy with 3 of them (protrain_fx/graph/shorten.py)
 @pytest.mark.parametrize("n_layer", [4, 8])
 def test_automatic_plan_offloads_to_fit_and_trains_like_eager(n_layer):
     model = gpt(n_layer)
@@ -40,9 +39,11 @@ def test_automatic_plan_offloads_to_fit_and_trains_like_eager(n_layer):
     assert pred["peak_bytes"] <= budget and pred["budget_bytes"] == budget
     assert plan.n_persist < len(plan.chunks)
     assert pred["profile_s"] > 0 and pred["search_s"] > 0 and pred["plans_evaluated"] > 1
-    assert pred["profiled"]["conditions"].get("profiled_blocks", n_layer) == (
-        3 if n_layer > 4 else 4
-    )
+    # compiled in regions, the profiled step runs every block (each distinct one compiled once);
+    # a whole graph is profiled on a short copy with three of them (protrain_fx/graph/shorten.py)
+    regions = any("compiled in" in n and "regions" in n for n in plan.notes)
+    assert regions
+    assert pred["profiled"]["conditions"].get("profiled_blocks", n_layer) == n_layer
     assert len(pred["profiled"]["block_fwd_ms"]) == n_layer and all(
         t > 0 for t in pred["profiled"]["block_fwd_ms"]
     )

@@ -9,9 +9,13 @@ from protrain_fx.runtime import block_timer
 from protrain_fx.testing import compare_with_eager, random_batches
 
 
+@pytest.mark.parametrize("regions", [True, False])
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_marks_time_every_block_and_keep_parity(monkeypatch, tmp_path, compiler):
+def test_marks_time_every_block_and_keep_parity(monkeypatch, tmp_path, compiler, regions):
+    """Whole graphs carry the marks in their code; a graph compiled in regions marks each block's
+    region where it is called (protrain_fx/region_program.py), with the block's own index."""
     monkeypatch.setenv("PROTRAIN_PROFILE_BLOCKS", "1")
+    monkeypatch.setenv("PROTRAIN_REGIONS", "1" if regions else "0")
     block_timer.RECORDER.clear()
     torch.manual_seed(0)
     model = build("gpt", n_layer=3, n_embd=32, n_head=2, block_size=16, vocab_size=64)
@@ -23,9 +27,10 @@ def test_marks_time_every_block_and_keep_parity(monkeypatch, tmp_path, compiler)
     assert sorted(timings) == [0, 1, 2]
     for row in timings.values():
         assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0
-    fw = next(tmp_path.rglob("fw.py")).read_text()
-    bw = next(tmp_path.rglob("bw.py")).read_text()
-    assert "protrain.mark" in fw and "protrain.mark" in bw
+    if not regions:
+        fw = next(tmp_path.rglob("fw.py")).read_text()
+        bw = next(tmp_path.rglob("bw.py")).read_text()
+        assert "protrain.mark" in fw and "protrain.mark" in bw
     wheres = {(m.block, m.where) for m in block_timer.RECORDER.marks}
     assert wheres == {(b, w) for b in range(3) for w in range(4)}
 

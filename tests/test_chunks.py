@@ -15,7 +15,13 @@ import protrain_fx
 from protrain_fx.errors import OptionsError
 from protrain_fx.machine import cpu_adam
 from protrain_fx.runtime import chunk_store, hybrid_optim
-from protrain_fx.testing import compare_with_eager, make_adamw, random_batches, train_steps
+from protrain_fx.testing import (
+    compare_with_eager,
+    make_adamw,
+    random_batches,
+    stores_of,
+    train_steps,
+)
 
 LOSS_REL, PARAM_ABS = 1e-5, 1e-3
 
@@ -41,10 +47,6 @@ def llama(**kw):
     )
 
 
-def store_of_model(model) -> chunk_store.ChunkStore:
-    return chunk_store.store_of(next(model.parameters()))
-
-
 def assert_parity(r):
     assert r.max_loss_rel <= LOSS_REL, (r.losses, r.ref_losses)
     assert r.max_param_abs <= PARAM_ABS, r.max_param_abs
@@ -66,12 +68,15 @@ def test_offloaded_chunks_match_eager(compiler, n_persist):
     assert [c["placement"] for c in plan["chunks"]] == ["device"] * n_persist + ["host"] * (
         len(plan["chunks"]) - n_persist
     )
-    store = store_of_model(r.model)
-    assert store.stats["unprefetched_gathers"] == 0  # every gather found its chunk prefetched
-    assert store.stats["slot_hits"] > 0  # backward reused chunks forward left in the buffers
+    stores = stores_of(r.model)  # one per region of the compiled graph
+    # every gather found its chunk prefetched
+    assert sum(s.stats.get("unprefetched_gathers", 0) for s in stores) == 0
+    # backward reused chunks forward left in the buffers
+    assert sum(s.stats.get("slot_hits", 0) for s in stores) > 0
     # offloaded parameters are views of their host master copy (and their gradients of the
     # accumulator)
-    last = store.params[-1]
+    last = r.model.ln_f.bias
+    store = chunk_store.store_of(last)
     e = store.entry(last)
     master = store.master[e.chunk]
     assert (
@@ -171,7 +176,7 @@ def test_gradient_accumulation(declared):
         <= PARAM_ABS
     )
     timers = hybrid_optim.handle_of(opt).timers
-    n_offloaded = len(store_of_model(mine).offloaded_chunks)
+    n_offloaded = sum(len(s.offloaded_chunks) for s in stores_of(mine))
     # declared: all 3 steps overlap backward; learned: the first step is deferred, steps 2 and 3
     # overlap
     assert timers.in_backward_steps == (3 if declared else 2) * n_offloaded
@@ -296,22 +301,19 @@ def test_inference_and_new_shapes_share_the_store():
     ref = gpt()
     ref_opt = make_adamw(ref)
     data = random_batches(2, 2, 16) + random_batches(2, 2, 24, seed=1)
-    assert train_steps(model, compiled, data, opt=opt) == pytest.approx(
-        train_steps(ref, ref, data, opt=ref_opt), rel=LOSS_REL
-    )
+    losses = train_steps(model, compiled, data[:1], opt=opt)
+    first = [id(s) for s in stores_of(model)]  # the first graph's (one per region)
+    losses += train_steps(model, compiled, data[1:], opt=opt)
+    assert losses == pytest.approx(train_steps(ref, ref, data, opt=ref_opt), rel=LOSS_REL)
     x = data[0][0]
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
-    assert (
-        len(
-            {
-                id(s)
-                for s in chunk_store._STORES.values()
-                if s.params[0] is not None and s.params[0] in set(model.parameters())
-            }
-        )
-        == 1
-    )
+    mine = {
+        id(s)
+        for s in chunk_store._STORES.values()
+        if s.params[0] is not None and s.params[0] in set(model.parameters())
+    }
+    assert mine == set(first)
 
 
 def test_bf16_transfer_copies():
@@ -325,13 +327,15 @@ def test_bf16_transfer_copies():
         autocast_dtype=torch.bfloat16,
         fused=True,
     )
-    store = store_of_model(r.model)
-    assert store.param_dtype == torch.bfloat16
+    stores = stores_of(r.model)
+    assert all(s.param_dtype == torch.bfloat16 for s in stores)
     # with fused=True the one-pass kernel steps them and writes the bf16 copies
     if cpu_adam.available():
         assert hybrid_optim.handle_of(r.opt).timers.one_pass_steps > 0
-    for c in store.offloaded_chunks:
-        assert torch.equal(store.transfer[c], store.master[c].to(torch.bfloat16))
+    assert sum(len(s.offloaded_chunks) for s in stores) > 0
+    for store in stores:
+        for c in store.offloaded_chunks:
+            assert torch.equal(store.transfer[c], store.master[c].to(torch.bfloat16))
     assert r.max_loss_rel <= 2 * 2**-8, (r.losses, r.ref_losses)
     assert r.max_param_abs <= 2 * 1e-3 * 3
 
@@ -404,6 +408,7 @@ def test_offloading_without_the_optimizer_is_exact():
         protrain_fx.Options.from_dict({"optimizer": torch.optim.SGD(gpt().parameters(), lr=0.1)})
 
 
+@pytest.mark.usefixtures("whole_graph")
 def test_dumps_show_chunk_ops(tmp_path):
     model = gpt()
     opt = make_adamw(model)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from models import build
 
@@ -26,6 +27,7 @@ def _train_and_infer(options):
     return compiled, train_plan
 
 
+@pytest.mark.usefixtures("whole_graph")
 def test_dump_layout(tmp_path):
     compiled, train_plan = _train_and_infer({"dump_dir": str(tmp_path)})
     graphs = sorted(os.listdir(tmp_path))
@@ -97,6 +99,7 @@ def test_dump_layout(tmp_path):
     )
 
 
+@pytest.mark.usefixtures("whole_graph")
 def test_env_var_turns_dumps_on(tmp_path, monkeypatch):
     monkeypatch.setenv("PROTRAIN_DUMP_DIR", str(tmp_path))
     _train_and_infer({"compiler": "eager"})

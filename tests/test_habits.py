@@ -29,7 +29,7 @@ from hf_models import HF_VOCAB, hf_llama, hf_loss, hf_loss_no_cache, largest_par
 from models import GPT, GPTBlock, GPTConfig, build
 
 import protrain_fx
-from protrain_fx.testing import random_batches
+from protrain_fx.testing import random_batches, stores_of
 
 LR = 1e-2
 LOSS_REL, PARAM_ABS, MIN_UPDATE = 1e-5, 1e-3, 1e-4
@@ -1056,7 +1056,8 @@ def test_20_8_hf_gradient_checkpointing_offloaded(plan):
         {"compiler": "eager", "memory_budget": "6MiB"} if plan == "memory_budget" else offload(base)
     )
     p = parity(base, options, loss_fn=hf_loss, data=hf_data())
-    assert "host" in placements(p.compiled)
+    # HF's checkpointing breaks the graph: the last graph's plan is the head's; the blocks offload
+    assert any(s.offloaded_chunks for s in stores_of(p.compiled))
     p.check()
 
 

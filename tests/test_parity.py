@@ -99,6 +99,7 @@ def _record_stage(monkeypatch, stage: str, sink: list):
 
 # Each example compiles a new graph (seconds), so no shrinking: a failure prints the generated
 # shapes.
+@pytest.mark.usefixtures("whole_graph")
 @settings(
     max_examples=12,
     deadline=None,

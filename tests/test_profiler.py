@@ -1,14 +1,16 @@
 """profiler.saved_bytes_by_block: what forward keeps per block, keep and recompute, from two
 partitions."""
 
+import pytest
 import torch
 from models import GPT, GPTConfig
 
 from protrain_fx import _compat, backend, pipeline
 from protrain_fx.graph.fx import saved_activation_bytes
-from protrain_fx.profiling.profiler import saved_bytes_by_block
+from protrain_fx.profiling.static import saved_bytes_by_block
 
 
+@pytest.mark.usefixtures("whole_graph")
 def test_saved_bytes_by_block(monkeypatch):
     seen = {}
     partition, run_stage = backend.GraphCompiler.partition, pipeline.run_stage
@@ -48,17 +50,13 @@ def test_saved_bytes_by_block(monkeypatch):
     assert sb.nonblock_keep > 0 and sb.nonblock_recompute > 0
 
 
+@pytest.mark.usefixtures("whole_graph")
 def test_identical_blocks_share_the_fastest_time(monkeypatch):
     """A GPT's blocks have one signature (same ops, same FLOPs), so a stall that slowed some of them
     in the profiled step does not reach the cost model: every block gets the fastest one's times.
     Blocks that differ keep their own."""
-    from protrain_fx.profiling.profiler import (
-        SavedBytes,
-        StaticProfile,
-        StepProfile,
-        block_signatures,
-        identical_block_times,
-    )
+    from protrain_fx.profiling.profiler import StepProfile, identical_block_times
+    from protrain_fx.profiling.static import SavedBytes, StaticProfile, block_signatures
 
     seen = {}
     partition = backend.GraphCompiler.partition

@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 
+import pytest
 import torch
 from models import build
 
@@ -22,22 +23,32 @@ def _train_one_step(options):
     opt.step()
 
 
-def test_one_line_per_phase_under_an_automatic_plan(caplog):
+@pytest.mark.parametrize("regions", [True, False])
+def test_one_line_per_phase_under_an_automatic_plan(caplog, monkeypatch, regions):
+    """A whole graph compiles its backward at the first backward; a graph compiled in regions
+    compiles each region's code (forward and backward) in one line per code."""
+    monkeypatch.setenv("PROTRAIN_REGIONS", "1" if regions else "0")
     with caplog.at_level(logging.INFO, logger="protrain_fx"):
         _train_one_step({"compiler": "eager", "memory_budget": "1GB"})
     lines = [r.getMessage() for r in caplog.records if r.name == "protrain_fx.progress"]
     text = "\n".join(lines)
+    region = ["compiling region code 1: pre", "compiling region code 2: blocks.0"]
     order = [
         "nodes,",
         "compiling the profiling plan",
+        *(region if regions else []),
         "profiling one step",
         "searching the plans",
         "searched",
         "compiling the plan",
-        "compiling the backward",
+        *(region if regions else ["compiling the backward"]),
         "ready after",
     ]
-    where = [next((i for i, line in enumerate(lines) if key in line), -1) for key in order]
+    where, start = [], 0
+    for key in order:  # each line after the one before it
+        at = next((i for i, line in enumerate(lines) if i >= start and key in line), -1)
+        where.append(at)
+        start = at + 1 if at >= 0 else start
     assert -1 not in where and where == sorted(where), text
     assert all(line.startswith("protrain [") and " s] graph " in line for line in lines), text
     ready = lines[where[-1]]

@@ -3,6 +3,7 @@ copy with three of the model's blocks (protrain_fx/graph/shorten.py) instead of 
 whole graph a second time; what it derives for every block must be what the whole graph's profile
 gives (that the plan trains like eager: tests/test_autoplan.py, 8 layers)."""
 
+import pytest
 import torch
 from hf_models import hf_llama, hf_loss_no_cache
 from models import build
@@ -96,6 +97,7 @@ def _profiled(monkeypatch, whole: bool, model, batch):
     return protrain_fx.get_plan(compiled)
 
 
+@pytest.mark.usefixtures("whole_graph")
 def test_the_short_profile_derives_what_the_whole_one_measures(monkeypatch):
     """Saved bytes per block under both policies, the recomputed FLOP share and the block
     signatures come from partitions of the graph: the short copy's, widened to every block, must

@@ -26,7 +26,9 @@ class NodeAnnotation:
     block_name: str | None = None
     param: str | None = None
     chunk: int | None = None
-    input_kind: str | None = None  # placeholders: "param" | "buffer" | "input" | "tangent"
+    # placeholders: "param" | "buffer" | "input" | "activation" / "shared" (another region's
+    # value, protrain_fx/graph/regions.py) | "tangent"
+    input_kind: str | None = None
 
 
 def annotation_of(node: fx.Node) -> NodeAnnotation | None:

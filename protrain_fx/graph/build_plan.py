@@ -9,6 +9,7 @@ from __future__ import annotations
 from protrain_fx import config
 from protrain_fx.graph.blocks import BlockStructure
 from protrain_fx.graph.inputs import GraphInput
+from protrain_fx.graph.regions import RegionSplit
 from protrain_fx.options import Options
 from protrain_fx.plan.cost_model import block_policy
 from protrain_fx.plan.layout import choose_chunk_size, pack
@@ -33,19 +34,37 @@ def block_knobs(options: Options, n_blocks: int, notes: list[str]) -> tuple[int,
     return n_swap, n_checkpoint
 
 
-def default_chunk_size(params: list[tuple[str, int]], structure: BlockStructure) -> int:
+def default_chunk_size(
+    params: list[tuple[str, int]], structure: BlockStructure, groups: list | None = None
+) -> int:
     """The chunk size sized for the blocks' parameters (``(fqn, nbytes)``; larger parameters
-    outside them get chunks of their own: protrain_fx/plan/layout.py)."""
+    outside them get chunks of their own: protrain_fx/plan/layout.py). ``groups``: ``pack``'s."""
     in_blocks = [(f, b) for f, b in params if structure.block_of_param(f) is not None]
-    return choose_chunk_size(params, block_params=in_blocks)
+    return choose_chunk_size(params, block_params=in_blocks, groups=groups)
+
+
+def chunked_params(
+    inputs: list[GraphInput], regions: RegionSplit | None = None
+) -> tuple[list[tuple[str, int]], list | None]:
+    """``(fqn, nbytes)`` of the graph's parameters in the order they are chunked, and their
+    groups: placeholder order for a graph compiled whole, by region for one compiled in regions
+    (protrain_fx/graph/regions.py)."""
+    if regions is None:
+        return [(gi.fqn or gi.node_name, gi.nbytes) for gi in inputs if gi.is_param], None
+    ordered, groups = regions.ordered_params(inputs)
+    return [(gi.fqn or gi.node_name, gi.nbytes) for gi in ordered], groups
 
 
 def make_plan(
-    graph_name: str, inputs: list[GraphInput], structure: BlockStructure, options: Options
+    graph_name: str,
+    inputs: list[GraphInput],
+    structure: BlockStructure,
+    options: Options,
+    regions: RegionSplit | None = None,
 ) -> Plan:
-    params = [(gi.fqn or gi.node_name, gi.nbytes) for gi in inputs if gi.is_param]
-    chunk_size = options.chunk_size or default_chunk_size(params, structure)
-    layout = pack(params, chunk_size)
+    params, groups = chunked_params(inputs, regions)
+    chunk_size = options.chunk_size or default_chunk_size(params, structure, groups)
+    layout = pack(params, chunk_size, groups)
     chunks = [
         ChunkPlan(
             id=c,

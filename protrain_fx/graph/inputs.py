@@ -55,7 +55,9 @@ class GraphInput:
 
     index: int  # position among the dynamo graph's placeholders (== joint-graph desc idx)
     node_name: str
-    kind: str  # "param" | "buffer" | "input"
+    # "param" | "buffer" | "input", or in a region's graph a value another region computed
+    # (protrain_fx/graph/regions.py): "activation" (needing gradients) or "shared"
+    kind: str
     fqn: str | None  # parameter/buffer FQN relative to the compiled module, when known
     source: str | None
     shape: tuple[int, ...] | None

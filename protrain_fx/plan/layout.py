@@ -68,18 +68,22 @@ class ChunkLayout:
         return capacity - used
 
 
-def pack(params: list[tuple[str, int]], chunk_size: int) -> ChunkLayout:
+def pack(params: list[tuple[str, int]], chunk_size: int, groups: list | None = None) -> ChunkLayout:
     """Greedy first-use-order packing of ``(fqn, nbytes)`` into chunks of ``chunk_size`` bytes; a
-    parameter larger than that gets a chunk of its own."""
+    parameter larger than that gets a chunk of its own. ``groups`` (one key per parameter): a
+    parameter whose group differs from the one before it starts a new chunk, so no chunk spans two
+    groups (the regions a graph is compiled in, protrain_fx/graph/regions.py: each region's
+    parameters are chunked by its own store)."""
     if chunk_size < ALIGN_BYTES:
         raise OptionsError(
             f"chunk_size {chunk_size} B is smaller than the {ALIGN_BYTES} B alignment of a "
             "parameter inside a chunk"
         )
     slots, chunk, used, open_chunk = [], 0, 0, False
-    for fqn, nbytes in params:
+    for i, (fqn, nbytes) in enumerate(params):
         need = _align(nbytes)
-        if open_chunk and (used + need > chunk_size or need > chunk_size):
+        new_group = groups is not None and i > 0 and groups[i] != groups[i - 1]
+        if open_chunk and (used + need > chunk_size or need > chunk_size or new_group):
             chunk, used = chunk + 1, 0
         slots.append(ParamSlot(fqn, chunk, used, nbytes))
         used += need
@@ -95,12 +99,13 @@ def choose_chunk_size(
     block_params: list[tuple[str, int]] | None = None,
     min_chunks: int = 4,
     n_candidates: int = 256,
+    groups: list | None = None,
 ) -> int:
     """The chunk size with the least padding waste among candidates between the largest (aligned)
     parameter of the blocks (``block_params``; of ``params`` when none are given) and the larger of
     twice that and ``total / min_chunks``; ties go to the smaller size (finer placement
     granularity). Larger parameters get chunks of their own (:func:`pack`). ``min_chunks`` keeps
-    small models from collapsing into one chunk."""
+    small models from collapsing into one chunk. ``groups``: as :func:`pack`'s."""
     if not params:
         return ALIGN_BYTES
     sizing = block_params or params
@@ -113,7 +118,7 @@ def choose_chunk_size(
     best = None
     size = largest
     while size <= upper:
-        waste = pack(params, size).waste_bytes
+        waste = pack(params, size, groups).waste_bytes
         if best is None or waste < best[0]:
             best = (waste, size)
         size += step

@@ -1,27 +1,21 @@
 """Profiler: what the cost model needs of one graph, measured once per new graph.
 
-Static part, at partition time (no run): what forward keeps for backward per block under each
-policy, from two partitions of copies of the joint graph with the partitioner the real compile uses:
-one where every block keeps (block recompute tags dropped) and one where every block recomputes
-(what a checkpointed block keeps: the values it restarts from). A saved value counts for the block
-that produced it, except under recomputation, where a block's input (produced by the block before
-it) counts for the block that restarts from it; values produced outside blocks count as non-block
-(a block's backward node the partitioner moved into forward is the block's).
-Also per block, the share of its forward FLOPs that the all-recompute backward recomputes (the
-partitioner saves some outputs, e.g. attention's, and never recomputes what only feeds saved
-values).
+The static part (what the partitions say, per block, without a run) is
+protrain_fx/profiling/static.py's.
 
 Timed part, one real step under the most frugal plan (every chunk offloaded, every block recomputed,
 so a model larger than the device can be profiled): the Inductor-compiled kernels run with
-``protrain::mark`` at every block boundary (passes/block_marks.py) and chunk copies serialized on
-the compute stream between copy marks, which :mod:`protrain_fx.runtime.block_timer` subtracts, so
-block times are compute only. A warm-up run fills the allocator's cache; the timed runs (the minimum
-per block over two) reuse it, and blocks with the same signature (the same ops on the same FLOPs: a
+``protrain::mark`` at every block boundary (passes/block_marks.py; around each block's region in a
+graph compiled in regions, protrain_fx/region_program.py) and chunk copies serialized on the compute
+stream between copy marks, which :mod:`protrain_fx.runtime.block_timer` subtracts, so block times
+are compute only. A warm-up run fills the allocator's cache; the timed runs (the minimum per block
+over two) reuse it, and blocks with the same signature (the same ops on the same FLOPs: a
 transformer's layers) all get the fastest one's times (:func:`identical_block_times`). Gradients are
 dropped, RNG state and mutated inputs restored: the step leaves no trace on training. Per block it
 gives forward time and backward time (which includes its recomputation: the recomputed share of the
-forward time is taken out by the FLOP share above), outside blocks the rest, and the step's peak
-allocation, from which the largest transient working set (logits, loss, a recomputed block) follows.
+forward time is taken out by the static part's recomputed FLOP share), outside blocks the rest, and
+the step's peak allocation, from which the largest transient working set (logits, loss, a recomputed
+block) follows.
 
 :func:`graph_profile` turns both into the cost model's
 :class:`~protrain_fx.plan.profiles.GraphProfile` for any chunk size: block times are spread over
@@ -36,170 +30,13 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from protrain_fx import _compat, config
-from protrain_fx.graph.annotation import annotation_of
-from protrain_fx.graph.fx import copy_graph_module, saved_values, tensor_bytes
-from protrain_fx.passes.recompute import tag_blocks_for_recompute, untag_blocks
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import FRAGMENTATION, BlockProfile, ChunkProfile, GraphProfile
-from protrain_fx.runtime import block_timer, ops
-
-
-def _unmarked(node: fx.Node) -> fx.Node:
-    """The value a profiling mark (passes/block_marks.py, a copy) stands for: without marks it is
-    saved."""
-    while node.op == "call_function" and node.target is ops.MARK:
-        node = node.args[0]
-    return node
-
-
-def _readers(node: fx.Node) -> list[fx.Node]:
-    """Who reads ``node``, looking through profiling marks."""
-    out = []
-    for u in node.users:
-        out += _readers(u) if u.op == "call_function" and u.target is ops.MARK else [u]
-    return out
-
-
-def _saved(fw: fx.GraphModule, bw: fx.GraphModule) -> list[fx.Node]:
-    """What forward saves for backward, as the graph without profiling marks would save it."""
-    seen, out = set(), []
-    for n in saved_values(fw, bw):
-        n = _unmarked(n)
-        if n.op != "placeholder" and n not in seen:
-            seen.add(n)
-            out.append(n)
-    return out
-
-
-@dataclass
-class SavedBytes:
-    """Bytes forward keeps on the device for backward, by block (index) and outside blocks."""
-
-    keep: list[int] = field(default_factory=list)  # every block keeps its activations
-    # every block recomputes (what it restarts from)
-    recompute: list[int] = field(default_factory=list)
-    nonblock_keep: int = 0
-    nonblock_recompute: int = 0
-
-
-def _attribute(nodes: list[fx.Node], n_blocks: int, restart: bool) -> tuple[list[int], int]:
-    per_block, nonblock = [0] * n_blocks, 0
-    for node in nodes:
-        nbytes = tensor_bytes(node)
-        ann = annotation_of(node)
-        # a value of a block's backward that the partitioner computes in forward (a view of a
-        # saved activation) is that block's too: its backward frees it
-        block = ann.block if ann is not None else None
-        if restart:
-            # a block's input is produced by the region before it: it counts for the first later
-            # block that reads it in forward
-            readers = [annotation_of(u) for u in _readers(node)]
-            later = sorted(
-                a.block
-                for a in readers
-                if a is not None
-                and a.phase == "forward"
-                and a.block is not None
-                and (block is None or a.block > block)
-            )
-            if later:
-                block = later[0]
-        if block is None or not 0 <= block < n_blocks:
-            nonblock += nbytes
-        else:
-            per_block[block] += nbytes
-    return per_block, nonblock
-
-
-def saved_bytes_by_block(joint: fx.GraphModule, n_blocks: int, partition) -> SavedBytes:
-    """Partition two copies of ``joint`` (annotated by passes/annotate.py; ``partition(gm) ->
-    (fw, bw)``)."""
-    kept = copy_graph_module(joint)
-    untag_blocks(kept)
-    fw, bw = partition(kept)
-    keep, nonblock_keep = _attribute(_saved(fw, bw), n_blocks, restart=False)
-    tagged = copy_graph_module(joint)
-    tag_blocks_for_recompute(tagged, set(range(n_blocks)))
-    fw, bw = partition(tagged)
-    recompute, nonblock_recompute = _attribute(_saved(fw, bw), n_blocks, restart=True)
-    return SavedBytes(keep, recompute, nonblock_keep, nonblock_recompute)
-
-
-def node_flops(node: fx.Node) -> int:
-    """FLOPs of one aten node by torch's FLOP counter formulas (matmuls, attention, convolutions;
-    0 else)."""
-    from torch.utils.flop_counter import flop_registry
-
-    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
-    if formula is None:
-        return 0
-    args, kwargs = pytree.tree_map_only(
-        fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
-    )
-    try:  # at the sizes' hints: int() on a symbolic count would specialize the graph to one shape
-        return _compat.size_hint(formula(*args, **kwargs, out_val=node.meta.get("val")), fallback=0)
-    except Exception:  # noqa: BLE001  (a formula that cannot read missing shapes: count none)
-        return 0
-
-
-def recomputed_share(fw: fx.GraphModule, bw: fx.GraphModule, n_blocks: int) -> list[float]:
-    """Per block, the FLOPs of its forward nodes that ``bw`` recomputes over those ``fw`` runs (1.0
-    for a block without FLOP-counted nodes)."""
-
-    def by_block(gm):
-        out = [0] * n_blocks
-        for n in gm.graph.nodes:
-            ann = annotation_of(n)
-            if (
-                n.op == "call_function"
-                and ann is not None
-                and ann.phase == "forward"
-                and ann.block is not None
-                and 0 <= ann.block < n_blocks
-            ):
-                out[ann.block] += node_flops(n)
-        return out
-
-    fwd, rc = by_block(fw), by_block(bw)
-    return [min(1.0, r / f) if f else 1.0 for f, r in zip(fwd, rc)]
-
-
-def block_signatures(fw: fx.GraphModule, bw: fx.GraphModule, n_blocks: int) -> list[tuple]:
-    """Per block, what its compute is made of: the FLOPs and the counts of each op of its forward
-    nodes in ``fw`` and of its backward (recomputation included) in ``bw``. Blocks with equal
-    signatures run the same kernels on the same shapes (the layers of a transformer), so they take
-    the same time."""
-    ops_of = [dict() for _ in range(n_blocks)]
-    flops = [[0, 0] for _ in range(n_blocks)]
-    for side, gm in enumerate((fw, bw)):
-        for n in gm.graph.nodes:
-            ann = annotation_of(n)
-            if (
-                n.op != "call_function"
-                or ann is None
-                or ann.block is None
-                or not 0 <= ann.block < n_blocks
-            ):
-                continue
-            key = (side, ann.phase, str(n.target))
-            ops_of[ann.block][key] = ops_of[ann.block].get(key, 0) + 1
-            flops[ann.block][side] += node_flops(n)
-    return [(tuple(flops[b]), tuple(sorted(ops_of[b].items()))) for b in range(n_blocks)]
-
-
-@dataclass
-class StaticProfile:
-    """What the partitions of the profiling plan (every block recomputed) say: saved bytes per
-    policy, the share of each block's forward FLOPs its recomputation repeats, and each block's
-    signature (:func:`block_signatures`; empty: unknown)."""
-
-    saved: SavedBytes
-    recomputed_share: list[float]
-    signatures: list = field(default_factory=list)
+from protrain_fx.profiling.static import SavedBytes, StaticProfile
+from protrain_fx.runtime import block_timer
 
 
 def identical_block_times(
@@ -452,9 +289,11 @@ def graph_profile(
     transfer_elem: int,
     resident_cast_elem: int,
     fragmentation: float | None = None,
+    groups: list | None = None,
 ) -> GraphProfile:
     """The cost model's profile for ``chunk_size``. ``params``: ``(fqn, bytes, block index or
-    None)`` in first-use order (how the chunks are packed). ``fragmentation``: the allocator's
+    None)`` in first-use order (how the chunks are packed; ``groups``: as ``pack``'s, when the
+    graph is compiled in regions). ``fragmentation``: the allocator's
     reserved over allocated factor to budget (protrain_fx/machine/allocator.py; None: the cost
     model's default). The profiled step's own ratio is recorded but not used: its allocation pattern
     (everything offloaded and recomputed) is not the plan's (the LLaMA profile measured 1.10 where
@@ -475,13 +314,15 @@ def graph_profile(
                 recompute_s=rc,
             )
         )
-    layout = pack([(fqn, nbytes) for fqn, nbytes, _ in params], chunk_size)
+    layout = pack([(fqn, nbytes) for fqn, nbytes, _ in params], chunk_size, groups)
     block_of = {fqn: b for fqn, _, b in params}
     block_bytes = [0] * n_blocks
     for s in layout.slots:
         b = block_of.get(s.fqn)
         if b is not None:
             block_bytes[b] += s.nbytes
+    group_of = dict(zip((fqn for fqn, _, _ in params), groups)) if groups is not None else {}
+    chunk_group = {s.chunk: group_of.get(s.fqn, 0) for s in reversed(layout.slots)}
     per_chunk = [[0.0, 0.0, set()] for _ in range(layout.n_chunks)]
     for s in layout.slots:
         b = block_of.get(s.fqn)
@@ -498,6 +339,7 @@ def graph_profile(
             fwd_s=f,
             bwd_s=b,
             blocks=tuple(sorted(bl)),
+            group=chunk_group.get(c, 0),
         )
         for c, (f, b, bl) in enumerate(per_chunk)
     )

@@ -1,0 +1,343 @@
+"""A graph compiled in regions (protrain_fx/graph/regions.py): each distinct region compiled once,
+its code run for every region like it, one plan for the whole graph.
+
+:func:`compile_program` takes the dynamo graph's :class:`~protrain_fx.graph.regions.RegionSplit`
+and the whole graph's :class:`~protrain_fx.plan.plan.Plan` (its knobs, and a chunk layout whose
+chunks never span two regions) and compiles the regions in forward order through the same pipeline
+as a whole graph (``compile_region``: backend.py's dynamo stage, aot_autograd, the passes,
+Inductor), each under its share of the plan:
+
+* its chunks: the whole plan's first ``n_persist`` chunks are resident, so a region whose chunks are
+  ``c0 .. c1`` keeps ``n_persist - c0`` of them (clamped), in a chunk store of its own;
+* its activation policy: the block's (keep / swap / recompute), from the interleaved layout.
+
+Regions with the same computation (signature), the same inputs needing gradients, the same policy
+and the same placement of their chunks are one *variant*: compiled for the first such region, and
+bound to the others' parameters (protrain_fx/runtime/binding.py makes their stores like the first
+one's, here, before the first step). A 28-layer model under a plan with resident, partly resident
+and offloaded blocks, some recomputed, compiles about five blocks' code instead of 28.
+
+:class:`RegionProgram` is what runs: the top graph of the split (plain Python calling the regions
+in order), each region a :class:`RegionCall` of its variant. When the plan profiles blocks
+(the automatic plan's profiling step, ``PROTRAIN_PROFILE_BLOCKS=1``), a block's call wraps what it
+reads and returns in ``protrain::mark`` with the block's index in the whole graph, so one step
+times every block (protrain_fx/runtime/block_timer.py). Example values for each region's inputs
+come from running the top graph on fake tensors (the region's uncompiled code), in the fake mode of
+the compile: dynamo's, or a re-plan's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from protrain_fx import _compat, progress
+from protrain_fx.errors import ProtrainError
+from protrain_fx.graph import regions
+from protrain_fx.graph.build_plan import make_plan
+from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.graph.regions import Region, RegionSplit
+from protrain_fx.options import Options
+from protrain_fx.plan.cost_model import block_policy
+from protrain_fx.plan.plan import Plan
+from protrain_fx.profiling.static import SavedBytes, StaticProfile
+from protrain_fx.runtime import block_timer, swap_pool
+from protrain_fx.runtime.binding import GraphBinding, placement_signature
+from protrain_fx.runtime.chunk_store import store_of
+
+
+@dataclass
+class Variant:
+    """One compiled region's code and the regions it runs for."""
+
+    key: tuple
+    description: str
+    compiled: Callable
+    binding: GraphBinding
+    plan: Plan
+    regions: list[int] = field(default_factory=list)
+
+
+class RegionCall(torch.nn.Module):
+    """One region of a :class:`RegionProgram`: its variant's code on its own parameters."""
+
+    def __init__(self, region: Region, variant: Variant, marks: bool, swaps: bool):
+        super().__init__()
+        self.region_name = region.name
+        self.index = region.index
+        self.block = region.block
+        self.swaps = swaps
+        self.returns_tuple = region.returns_tuple
+        self.variant = variant
+        self.marks = marks and region.block is not None
+        # which inputs carry a value another region computed (marked when profiling)
+        self._activation = [t is None for t in region.top_inputs]
+
+    def forward(self, *args):
+        if self.swaps:  # swapped blocks' copies are waited for two regions on
+            swap_pool.region_begins(self.index)
+        if self.marks:
+            args = tuple(
+                torch.ops.protrain.mark(a, self.block, block_timer.FWD_ENTER)
+                if act and _differentiable(a)
+                else a
+                for a, act in zip(args, self._activation)
+            )
+        out = self.variant.binding(self.variant.compiled, list(args))
+        if self.marks:
+            out = [
+                torch.ops.protrain.mark(o, self.block, block_timer.FWD_EXIT)
+                if _differentiable(o)
+                else o
+                for o in out
+            ]
+        return tuple(out) if self.returns_tuple else out[0]
+
+
+def _differentiable(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
+
+
+class RegionProgram:
+    """The compiled graph: the split's top graph with every region replaced by its call."""
+
+    def __init__(self, top: fx.GraphModule, calls: list[RegionCall], variants: list[Variant]):
+        self.top = top
+        self.calls = calls
+        self.variants = variants
+        self.swaps = any(c.swaps for c in calls)
+
+    def __call__(self, *args):
+        if not self.swaps:
+            return self.top(*args)
+        try:
+            return self.top(*args)
+        finally:  # the last blocks' copies, before anything can reload them
+            swap_pool.region_begins(None)
+
+    def static_profile(self, n_blocks: int) -> StaticProfile:
+        """The whole graph's static profile, from its variants' (profiling plan only): every block
+        takes its variant's, the code outside blocks adds up over the regions."""
+        keep, recompute, share, sigs = [0] * n_blocks, [0] * n_blocks, [1.0] * n_blocks, []
+        sigs = [None] * n_blocks
+        nonblock_keep = nonblock_recompute = shared_keep = shared_recompute = 0
+        for call in self.calls:
+            static = call.variant.plan.static_profile
+            if static is None:
+                continue
+            saved = static.saved
+            nonblock_keep += saved.nonblock_keep
+            nonblock_recompute += saved.nonblock_recompute
+            # inputs the regions share are the same tensors in each: counted once
+            shared_keep = max(shared_keep, saved.shared_keep)
+            shared_recompute = max(shared_recompute, saved.shared_recompute)
+            b = call.block
+            if b is None or not saved.keep:
+                continue
+            keep[b], recompute[b] = saved.keep[0], saved.recompute[0]
+            share[b] = static.recomputed_share[0]
+            sigs[b] = (call.variant.key[0], static.signatures[0] if static.signatures else None)
+        return StaticProfile(
+            SavedBytes(
+                keep, recompute, nonblock_keep + shared_keep, nonblock_recompute + shared_recompute
+            ),
+            share,
+            sigs if all(s is not None for s in sigs) else [],
+        )
+
+    def describe(self) -> str:
+        return (
+            f"compiled in {len(self.calls)} regions with {len(self.variants)} distinct codes: "
+            + "; ".join(f"{v.description} x{len(v.regions)}" for v in self.variants)
+        )
+
+
+def _fake_examples(split: RegionSplit, example_inputs: list) -> list[list]:
+    """Each region's example inputs: parameters as they are, everything else as fake tensors
+    from running the uncompiled regions in the compile's fake mode (module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(
+        allow_non_fake_inputs=True
+    )
+    vals: dict[str, Any] = {}
+
+    class Prop(FakeTensorProp):
+        def run_node(self, n):
+            out = super().run_node(n)
+            vals[n.name] = out
+            return out
+
+    fakes = [
+        mode.from_tensor(x, static_shapes=False) if isinstance(x, torch.Tensor) else x
+        for x in example_inputs
+    ]
+    with _compat.allow_non_fake_inputs(mode):
+        Prop(split.top, mode).propagate_dont_convert_inputs(*fakes)
+    out = []
+    for r in split.regions:
+        call = next(
+            n for n in split.top.graph.nodes if n.op == "call_module" and n.target == r.submod
+        )
+        args = []
+        for a, t in zip(call.args, r.top_inputs):
+            args.append(example_inputs[t] if t is not None else vals[a.name])
+        out.append(args)
+    return out
+
+
+def _region_options(opts: Options, plan: Plan, region: Region, n_local: int, dump: str | None):
+    policy = (
+        block_policy(region.block, plan.n_swap, plan.n_checkpoint)
+        if region.block is not None
+        else None
+    )
+    return policy, dataclasses.replace(
+        opts,
+        chunk_size=plan.chunk_size,
+        n_persist=n_local,
+        n_swap=1 if policy == "swap" else 0,
+        n_checkpoint=1 if policy == "recompute" else 0,
+        dump_dir=dump,
+    )
+
+
+def _region_chunks(plan: Plan, split: RegionSplit, inputs) -> dict[int, list[int]]:
+    """Region -> the whole plan's chunks its store holds."""
+    chunk_of = {s.fqn: s.chunk for s in plan.layout.slots}
+    out: dict[int, list[int]] = {}
+    ordered, groups = split.ordered_params(inputs)
+    for gi, r in zip(ordered, groups):
+        c = chunk_of[gi.fqn or gi.node_name]
+        if c not in out.setdefault(r, []):
+            out[r].append(c)
+    return out
+
+
+def compile_program(
+    gm: fx.GraphModule,
+    structure,
+    example_inputs: list,
+    graph_inputs: list,
+    opts: Options,
+    plan: Plan,
+    compile_region: Callable,
+    root=None,
+) -> RegionProgram:
+    """Compile the dynamo graph ``gm`` (blocks ``structure``) in regions under ``plan`` (module
+    docstring). ``compile_region(gm, examples, graph_inputs, params, plan, opts) -> compiled``
+    compiles one region's graph; ``root``: the module dynamo traced (state-dict hooks of stores
+    made for other regions' parameters). ``gm``'s own nodes are not changed."""
+    split, why = regions.split(copy_graph_module(gm), structure)
+    if split is None:
+        raise ProtrainError(f"protrain internal error: the graph no longer splits ({why})")
+    prog = progress.current()
+    n_persist = plan.layout.n_chunks if opts.n_persist is None else opts.n_persist
+    chunks = _region_chunks(plan, split, graph_inputs)
+    examples = _fake_examples(split, list(example_inputs))
+    variants: dict[tuple, Variant] = {}
+    calls: list[RegionCall] = []
+    t0 = time.perf_counter()
+    graphs = _compat.SeveralGraphs()
+    with _compat.eager_backward_compile(), progress.silenced():
+        for r, ex in zip(split.regions, examples):
+            owned = chunks.get(r.index, [])
+            n_local = max(0, min(len(owned), n_persist - owned[0])) if owned else 0
+            dump = opts.dump_dir and os.path.join(opts.dump_dir, f"region_{r.index:03d}")
+            policy, ropts = _region_options(opts, plan, r, n_local, dump)
+            params = [
+                ex[k] if t is not None and graph_inputs[t].is_param else None
+                for k, t in enumerate(r.top_inputs)
+            ]
+            live = [p for p in params if p is not None]
+            placed = placement_signature(live) if any(store_of(p) for p in live) else None
+            grads = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in ex)
+            key = (r.signature, grads, policy, n_local if placed is None else None, placed)
+            v = variants.get(key)
+            if v is None:
+                what = (
+                    f"{r.name}"
+                    + (f" ({policy}" if policy else " (")
+                    + f"{', ' if policy else ''}{n_local} of {len(owned)} chunks resident)"
+                )
+                prog.line(f"compiling region code {len(variants) + 1}: {what}")
+                v = _compile_variant(r, ex, graph_inputs, params, ropts, plan, compile_region, root)
+                graphs.compiled()
+                v.key, v.description = key, what
+                variants[key] = v
+            else:
+                v.binding.bind(live)
+            v.regions.append(r.index)
+            calls.append(RegionCall(r, v, plan.profile_blocks, plan.n_swap > 0))
+    top = split.top
+    for r, call in zip(split.regions, calls):
+        delattr(top, r.submod)
+        top.add_submodule(r.submod, call)
+    top.recompile()
+    program = RegionProgram(top, calls, list(variants.values()))
+    _describe(plan, program, n_persist)
+    plan.notes.append(program.describe() + f" in {time.perf_counter() - t0:.1f} s")
+    if plan.profiling:
+        plan.static_profile = program.static_profile(len(structure.blocks))
+    return program
+
+
+def _describe(plan: Plan, program: RegionProgram, n_persist: int) -> None:
+    """The whole plan's chunk table, knobs and transfer dtype, as the regions' stores hold them."""
+    plan.n_persist = min(n_persist, len(plan.chunks))
+    for c in plan.chunks:
+        c.placement = "device" if c.id < plan.n_persist else "host"
+    plans = [v.plan for v in program.variants]
+    # what each block's code swaps, by the block's name in the whole graph
+    plan.swapped = {
+        f"{call.region_name}:{name}": call.block
+        for call in program.calls
+        for name in call.variant.plan.swapped
+    }
+    plan.n_buffer = max((p.n_buffer for p in plans), default=0)
+    plan.n_buffer_given = any(p.n_buffer_given for p in plans)
+    dtypes = [p.param_dtype for p in plans if p.param_dtype is not None]
+    plan.param_dtype = dtypes[0] if dtypes else None
+    said = set(plan.notes)
+    travel = False
+    for n in (n for p in plans for n in p.notes):
+        if n in said or n.startswith(_REGION_NOTES):
+            continue
+        if n.startswith("offloaded chunks travel"):  # one store's line stands for all
+            if travel:
+                continue
+            travel = True
+        said.add(n)
+        plan.notes.append(n)
+
+
+# what a region's plan says of itself, not of the whole graph
+_REGION_NOTES = (
+    "no transformer blocks detected",
+    "this graph uses no parameters",
+    "this graph's parameters span",
+)
+
+
+def _compile_variant(
+    region: Region, examples, graph_inputs, params, opts: Options, whole: Plan, compile_region, root
+) -> Variant:
+    rgi = region.graph_inputs(graph_inputs)
+    plan = make_plan(f"{whole.graph_name}:{region.name}", rgi, region.structure, opts)
+    plan.profiling = whole.profiling
+    plan.profile_blocks = False  # the program marks blocks at the region's boundary
+    gm = regions.tuple_output(region.gm)
+    eager = copy_graph_module(gm)
+    compiled = compile_region(gm, examples, rgi, params, plan, opts)
+    live = [p for p in params if p is not None]
+    positions = [k for k, p in enumerate(params) if p is not None]
+    optimizer = None if whole.profiling else opts.optimizer
+    binding = GraphBinding(plan.graph_name, positions, live, optimizer, eager, root)
+    return Variant((), "", compiled, binding, plan)
