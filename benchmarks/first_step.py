@@ -52,9 +52,10 @@ MODELS = {
     # 4 x 1024
     "gpt-1.42b": dict(kind="gpt", vocab=50304, batch=4, seq=1024),
 }
-# protrain-whole: protrain as before issue 23's short profile (PROTRAIN_PROFILE_WHOLE=1: the
-# profiling plan compiles the whole graph), cold only: the comparison of time and of the steady
-# tokens/s and losses that the short profile must leave unchanged
+# protrain: compiled in regions, each distinct block once (protrain_fx/graph/regions.py);
+# protrain-whole: the graph compiled whole (PROTRAIN_REGIONS=0; profiled on a short copy with three
+# blocks), cold only: the comparison of time and of the steady tokens/s and losses that regions
+# must leave unchanged
 SYSTEMS = ("protrain", "protrain-whole", "torch.compile")
 CACHES = {
     "protrain": ("cold", "warm"),
@@ -183,7 +184,7 @@ def child(model_name: str, system: str, cache: str, dirs: dict, args) -> dict:
     env["TORCHINDUCTOR_CACHE_DIR"] = dirs[(model_name, system, "inductor")]
     env["PROTRAIN_CACHE_DIR"] = dirs[(model_name, system, "protrain")]
     if system == "protrain-whole":
-        env["PROTRAIN_PROFILE_WHOLE"] = "1"
+        env["PROTRAIN_REGIONS"] = "0"
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
