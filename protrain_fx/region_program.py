@@ -29,6 +29,7 @@ the compile: dynamo's, or a re-plan's own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -47,9 +48,8 @@ from protrain_fx.options import Options
 from protrain_fx.plan.cost_model import block_policy
 from protrain_fx.plan.plan import Plan
 from protrain_fx.profiling.static import SavedBytes, StaticProfile
-from protrain_fx.runtime import block_timer, swap_pool
+from protrain_fx.runtime import block_timer, chunk_buffers, chunk_store, swap_pool
 from protrain_fx.runtime.binding import GraphBinding, placement_signature
-from protrain_fx.runtime.chunk_store import store_of
 
 
 @dataclass
@@ -78,6 +78,13 @@ class RegionCall(torch.nn.Module):
         self.marks = marks and region.block is not None
         # which inputs carry a value another region computed (marked when profiling)
         self._activation = [t is None for t in region.top_inputs]
+        # the chunks its forward and its backward gather first, as recorded at their first run
+        # (the region before it prefetches them ahead), and the neighbours in forward order
+        self.fw_keys: list | None = None
+        self.bw_keys: list | None = None
+        self._bw_start: int | None = None
+        self.before: RegionCall | None = None
+        self.after: RegionCall | None = None
 
     def forward(self, *args):
         if self.swaps:  # swapped blocks' copies are waited for two regions on
@@ -89,7 +96,25 @@ class RegionCall(torch.nn.Module):
                 else a
                 for a, act in zip(args, self._activation)
             )
-        out = self.variant.binding(self.variant.compiled, list(args))
+        start = chunk_buffers.trace_begin() if self.fw_keys is None else None
+        try:
+            out = self.variant.binding(self.variant.compiled, list(args))
+        finally:
+            keys = chunk_buffers.trace_end(start) if start is not None else None
+        if keys is not None:
+            self.fw_keys = keys
+        if self.after is not None and self.after.fw_keys:
+            _prefetch_ahead(self.after.fw_keys)  # while this region's kernels still run
+        if torch.is_grad_enabled():
+            for o in out:
+                if _differentiable(o):
+                    o.register_hook(self._backward_begins)
+            # the first of its inputs' gradients marks the end of its backward (an input that a
+            # later region reads too gets its whole gradient only after that region's backward)
+            once = [False]
+            for a, act in zip(args, self._activation):
+                if act and _differentiable(a):
+                    a.register_hook(functools.partial(self._backward_ends, once))
         if self.marks:
             out = [
                 torch.ops.protrain.mark(o, self.block, block_timer.FWD_EXIT)
@@ -98,6 +123,40 @@ class RegionCall(torch.nn.Module):
                 for o in out
             ]
         return tuple(out) if self.returns_tuple else out[0]
+
+    def _backward_begins(self, grad) -> None:
+        """A gradient of its output is there: its backward runs next (recorded the first time)."""
+        if self.bw_keys is None and self._bw_start is None:
+            self._bw_start = chunk_buffers.trace_begin()
+
+    def _backward_ends(self, once: list, grad) -> None:
+        """A gradient of its inputs is computed: its backward is done, the region before it runs
+        its backward next, whose first chunks are prefetched now (at the first input's, ``once``
+        per forward)."""
+        if once[0]:
+            return
+        once[0] = True
+        if self._bw_start is not None:
+            self.bw_keys = chunk_buffers.trace_end(self._bw_start)
+            self._bw_start = None
+        if self.before is not None and self.before.bw_keys:
+            _prefetch_ahead(self.before.bw_keys)
+
+
+def _prefetch_ahead(keys: list) -> None:
+    """Prefetch the first chunks a region gathers (as many as their buffers hold) into free
+    buffers: the copies overlap the end of the region before it (chunk_buffers, ``ahead``)."""
+    done: set = set()
+    limit = None
+    for sid, chunk in keys:
+        store = chunk_store.live_store(sid)
+        if store is None or store.buffers is None or (sid, chunk) in done:
+            continue
+        limit = len(store.buffers.slots) if limit is None else limit
+        if len(done) >= limit:
+            return
+        done.add((sid, chunk))
+        store.prefetch(chunk, ahead=True)
 
 
 def _differentiable(x) -> bool:
@@ -112,6 +171,8 @@ class RegionProgram:
         self.calls = calls
         self.variants = variants
         self.swaps = any(c.swaps for c in calls)
+        for a, b in zip(calls, calls[1:]):
+            a.after, b.before = b, a
 
     def __call__(self, *args):
         if not self.swaps:
@@ -257,7 +318,9 @@ def compile_program(
                 for k, t in enumerate(r.top_inputs)
             ]
             live = [p for p in params if p is not None]
-            placed = placement_signature(live) if any(store_of(p) for p in live) else None
+            placed = (
+                placement_signature(live) if any(chunk_store.store_of(p) for p in live) else None
+            )
             grads = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in ex)
             key = (r.signature, grads, policy, n_local if placed is None else None, placed)
             v = variants.get(key)

@@ -107,6 +107,36 @@ def test_regions_with_inductor_train_like_eager(kind, monkeypatch):
     assert r.plan.swapped  # block 0 swapped what it saved
 
 
+@pytest.mark.parametrize("n_buffer", [1, 2])
+def test_the_next_regions_first_chunks_are_prefetched_ahead(monkeypatch, n_buffer):
+    """A region's graph prefetches its own chunks from its start on; the chunks the next region
+    gathers first (forward, and in backward the region before) are prefetched as soon as a region's
+    code is queued, into free buffers, from the order recorded at their first run. Exact under
+    poisoned buffers, every gather finds its chunk prefetched."""
+    monkeypatch.setenv("PROTRAIN_DEBUG_POISON", "1")
+    base = hf(4)
+    chunk = max(p.numel() * 4 for p in base.lm.model.layers[0].parameters()) + 4096
+    r = compare_with_eager(
+        base,
+        random_batches(4, 2, 16, vocab=512),
+        {
+            "compiler": "eager",
+            "chunk_size": chunk,
+            "n_persist": 0,
+            "n_checkpoint": 2,
+            "n_buffer": n_buffer,
+        },
+        give_optimizer=True,
+    )
+    assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS, (r.losses, r.ref_losses)
+    buffers = {id(s.buffers): s.buffers for s in stores_of(r.model) if s.buffers is not None}
+    stats = [b.stats for b in buffers.values()]
+    assert sum(s["ahead"] for s in stats) > 0
+    assert sum(s["unprefetched_gathers"] for s in stats) == 0
+    # the recorded orders were right: no buffer reserved ahead was needed for another chunk
+    assert sum(s["ahead_taken_back"] for s in stats) == 0, stats
+
+
 class Mixed(nn.Module):
     """Blocks of one class in a ModuleList, block 2 with a wider MLP: it computes otherwise."""
 

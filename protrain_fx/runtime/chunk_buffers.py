@@ -70,6 +70,9 @@ class Slot:
     free: object = None  # compute-stream event: gather's read of the slot is done
     last_used: int = 0
     generation: int = 0  # the chunk's generation its data was copied from
+    # reserved ahead of the graph that gathers it (the next region of a program, protrain_fx/
+    # region_program.py): a graph's own prefetch may take the slot back if it needs it
+    ahead: bool = False
 
     def move(self, state: SlotState, key=None) -> None:
         if (self.state, state) not in _ALLOWED:
@@ -110,7 +113,14 @@ class ChunkBuffers:
         # lock
         self._lock = threading.RLock()
         self._generation: dict[tuple, int] = {}  # (store id, chunk) -> times its values changed
-        self.stats = {"h2d_copies": 0, "h2d_bytes": 0, "slot_hits": 0, "unprefetched_gathers": 0}
+        self.stats = {
+            "h2d_copies": 0,
+            "h2d_bytes": 0,
+            "slot_hits": 0,
+            "unprefetched_gathers": 0,
+            "ahead": 0,  # prefetches for a graph not started yet (the next region)
+            "ahead_taken_back": 0,  # ... whose slot a graph's own prefetch needed
+        }
 
     @property
     def nbytes(self) -> int:
@@ -133,22 +143,41 @@ class ChunkBuffers:
         s = self._find(key)
         return s is not None and s.state is SlotState.RESERVED
 
-    def prefetch(self, key, fill, on_compute: bool = False) -> None:
+    def prefetch(self, key, fill, on_compute: bool = False, ahead: bool = False) -> None:
         """Reserve a slot for chunk ``key`` and start ``fill(dst)`` (the host-to-device copy) unless
         a slot already holds it; on the copy stream, or with ``on_compute`` on the compute stream
-        (the profiler)."""
+        (the profiler). ``ahead``: before the graph that gathers it runs, into a free slot only
+        (none free: nothing done); a graph's own prefetch may take such a slot back."""
         with self._lock:
             s = self._find(key)
-            if s is not None and s.state is SlotState.RESERVED:
-                return  # already prefetched (a gather without a schedule, or prefetched twice)
             current = self._generation.get(key, 0)
+            if s is not None and s.state is SlotState.RESERVED and s.ahead:
+                if s.generation != current:  # reserved ahead, and the host values changed since
+                    s.move(SlotState.EMPTY)
+                    s.ahead = False
+                    s = None
+            if s is not None and s.state is SlotState.RESERVED:
+                s.ahead = s.ahead and ahead  # the graph's own prefetch keeps it
+                return  # already prefetched (a gather without a schedule, or prefetched twice)
+            self.stats["ahead"] += int(ahead)
             if s is not None and not POISON and s.generation == current:
                 s.move(SlotState.RESERVED, key)
+                s.ahead = ahead
                 self.stats["slot_hits"] += 1
                 return
             if s is not None:  # an older generation's values: never served again
                 s.move(SlotState.EMPTY)
             free = [x for x in self.slots if x.state is not SlotState.RESERVED]
+            if not free and ahead:
+                self.stats["ahead"] -= 1
+                return
+            ahead_slots = [x for x in self.slots if x.ahead]
+            if not free and ahead_slots:  # reserved ahead for a chunk not gathered first after all
+                victim = min(ahead_slots, key=lambda x: x.last_used)
+                victim.move(SlotState.EMPTY)  # its copy runs before the next one on the stream
+                victim.ahead = False
+                free = [victim]
+                self.stats["ahead_taken_back"] += 1
             if not free:
                 raise ProtrainError(
                     f"protrain: all {len(self.slots)} device chunk buffers are awaiting their "
@@ -160,6 +189,7 @@ class ChunkBuffers:
             if s.state is SlotState.CACHED:
                 s.move(SlotState.EMPTY)
             s.move(SlotState.RESERVED, key)
+            s.ahead = ahead
             s.generation = current
             self._clock += 1
             s.last_used = self._clock
@@ -184,11 +214,14 @@ class ChunkBuffers:
     def gather(self, key, numel: int, fill, on_compute: bool = False) -> torch.Tensor:
         """The chunk's data as a fresh tensor on the compute device (prefetching it now if no
         slot has it)."""
+        if _TRACE.on:
+            _TRACE.keys.append(key)
         s = self._find(key)
         if s is None or s.state is not SlotState.RESERVED:
             self.stats["unprefetched_gathers"] += int(s is None)
             self.prefetch(key, fill, on_compute)
             s = self._find(key)
+        s.ahead = False
         compute = torch.cuda.current_stream(self.device) if self.is_cuda else None
         if s.ready is not None:
             compute.wait_event(s.ready)
@@ -212,8 +245,10 @@ class ChunkBuffers:
         with self._lock:
             self._generation[key] = self._generation.get(key, 0) + 1
             s = self._find(key)
-            if s is not None and s.state is SlotState.CACHED:
+            if s is not None and (s.state is SlotState.CACHED or s.ahead):
+                # a slot reserved ahead serves no gather yet: its graph will copy the new values
                 s.move(SlotState.EMPTY)
+                s.ahead = False
 
     def forget_store(self, store_id: int) -> None:
         with self._lock:
@@ -244,9 +279,37 @@ class ChunkBuffers:
             for s in self.slots:
                 if s.state is SlotState.RESERVED:
                     s.move(SlotState.EMPTY)
+                s.ahead = False
 
     def reserved(self) -> list:
         return [s.key for s in self.slots if s.state is SlotState.RESERVED]
+
+
+class _Trace:
+    """The chunks gathered, in order, while a region of a program records what its graph gathers
+    (protrain_fx/region_program.py: the next region's first chunks are then prefetched ahead)."""
+
+    def __init__(self):
+        self.on = 0
+        self.keys: list[tuple] = []
+
+
+_TRACE = _Trace()
+
+
+def trace_begin() -> int:
+    """Start recording gathers; returns where this recording starts."""
+    _TRACE.on += 1
+    return len(_TRACE.keys)
+
+
+def trace_end(start: int) -> list[tuple]:
+    """The (store id, chunk) keys gathered since :func:`trace_begin` returned ``start``."""
+    out = _TRACE.keys[start:]
+    _TRACE.on = max(0, _TRACE.on - 1)
+    if not _TRACE.on:
+        _TRACE.keys = []
+    return out
 
 
 class GradBuffers:

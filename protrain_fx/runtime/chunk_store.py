@@ -59,6 +59,11 @@ _STORE_IDS = itertools.count()
 _PARAM_STORE = IdentityWeakMap()
 
 
+def live_store(store_id: int) -> "ChunkStore | None":
+    """The store of that id, or None once it is gone."""
+    return _STORES.get(store_id)
+
+
 def get_store(store_id: int) -> "ChunkStore":
     try:
         return _STORES[store_id]

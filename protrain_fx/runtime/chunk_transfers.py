@@ -77,15 +77,19 @@ class ChunkTransfers:
             self.optimizer.before_chunk_read(self, chunk)
         self.sync_writes(chunk)
 
-    def prefetch(self, chunk: int) -> None:
-        """Start copying ``chunk`` into a device buffer (no copy when a buffer still holds it)."""
-        if not self.is_offloaded(chunk):
+    def prefetch(self, chunk: int, ahead: bool = False) -> None:
+        """Start copying ``chunk`` into a device buffer (no copy when a buffer still holds it).
+        ``ahead``: for a graph that has not started yet, into a free buffer only (none while
+        profiling)."""
+        if not self.is_offloaded(chunk) or (ahead and self.profiling):
             return
         if DEBUG_SYNC and self.is_cuda:
             torch.cuda.synchronize()
         self._ready_for_copy(chunk)
         # while profiling, copies go on the compute stream, between the profiler's copy marks
-        self.buffers.prefetch((self.id, chunk), self._fill(chunk), on_compute=self.profiling)
+        self.buffers.prefetch(
+            (self.id, chunk), self._fill(chunk), on_compute=self.profiling, ahead=ahead
+        )
 
     def gather(self, chunk: int) -> torch.Tensor:
         """The chunk's parameters on the compute device: a fresh flat tensor in the transfer dtype
