@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import weakref
 from typing import Sequence
 
@@ -314,16 +315,22 @@ def _compile_graph(gm, example_inputs, graph_inputs, params, plan: Plan, opts: O
     """The graph compiled whole, or in regions (protrain_fx/region_program.py) when ``split``."""
     if split is None:
         return _compile_plan(gm, example_inputs, graph_inputs, params, plan, opts)
-    return region_program.compile_program(
+    # the whole graph's folder: its dynamo graph and plan, each region code's folder in regions/
+    dump = GraphDump(opts.dump_dir, plan)
+    dump.stage("dynamo", gm)
+    regions_dir = dump.folder and os.path.join(dump.folder, "regions")
+    program = region_program.compile_program(
         gm,
         plan.block_structure,
         example_inputs,
         graph_inputs,
-        opts,
+        dataclasses.replace(opts, dump_dir=regions_dir),
         plan,
         _compile_plan,
         _traced_root(graph_inputs),
     )
+    dump.write_plan()
+    return program
 
 
 def _compile(

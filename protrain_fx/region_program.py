@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -311,8 +310,7 @@ def compile_program(
         for r, ex in zip(split.regions, examples):
             owned = chunks.get(r.index, [])
             n_local = max(0, min(len(owned), n_persist - owned[0])) if owned else 0
-            dump = opts.dump_dir and os.path.join(opts.dump_dir, f"region_{r.index:03d}")
-            policy, ropts = _region_options(opts, plan, r, n_local, dump)
+            policy, ropts = _region_options(opts, plan, r, n_local, opts.dump_dir)
             params = [
                 ex[k] if t is not None and graph_inputs[t].is_param else None
                 for k, t in enumerate(r.top_inputs)

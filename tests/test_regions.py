@@ -177,6 +177,34 @@ def test_a_block_that_computes_otherwise_or_under_another_policy_gets_its_own_co
     assert names == ["pre", "blocks.0", "blocks.1", "blocks.2", "post"], names
 
 
+class Shared(nn.Module):
+    """Every block runs the same weights (ALBERT-style): the first block's region owns them, the
+    others read them, and their chunk gets a gradient from every block's backward."""
+
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.emb = nn.Embedding(64, d)
+        block = Mixed.Block(d, 32)
+        self.blocks = nn.ModuleList([block] * n)
+        self.head = nn.Linear(d, 64)
+
+    forward = Mixed.forward
+
+
+@pytest.mark.parametrize("n_persist", [0, 1])
+def test_blocks_that_share_their_weights_train_like_eager(n_persist):
+    torch.manual_seed(0)
+    r = compare_with_eager(
+        Shared(),
+        random_batches(4, 2, 8, vocab=64),
+        {"compiler": "eager", "n_persist": n_persist, "n_checkpoint": 1},
+        give_optimizer=True,
+        lr=1e-2,
+    )
+    assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS, (r.losses, r.ref_losses)
+    assert r.max_param_update > 1e-3
+
+
 def test_whole_and_regions_agree_on_what_the_blocks_keep(monkeypatch):
     """The automatic plan's static profile, from each region's partitions, against the whole
     graph's: the same bytes kept per recomputed block (its input), the same total kept by the
@@ -223,6 +251,37 @@ def test_an_automatic_plan_in_regions_profiles_with_the_code_it_reuses(monkeypat
     assert len(compiled_names) - 3 < 8  # the chosen plan: fewer codes than regions
     assert r.plan.predicted["peak_bytes"] <= budget
     assert r.plan.n_persist < len(r.plan.chunks)
+
+
+def test_dumps_of_a_model_in_regions(tmp_path):
+    """dump_dir: the whole graph's folder holds its dynamo graph and the whole plan; each region
+    code has a folder under regions/ with its stages (its chunk ops in fw.py and bw.py)."""
+    import json
+    import os
+
+    torch.manual_seed(0)
+    model = build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    r = compare_with_eager(
+        model,
+        random_batches(1, 2, 16, vocab=64),
+        {"compiler": "eager", "n_persist": 2, "n_checkpoint": 1, "dump_dir": str(tmp_path)},
+        give_optimizer=True,
+    )
+    (whole,) = [tmp_path / g for g in os.listdir(tmp_path)]
+    assert sorted(os.listdir(whole)) == ["annotations.tsv", "dynamo.py", "plan.json", "regions"]
+    assert json.loads((whole / "plan.json").read_text()) == r.plan.to_dict()
+    codes = sorted(os.listdir(whole / "regions"))
+    note = next(n for n in r.plan.notes if n.startswith("compiled in"))
+    assert f"with {len(codes)} distinct codes" in note, (codes, note)
+    for code in codes:
+        files = set(os.listdir(whole / "regions" / code))
+        assert {"dynamo.py", "joint.py", "fw.py", "bw.py", "plan.json"} <= files
+    offloaded = [
+        (whole / "regions" / c / "fw.py").read_text()
+        for c in codes
+        if "protrain.gather" in (whole / "regions" / c / "fw.py").read_text()
+    ]
+    assert offloaded  # the offloaded blocks' codes gather their chunks
 
 
 # Each example compiles a new program (seconds): no shrinking, a failure prints the knobs.
