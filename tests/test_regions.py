@@ -137,6 +137,61 @@ def test_the_next_regions_first_chunks_are_prefetched_ahead(monkeypatch, n_buffe
     assert sum(s["ahead_taken_back"] for s in stats) == 0, stats
 
 
+def hf_model(kind: str):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=512, max_position_embeddings=64)
+    if kind == "gpt2":  # tied head, Conv1D layers, learned positions
+        cfg = transformers.GPT2Config(
+            n_embd=64, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            vocab_size=512, n_positions=64,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg)
+    llama_like = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **common,
+    )
+    if kind == "qwen2":  # untied head, biased q/k/v
+        return transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(tie_word_embeddings=False, **llama_like)
+        )
+    return transformers.MistralForCausalLM(
+        transformers.MistralConfig(sliding_window=None, **llama_like)
+    )
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2", "mistral"])
+def test_hf_models_in_regions_train_like_eager(kind):
+    """Hugging Face's GPT-2, Qwen2 and Mistral classes with their own loss, a swapped, two
+    recomputed and a kept block, the first chunk resident: eager's losses and weights bit for bit
+    (eager compiler)."""
+
+    class LossOf(nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, x, y):
+            return self.lm(input_ids=x, labels=x, use_cache=False).loss
+
+    r = compare_with_eager(
+        LossOf(hf_model(kind).train()),
+        random_batches(3, 2, 16, vocab=512),
+        {"compiler": "eager", "n_persist": 1, "n_checkpoint": 2, "n_swap": 1},
+        give_optimizer=True,
+        lr=1e-2,
+    )
+    assert r.max_loss_rel == 0.0 and r.max_param_abs == 0.0, (r.losses, r.ref_losses)
+    assert r.max_param_update > 1e-2
+    note = next(n for n in r.plan.notes if n.startswith("compiled in"))
+    assert "6 regions with 5 distinct codes" in note, note
+
+
 class Mixed(nn.Module):
     """Blocks of one class in a ModuleList, block 2 with a wider MLP: it computes otherwise."""
 
