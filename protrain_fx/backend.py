@@ -305,8 +305,9 @@ def protrain_backend(
 
 def _split(gm, structure, graph_inputs):
     """The graph's regions (protrain_fx/graph/regions.py), or None when it is compiled whole: with
-    several ranks too, where a region's backward would wait for its resident gradients' all-reduces
-    at its end (passes/resident_grads.py), which a whole graph overlaps with the rest of backward."""
+    several ranks too, where a region's backward would wait for its resident gradients'
+    all-reduces at its end (passes/resident_grads.py), which one graph overlaps with the rest of
+    backward."""
     if (
         not config.settings().regions
         or not any(gi.is_param for gi in graph_inputs)

@@ -184,8 +184,8 @@ class RegionProgram:
     def static_profile(self, n_blocks: int) -> StaticProfile:
         """The whole graph's static profile, from its variants' (profiling plan only): every block
         takes its variant's, the code outside blocks adds up over the regions."""
-        keep, recompute, share, sigs = [0] * n_blocks, [0] * n_blocks, [1.0] * n_blocks, []
-        sigs = [None] * n_blocks
+        keep, recompute, share = [0] * n_blocks, [0] * n_blocks, [1.0] * n_blocks
+        sigs: list = [None] * n_blocks
         nonblock_keep = nonblock_recompute = shared_keep = shared_recompute = 0
         for call in self.calls:
             static = call.variant.plan.static_profile
@@ -235,10 +235,8 @@ def _fake_examples(split: RegionSplit, example_inputs: list) -> list[list]:
             vals[n.name] = out
             return out
 
-    fakes = [
-        mode.from_tensor(x, static_shapes=False) if isinstance(x, torch.Tensor) else x
-        for x in example_inputs
-    ]
+    # dynamo's fake mode hands back the fakes it traced with (symbolic sizes included)
+    fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     with _compat.allow_non_fake_inputs(mode):
         Prop(split.top, mode).propagate_dont_convert_inputs(*fakes)
     out = []
@@ -253,7 +251,8 @@ def _fake_examples(split: RegionSplit, example_inputs: list) -> list[list]:
     return out
 
 
-def _region_options(opts: Options, plan: Plan, region: Region, n_local: int, dump: str | None):
+def _region_options(opts: Options, plan: Plan, region: Region, n_local: int):
+    """The block's policy and the region's options: the whole plan's knobs for its share."""
     policy = (
         block_policy(region.block, plan.n_swap, plan.n_checkpoint)
         if region.block is not None
@@ -265,7 +264,6 @@ def _region_options(opts: Options, plan: Plan, region: Region, n_local: int, dum
         n_persist=n_local,
         n_swap=1 if policy == "swap" else 0,
         n_checkpoint=1 if policy == "recompute" else 0,
-        dump_dir=dump,
     )
 
 
@@ -310,7 +308,7 @@ def compile_program(
         for r, ex in zip(split.regions, examples):
             owned = chunks.get(r.index, [])
             n_local = max(0, min(len(owned), n_persist - owned[0])) if owned else 0
-            policy, ropts = _region_options(opts, plan, r, n_local, opts.dump_dir)
+            policy, ropts = _region_options(opts, plan, r, n_local)
             params = [
                 ex[k] if t is not None and graph_inputs[t].is_param else None
                 for k, t in enumerate(r.top_inputs)
