@@ -107,6 +107,25 @@ def test_regions_with_inductor_train_like_eager(kind, monkeypatch):
     assert r.plan.swapped  # block 0 swapped what it saved
 
 
+def test_hf_llama_in_regions_with_inductor_under_an_offloading_budget_trains_like_eager():
+    """Hugging Face's Llama (tied head, GQA, its own loss) under Inductor and an automatic plan
+    whose budget forces offloading: profiled and compiled in regions, eager's losses and weights."""
+    base = hf(6)
+    states = sum(p.numel() * 4 for p in base.parameters())
+    budget = 2 * states  # under weights + gradients + two moments: chunks must leave the device
+    r = compare_with_eager(
+        base,
+        random_batches(3, 2, 16, vocab=512),
+        {"compiler": "inductor", "memory_budget": budget},
+        give_optimizer=True,
+    )
+    assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS, (r.losses, r.ref_losses)
+    assert r.max_param_update > 1e-4
+    assert any(c.placement == "host" for c in r.plan.chunks)
+    assert r.plan.predicted["peak_bytes"] <= budget
+    assert any(n.startswith("compiled in") for n in r.plan.notes), r.plan.notes
+
+
 @pytest.mark.parametrize("n_buffer", [1, 2])
 def test_the_next_regions_first_chunks_are_prefetched_ahead(monkeypatch, n_buffer):
     """A region's graph prefetches its own chunks from its start on; the chunks the next region
