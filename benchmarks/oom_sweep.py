@@ -68,7 +68,9 @@ GRID = [
     ("llama3.1-8b", 4, 1024, (24, 40, 80)),
     ("mistral-7b", 2, 2048, (24, 40, 80)),
 ]
-ALLOCS = {"default": None, "expandable": "expandable_segments:True"}
+# the allocator as the user leaves it (protrain then turns expandable segments on, and says so) and
+# as a user who turns them off has it (PyTorch's fixed segments, which protrain then budgets for)
+ALLOCS = {"default": None, "segments": "expandable_segments:False"}
 BF16_REL = 2**-6  # two bf16 runs that differ by rounding: a few bf16 ulps of the loss
 STEPS = 20
 
@@ -96,9 +98,7 @@ def rows_of_grid() -> list[dict]:
     return rows
 
 
-def build(spec: dict, seq: int, checkpointing: bool = False):
-    """The model on the host (seed 0): the same weights for every system."""
-    import torch
+def config_of(spec: dict, seq: int):
     import transformers
 
     cls = {
@@ -118,8 +118,34 @@ def build(spec: dict, seq: int, checkpointing: bool = False):
         attn_implementation="sdpa",
         use_cache=False,
     )
+    return cls[1], cfg
+
+
+def build(spec: dict, seq: int, checkpointing: bool = False, host: bool = False):
+    """The model, initialized on the GPU from seed 0 (the same weights for every system: a CPU
+    init of a 3B model took 56 s of each row, the GPU's takes a second or two). ``host``: the
+    weights end in host memory under ``protrain_fx.host_init`` (built there without an init, then
+    loaded from the GPU's copy), and the GPU's copy is freed; else the model stays on the GPU."""
+    import torch
+
+    cls, cfg = config_of(spec, seq)
     torch.manual_seed(0)
-    model = cls[1](cfg)
+    with torch.device("cuda"):
+        model = cls(cfg)
+    if host:
+        import protrain_fx
+
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # an older transformers
+            from transformers.modeling_utils import no_init_weights
+        state = model.state_dict()
+        with protrain_fx.host_init("cuda"):
+            with no_init_weights():
+                model = cls(cfg)
+            model.load_state_dict(state)
+        del state
+        torch.cuda.empty_cache()
     if checkpointing:
         model.gradient_checkpointing_enable()
     return model.train()
@@ -133,17 +159,18 @@ def run_row(row: dict, steps: int) -> dict:
     dev = torch.device("cuda")
     spec = MODELS[row["model"]]
     out = {"steps_asked": steps}
+    hybrid = None
     if row["system"] == "protrain":
         import protrain_fx
         import protrain_fx.backend
 
+        model = build(spec, row["seq"], host=True)
+        torch.cuda.reset_peak_memory_stats(dev)  # the GPU init is not part of the row
         torch.cuda.set_per_process_memory_fraction(
             row["cap_gib"] * 2**30 / torch.cuda.get_device_properties(dev).total_memory
         )
         if "protrain" not in torch._dynamo.list_backends(exclude_tags=()):
             torch._dynamo.register_backend(protrain_fx.backend.protrain_backend, name="protrain")
-        with protrain_fx.host_init("cuda"):
-            model = build(spec, row["seq"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         compiled = torch.compile(model, backend="protrain", options={"optimizer": opt})
     else:
@@ -151,7 +178,7 @@ def run_row(row: dict, steps: int) -> dict:
         # fp32 weights, gradients and two moments: 16 B a parameter, plus activations
         checkpointing = n * 16 > 0.6 * torch.cuda.get_device_properties(dev).total_memory
         out["gradient_checkpointing"] = checkpointing
-        model = build(spec, row["seq"], checkpointing).to(dev)
+        model = build(spec, row["seq"], checkpointing)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         compiled = torch.compile(model)
     out["build_s"] = round(time.perf_counter() - t0, 2)
@@ -160,33 +187,75 @@ def run_row(row: dict, steps: int) -> dict:
         torch.randint(0, spec["vocab"], (row["batch"], row["seq"]), generator=g)
         for _ in range(steps)
     ]
-    losses, times = [], []
+    history = row.get("memory_history")
+    losses, times, per_step = [], [], []
     for i, x in enumerate(data):
+        if history and i == 3:
+            torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
         ts = time.perf_counter()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        timers0 = _timers(hybrid)
+        ev[0].record()
         x = x.to(dev)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = compiled(input_ids=x, labels=x).loss
+        ev[1].record()
         loss.backward()
+        ev[2].record()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        ev[3].record()
         losses.append(loss.item())
         torch.cuda.synchronize()
         times.append(time.perf_counter() - ts)
+        hybrid = hybrid or getattr(opt, "_protrain_hybrid", None)
+        timers1 = _timers(hybrid)
+        stats = torch.cuda.memory_stats(dev)
+        per_step.append(
+            {
+                "s": round(times[-1], 4),
+                "fwd_ms": round(ev[0].elapsed_time(ev[1]), 2),
+                "bwd_ms": round(ev[1].elapsed_time(ev[2]), 2),
+                "step_ms": round(ev[2].elapsed_time(ev[3]), 2),
+                "cpu_adam_in_bwd_ms": round((timers1[0] - timers0[0]) * 1e3, 2),
+                "opt_wait_ms": round((timers1[1] - timers0[1]) * 1e3, 2),
+                "peak_alloc_gib": round(stats["allocated_bytes.all.peak"] / 2**30, 3),
+                "reserved_gib": round(stats["reserved_bytes.all.current"] / 2**30, 3),
+                "peak_reserved_gib": round(stats["reserved_bytes.all.peak"] / 2**30, 3),
+                "alloc_retries": stats.get("num_alloc_retries", 0),
+            }
+        )
         if i == 0:
             out["first_step_s"] = round(time.perf_counter() - t0, 2)
             out["first_step_peak_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
+            out["first_step_peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
             torch.cuda.reset_peak_memory_stats(dev)
-        print(f"step {i}: loss {losses[-1]:.4f} ({times[-1]:.3f} s)", file=sys.stderr, flush=True)
+        else:
+            torch.cuda.reset_peak_memory_stats(dev)
+        if history and i == 5:
+            out["memory_history"] = summarize_snapshot(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
+        print(
+            f"step {i}: loss {losses[-1]:.4f} ({times[-1]:.3f} s) {per_step[-1]}",
+            file=sys.stderr,
+            flush=True,
+        )
     steady = times[3:] or times[1:]
+    later = per_step[1:] or per_step
     out.update(
         losses=losses,
+        per_step=per_step,
         measured_step_s=statistics.median(steady),
         tokens_per_s=row["batch"] * row["seq"] / statistics.median(steady),
-        steady_peak_reserved_gib=torch.cuda.max_memory_reserved(dev) / 2**30,
-        steady_peak_allocated_gib=torch.cuda.max_memory_allocated(dev) / 2**30,
+        steady_peak_reserved_gib=max(s["peak_reserved_gib"] for s in later),
+        steady_peak_allocated_gib=max(s["peak_alloc_gib"] for s in later),
+        alloc_retries=per_step[-1]["alloc_retries"],
     )
     out["peak_reserved_gib"] = max(
         out["first_step_peak_reserved_gib"], out["steady_peak_reserved_gib"]
+    )
+    out["peak_allocated_gib"] = max(
+        out["first_step_peak_allocated_gib"], out["steady_peak_allocated_gib"]
     )
     if row["system"] == "protrain":
         plan = protrain_fx.get_plan(compiled)
@@ -197,18 +266,102 @@ def run_row(row: dict, steps: int) -> dict:
         }
         out["plan"]["chunks"] = len(d["chunks"])
         out["predicted_peak_reserved_gib"] = pred.get("peak_bytes", 0) / 2**30 or None
+        if pred.get("peak_allocated_bytes"):
+            out["predicted_peak_allocated_gib"] = pred["peak_allocated_bytes"] / 2**30
         out["predicted_step_s"] = pred.get("iter_s")
+        out["predicted_detail"] = {
+            "breakdown": pred.get("breakdown"),
+            "host_bytes": pred.get("host_bytes"),
+            "budget_bytes": pred.get("budget_bytes"),
+            "profiled": {k: v for k, v in (pred.get("profiled") or {}).items() if k != "timeline"},
+        }
         out["plan_from_cache"] = pred.get("from_cache")
         out["notes"] = list(plan.notes)
         out["summary"] = plan.summary()
     return out
 
 
+def _timers(hybrid) -> tuple[float, float]:
+    """(CPU Adam seconds inside backward, seconds opt.step() waited for the host worker) so far."""
+    if hybrid is None:
+        return (0.0, 0.0)
+    return (hybrid.timers.worker_step_s, hybrid.timers.step_wait_s)
+
+
+def summarize_snapshot(snap: dict, top: int = 25) -> dict:
+    """What a memory snapshot of steps 4-6 says about reserved over allocated: each stream's
+    segments (reserved, allocated, free, the largest free block), the events that grew reserved
+    memory with the request behind each, and the largest live blocks at the allocated peak with
+    where they were allocated."""
+
+    def where(frames):
+        keep = [
+            f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}"
+            for f in frames
+            if "torch/_" not in f["filename"] and "torch/nn" not in f["filename"]
+        ]
+        return keep[:4] or [
+            f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in frames[:3]
+        ]
+
+    streams: dict = {}
+    for seg in snap["segments"]:
+        st = streams.setdefault(
+            str(seg.get("stream")),
+            {"segments": 0, "reserved": 0, "allocated": 0, "largest_free": 0, "free_blocks": 0},
+        )
+        st["segments"] += 1
+        st["reserved"] += seg["total_size"]
+        st["allocated"] += seg["allocated_size"]
+        for blk in seg["blocks"]:
+            if blk["state"] == "inactive":
+                st["free_blocks"] += 1
+                st["largest_free"] = max(st["largest_free"], blk["size"])
+    for st in streams.values():
+        for k in ("reserved", "allocated", "largest_free"):
+            st[k + "_gib"] = round(st.pop(k) / 2**30, 3)
+    trace = snap["device_traces"][0] if snap.get("device_traces") else []
+    growth, live, cur, peak, peak_live = [], {}, 0, 0, []
+    pending_growth = None
+    for e in trace:
+        act = e["action"]
+        if act in ("segment_map", "segment_alloc"):
+            pending_growth = {"action": act, "gib": round(e["size"] / 2**30, 3)}
+        elif act == "alloc":
+            live[e["addr"]] = (e["size"], e.get("frames", []), e.get("stream"))
+            cur += e["size"]
+            if pending_growth is not None:
+                pending_growth.update(
+                    request_mib=round(e["size"] / 2**20, 1),
+                    stream=str(e.get("stream")),
+                    where=where(e.get("frames", [])),
+                )
+                growth.append(pending_growth)
+                pending_growth = None
+            if cur > peak:
+                peak = cur
+                peak_live = sorted(live.values(), key=lambda v: -v[0])[:top]
+        elif act in ("free_completed",):
+            v = live.pop(e["addr"], None)
+            if v is not None:
+                cur -= v[0]
+    return {
+        "streams": streams,
+        "growth_events": growth[:200],
+        "traced_peak_gib_above_start": round(peak / 2**30, 3),
+        "largest_at_traced_peak": [
+            {"mib": round(sz / 2**20, 1), "stream": str(stream), "where": where(frames)}
+            for sz, frames, stream in peak_live
+        ],
+    }
+
+
 def build_meta(spec, seq):
     import torch
 
+    cls, cfg = config_of(spec, seq)
     with torch.device("meta"):
-        return build(spec, seq)
+        return cls(cfg)
 
 
 def child(row: dict, args, dirs: dict, timeout: float) -> dict:
@@ -368,6 +521,11 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument(
+        "--memory-history",
+        default="",
+        help="comma-separated row ids whose steps 4-6 record the allocator's history (summarized)",
+    )
     ap.add_argument("--run")
     ap.add_argument("--result")
     args = ap.parse_args()
@@ -407,6 +565,9 @@ def main() -> None:
     ]
     if models:
         todo.sort(key=lambda r: models.index(r["model"]))
+    for r in todo:
+        if r["id"] in args.memory_history.split(","):
+            r["memory_history"] = True
     t_end = time.perf_counter() + args.deadline
     root = tempfile.mkdtemp(prefix="oom_sweep-")
     dirs = {
