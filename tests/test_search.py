@@ -200,6 +200,22 @@ def test_prediction_terms():
         (0.020 + 0.010) + max(0.020, 50e6 * 4 / 50e9) + pack
     )
     assert p.breakdown["cpu_optim_s"] == pytest.approx(50e6 / 4e9 * 1.25)
+    # the device optimizer runs at opt.step(), after backward() waited for the CPU steps: it
+    # follows both sides, the CPU-bound one here (12.5 ms + the first gradient against 30 ms + 24
+    # ms of backward compute... whichever is longer), it is never hidden behind the CPU optimizer
+    b = p.breakdown
+    assert b["gpu_optim_s"] == pytest.approx(50e6 / 120e9)
+    assert p.time_s == pytest.approx(
+        b["fwd_s"] + max(b["bwd_s"], b["first_grad_s"] + b["cpu_optim_s"]) + b["gpu_optim_s"]
+    )
+    slow_cpu = predict(
+        prof, dataclasses.replace(HW, cpu_adam_params_per_s=1e9), Knobs(prof.chunk_size, 1, 2, 0, 1)
+    )
+    sb = slow_cpu.breakdown
+    assert sb["first_grad_s"] + sb["cpu_optim_s"] > sb["bwd_s"]  # CPU-bound
+    assert slow_cpu.time_s == pytest.approx(
+        sb["fwd_s"] + sb["first_grad_s"] + sb["cpu_optim_s"] + sb["gpu_optim_s"]
+    )
     assert p.breakdown["activation_bytes"] == 10 * MiB + 100 * MiB
     # block 0's activations come back during its recompute
     assert p.breakdown["transient_bytes"] == 100 * MiB

@@ -3,7 +3,7 @@ profile and a hardware profile.
 
 Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
 
-    T = T_fwd + max(T_bwd + T_gpu_optim, T_first_grad + T_cpu_optim)
+    T = T_fwd + max(T_bwd, T_first_grad + T_cpu_optim) + T_gpu_optim
 
 * ``T_fwd``: per chunk in forward order, its compute, or for an offloaded chunk ``max(compute,
   h2d)`` (the gather is prefetched ahead: a gather copies its chunk out of its buffer, which the
@@ -21,7 +21,8 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
 * ``T_cpu_optim``: offloaded parameters over the CPU Adam rate, times the slowdown measured when it
   runs inside a training step (``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default); it
   starts once the first offloaded gradient is on the host (``T_first_grad``). ``T_gpu_optim``:
-  resident parameters over the device Adam rate.
+  resident parameters over the device Adam rate, at ``opt.step()``: after ``backward()``, which
+  returns once the host worker's CPU steps are done, so it follows both.
 * Casts the profiled step does not run (its chunks all arrive in the compute dtype and its gradients
   are dropped), priced at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): with autocast,
   forward casts every resident parameter to the compute dtype, recomputation casts again those of
@@ -168,9 +169,9 @@ class _ProfileArrays:
         """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): forward's and backward's
         compute, the recompute of its checkpointed blocks, the swap copy it cannot hide even with no
         cast copies among the bytes, and, at the best resident share, the casts and the optimizers.
-        With ``R`` resident parameters out of ``P`` the step is at least ``F + cf(R) + max(B + cb(R)
-        + R / gpu, (P - R) / cpu)`` (transfers, the first gradient and collectives only add): the
-        larger of two lines in ``R``, least at an end or where they cross (a real ``R`` between
+        With ``R`` resident parameters out of ``P`` the step is at least ``F + cf(R) + max(B +
+        cb(R), (P - R) / cpu) + R / gpu`` (transfers, the first gradient and collectives only add):
+        the larger of two lines in ``R``, least at an end or where they cross (a real ``R`` between
         chunk boundaries only lowers it). With a ``device_budget``, ``R`` goes no higher than what
         fits next to the layout's activations: resident parameters and their two moments,
         activations and transient, times the allocator factor, are part of every peak."""
@@ -196,7 +197,7 @@ class _ProfileArrays:
         cpu = hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s
         # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side
         a0, a1 = fwd + bwd + total * pack, cast * (2 + ckpt) - pack + 1 / hw.gpu_adam_params_per_s
-        b0, b1 = fwd + total * cpu, cast - cpu
+        b0, b1 = fwd + total * cpu, cast - cpu + 1 / hw.gpu_adam_params_per_s
         top = float(total)
         if device_budget is not None:
             room = (
@@ -364,9 +365,10 @@ class LayoutCosts:
             else 0.0
         )
         t_first = self.first_grad_s if offloaded else 0.0
-        t = t_fwd + (
-            t_bwd + t_gpu + t_cpu if hw.shared_compute else max(t_bwd + t_gpu, t_first + t_cpu)
-        )
+        # the device optimizer runs at opt.step(), after backward() returned, which waits for the
+        # host worker's CPU steps: it follows both (H200: a 3B plan's step measured within 1.4% of
+        # forward + max(backward, first gradient + CPU optimizer) + device optimizer)
+        t = t_fwd + (t_bwd + t_cpu if hw.shared_compute else max(t_bwd, t_first + t_cpu)) + t_gpu
         if not detail:
             return t
         return t, {
