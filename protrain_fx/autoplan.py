@@ -316,7 +316,7 @@ def choose(
         if fixed["chunk_size"]
         else [default_size, default_size * 3 // 2, default_size * 2]
     )
-    frag = allocator.fragmentation(alloc)
+    frag = allocator.fragmentation(alloc, step.reserved_ratio)
     profiles = [
         graph_profile(
             step,
@@ -465,7 +465,7 @@ def _prediction(
         "iter_s": best.time_s,
         "peak_bytes": best.peak_bytes,  # reserved: what the cap bounds
         "peak_allocated_bytes": int(best.peak_bytes / lc.fragmentation),
-        "allocator": allocator.describe(alloc),
+        "allocator": allocator.describe(alloc, prof.fragmentation),
         "host_bytes": best.host_bytes,
         "budget_bytes": budget,
         "budget": budget_why,
@@ -487,6 +487,7 @@ def _prediction(
             "transient_bytes": prof.transient_bytes,
             "tail_bytes": prof.tail_bytes,
             "reserved_ratio": step.reserved_ratio,
+            "cpu_adam_in_step_params_per_s": step.cpu_adam_in_step_params_per_s,
             "fragmentation": prof.fragmentation,
             "saved_keep": static.saved.keep,
             "saved_recompute": static.saved.recompute,

@@ -31,9 +31,16 @@ log = logging.getLogger("protrain_fx")
 # reserved over allocated peak, budgeted by the cost model:
 # expandable segments: 1.003-1.03 measured on the H200 without swapping
 EXPANDABLE_FRAGMENTATION = 1.02
-# the default allocator: the 3B shape at 24 GiB failed at ~1.2 (18.47 GiB allocated + 4.07 reserved
-# free + the 1.47 GiB request, against a plan of 22.98 GiB at 1.02); the margin covers that and more
+# fixed segments, before the profiled step says more: the 3B shape at 24 GiB failed at ~1.2 with
+# 1.5 GiB chunks (18.47 GiB allocated + 4.07 reserved free + the 1.47 GiB request, against a plan
+# of 22.98 GiB at 1.02); the margin covers that and more
 SEGMENT_FRAGMENTATION = 1.25
+# ... and once the profiled step measured its own ratio (its warm-up run starts from an empty
+# cache): that ratio with a margin, between a floor and SEGMENT_FRAGMENTATION. On the H200 an HF
+# Llama-3.2-1B shape at 16 GiB profiled 1.040 and ran its plan at 1.039, where 1.25 had kept half
+# of the chunks it could hold on the host (benchmarks/results/oom_sweep_h200.md)
+SEGMENT_MARGIN = 1.02
+SEGMENT_FLOOR = 1.05
 ASYNC_FRAGMENTATION = 1.05  # cudaMallocAsync: the driver's pool, no fixed segments
 
 
@@ -103,29 +110,35 @@ def prepare(device: torch.device) -> AllocatorState:
     return _state
 
 
-def fragmentation(state: AllocatorState) -> float | None:
+def fragmentation(state: AllocatorState, profiled_ratio: float | None = None) -> float | None:
     """The reserved-over-allocated factor to budget; None on the CPU (the cost model's own
-    factor)."""
+    factor). ``profiled_ratio``: what the profiled step measured (reserved over allocated peak, from
+    an empty cache), which calibrates the factor of fixed segments (see the constants)."""
     if state.backend == "cpu":
         return None
     if state.backend != "native":
         return ASYNC_FRAGMENTATION
-    return EXPANDABLE_FRAGMENTATION if state.expandable else SEGMENT_FRAGMENTATION
+    if state.expandable:
+        return max(EXPANDABLE_FRAGMENTATION, profiled_ratio or 0.0)
+    if profiled_ratio is None:
+        return SEGMENT_FRAGMENTATION
+    return min(SEGMENT_FRAGMENTATION, max(SEGMENT_FLOOR, profiled_ratio * SEGMENT_MARGIN))
 
 
-def describe(state: AllocatorState) -> str:
+def describe(state: AllocatorState, factor: float | None = None) -> str:
+    """What the plan summary says of the allocator; ``factor``: the one budgeted (default: the
+    uncalibrated one)."""
     if state.backend == "cpu":
         return "CPU (no caching allocator)"
+    factor = fragmentation(state) if factor is None else factor
     if state.backend != "native":
-        return f"{state.backend} (reserved budgeted at {ASYNC_FRAGMENTATION:.2f}x allocated)"
+        return f"{state.backend} (reserved budgeted at {factor:.2f}x allocated)"
     if state.expandable:
         how = (
             "turned on by protrain" if state.set_by_protrain else "as PYTORCH_CUDA_ALLOC_CONF says"
         )
-        factor = f"{EXPANDABLE_FRAGMENTATION:.2f}x"
-        return f"expandable segments ({how}; reserved budgeted at {factor} allocated)"
+        return f"expandable segments ({how}; reserved budgeted at {factor:.2f}x allocated)"
     return (
         "fixed segments (expandable_segments off as PYTORCH_CUDA_ALLOC_CONF says; reserved "
-        "budgeted at "
-        f"{SEGMENT_FRAGMENTATION:.2f}x allocated)"
+        f"budgeted at {factor:.2f}x allocated)"
     )
