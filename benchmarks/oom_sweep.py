@@ -139,10 +139,12 @@ def build(spec: dict, seq: int, checkpointing: bool = False, host: bool = False)
             from transformers.initialization import no_init_weights
         except ImportError:  # an older transformers
             from transformers.modeling_utils import no_init_weights
-        state = model.state_dict()
+        state, n_params = model.state_dict(), len(list(model.parameters()))
         with protrain_fx.host_init("cuda"):
             with no_init_weights():
                 model = cls(cfg)
+            model.tie_weights()  # no_init_weights skips it with the init (transformers 5)
+            assert len(list(model.parameters())) == n_params, "tied weights differ"
             model.load_state_dict(state)
         del state
         torch.cuda.empty_cache()
@@ -219,7 +221,9 @@ def run_row(row: dict, steps: int) -> dict:
                 "step_ms": round(ev[2].elapsed_time(ev[3]), 2),
                 "cpu_adam_in_bwd_ms": round((timers1[0] - timers0[0]) * 1e3, 2),
                 "opt_wait_ms": round((timers1[1] - timers0[1]) * 1e3, 2),
-                "peak_alloc_gib": round(stats["allocated_bytes.all.peak"] / 2**30, 3),
+                "peak_alloc_gib": round(
+                    stats["allocated_bytes.all.peak"] / 2**30, 3
+                ),  # since step 0
                 "reserved_gib": round(stats["reserved_bytes.all.current"] / 2**30, 3),
                 "peak_reserved_gib": round(stats["reserved_bytes.all.peak"] / 2**30, 3),
                 "alloc_retries": stats.get("num_alloc_retries", 0),
@@ -229,8 +233,6 @@ def run_row(row: dict, steps: int) -> dict:
             out["first_step_s"] = round(time.perf_counter() - t0, 2)
             out["first_step_peak_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
             out["first_step_peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-            torch.cuda.reset_peak_memory_stats(dev)
-        else:
             torch.cuda.reset_peak_memory_stats(dev)
         if history and i == 5:
             out["memory_history"] = summarize_snapshot(torch.cuda.memory._snapshot())
