@@ -44,7 +44,7 @@ from protrain_fx.machine import allocator, measure, memory, pinned
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts
 from protrain_fx.plan.layout import pack
-from protrain_fx.plan.profiles import IN_STEP_CPU_CONTENTION, Hardware
+from protrain_fx.plan.profiles import Hardware
 from protrain_fx.plan.search import search
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
 from protrain_fx.profiling.profiler import expand_profile, graph_profile, profile_step
@@ -337,17 +337,6 @@ def choose(
     host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))
     host_budget //= n_peers  # every block of a regional compilation offloads its share
     hw = Hardware.of(hw_profile)
-    if step.cpu_adam_in_step_params_per_s:
-        # measured inside the profiled step (runtime/cpu_step_probe.py): its contention included
-        hw = dataclasses.replace(
-            hw,
-            cpu_adam_params_per_s=step.cpu_adam_in_step_params_per_s,
-            cpu_contention=IN_STEP_CPU_CONTENTION,
-        )
-        notes.append(
-            f"CPU AdamW at {step.cpu_adam_in_step_params_per_s / 1e9:.2f} G params/s inside the "
-            f"profiled step (alone: {hw_profile.cpu_adam_params_per_s / 1e9:.2f})"
-        )
     if device.type == "cpu":  # the CPU optimizer would run on the cores that compute
         hw = dataclasses.replace(hw, shared_compute=True)
     w = distributed.world()

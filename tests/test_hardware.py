@@ -288,24 +288,3 @@ def test_every_pinned_host_buffer_goes_through_pinned_empty():
             if re.search(r"pin_memory\s*=|\.pin_memory\(", line.split("#")[0]):
                 offenders.append(f"{path.name}:{n}: {line.strip()}")
     assert not offenders, offenders
-
-
-def test_in_step_cpu_adam_probe_times_one_step_per_chunk():
-    """runtime/cpu_step_probe.py: while on, each chunk handed to it gets one CPU Adam step of its
-    size on scratch buffers (a chunk larger than the scratch in slices), timed on the host worker;
-    off, nothing happens; the rate is within reach of the hardware profile's alone rate."""
-    from protrain_fx.runtime import cpu_step_probe
-
-    probe = cpu_step_probe.CpuStepProbe()
-    probe.chunk(("store", 0), 1000)  # off: nothing queued
-    assert probe.stop() is None and probe.params == 0
-    probe.start(pin=False)
-    sizes = [3 << 20, 1 << 20, cpu_step_probe.SCRATCH_NUMEL + 5]
-    for i, n in enumerate(sizes):
-        probe.chunk(("store", i), n)
-    rate = probe.stop()
-    assert probe.params == sum(sizes)
-    assert rate == pytest.approx(probe.params / probe.seconds)
-    assert probe._scratch is None  # freed with stop()
-    alone = measure._measure_cpu_adam(4 << 20)
-    assert alone / 10 < rate < alone * 10

@@ -25,7 +25,7 @@ from protrain_fx.machine.memory import (
     resolve_device,
     usable_cores,
 )
-from protrain_fx.machine.pinned import host_empty, no_dispatch_modes, release_cached_pinned_memory
+from protrain_fx.machine.pinned import no_dispatch_modes, release_cached_pinned_memory
 from protrain_fx.machine.profile import (
     HardwareProfile,
     _for_device,
@@ -220,18 +220,12 @@ def _measure_cuda_copies(dev: torch.device, nbytes: int) -> tuple[float, float, 
     )
 
 
-def adam_tensors(numel: int, device, pin: bool = False) -> tuple[list, list, list, list, list]:
-    """Parameter, gradient and two moments of ``numel`` fp32 elements and a step count, in the
-    layout of torch's functional Adam; ``pin``: in pinned host memory, as offloaded chunks keep
-    them (``pinned.host_empty``)."""
-
-    def full(value):
-        if not pin:
-            return torch.full((numel,), value, dtype=torch.float32, device=device)
-        return host_empty(numel, torch.float32, pin=True).fill_(value)
-
+def _adam_tensors(numel: int, device) -> tuple[list, list, list, list, list]:
     # initialized values (no denormals or NaNs from uninitialized memory, which can slow a CPU down)
-    p, g, m, v = full(0.5), full(1e-3), full(0.0), full(0.0)
+    p = torch.full((numel,), 0.5, dtype=torch.float32, device=device)
+    g = torch.full((numel,), 1e-3, dtype=torch.float32, device=device)
+    m = torch.zeros(numel, dtype=torch.float32, device=device)
+    v = torch.zeros(numel, dtype=torch.float32, device=device)
     # fused Adam keeps steps on the params' device
     step = torch.zeros((), dtype=torch.float32, device=device)
     return [p], [g], [m], [v], [step]
@@ -267,12 +261,14 @@ def cpu_adam_kind() -> str:
     return "one-pass kernel + bf16 copy" if cpu_adam.available() else "torch fused + bf16 copy"
 
 
-def cpu_adam_stepper(tensors, out: torch.Tensor):
-    """A callable doing the CPU step of an offloaded chunk as runtime/hybrid_optim.py runs it, over
-    ``tensors`` (``adam_tensors``' layout) and the bf16 transfer copy ``out``: AdamW in one pass of
-    protrain_fx.machine.cpu_adam's kernel where it builds, else torch's fused Adam then a copy."""
+def _measure_cpu_adam(numel: int) -> float:
+    """The CPU step of an offloaded chunk as runtime/hybrid_optim.py runs it: AdamW over the flat
+    chunk and its bf16 transfer copy (protrain_fx.machine.cpu_adam's one pass where it builds, else
+    torch's fused Adam then a copy)."""
     from protrain_fx.machine import cpu_adam
 
+    tensors = _adam_tensors(numel, "cpu")
+    out = torch.empty(numel, dtype=torch.bfloat16)
     if cpu_adam.available():
 
         def step():
@@ -292,19 +288,12 @@ def cpu_adam_stepper(tensors, out: torch.Tensor):
                 decoupled=True,
                 maximize=False,
             )
-
     else:
 
         def step():
             _adam_step(tensors)
             out.copy_(tensors[0][0])
 
-    return step
-
-
-def _measure_cpu_adam(numel: int) -> float:
-    """The CPU step of an offloaded chunk (:func:`cpu_adam_stepper`), alone, on pageable memory."""
-    step = cpu_adam_stepper(adam_tensors(numel, "cpu"), torch.empty(numel, dtype=torch.bfloat16))
     t0 = time.perf_counter()
     step()  # warm-up
     warm = time.perf_counter() - t0
@@ -351,7 +340,7 @@ def _measure_gpu_adam(dev: torch.device, numel: int) -> float:
     launches them (a step of 64 M parameters is about half a millisecond on an H200)."""
     sleep = getattr(torch.cuda, "_sleep", None)  # private (torch's own tests use it); optional
     with torch.cuda.device(dev):
-        tensors = adam_tensors(numel, dev)
+        tensors = _adam_tensors(numel, dev)
         stream = torch.cuda.current_stream(dev)
         _adam_step(tensors)  # warm-up
         _adam_step(tensors)

@@ -21,10 +21,6 @@ SWAP_FRAGMENTATION = 1.07
 # (benchmarks/results/autoplan_h200.md, runs 4-7; the chunk issue's per-phase timers measured
 # 1.10-1.15 for the step's part inside backward alone)
 CPU_CONTENTION = 1.25
-# the same factor for a rate measured inside the profiled step (runtime/cpu_step_probe.py), which
-# already runs beside backward's threads and copies: on the H200 the probe's rate gave the in-step
-# CPU time of the plans within a few percent (benchmarks/results/oom_sweep_h200.md)
-IN_STEP_CPU_CONTENTION = 1.0
 # compute kernels slow down while an NCCL collective runs beside them (its kernels take SMs and
 # memory bandwidth): the 1.4B GPT's backward on 2 H200s (NVLink) ran 4.8 ms longer over the 19.6 ms
 # its resident all-reduces overlapped it (benchmarks/results/dp_h200.md, run 4's trace): 0.24 ms per

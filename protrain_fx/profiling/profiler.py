@@ -37,7 +37,6 @@ from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import FRAGMENTATION, BlockProfile, ChunkProfile, GraphProfile
 from protrain_fx.profiling.static import SavedBytes, StaticProfile
 from protrain_fx.runtime import block_timer
-from protrain_fx.runtime.cpu_step_probe import PROBE
 
 
 def identical_block_times(
@@ -79,8 +78,6 @@ class StepProfile:
     # clock and NVML's clock throttle reasons at the end (a slow profile can then be told from a
     # slow host or GPU)
     conditions: dict = field(default_factory=dict)
-    # the CPU AdamW rate of the warm-up run's in-step probe (runtime/cpu_step_probe.py; CUDA only)
-    cpu_adam_in_step_params_per_s: float | None = None
     # what backward's end holds beside the resident gradients (block_timer: "tail_bytes")
     tail_bytes: int = 0
 
@@ -166,7 +163,7 @@ def profile_step(
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     rec = block_timer.RECORDER
     best: dict | None = None
-    reserved_ratio = in_step_rate = None
+    reserved_ratio = None
     for s in stores:
         s.profiling = True
     # private (torch's own tests use it): optional
@@ -188,8 +185,6 @@ def profile_step(
                     torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             rec.clear()
-            if run == 0 and device.type == "cuda":
-                PROBE.start(pin=True)
             rec.record(block_timer.STEP, block_timer.STEP_START, device)
             outs = compiled(*inputs)
             rec.record(block_timer.STEP, block_timer.FWD_END, device)
@@ -198,9 +193,6 @@ def profile_step(
                 torch.autograd.backward(out_leaves, ones)
             del outs, out_leaves, ones
             rec.record(block_timer.STEP, block_timer.STEP_END, device)
-            if run == 0:
-                # the steps the probe queued end before a timed run starts
-                in_step_rate = PROBE.stop()
             timings = block_timer.block_timings()
             if device.type == "cuda":
                 peak_alloc = max(timings[block_timer.STEP]["peak_bytes"], 1)
@@ -225,7 +217,6 @@ def profile_step(
         timeline = block_timer.memory_timeline()
         conditions.update(loadavg_after=_loadavg(), **_device_clocks(device))
     finally:
-        PROBE.stop()
         rec.lead_s = 0.0
         for s in stores:
             s.profiling = False
@@ -252,7 +243,6 @@ def profile_step(
         timeline=timeline,
         conditions=conditions,
         tail_bytes=int(step["tail_bytes"]),
-        cpu_adam_in_step_params_per_s=in_step_rate,
     )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
-from protrain_fx.runtime import cpu_step_probe, distributed, mapped, step_redo
+from protrain_fx.runtime import distributed, mapped, step_redo
 from protrain_fx.runtime.worker import WORKER
 
 N_STAGING = 4
@@ -182,11 +182,8 @@ class ChunkGrads:
         """A backward pass produced the gradients of the chunk's parameters ``members`` (store
         entries): pack them into a device gradient buffer in the chunk layout and master dtype, copy
         it to the host and add it to (or, for parameters without a gradient yet, copy it into) the
-        accumulator on the host worker. While profiling, gradients are dropped (and the CPU step
-        they would get is timed on scratch buffers while the probe is on:
-        runtime/cpu_step_probe.py)."""
+        accumulator on the host worker. While profiling, gradients are dropped."""
         if self.profiling:
-            cpu_step_probe.PROBE.chunk((self.id, chunk), self.host_numel(chunk))
             return
         record = step_redo.first_time((self.id, chunk, tuple(members)))
         if record is None:  # a redone backward: handed over before it ran out
