@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -93,6 +94,27 @@ def reserve_bytes(limit: int) -> int:
     NCCL), the allocator's rounding and what the user allocates besides the model (the batch,
     metrics)."""
     return max(1 << 30, int(0.04 * limit))
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def oom_need_bytes(e: BaseException, device: torch.device) -> int:
+    """What a step that ran out of device memory needed at least: what was allocated when it failed
+    plus the request that failed (from torch's message; what is allocated now where it says
+    nothing)."""
+    msg = str(e)
+    found = {
+        key: float(m.group(1)) * _UNITS[m.group(2)]
+        for key, pattern in (
+            ("request", r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)"),
+            ("allocated", r"([\d.]+) (B|KiB|MiB|GiB|TiB) is allocated by PyTorch"),
+        )
+        if (m := re.search(pattern, msg))
+    }
+    if "allocated" not in found:
+        found["allocated"] = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    return int(found["allocated"] + found.get("request", 0))
 
 
 def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:
@@ -273,12 +295,13 @@ def choose(
         with prog.phase("profiling", "profiling one step (1 + 2 runs)"):
             step = profile_step(compiled, list(example_inputs), stores, n_profiled, device)
     except torch.OutOfMemoryError as e:
+        least = int(oom_need_bytes(e, device) * (allocator.fragmentation(alloc) or 1.0))
         raise NoPlanFits(
-            "protrain could not profile this graph: the most frugal plan (every chunk offloaded, "
-            "every block "
-            f"recomputed) ran out of device memory ({str(e).splitlines()[0]}); a smaller batch or "
-            "sequence is "
-            "needed"
+            "protrain could not profile this graph: even the most frugal plan (every chunk "
+            "offloaded, every block recomputed) ran out of device memory, so every plan needs more "
+            f"than {format_bytes(least)} ({str(e).splitlines()[0]}): give a budget (or a device) "
+            f"larger than {format_bytes(least)}, or a smaller batch or sequence",
+            min_device_bytes=least,
         ) from e
     finally:
         del compiled
@@ -476,7 +499,6 @@ def _prediction(
             "transient_bytes": prof.transient_bytes,
             "tail_bytes": prof.tail_bytes,
             "reserved_ratio": step.reserved_ratio,
-            "cpu_adam_in_step_params_per_s": step.cpu_adam_in_step_params_per_s,
             "fragmentation": prof.fragmentation,
             "saved_keep": static.saved.keep,
             "saved_recompute": static.saved.recompute,

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
+import traceback
 import weakref
 from typing import Sequence
 
@@ -284,7 +286,13 @@ def protrain_backend(
         )
         if found_note:
             plan.notes.insert(0, found_note)
-    except BaseException:
+    except BaseException as e:
+        # the failed compile's frames (a profiled step that ran out of device memory, say) hold
+        # its device tensors; drop them first, so that putting the parameters back fits
+        traceback.clear_frames(e.__traceback__)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         restore()  # a failed compile leaves the model as it was
         raise
     graph = ProtrainGraph(

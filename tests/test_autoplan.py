@@ -94,6 +94,41 @@ def test_one_byte_budget_names_the_smallest_that_works():
     assert isinstance(e.value.__cause__ or e.value, (NoPlanFits, Exception))
 
 
+def test_a_profiled_step_out_of_device_memory_names_a_lower_bound_and_leaves_the_model(
+    monkeypatch,
+):
+    """Even the most frugal plan ran out of device memory while profiling (the H200's HF
+    Llama-3.2-1B shape at 8 x 2048 under 16 GiB): a NoPlanFits that names what every plan needs at
+    least (what was allocated plus the failed request, from torch's message), and the model as it
+    was (the parameters put back after the failed step's memory is released)."""
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    message = (
+        "CUDA out of memory. Tried to allocate 1002.00 MiB. GPU 0 has a total capacity of 139.80 "
+        "GiB of which 123.44 GiB is free. Of the allocated memory 15.49 GiB is allocated by "
+        "PyTorch, and 37.69 MiB is reserved by PyTorch but unallocated."
+    )
+
+    def out_of_memory(*a, **k):
+        raise torch.OutOfMemoryError(message)
+
+    monkeypatch.setattr(autoplan, "profile_step", out_of_memory)
+    opt = make_adamw(model)
+    compiled = torch.compile(
+        model, backend="protrain", options=dict(OPTS, memory_budget="1GiB", optimizer=opt)
+    )
+    with pytest.raises(Exception) as err:
+        compiled(*random_batches(1, 2, 16, vocab=64)[0])
+    e = err.value
+    while e is not None and not isinstance(e, NoPlanFits):  # dynamo wraps backend errors
+        e = e.__cause__ or e.__context__
+    assert e is not None, err.value
+    assert e.min_device_bytes == int(15.49 * 2**30 + 1002 * 2**20)  # no allocator factor on the CPU
+    assert "more than 16.47 GiB" in str(e) and "most frugal plan" in str(e)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert autoplan.oom_need_bytes(RuntimeError("no numbers"), torch.device("cpu")) == 0
+
+
 def test_without_an_optimizer_everything_stays_resident():
     """No optimizer exists when the model is first called (created later): every chunk stays
     resident."""
