@@ -351,6 +351,8 @@ def choose(
             resident_cast_elem=cast_elem,
             fragmentation=frag,
             groups=groups,
+            # in regions a swap block's own code starts its reloads (docs/design.md, section 11)
+            reload_lead_blocks=0 if regions is not None else 1,
         )
         for cs in sizes
     ]

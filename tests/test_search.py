@@ -306,3 +306,22 @@ def test_data_parallel_terms():
     assert two.breakdown["cast_s"] == pack
     assert two.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, comm) + allreduce + pack)
     assert one.breakdown["bwd_s"] == pytest.approx(0.001 + max(0.001, 2 * down / 50e9) + pack)
+
+
+def test_swap_waits_block_by_block():
+    """Hand-checked: four blocks of 1 ms forward and 2 ms backward, the first two swapping 100 MB
+    each at 50 GB/s (2 ms a copy). Forward: block 2 waits for block 0's offload (done at 2 ms),
+    block 3 for block 1's, queued behind it (done at 4 ms): 1 ms of waiting. Backward with the
+    reload one block ahead (a whole graph): hidden; with no lead (compiled in regions: a block's
+    own code starts its reload): blocks 1 and 0 wait 2 ms each."""
+    from protrain_fx.plan.cost_model import swap_stall_s
+
+    blk = BlockProfile(fwd_s=1e-3, bwd_s=2e-3, keep_bytes=100 * 10**6, input_bytes=0)
+    ahead = GraphProfile(chunk_size=MiB, chunks=(), blocks=(blk,) * 4)
+    own = dataclasses.replace(ahead, reload_lead_blocks=0)
+    assert swap_stall_s(ahead, HW, 2, 0) == pytest.approx(1e-3)
+    assert swap_stall_s(own, HW, 2, 0) == pytest.approx(1e-3 + 4e-3)
+    # the step prices the larger of these waits and the copies beyond the whole window
+    ch = ChunkProfile(numel=1000, fwd_s=4e-3, bwd_s=8e-3, blocks=(0, 1, 2, 3))
+    p = predict(dataclasses.replace(own, chunks=(ch,)), HW, Knobs(MiB, 1, 1, 2, 0))
+    assert p.breakdown["swap_exposed_s"] == pytest.approx(5e-3)

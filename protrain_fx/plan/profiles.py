@@ -84,6 +84,9 @@ class GraphProfile:
     resident_cast_elem: int = 0
     # reserved / allocated; calibrate from measurements where known
     fragmentation: float = FRAGMENTATION
+    # how many blocks ahead of its own backward a swap block's reload starts: one in a whole graph
+    # (passes/swap.py), none in a graph compiled in regions (the block's own code starts it)
+    reload_lead_blocks: int = 1
 
 
 @dataclass(frozen=True)

@@ -290,14 +290,14 @@ def graph_profile(
     resident_cast_elem: int,
     fragmentation: float | None = None,
     groups: list | None = None,
+    reload_lead_blocks: int = 1,
 ) -> GraphProfile:
     """The cost model's profile for ``chunk_size``. ``params``: ``(fqn, bytes, block index or
     None)`` in first-use order (how the chunks are packed; ``groups``: as ``pack``'s, when the
     graph is compiled in regions). ``fragmentation``: the allocator's
     reserved over allocated factor to budget (protrain_fx/machine/allocator.py; None: the cost
-    model's default). The profiled step's own ratio is recorded but not used: its allocation pattern
-    (everything offloaded and recomputed) is not the plan's (the LLaMA profile measured 1.10 where
-    its plan then ran at 1.03)."""
+    model's default; protrain_fx/machine/allocator.py calibrates fixed segments' with the profiled
+    step's own ratio). ``reload_lead_blocks``: the profile's field (compiled in regions: 0)."""
     saved = static.saved
     n_blocks = len(step.block_fwd_s)
     block_fwd, block_bwd = identical_block_times(step, static)
@@ -359,4 +359,5 @@ def graph_profile(
         transfer_elem=transfer_elem,
         resident_cast_elem=resident_cast_elem,
         fragmentation=FRAGMENTATION if fragmentation is None else fragmentation,
+        reload_lead_blocks=reload_lead_blocks,
     )
