@@ -470,8 +470,9 @@ def table(out: dict) -> str:
         "time: median of steps 4-20, synchronized. Errors: (measured - predicted) / predicted.",
         "",
         "| row | outcome | loss rel vs compile | reserved peak GiB pred / meas (err) | "
+        "allocated peak GiB pred / meas | allocator retries | "
         "step s pred / meas (err) | tokens/s | first step s (Inductor cache) | plan | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
         plan = r.get("plan")
@@ -482,8 +483,11 @@ def table(out: dict) -> str:
             if plan
             else ("gradient checkpointing" if r.get("gradient_checkpointing") else "")
         )
-        err = (r.get("error") or "").strip().splitlines()[-1:] or [""]
+        lines_of_error = (r.get("error") or "").strip().splitlines()
+        err = [x for x in lines_of_error if "Error" in x or "NoPlanFits" in x][-1:] or [""]
         rel = r.get("max_loss_rel_vs_compile")
+        pa, ma = r.get("predicted_peak_allocated_gib"), r.get("peak_allocated_gib")
+        alloc_s = f"{pa:.2f} / {ma:.2f}" if pa and ma else (f"{ma:.2f}" if ma else "-")
 
         def pe(p, m, e, fmt):
             if r.get(m) is None:
@@ -495,6 +499,7 @@ def table(out: dict) -> str:
         lines.append(
             f"| {r['id']} | {r.get('outcome', '-')} | {'-' if rel is None else f'{rel:.1e}'} | "
             f"{pe('predicted_peak_reserved_gib', 'peak_reserved_gib', 'peak_err', '{:.2f}')} | "
+            f"{alloc_s} | {r.get('alloc_retries', '-')} | "
             f"{pe('predicted_step_s', 'measured_step_s', 'time_err', '{:.3f}')} | "
             f"{r.get('tokens_per_s') and round(r['tokens_per_s']) or '-'} | "
             f"{r.get('first_step_s', '-')} ({r.get('inductor_cache', '-')}) | {plan_s} | "
