@@ -314,7 +314,7 @@ def test_swap_waits_block_by_block():
     block 3 for block 1's, queued behind it (done at 4 ms): 1 ms of waiting. Backward with the
     reload one block ahead (a whole graph): hidden; with no lead (compiled in regions: a block's
     own code starts its reload): blocks 1 and 0 wait 2 ms each."""
-    from protrain_fx.plan.cost_model import swap_stall_s
+    from protrain_fx.plan.swap_cost import swap_stall_s
 
     blk = BlockProfile(fwd_s=1e-3, bwd_s=2e-3, keep_bytes=100 * 10**6, input_bytes=0)
     ahead = GraphProfile(chunk_size=MiB, chunks=(), blocks=(blk,) * 4)
