@@ -1,0 +1,117 @@
+"""benchmarks/oom_sweep.py's bookkeeping on the CPU (its rows run on the GPU): the counts the issue
+asks for, the table, and the summary of an allocator snapshot."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+import oom_sweep  # noqa: E402
+
+
+def _row(id_, system="protrain", **kw):
+    model, shape = id_.split("/")[:2]
+    batch, seq = (int(x) for x in shape[1:].split("s"))
+    return dict(id=id_, model=model, batch=batch, seq=seq, system=system, **kw)
+
+
+def test_counts_and_table():
+    ref = _row("m/b1s8/compile", system="compile", outcome="trained", losses=[2.0, 1.0])
+    good = _row(
+        "m/b1s8/cap16/default",
+        outcome="trained",
+        losses=[2.0, 1.001],
+        predicted_peak_reserved_gib=10.0,
+        peak_reserved_gib=10.2,
+        predicted_peak_allocated_gib=9.8,
+        peak_allocated_gib=9.9,
+        alloc_retries=3,
+        predicted_step_s=1.0,
+        measured_step_s=1.2,
+        plan=dict(chunks=4, chunk_size=2**26, n_persist=1, n_buffer=1, n_swap=0, n_checkpoint=2),
+    )
+    nan = _row("m/b1s8/cap16/segments", outcome="trained", losses=[2.0, float("nan")])
+    oom = _row(
+        "m/b1s8/cap24/default",
+        outcome="oom",
+        error="Traceback\n  File x\ntorch.OutOfMemoryError: CUDA out of memory.\n\nSet VERBOSE=1",
+    )
+    rows = [ref, good, nan, oom]
+    counts = oom_sweep.evaluate(rows)
+    assert counts == dict(
+        protrain_rows=3,
+        trained=2,
+        no_plan_fits=0,
+        oom=1,
+        error=0,
+        non_finite=1,
+        outside_bf16_tolerance=1,  # the NaN row
+        peak_err_over_5pct=0,  # +2%
+        time_err_over_5pct=1,  # +20%
+    )
+    assert abs(good["peak_err"] - 0.02) < 1e-12 and abs(good["time_err"] - 0.2) < 1e-12
+    text = oom_sweep.table(dict(device="d", torch="t", date="today", counts=counts, rows=rows))
+    line = next(x for x in text.splitlines() if x.startswith("| m/b1s8/cap16/default"))
+    assert "10.00 / 10.20 (+2.0%)" in line and "9.80 / 9.90 | 3 |" in line
+    assert "1.000 / 1.200 (+20.0%)" in line and "persist 1" in line
+    # the error column names the error, not the line after it
+    oom_line = next(x for x in text.splitlines() if x.startswith("| m/b1s8/cap24/default"))
+    assert "OutOfMemoryError: CUDA out of memory." in oom_line and "VERBOSE" not in oom_line
+
+
+def test_snapshot_summary():
+    def frame(name):
+        return {"filename": f"/x/protrain_fx/{name}.py", "line": 1, "name": name}
+
+    snap = {
+        "segments": [
+            {
+                "stream": 0,
+                "total_size": 3 << 30,
+                "allocated_size": 1 << 30,
+                "blocks": [
+                    {"state": "active_allocated", "size": 1 << 30},
+                    {"state": "inactive", "size": 2 << 30},
+                ],
+            }
+        ],
+        "device_traces": [
+            [
+                {
+                    "action": "alloc",
+                    "addr": 1,
+                    "size": 1 << 20,
+                    "stream": 0,
+                    "frames": [frame("a")],
+                },
+                {"action": "segment_map", "addr": 9, "size": 2 << 20, "stream": 0},
+                {
+                    "action": "alloc",
+                    "addr": 2,
+                    "size": 2 << 20,
+                    "stream": 0,
+                    "frames": [frame("b")],
+                },
+                {"action": "free_completed", "addr": 1, "size": 1 << 20},
+                {
+                    "action": "alloc",
+                    "addr": 3,
+                    "size": 1 << 19,
+                    "stream": 0,
+                    "frames": [frame("c")],
+                },
+            ]
+        ],
+    }
+    s = oom_sweep.summarize_snapshot(snap)
+    assert s["streams"]["0"] == dict(
+        segments=1, free_blocks=1, reserved_gib=3.0, allocated_gib=1.0, largest_free_gib=2.0
+    )
+    # the growth came with b's request; the traced peak (3 MiB) held a and b
+    assert s["growth_events"] == [
+        dict(action="segment_map", gib=0.002, request_mib=2.0, stream="0", where=["b.py:1:b"])
+    ]
+    assert s["traced_peak_gib_above_start"] == round(3 / 1024, 3)
+    assert [x["where"] for x in s["largest_at_traced_peak"]] == [["b.py:1:b"], ["a.py:1:a"]]
