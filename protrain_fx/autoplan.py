@@ -497,6 +497,7 @@ def _prediction(
             "block_bwd_ms": [1e3 * x for x in step.block_bwd_s],
             "nonblock_fwd_ms": 1e3 * step.nonblock_fwd_s,
             "nonblock_bwd_ms": 1e3 * step.nonblock_bwd_s,
+            "head_bwd_ms": 1e3 * step.head_bwd_s,
             "peak_bytes": step.peak_bytes,
             "transient_bytes": prof.transient_bytes,
             "tail_bytes": prof.tail_bytes,

@@ -56,7 +56,8 @@ def profiles(draw):
                 chunks=chunks,
                 blocks=blocks,
                 nonblock_fwd_s=draw(st.floats(0, 2e-3)),
-                nonblock_bwd_s=draw(st.floats(0, 4e-3)),
+                nonblock_bwd_s=(nb := draw(st.floats(0, 4e-3))),
+                head_bwd_s=draw(st.floats(0, nb)),
                 nonblock_saved_bytes=draw(st.integers(0, 100)) * MiB,
                 transient_bytes=draw(st.integers(0, 500)) * MiB,
                 tail_bytes=draw(st.integers(0, 300)) * MiB,
@@ -325,3 +326,35 @@ def test_swap_waits_block_by_block():
     ch = ChunkProfile(numel=1000, fwd_s=4e-3, bwd_s=8e-3, blocks=(0, 1, 2, 3))
     p = predict(dataclasses.replace(own, chunks=(ch,)), HW, Knobs(MiB, 1, 1, 2, 0))
     assert p.breakdown["swap_exposed_s"] == pytest.approx(5e-3)
+
+
+@SETTINGS
+@given(profs=profiles(), n_buffer=st.integers(1, 3), slow=st.sampled_from([0.05e9, 0.5e9, 4e9]))
+def test_cpu_steps_wait_for_their_gradients_like_a_pipeline(profs, n_buffer, slow):
+    """The host worker steps offloaded chunks one after another, each once its gradient is on the
+    host: the cost model's end of the CPU steps equals that, chunk by chunk (backward reaches the
+    last chunk first, after the code after the blocks)."""
+    from protrain_fx.plan.cost_model import LayoutCosts
+
+    hw = dataclasses.replace(HW, cpu_adam_params_per_s=slow)
+    prof = profs[0]
+    lc = LayoutCosts(prof, hw, n_buffer, 0, 0)
+    n = len(prof.chunks)
+    k = hw.cpu_contention / hw.cpu_adam_params_per_s
+    for n_persist in range(n + 1):
+        _, parts = lc.time_s(n_persist, detail=True)
+        if n_persist == n:
+            assert parts["cpu_optim_s"] == parts["first_grad_s"] == 0.0
+            continue
+        t_gpu, done = prof.head_bwd_s, 0.0
+        for c in range(n - 1, n_persist - 1, -1):  # backward order
+            ch = prof.chunks[c]
+            up = 0 if c >= n - n_buffer else ch.numel * prof.transfer_elem
+            down = ch.numel * prof.master_elem
+            comm = max(up / hw.h2d_bytes_per_s, down / hw.d2h_bytes_per_s, (up + down) / 90e9)
+            t_gpu += max(ch.bwd_s, comm)  # its backward, or its copies if longer
+            arrival = t_gpu + down / hw.d2h_bytes_per_s
+            done = max(done, arrival) + ch.numel * k
+        assert parts["first_grad_s"] + parts["cpu_optim_s"] == pytest.approx(done, rel=1e-9)
+        offloaded = sum(ch.numel for ch in prof.chunks[n_persist:])
+        assert parts["cpu_optim_s"] == pytest.approx(offloaded * k, rel=1e-9)

@@ -3,7 +3,7 @@ profile and a hardware profile.
 
 Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
 
-    T = T_fwd + max(T_bwd, T_first_grad + T_cpu_optim) + T_gpu_optim
+    T = T_fwd + max(T_bwd, T_cpu_done) + T_gpu_optim
 
 * ``T_fwd``: per chunk in forward order, its compute, or for an offloaded chunk ``max(compute,
   h2d)`` (the gather is prefetched ahead: a gather copies its chunk out of its buffer, which the
@@ -18,9 +18,12 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
 * Data parallel (replicated resident chunks): the part of their gradients' all-reduces that the
   backward of earlier chunks cannot hide, and the compute the overlapped part slows down
   (:data:`COLLECTIVE_CONTENTION`).
-* ``T_cpu_optim``: offloaded parameters over the CPU Adam rate, times the slowdown measured when it
-  runs inside a training step (``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default); it
-  starts once the first offloaded gradient is on the host (``T_first_grad``). ``T_gpu_optim``:
+* ``T_cpu_done``: when the host worker's last CPU Adam step ends, a two-stage pipeline: each
+  offloaded chunk's step (its parameters over the CPU Adam rate, times the slowdown measured when it
+  runs inside a training step, ``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default)
+  starts once its gradient is on the host (after the backward of the code after the blocks,
+  ``head_bwd_s``, of the chunks backward reaches before it and of its own, and its copy down) and
+  the step before it is done. ``T_gpu_optim``:
   resident parameters over the device Adam rate, at ``opt.step()``: after ``backward()``, which
   returns once the host worker's CPU steps are done, so it follows both.
 * Casts the profiled step does not run (its chunks all arrive in the compute dtype and its gradients
@@ -74,7 +77,7 @@ class _ProfileArrays:
         for ch in chunks:
             for b in ch.blocks:
                 self.block_chunks[b] += 1
-        self.fwd_res, self.fwd_off, self.comm = [0.0], [0.0], []
+        self.fwd_res, self.fwd_off, self.comm, self.down_s = [0.0], [0.0], [], []
         # with several ranks a rank moves its shard and the collectives the rest
         shard = 1 / hw.world_size
         for c, ch in enumerate(chunks):
@@ -85,6 +88,8 @@ class _ProfileArrays:
             # the last n_buffer chunks stay in their buffers
             up = 0 if c >= n - n_buffer else ch.numel * te
             down = ch.numel * me
+            # its gradient's copy to the host (and reduce-scatter): what the CPU step waits for
+            self.down_s.append(down * shard / hw.d2h_bytes_per_s + hw.collective_s(down))
             self.comm.append(
                 max(
                     up * shard / hw.h2d_bytes_per_s,
@@ -109,16 +114,6 @@ class _ProfileArrays:
             g = chunks[c].group
             largest_in[g] = max(largest_in.get(g, 0), chunks[c].numel)
             self.buffer_numel[c] = sum({max(capacity, v) for v in largest_in.values()})
-        last = chunks[-1] if chunks else None
-        self.first_grad_s = (
-            (
-                last.bwd_s
-                + last.numel * me * shard / hw.d2h_bytes_per_s
-                + hw.collective_s(last.numel * me)
-            )
-            if last
-            else 0.0
-        )
         self.hw, self.prof = hw, prof
         # the casts' seconds per resident parameter (forward's cast to the compute dtype) and per
         # offloaded one (its gradient packed), at the device's streaming rate
@@ -239,7 +234,7 @@ class LayoutCosts:
             A.resident_bytes,
             A.buffer_numel,
         )
-        self.first_grad_s, self.swap_window_s = A.first_grad_s, A.swap_window_s
+        self.swap_window_s = A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
         # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
         bwd_res, bwd_off = [0.0], [0.0]
@@ -251,6 +246,26 @@ class LayoutCosts:
             bwd_res.append(bwd_res[-1] + b)
             bwd_off.append(bwd_off[-1] + max(b, A.comm[c]))
         self.bwd_res, self.bwd_off = bwd_res, bwd_off
+        # ---- the CPU optimizer, the second stage of a pipeline: offloaded chunk c's step starts
+        # when its gradient is on the host and the step before it is done. Offloaded chunks are the
+        # last in first-use order, so backward reaches them first, whatever n_persist: chunk c's
+        # gradient arrives after the code after the blocks (head, loss), the backward of chunks
+        # c.. and its copy down. With k seconds per parameter, the last step of chunks
+        # n_persist.. ends at max over c >= n_persist of (arrival_c + k * numel[n_persist..c]):
+        # a suffix maximum prices every n_persist in O(1) (cpu_done[n_persist])
+        n = len(chunks)
+        self.cpu_per_param = (
+            hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s
+            if hw.cpu_adam_params_per_s
+            else 0.0
+        )
+        k, numel = self.cpu_per_param, A.numel
+        self.cpu_done = [0.0] * (n + 1)
+        latest = -math.inf
+        for c in range(n - 1, -1, -1):
+            arrival = prof.head_bwd_s + (bwd_off[n] - bwd_off[c]) + A.down_s[c]
+            latest = max(latest, arrival + k * numel[c + 1])
+            self.cpu_done[c] = latest - k * numel[c]
         # ---- data parallel: resident chunks' all-reduces, one per chunk as soon as its backward is
         # done, back to back on the link while backward goes on with the chunks before it. With
         # resident chunks
@@ -362,12 +377,10 @@ class LayoutCosts:
         t_fwd += cast_fwd
         t_bwd += cast_bwd
         t_gpu = resident / hw.gpu_adam_params_per_s
-        t_cpu = (
-            offloaded / hw.world_size / hw.cpu_adam_params_per_s * hw.cpu_contention
-            if offloaded
-            else 0.0
-        )
-        t_first = self.first_grad_s if offloaded else 0.0
+        t_cpu = offloaded * self.cpu_per_param
+        # the CPU steps end at cpu_done (they wait for the gradients: before the first arrives and
+        # wherever backward is slower than the CPU): first_grad_s is that wait
+        t_first = max(0.0, self.cpu_done[n_persist] - t_cpu) if offloaded else 0.0
         # the device optimizer runs at opt.step(), after backward() returned, which waits for the
         # host worker's CPU steps: it follows both (H200: a 3B plan's step measured within 1.4% of
         # forward + max(backward, first gradient + CPU optimizer) + device optimizer)

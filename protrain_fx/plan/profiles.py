@@ -70,6 +70,9 @@ class GraphProfile:
     blocks: tuple[BlockProfile, ...]
     nonblock_fwd_s: float = 0.0
     nonblock_bwd_s: float = 0.0
+    # the part of nonblock_bwd_s that runs before the blocks' backward (the code after the blocks:
+    # final norm, head, loss): no offloaded chunk's gradient reaches the host before it ends
+    head_bwd_s: float = 0.0
     nonblock_saved_bytes: int = 0
     # largest working set of backward outside saved activations (logits, loss)
     transient_bytes: int = 0

@@ -80,6 +80,8 @@ class StepProfile:
     conditions: dict = field(default_factory=dict)
     # what backward's end holds beside the resident gradients (block_timer: "tail_bytes")
     tail_bytes: int = 0
+    # the part of nonblock_bwd_s before the blocks' backward (block_timer: "head_bwd_ms")
+    head_bwd_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -210,7 +212,7 @@ def profile_step(
             else:
                 best["fwd"] = [min(a, b) for a, b in zip(best["fwd"], row["fwd"])]
                 best["bwd"] = [min(a, b) for a, b in zip(best["bwd"], row["bwd"])]
-                for k in ("fwd_ms", "bwd_ms"):
+                for k in ("fwd_ms", "bwd_ms", "head_bwd_ms"):
                     best["step"][k] = min(best["step"][k], row["step"][k])
                 for k in ("peak_bytes", "start_allocated", "tail_bytes"):
                     best["step"][k] = max(best["step"][k], row["step"][k])
@@ -243,6 +245,7 @@ def profile_step(
         timeline=timeline,
         conditions=conditions,
         tail_bytes=int(step["tail_bytes"]),
+        head_bwd_s=min(step["head_bwd_ms"] / 1e3, max(0.0, step["bwd_ms"] / 1e3 - sum(bwd))),
     )
 
 
@@ -355,6 +358,7 @@ def graph_profile(
         nonblock_saved_bytes=saved.nonblock_keep,
         transient_bytes=max(0, transient),
         tail_bytes=step.tail_bytes,
+        head_bwd_s=step.head_bwd_s,
         master_elem=master_elem,
         transfer_elem=transfer_elem,
         resident_cast_elem=resident_cast_elem,

@@ -111,8 +111,9 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
     """Per block: forward and backward milliseconds (first enter to last leave, in that phase, less
     chunk copies) and the peak allocation inside each (after synchronizing the device when the
     points are CUDA events). With the step's marks present, block -1 holds the whole forward and
-    backward ("fwd_ms", "bwd_ms"), the step's peak ("peak_bytes"), what was allocated at its
-    start ("start_allocated") and the peak after the last block's backward above that start
+    backward ("fwd_ms", "bwd_ms"; "head_bwd_ms": backward before the first block's, all of it
+    without blocks), the step's peak ("peak_bytes"), what was allocated at its start
+    ("start_allocated") and the peak after the last block's backward above that start
     ("tail_bytes": a large embedding's dense gradient, a tied head's gradient held since backward
     began, their sum; 0 without blocks)."""
     marks = RECORDER.marks if marks is None else marks
@@ -144,9 +145,15 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
             (i for i, m in enumerate(marks) if m.block != STEP and m.where == BWD_EXIT and i < e),
             default=None,
         )
+        first_block = next(
+            (i for i in range(f + 1, e) if marks[i].block != STEP and marks[i].where == BWD_ENTER),
+            e,
+        )
         out[STEP] = {
             "fwd_ms": _interval_ms(marks, s, f),
             "bwd_ms": _interval_ms(marks, f, e),
+            # backward before the blocks' (the code after them: the head, the loss)
+            "head_bwd_ms": _interval_ms(marks, f, first_block),
             "peak_bytes": max(m.peak for m in marks[s + 1 : e + 1]),
             "start_allocated": marks[s].allocated,
             "tail_bytes": 0
