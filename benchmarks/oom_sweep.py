@@ -372,6 +372,7 @@ def child(row: dict, args, dirs: dict, timeout: float) -> dict:
     env.pop("PYTORCH_ALLOC_CONF", None)
     if ALLOCS.get(row.get("alloc")):
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCS[row["alloc"]]
+    env.update(row.get("env") or {})
     env["TORCHINDUCTOR_CACHE_DIR"] = dirs["inductor"]
     # a plan cache of its own; the hardware profile measured once, copied in
     env["PROTRAIN_CACHE_DIR"] = os.path.join(dirs["root"], row["id"].replace("/", "-"))
@@ -533,6 +534,13 @@ def main() -> None:
         default="",
         help="comma-separated row ids whose steps 4-6 record the allocator's history (summarized)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:KEY=VALUE[,KEY=VALUE]: each selected row also runs with that environment, as "
+        "row id + /NAME (an A/B of one setting in one call)",
+    )
     ap.add_argument("--run")
     ap.add_argument("--result")
     args = ap.parse_args()
@@ -572,6 +580,18 @@ def main() -> None:
     ]
     if models:
         todo.sort(key=lambda r: models.index(r["model"]))
+    for spec in args.variant:
+        name, _, assigns = spec.partition(":")
+        env = dict(a.split("=", 1) for a in assigns.split(",") if a)
+        todo = [
+            x
+            for r in todo
+            for x in (
+                [r]
+                if r["system"] != "protrain" or f"{r['id']}/{name}" in have
+                else [r, dict(r, id=f"{r['id']}/{name}", env=env)]
+            )
+        ]
     for r in todo:
         if r["id"] in args.memory_history.split(","):
             r["memory_history"] = True
