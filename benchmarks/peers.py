@@ -199,18 +199,18 @@ def _profile_alone() -> None:
     measuring or compiling next to it (benchmarks/timeshare.py)."""
     import timeshare
 
-    from protrain_fx import autoplan
+    from protrain_fx.profiling import frugal
 
-    if getattr(autoplan.profile_step, "_alone", False):
+    if getattr(frugal.profile_step, "_alone", False):
         return
-    inner = autoplan.profile_step
+    inner = frugal.profile_step
 
     def alone(*args, **kwargs):
         with timeshare.measuring(then_busy=True):  # then the plan's compile and warm-up, shared
             return inner(*args, **kwargs)
 
     alone._alone = True
-    autoplan.profile_step = alone
+    frugal.profile_step = alone
 
 
 def protrain(spec, x, y):

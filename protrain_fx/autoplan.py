@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import re
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +36,6 @@ from protrain_fx import config, plan_cache, progress
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
 from protrain_fx.graph.build_plan import chunked_params, default_chunk_size
-from protrain_fx.graph.fx import copy_graph_module
-from protrain_fx.graph.shorten import shorten
 from protrain_fx.machine import allocator, measure, memory, pinned
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts
@@ -48,10 +43,11 @@ from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import Hardware
 from protrain_fx.plan.search import search
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
-from protrain_fx.profiling.profiler import expand_profile, graph_profile, profile_step
+from protrain_fx.profiling.frugal import oom_need_bytes, profile_frugal  # noqa: F401  (tests)
+from protrain_fx.profiling.profiler import graph_profile, profile_from_dict, profile_to_dict
 from protrain_fx.runtime import distributed
 from protrain_fx.runtime.chunk_store import store_of
-from protrain_fx.runtime.param_values import dissolve_store
+from protrain_fx.runtime.param_values import host_value
 
 log = logging.getLogger("protrain_fx")
 # a plan that ran out of memory (or its cache entry's record of one) makes the next search keep its
@@ -94,27 +90,6 @@ def reserve_bytes(limit: int) -> int:
     NCCL), the allocator's rounding and what the user allocates besides the model (the batch,
     metrics)."""
     return max(1 << 30, int(0.04 * limit))
-
-
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-def oom_need_bytes(e: BaseException, device: torch.device) -> int:
-    """What a step that ran out of device memory needed at least: what was allocated when it failed
-    plus the request that failed (from torch's message; what is allocated now where it says
-    nothing)."""
-    msg = str(e)
-    found = {
-        key: float(m.group(1)) * _UNITS[m.group(2)]
-        for key, pattern in (
-            ("request", r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)"),
-            ("allocated", r"([\d.]+) (B|KiB|MiB|GiB|TiB) is allocated by PyTorch"),
-        )
-        if (m := re.search(pattern, msg))
-    }
-    if "allocated" not in found:
-        found["allocated"] = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    return int(found["allocated"] + found.get("request", 0))
 
 
 def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:
@@ -252,75 +227,51 @@ def choose(
             )
             notes.append(f"budget lowered to {format_bytes(budget)}: {budget_why}")
 
-    # ---- profile under the most frugal plan, on a copy with three of the blocks when they repeat
+    # ---- profile under the most frugal plan, on a copy with three of the blocks when they repeat;
+    # or take this graph's profile from the cache (another budget or allocator cap, a re-plan)
     default_size = fixed["chunk_size"] or default_chunk_size(param_entries, structure, groups)
-    short, whole_why = (
-        (None, "PROTRAIN_PROFILE_WHOLE=1")
-        if config.settings().profile_whole
-        else (None, "compiled in regions: each distinct block once")
-        if regions is not None
-        else shorten(gm, structure)
-    )
-    profiled = short.structure if short is not None else structure
-    n_profiled = len(profiled.blocks)
-    if short is not None:
-        notes.append(
-            f"profiled a copy of the graph with {n_profiled} of its {n_blocks} blocks (the first, "
-            "a middle and the last; the others compute the same)"
+    profile_path = plan_cache.profile_path(
+        plan_cache.key(
+            gm, example_inputs, opts, hw_profile.key, None, alloc.key, regions is not None
         )
-    elif n_blocks:
-        notes.append(f"profiled the whole graph: {whole_why}")
-    frugal = dataclasses.replace(
-        opts,
-        chunk_size=default_size,
-        n_persist=0,
-        n_buffer=fixed["n_buffer"],
-        n_swap=0,
-        n_checkpoint=n_profiled,
-        dump_dir=opts.dump_dir and os.path.join(opts.dump_dir, "profiling"),
     )
-    t0 = time.perf_counter()
-    with prog.phase(
-        "profiling compile",
-        "compiling the profiling plan (every chunk offloaded, every block recomputed"
-        + (f"; {n_profiled} of {n_blocks} blocks" if short is not None else "")
-        + f"; {opts.compiler})",
-    ):
-        compiled, plan = compile_profiling(
-            short.gm if short is not None else copy_graph_module(gm), frugal, profiled
+    kept = distributed.broadcast_object(plan_cache.read_profile(profile_path))
+    if kept is not None:
+        step, static = profile_from_dict(kept)
+        transfer_elem, compile_s, graph_name = kept["transfer_elem"], 0.0, kept["graph"]
+        # the host values (host_init's) that the plan's store frees as it takes each chunk over
+        host_freed = sum(v.nbytes for v in (host_value(p) for p in live) if v is not None)
+        notes.append(f"profile from the profile cache ({profile_path}): no profiling compile")
+        prog.line(f"profile from the profile cache ({profile_path}): no profiling")
+    else:
+        step, static, compile_s, plan, host_freed = profile_frugal(
+            gm,
+            example_inputs,
+            structure,
+            opts,
+            fixed,
+            default_size,
+            compile_profiling,
+            live,
+            existing,
+            notes,
+            device,
+            regions,
+            alloc,
         )
-    compile_s = time.perf_counter() - t0
-    stores = list({id(s): s for s in (store_of(p) for p in live) if s is not None}.values())
-    try:
-        with prog.phase("profiling", "profiling one step (1 + 2 runs)"):
-            step = profile_step(compiled, list(example_inputs), stores, n_profiled, device)
-    except torch.OutOfMemoryError as e:
-        least = int(oom_need_bytes(e, device) * (allocator.fragmentation(alloc) or 1.0))
-        raise NoPlanFits(
-            "protrain could not profile this graph: even the most frugal plan (every chunk "
-            "offloaded, every block recomputed) ran out of device memory, so every plan needs more "
-            f"than {format_bytes(least)} ({str(e).splitlines()[0]}): give a budget (or a device) "
-            f"larger than {format_bytes(least)}, or a smaller batch or sequence",
-            min_device_bytes=least,
-        ) from e
-    finally:
-        del compiled
-    static = plan.static_profile
-    if short is not None:
-        step, static = expand_profile(step, static, short.expand)
-    host_freed = 0  # host bytes the plan's store frees as it takes the parameters over
-    if not existing:
-        for s in stores:
-            host_freed += sum(s.master[c].nbytes for c in s.offloaded_chunks)
-            dissolve_store(s)  # its transfer copies are freed here, its masters by the plan's store
-    del stores
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        transfer_elem = (
+            plan.param_dtype or live[0].dtype
+        ).itemsize  # what offloaded chunks travel as
+        graph_name = plan.graph_name
+        if distributed.world().rank == 0:
+            plan_cache.save_profile(
+                profile_path,
+                dict(profile_to_dict(step, static), graph=graph_name, transfer_elem=transfer_elem),
+            )
     pinned.release_cached_pinned_memory()  # so that the host memory measured below is what is free
 
     # ---- search
     master_elem = live[0].dtype.itemsize
-    transfer_elem = (plan.param_dtype or live[0].dtype).itemsize  # what offloaded chunks travel as
     cast_elem = (
         transfer_elem
         if (
@@ -442,7 +393,7 @@ def choose(
     knobs, predicted = outcome[1]
     if distributed.world().rank == 0:
         plan_cache.save_entry(
-            path, plan_cache.entry(plan.graph_name, knobs, predicted, None, failed_peaks=failed)
+            path, plan_cache.entry(graph_name, knobs, predicted, None, failed_peaks=failed)
         )
     prog.phases["search"] = predicted["search_s"]
     prog.line(

@@ -36,10 +36,12 @@ def key(
     example_inputs,
     opts: Options,
     hw_key: str,
-    budget: int,
+    budget: int | None,
     allocator_key: str,
     regions: bool = False,
 ) -> str:
+    """A plan's key; with ``budget`` None, the key of the graph's profile (:func:`profile_path`),
+    which every budget shares."""
     shapes = [
         (tuple(t.shape), str(t.dtype), tuple(t.stride()))
         if isinstance(t, torch.Tensor)
@@ -60,7 +62,7 @@ def key(
             shapes,
             given,
             hw_key,
-            budget >> 26,
+            "profile" if budget is None else budget >> 26,
             distributed.world().size,
             str(opts.param_dtype),
             autocast,
@@ -74,6 +76,25 @@ def key(
 
 def path_of(key: str) -> str:
     return os.path.join(profile.cache_root(), "plans", f"{key}.json")
+
+
+def profile_path(key: str) -> str:
+    """Where a graph's profiled step is kept (:func:`key` with no budget): a plan for another budget
+    (another cap, a re-plan after running out of memory) searches again from it without compiling
+    and running the profiling plan again."""
+    return os.path.splitext(path_of(key))[0] + ".profile"
+
+
+def read_profile(path: str) -> dict | None:
+    """A profile entry written by :func:`save_profile` (``{"version", "graph", "step", "static",
+    "transfer_elem"}``), or None (none, another cost model version, or the cache off)."""
+    return read(path)
+
+
+def save_profile(path: str, entry: dict) -> None:
+    """Keep a graph's profile (with the cache on; atomically)."""
+    if config.settings().plan_cache:
+        save_entry(path, dict(entry, version=COST_MODEL_VERSION))
 
 
 def read(path: str) -> dict | None:

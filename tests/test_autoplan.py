@@ -9,6 +9,7 @@ from models import build
 import protrain_fx
 from protrain_fx import autoplan, plan_cache
 from protrain_fx.errors import NoPlanFits
+from protrain_fx.profiling import frugal
 from protrain_fx.testing import compare_with_eager, make_adamw, random_batches, train_steps
 
 OPTS = {"compiler": "eager"}
@@ -112,7 +113,7 @@ def test_a_profiled_step_out_of_device_memory_names_a_lower_bound_and_leaves_the
     def out_of_memory(*a, **k):
         raise torch.OutOfMemoryError(message)
 
-    monkeypatch.setattr(autoplan, "profile_step", out_of_memory)
+    monkeypatch.setattr(frugal, "profile_step", out_of_memory)
     opt = make_adamw(model)
     compiled = torch.compile(
         model, backend="protrain", options=dict(OPTS, memory_budget="1GiB", optimizer=opt)
@@ -197,7 +198,7 @@ def test_plan_cache_skips_profiling(monkeypatch, tmp_path):
     def no_profiling(*a, **k):
         raise AssertionError("profiled although the plan was cached")
 
-    monkeypatch.setattr(autoplan, "profile_step", no_profiling)
+    monkeypatch.setattr(frugal, "profile_step", no_profiling)
     second = gpt()
     opt = make_adamw(second)
     compiled = torch.compile(second, backend="protrain", options=dict(options, optimizer=opt))
@@ -209,6 +210,47 @@ def test_plan_cache_skips_profiling(monkeypatch, tmp_path):
     saved = json.loads(entry.read_text())
     # plan.json: both sides
     assert saved["measured"]["iter_s"] > 0 and saved["predicted"]["iter_s"] > 0
+
+
+def test_another_budget_reuses_the_profile(monkeypatch, tmp_path):
+    """A graph's profiled step does not depend on the budget: a plan for another budget (another
+    cap, a re-plan) searches again from the kept profile, without compiling and running the
+    profiling plan again, and fits its own budget."""
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setattr(plan_cache, "path_of", lambda key: str(tmp_path / f"{key}.json"))
+    batches = random_batches(3, 2, 16, vocab=64)
+    first = gpt()
+    opt = make_adamw(first)
+    compiled = torch.compile(
+        first, backend="protrain", options=dict(OPTS, memory_budget="1GiB", optimizer=opt)
+    )
+    train_steps(first, compiled, batches, opt=opt)
+    (kept,) = tmp_path.glob("*.profile")
+    roomy = protrain_fx.get_plan(compiled)
+    torch._dynamo.reset()
+
+    def no_profiling(*a, **k):
+        raise AssertionError("profiled although the graph's profile was kept")
+
+    monkeypatch.setattr(frugal, "profile_step", no_profiling)
+    second = gpt()
+    opt2 = make_adamw(second)
+    tight = roomy.predicted["peak_bytes"] * 3 // 4
+    compiled2 = torch.compile(
+        second, backend="protrain", options=dict(OPTS, memory_budget=tight, optimizer=opt2)
+    )
+    losses = train_steps(second, compiled2, batches, opt=opt2)
+    plan = protrain_fx.get_plan(compiled2)
+    assert not plan.predicted["from_cache"]  # a new plan, searched
+    assert plan.predicted["peak_bytes"] <= tight < roomy.predicted["peak_bytes"]
+    assert plan.n_persist < roomy.n_persist
+    assert any("profile from the profile cache" in n for n in plan.notes), plan.notes
+    assert plan.predicted["profiled"] == roomy.predicted["profiled"]
+    # the same training as eager
+    ref = gpt()
+    ref_opt = make_adamw(ref)
+    ref_losses = train_steps(ref, ref, batches, opt=ref_opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
 def test_memory_plot_of_an_automatic_plan(tmp_path):

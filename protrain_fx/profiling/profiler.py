@@ -249,6 +249,28 @@ def profile_step(
     )
 
 
+def _tuples(x):
+    """Lists back to the tuples they were before JSON (block signatures compare by equality)."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def profile_to_dict(step: StepProfile, static: StaticProfile) -> dict:
+    """A profiled step and the static profile as JSON-able values (the profile cache,
+    protrain_fx/plan_cache.py)."""
+    return {"step": step.to_dict(), "static": asdict(static)}
+
+
+def profile_from_dict(d: dict) -> tuple[StepProfile, StaticProfile]:
+    """The inverse of :func:`profile_to_dict`."""
+    st = d["static"]
+    static = StaticProfile(
+        SavedBytes(**st["saved"]),
+        list(st["recomputed_share"]),
+        [_tuples(sig) for sig in st.get("signatures") or []],
+    )
+    return StepProfile(**d["step"]), static
+
+
 def expand_profile(
     step: StepProfile, static: StaticProfile, expand: list[int]
 ) -> tuple[StepProfile, StaticProfile]:

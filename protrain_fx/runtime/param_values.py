@@ -23,6 +23,11 @@ HOST_VALUES = IdentityWeakMap()
 _HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
+def host_value(p: torch.Tensor) -> torch.Tensor | None:
+    """The host tensor that holds ``p``'s value (``host_init``, a dissolved store), or None."""
+    return HOST_VALUES.get(p)
+
+
 def is_external(p: torch.Tensor) -> bool:
     store = store_of(p)
     return (store is not None and store.param_is_offloaded(p)) or p in HOST_VALUES
