@@ -16,8 +16,10 @@ Per row: the losses (against the reference: within bf16 tolerance?), predicted a
 peak (the measured one is the process's ``max_memory_reserved``, profiling included), predicted and
 measured step time (the median of the steps after the third, synchronized), time to the first step,
 and the plan. All rows share one Inductor cache directory, so a row whose graphs another row
-compiled before finds them (its ``inductor_cache`` says which); the plan cache is per row (a plan
-from another allocator setting is never reused).
+compiled before finds them (its ``inductor_cache`` says which); the protrain cache too (the hardware
+profile measured once; each row's plan its own, keyed by its budget and allocator setting; the
+profile of a graph shared by the rows of one model and shape under one allocator setting: the first
+of them profiles, ``profile_cached`` says which).
 
     python benchmarks/oom_sweep.py --out $OUT/oom_sweep --deadline 560 [--resume OLD.json]
         [--only ROW_ID,...] [--models llama3.2-1b,...]
@@ -32,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -242,6 +243,22 @@ def run_row(row: dict, steps: int) -> dict:
             file=sys.stderr,
             flush=True,
         )
+    if row.get("trace"):  # one more step under torch.profiler: where its device time went
+        import tempfile
+
+        import trace_summary
+
+        def one_step():
+            x = data[0].to(dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out["trace"] = trace_summary.trace_step(
+            one_step, os.path.join(tempfile.mkdtemp(prefix="oom_sweep_trace-"), "step")
+        )
     steady = times[3:] or times[1:]
     later = per_step[1:] or per_step
     out.update(
@@ -278,6 +295,7 @@ def run_row(row: dict, steps: int) -> dict:
             "profiled": {k: v for k, v in (pred.get("profiled") or {}).items() if k != "timeline"},
         }
         out["plan_from_cache"] = pred.get("from_cache")
+        out["profile_cached"] = any("profile from the profile cache" in n for n in plan.notes)
         out["notes"] = list(plan.notes)
         out["summary"] = plan.summary()
     return out
@@ -374,9 +392,10 @@ def child(row: dict, args, dirs: dict, timeout: float) -> dict:
         env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCS[row["alloc"]]
     env.update(row.get("env") or {})
     env["TORCHINDUCTOR_CACHE_DIR"] = dirs["inductor"]
-    # a plan cache of its own; the hardware profile measured once, copied in
-    env["PROTRAIN_CACHE_DIR"] = os.path.join(dirs["root"], row["id"].replace("/", "-"))
-    shutil.copytree(dirs["hardware"], env["PROTRAIN_CACHE_DIR"])
+    # one protrain cache for the sweep: the hardware profile measured once; each row's plan is its
+    # own (the key holds the budget and the allocator's setting), while rows of one model and shape
+    # under one allocator setting share the graph's profile (the first of them profiles)
+    env["PROTRAIN_CACHE_DIR"] = dirs["hardware"]
     result = os.path.join(dirs["root"], "row.json")
     cached = os.listdir(dirs["inductor"]) != []
     t0 = time.perf_counter()
@@ -535,6 +554,12 @@ def main() -> None:
         help="comma-separated row ids whose steps 4-6 record the allocator's history (summarized)",
     )
     ap.add_argument(
+        "--trace",
+        default="",
+        help="comma-separated row ids that trace one more step after theirs (torch.profiler, "
+        "summarized by trace_summary.py into the row: compute busy and idle, the longest gaps)",
+    )
+    ap.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -595,6 +620,8 @@ def main() -> None:
     for r in todo:
         if r["id"] in args.memory_history.split(","):
             r["memory_history"] = True
+        if r["id"] in args.trace.split(","):
+            r["trace"] = True
     t_end = time.perf_counter() + args.deadline
     root = tempfile.mkdtemp(prefix="oom_sweep-")
     dirs = {
