@@ -16,6 +16,7 @@ them).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -149,6 +150,7 @@ class ChunkAdam:
             return False
         step += 1  # torch counts the step before using it
         beta1, beta2 = g["betas"]
+        t0 = time.perf_counter()
         cpu_adam.adam_step(
             master,
             store.grad[st.chunk],
@@ -164,6 +166,8 @@ class ChunkAdam:
             decoupled=g["decoupled_weight_decay"],
             maximize=g["maximize"],
         )
+        self.timers.kernel_s += time.perf_counter() - t0
+        self.timers.kernel_params += master.numel()
         self.timers.one_pass_steps += 1
         return True
 

@@ -96,6 +96,10 @@ class Timers:
     """Host-side seconds and counts, cumulative (reset by the benchmark)."""
 
     worker_step_s: float = 0.0  # CPU steps on the worker thread
+    # inside the one-pass C kernel (GIL released; any thread): its rate is kernel_params /
+    # kernel_s, and worker_step_s less the in-backward part of it is Python around the kernel
+    kernel_s: float = 0.0
+    kernel_params: int = 0
     step_wait_s: float = 0.0  # opt.step() waiting for the worker
     deferred_step_s: float = 0.0  # CPU steps run inside opt.step()
     in_backward_steps: int = 0
