@@ -119,6 +119,8 @@ def test_oom_in_forward_replans_and_redoes_the_forward(monkeypatch, plan_cache, 
     assert len(said) == 1 and "forward" in said[0] and "redoing the forward" in said[0]
     plan = protrain_fx.get_plan(compiled)
     assert any("re-planned after running out of device memory" in n for n in plan.notes)
+    # the re-plan searched from the graph's kept profile: no second profiling compile
+    assert any("profile from the profile cache" in n for n in plan.notes), plan.notes
     assert plan.predicted["peak_bytes"] <= 0.9 * failed_peak
     # the entry now holds the new plan, and remembers the failed one's peak
     (entry,) = [json.loads(p.read_text()) for p in plan_cache.glob("*.json")]
