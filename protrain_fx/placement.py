@@ -18,10 +18,9 @@ from protrain_fx.errors import NoPlanFits
 from protrain_fx.graph.fx import saved_activation_bytes
 from protrain_fx.machine import memory
 from protrain_fx.options import Options, format_bytes
-from protrain_fx.plan.cost_model import estimate_device_bytes
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.plan import ChunkPlan, Plan
-from protrain_fx.plan.profiles import ADAM_STATES
+from protrain_fx.plan.profiles import ADAM_STATES, GRAD_BUFFERS
 from protrain_fx.runtime import distributed, hybrid_optim
 from protrain_fx.runtime.chunk_store import ChunkStore, get_store, store_of
 from protrain_fx.runtime.param_values import HOST_VALUES, hook_owners_of
@@ -46,6 +45,31 @@ def transfer_dtype(
     if options.param_dtype is not None:
         return options.param_dtype
     return autocast.get(device.type, master_dtype)
+
+
+def estimate_device_bytes(
+    chunk_bytes: list[int],
+    chunk_size: int,
+    n_persist: int,
+    n_buffer: int,
+    transfer_elem: int,
+    master_elem: int,
+    activation_bytes: int,
+    optimizer_states: int,
+) -> dict[str, int]:
+    """Device memory of a placement, by component (before the fragmentation factor)."""
+    resident = sum(chunk_bytes[:n_persist])
+    largest_offloaded = max(chunk_bytes[n_persist:], default=0) // master_elem * transfer_elem
+    return {
+        "resident_params": resident,
+        "resident_grads": resident,
+        "resident_optimizer": resident * optimizer_states,
+        "chunk_buffers": n_buffer * largest_offloaded,
+        # device gradient buffers, master dtype (a chunk larger than chunk_size needs none)
+        "grad_buffers": GRAD_BUFFERS
+        * max((b for b in chunk_bytes[n_persist:] if b <= chunk_size), default=0),
+        "activations": activation_bytes,
+    }
 
 
 def bind_chunks(
@@ -107,7 +131,7 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
         layout.n_chunks if options.n_persist is None else min(options.n_persist, layout.n_chunks)
     )
     plan.estimate = estimate_device_bytes(
-        chunk_bytes, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES
+        chunk_bytes, plan.chunk_size, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES
     )
     # the store takes the host values over (each is freed once its chunk holds it); a store that
     # fails half-built hands back what it has not placed, so the parameters keep their values

@@ -5,6 +5,7 @@ vocabulary's embedding or untied head) gets a chunk of its own, and every placem
 import pytest
 from hf_models import LossOnly, hf_llama
 
+from protrain_fx.runtime.chunk_store import store_of
 from protrain_fx.testing import compare_with_eager, random_batches
 
 VOCAB = 2048  # 2048 x 64 fp32 = 512 KiB, against 32 KiB for the blocks' largest matrix
@@ -55,3 +56,13 @@ def test_an_oversized_parameter_gets_its_own_chunk_and_trains_like_eager(tied, n
     assert len(plan.chunks) > 8
     assert plan.chunks[0].placement == ("device" if n_persist else "host")
     assert "100%" in plan.summary()  # the oversized chunk is full: its own size
+    # an offloaded oversized chunk's gradient goes to the host as it is: no device gradient buffer
+    # of its size
+    stores = {id(s): s for s in (store_of(p) for p in r.model.parameters()) if s is not None}
+    for s in stores.values():
+        as_is = [c for c in s.offloaded_chunks if s.grad_goes_as_is(c)]
+        assert s.grad_buffers is None or s.grad_buffers.numel <= s.chunk_capacity
+        assert bool(as_is) == any(s.chunk_numel(c) > s.chunk_capacity for c in s.offloaded_chunks)
+    assert any(s.grad_goes_as_is(c) for s in stores.values() for c in s.offloaded_chunks) == (
+        n_persist == 0
+    )

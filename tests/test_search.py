@@ -43,7 +43,8 @@ def profiles(draw):
         n_chunks = draw(st.integers(1, 4))
         chunks = tuple(
             ChunkProfile(
-                numel=draw(st.integers(1, chunk_size)) * MiB // 4,
+                # up to twice the chunk size: a parameter larger than it has a chunk of its own
+                numel=draw(st.integers(1, 2 * chunk_size)) * MiB // 4,
                 fwd_s=draw(st.floats(0, 5e-3)),
                 bwd_s=draw(st.floats(0, 1e-2)),
                 blocks=tuple(b for b in range(n_blocks) if b % n_chunks == c),
@@ -351,10 +352,52 @@ def test_cpu_steps_wait_for_their_gradients_like_a_pipeline(profs, n_buffer, slo
             ch = prof.chunks[c]
             up = 0 if c >= n - n_buffer else ch.numel * prof.transfer_elem
             down = ch.numel * prof.master_elem
-            comm = max(up / hw.h2d_bytes_per_s, down / hw.d2h_bytes_per_s, (up + down) / 90e9)
-            t_gpu += max(ch.bwd_s, comm)  # its backward, or its copies if longer
-            arrival = t_gpu + down / hw.d2h_bytes_per_s
+            if ch.numel * prof.master_elem > prof.chunk_size:
+                # one large parameter: its gradient goes down on the compute stream, after its
+                # backward (and its re-gather)
+                t_gpu += max(ch.bwd_s, up / hw.h2d_bytes_per_s) + down / hw.d2h_bytes_per_s
+                arrival = t_gpu
+            else:
+                comm = max(up / hw.h2d_bytes_per_s, down / hw.d2h_bytes_per_s, (up + down) / 90e9)
+                t_gpu += max(ch.bwd_s, comm)  # its backward, or its copies if longer
+                arrival = t_gpu + down / hw.d2h_bytes_per_s
             done = max(done, arrival) + ch.numel * k
         assert parts["first_grad_s"] + parts["cpu_optim_s"] == pytest.approx(done, rel=1e-9)
         offloaded = sum(ch.numel for ch in prof.chunks[n_persist:])
         assert parts["cpu_optim_s"] == pytest.approx(offloaded * k, rel=1e-9)
+
+
+def test_a_chunk_larger_than_the_chunk_size_needs_no_gradient_buffer():
+    """A large vocabulary's embedding (a chunk of its own, larger than the chunk size) sends its
+    gradient down as autograd made it, on the compute stream: offloading it adds no device
+    gradient buffers of its size (two of them before), and its copy adds to backward."""
+    from protrain_fx.plan.cost_model import LayoutCosts
+
+    cap = 64 * MiB // 4
+    chunks = (
+        ChunkProfile(numel=5 * cap, fwd_s=1e-3, bwd_s=2e-3),  # the embedding: 320 MiB
+        ChunkProfile(numel=cap, fwd_s=2e-3, bwd_s=4e-3, blocks=(0,)),
+        ChunkProfile(numel=cap, fwd_s=2e-3, bwd_s=4e-3, blocks=(0,)),
+    )
+    block = BlockProfile(fwd_s=4e-3, bwd_s=8e-3, keep_bytes=10 * MiB, input_bytes=MiB)
+    prof = GraphProfile(chunk_size=64 * MiB, chunks=chunks, blocks=(block,))
+    lc = LayoutCosts(prof, HW, 1, 0, 0)
+    # only the block's chunks offloaded: two gradient buffers of the chunk size
+    # everything offloaded: still two of the chunk size, none of the embedding's
+    assert lc.grad_numel[1] == lc.grad_numel[0] == cap
+    assert lc.buffer_numel[0] == 5 * cap  # the transfer buffer holds it (bf16: half the bytes)
+    # everything offloaded: one bf16 transfer buffer of the embedding's size, two fp32 gradient
+    # buffers of the chunk size (not of the embedding's: 2 x 320 MiB before), the activations
+    buffers = 5 * cap * 2 + 2 * cap * 4
+    assert lc.peak_bytes(0) == math.ceil((buffers + 10 * MiB) * prof.fragmentation)
+    # offloaded, its backward waits for its re-gather (up) and its gradient's copy down is serial
+    # with backward (320 MiB at 50 GB/s), where resident it was its 2 ms of compute
+    _, parts = lc.time_s(0, detail=True)
+    _, parts1 = lc.time_s(1, detail=True)
+    assert parts["bwd_s"] - parts1["bwd_s"] == pytest.approx(
+        max(2e-3, 5 * cap * 2 / HW.h2d_bytes_per_s)
+        + 5 * cap * 4 / HW.d2h_bytes_per_s
+        + 5 * cap * (4 + 2 + 4 * 2) / (HW.gpu_adam_params_per_s * 28)  # its pack and gathers
+        - 2e-3,
+        rel=1e-6,
+    )

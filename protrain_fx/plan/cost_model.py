@@ -78,6 +78,12 @@ class _ProfileArrays:
             for b in ch.blocks:
                 self.block_chunks[b] += 1
         self.fwd_res, self.fwd_off, self.comm, self.down_s = [0.0], [0.0], [], []
+        # a chunk larger than the layout's size (one parameter) sends its gradient down on the
+        # compute stream, not beside it (runtime/chunk_grads.py, grad_goes_as_is): the copy adds to
+        # backward (serial) and needs no gradient buffer; with several ranks it is packed
+        capacity = prof.chunk_size // me
+        self.as_is = [hw.world_size == 1 and ch.numel > capacity for ch in chunks]
+        self.serial = []
         # with several ranks a rank moves its shard and the collectives the rest
         shard = 1 / hw.world_size
         for c, ch in enumerate(chunks):
@@ -89,7 +95,14 @@ class _ProfileArrays:
             up = 0 if c >= n - n_buffer else ch.numel * te
             down = ch.numel * me
             # its gradient's copy to the host (and reduce-scatter): what the CPU step waits for
-            self.down_s.append(down * shard / hw.d2h_bytes_per_s + hw.collective_s(down))
+            down_s = down * shard / hw.d2h_bytes_per_s + hw.collective_s(down)
+            if self.as_is[c]:
+                self.serial.append(down_s)
+                self.down_s.append(0.0)  # in the chunk's backward already
+                self.comm.append(up / hw.h2d_bytes_per_s)
+                continue
+            self.serial.append(0.0)
+            self.down_s.append(down_s)
             self.comm.append(
                 max(
                     up * shard / hw.h2d_bytes_per_s,
@@ -103,17 +116,21 @@ class _ProfileArrays:
         for ch in chunks:
             self.numel.append(self.numel[-1] + ch.numel)
             self.resident_bytes.append(self.resident_bytes[-1] + ch.numel * me)
-        # elements of the device chunk buffers (and of the gradient buffers, host staging) when
-        # chunks c.. are offloaded: each store's buffers hold a chunk of the layout's size, or its
-        # largest offloaded chunk if that is larger, and stores of one such size share them
-        # (protrain_fx/runtime/chunk_store.py)
-        capacity = prof.chunk_size // me
-        self.buffer_numel = [0] * (n + 1)
+        # elements of the device chunk buffers (and of the host staging) when chunks c.. are
+        # offloaded: each store's buffers hold a chunk of the layout's size, or its largest
+        # offloaded chunk if that is larger, and stores of one such size share them
+        # (protrain_fx/runtime/chunk_store.py); the gradient buffers likewise for the chunks whose
+        # gradients are packed (grad_numel)
+        self.buffer_numel, self.grad_numel = [0] * (n + 1), [0] * (n + 1)
         largest_in: dict[int, int] = {}
+        packed_in: dict[int, int] = {}
         for c in range(n - 1, -1, -1):
             g = chunks[c].group
             largest_in[g] = max(largest_in.get(g, 0), chunks[c].numel)
+            if not self.as_is[c]:
+                packed_in[g] = max(packed_in.get(g, 0), chunks[c].numel)
             self.buffer_numel[c] = sum({max(capacity, v) for v in largest_in.values()})
+            self.grad_numel[c] = sum({max(capacity, v) for v in packed_in.values()})
         self.hw, self.prof = hw, prof
         # the casts' seconds per resident parameter (forward's cast to the compute dtype) and per
         # offloaded one (its gradient packed), at the device's streaming rate
@@ -229,11 +246,8 @@ class LayoutCosts:
             raise ValueError(f"n_swap + n_checkpoint = {n_swap + n_checkpoint} > {n_blocks} blocks")
         A = arrays or _ProfileArrays(prof, hw, n_buffer)
         self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
-        self.numel, self.resident_bytes, self.buffer_numel = (
-            A.numel,
-            A.resident_bytes,
-            A.buffer_numel,
-        )
+        self.numel, self.resident_bytes = A.numel, A.resident_bytes
+        self.buffer_numel, self.grad_numel = A.buffer_numel, A.grad_numel
         self.swap_window_s = A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
         # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
@@ -244,7 +258,7 @@ class LayoutCosts:
                 if first_rc <= i < end_rc:
                     b += blocks[i].recompute_cost_s / A.block_chunks[i]
             bwd_res.append(bwd_res[-1] + b)
-            bwd_off.append(bwd_off[-1] + max(b, A.comm[c]))
+            bwd_off.append(bwd_off[-1] + max(b, A.comm[c]) + A.serial[c])
         self.bwd_res, self.bwd_off = bwd_res, bwd_off
         # ---- the CPU optimizer, the second stage of a pipeline: offloaded chunk c's step starts
         # when its gradient is on the host and the step before it is done. Offloaded chunks are the
@@ -313,9 +327,9 @@ class LayoutCosts:
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)  # params, moments
         grads = self.resident_bytes[n_persist]  # with several ranks too: averaged in place
         casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
-        big = self.buffer_numel[n_persist]
-        buffers = self.n_buffer * big * prof.transfer_elem + (
-            GRAD_BUFFERS * big * prof.master_elem if big else 0
+        buffers = (
+            self.n_buffer * self.buffer_numel[n_persist] * prof.transfer_elem
+            + GRAD_BUFFERS * self.grad_numel[n_persist] * prof.master_elem
         )
         live = max(self.activation_bytes + casts + self.transient_bytes, grads + prof.tail_bytes)
         return int(math.ceil((states + buffers + live) * self.fragmentation))
@@ -417,11 +431,10 @@ class LayoutCosts:
         prof, frag = self.prof, self.fragmentation
         t_total, parts = self.time_s(n_persist, detail=True)
         states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)
-        big = self.buffer_numel[n_persist]
         static = (
             states
-            + self.n_buffer * big * prof.transfer_elem
-            + (GRAD_BUFFERS * big * prof.master_elem if big else 0)
+            + self.n_buffer * self.buffer_numel[n_persist] * prof.transfer_elem
+            + GRAD_BUFFERS * self.grad_numel[n_persist] * prof.master_elem
         )
         blocks, n = prof.blocks, len(prof.blocks)
         casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
@@ -492,26 +505,3 @@ def block_policy(index: int, n_swap: int, n_checkpoint: int) -> str:
     if index < n_swap + n_checkpoint:
         return "recompute"
     return "keep"
-
-
-def estimate_device_bytes(
-    chunk_bytes: list[int],
-    n_persist: int,
-    n_buffer: int,
-    transfer_elem: int,
-    master_elem: int,
-    activation_bytes: int,
-    optimizer_states: int,
-) -> dict[str, int]:
-    """Device memory of a placement, by component (before the fragmentation factor)."""
-    resident = sum(chunk_bytes[:n_persist])
-    largest_offloaded = max(chunk_bytes[n_persist:], default=0) // master_elem * transfer_elem
-    return {
-        "resident_params": resident,
-        "resident_grads": resident,
-        "resident_optimizer": resident * optimizer_states,
-        "chunk_buffers": n_buffer * largest_offloaded,
-        # device gradient buffers, master dtype
-        "grad_buffers": 2 * max(chunk_bytes[n_persist:], default=0),
-        "activations": activation_bytes,
-    }

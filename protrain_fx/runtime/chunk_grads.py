@@ -2,15 +2,17 @@
 
 Gradients of an offloaded chunk arrive flat through ``protrain::chunk_grad`` (:meth:`grad_ready`):
 packed into a device gradient buffer in the chunk layout and the master dtype, copied to the host on
-the copy stream (:meth:`copy_to_host`): straight into the chunk's accumulator while the chunk holds
-no gradient yet, else into a host staging buffer (:class:`GradStaging`) that the host worker adds
-(or copies, for a parameter whose ``.grad`` is None) into the accumulator. The parameters' ``.grad``
-then is the accumulator's view on the compute device (:meth:`grad_alias`), exactly as eager autograd
-would have left it; gradients that eager code put in ``.grad`` meanwhile are folded into the
-accumulator first. A callback at the end of every backward waits for the worker, so after
-``loss.backward()`` returns gradients are final, and checks that no parameter got gradients both
-from a compiled graph and from code outside it. :class:`ChunkGrads` holds these as methods of
-:class:`protrain_fx.runtime.chunk_store.ChunkStore`, which inherits it.
+the copy stream (:meth:`copy_to_host`; a chunk larger than the layout's size, one parameter, goes as
+autograd made it, copied on the compute stream: :meth:`grad_goes_as_is`): straight into the chunk's
+accumulator while the chunk holds no gradient yet, else into a host staging buffer
+(:class:`GradStaging`) that the host worker adds (or copies, for a parameter whose ``.grad`` is
+None) into the accumulator. The parameters' ``.grad`` then is the accumulator's view on the compute
+device (:meth:`grad_alias`), exactly as eager autograd would have left it; gradients that eager code
+put in ``.grad`` meanwhile are folded into the accumulator first. A callback at the end of every
+backward waits for the worker, so after ``loss.backward()`` returns gradients are final, and checks
+that no parameter got gradients both from a compiled graph and from code outside it.
+:class:`ChunkGrads` holds these as methods of :class:`protrain_fx.runtime.chunk_store.ChunkStore`,
+which inherits it.
 """
 
 from __future__ import annotations
@@ -178,6 +180,19 @@ class ChunkGrads:
         for i in self._chunk_entries[chunk]:
             self._has_grad.discard(i)
 
+    def grad_goes_as_is(self, chunk: int) -> bool:
+        """A chunk larger than the layout's chunk size holds one parameter (a large vocabulary's
+        embedding or head, protrain_fx/plan/layout.py): its gradient goes to the host as autograd
+        made it, copied on the compute stream (the kernels after it cannot reuse its memory before
+        the copy is done), instead of through a device gradient buffer of its size (two of them
+        would be twice the table on the device). With several ranks it is packed like any chunk
+        (the reduce-scatter takes the flat chunk)."""
+        return (
+            not self.world.sharded
+            and self._chunk_numel[chunk] > self.chunk_capacity
+            and len(self._chunk_entries[chunk]) == 1
+        )
+
     def grad_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
         """A backward pass produced the gradients of the chunk's parameters ``members`` (store
         entries): pack them into a device gradient buffer in the chunk layout and master dtype, copy
@@ -196,16 +211,21 @@ class ChunkGrads:
         all_entries = self._chunk_entries[chunk]
         others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)
         n = self._chunk_numel[chunk]
-        k, buf = self.grad_buffers.take()
-        buf = buf[:n]
+        as_is = self.grad_goes_as_is(chunk)
+        if as_is:  # one parameter: its gradient is the flat chunk (a copy only if it must be)
+            k, buf = None, grads[0].detach().to(self.master_dtype).contiguous().reshape(-1)
+        else:
+            k, buf = self.grad_buffers.take()
+            buf = buf[:n]
         with torch.no_grad():
-            if len(members) < len(all_entries):
+            if not as_is and len(members) < len(all_entries):
                 buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
-            views = [
-                buf[e.offset : e.offset + e.numel].view(e.shape)
-                for e in (self.entries[i] for i in members)
-            ]
-            torch._foreach_copy_(views, [g.detach() for g in grads])
+            if not as_is:
+                views = [
+                    buf[e.offset : e.offset + e.numel].view(e.shape)
+                    for e in (self.entries[i] for i in members)
+                ]
+                torch._foreach_copy_(views, [g.detach() for g in grads])
             if self.world.sharded:
                 shard = torch.empty(self.host_numel(chunk), dtype=buf.dtype, device=buf.device)
                 distributed.reduce_scatter_mean(shard, buf, self.world.size)
@@ -224,8 +244,9 @@ class ChunkGrads:
                     self.is_cuda,
                 )
             dst = self._staging.take()
-        event = self.copy_to_host(buf, dst)
-        self.grad_buffers.copied(k, event)
+        event = self.copy_to_host(buf, dst, on_compute_stream=as_is)
+        if k is not None:
+            self.grad_buffers.copied(k, event)
         if not direct:
             parts = [(self.host_slices(i), f) for i, f in zip(members, fresh)]
             WORKER.submit((self.id, chunk), self._accumulate, acc, dst, parts, event)
@@ -273,15 +294,21 @@ class ChunkGrads:
         )
         self._stats["resident_all_reduces"] += 1
 
-    def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor):
-        """Device-to-host copy of a device gradient buffer on the copy stream; returns the event
-        that marks it done (None on CPU, where the copy is synchronous)."""
+    def copy_to_host(self, flat: torch.Tensor, dst: torch.Tensor, on_compute_stream=False):
+        """Device-to-host copy of a device gradient buffer on the copy stream (or, for memory the
+        compiled code owns, on the compute stream, ordered before whatever reuses it); returns the
+        event that marks it done (None on CPU, where the copy is synchronous)."""
         n = flat.numel()
         self._stats["d2h_copies"] += 1
         self._stats["d2h_bytes"] += n * flat.element_size()
         if not self.is_cuda:
             dst[:n].copy_(flat)
             return None
+        if on_compute_stream:
+            dst[:n].copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            return done
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.streams.d2h):

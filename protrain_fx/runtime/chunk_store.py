@@ -205,7 +205,14 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         big = max((self._chunk_numel[c] for c in self.offloaded_chunks), default=0)
         big = max(big, self.chunk_capacity) if big else 0
         self.buffers = chunk_buffers(self.device, self.param_dtype, big) if big else None
-        self.grad_buffers = grad_buffers(self.device, self.master_dtype, big) if big else None
+        # gradients are packed into device buffers of that size too, except a chunk larger than
+        # the layout's size (one parameter: a large vocabulary's embedding or head), whose
+        # gradient goes to the host as it is (chunk_grads.grad_ready): no buffer of its size
+        packed = [
+            self._chunk_numel[c] for c in self.offloaded_chunks if not self.grad_goes_as_is(c)
+        ]
+        gbig = max(max(packed), self.chunk_capacity) if packed else 0
+        self.grad_buffers = grad_buffers(self.device, self.master_dtype, gbig) if gbig else None
         self.streams = streams_of(self.device)
         self._staging: GradStaging | None = None
         # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
@@ -446,5 +453,6 @@ def _forget_store(store_id: int) -> None:
     for s in list(_STORES.values()):
         if s.buffers is not None:
             live.add((s.device, s.param_dtype, s.buffers.numel))
+        if s.grad_buffers is not None:
             live.add((s.device, s.master_dtype, s.grad_buffers.numel))
     release_unused(live)
