@@ -3,6 +3,7 @@ vocabulary's embedding or untied head) gets a chunk of its own, and every placem
 (resident, offloaded) trains exactly like eager PyTorch."""
 
 import pytest
+import torch
 from hf_models import LossOnly, hf_llama
 
 from protrain_fx.runtime.chunk_store import store_of
@@ -66,3 +67,22 @@ def test_an_oversized_parameter_gets_its_own_chunk_and_trains_like_eager(tied, n
     assert any(s.grad_goes_as_is(c) for s in stores.values() for c in s.offloaded_chunks) == (
         n_persist == 0
     )
+
+
+def test_offloaded_oversized_gradients_with_accumulation_clipping_and_a_schedule():
+    """The gradients of offloaded oversized chunks (an untied model's embedding and head) go to the
+    host as autograd made them: with two micro-steps per step (the second added to the first on
+    the host), clipping (which reads every gradient before any update) and a learning-rate
+    schedule, training still equals eager's."""
+    r = compare_with_eager(
+        model(False),
+        random_batches(6, 2, 16, vocab=VOCAB),
+        {"compiler": "eager", "n_persist": 0},
+        give_optimizer=True,
+        micro_steps=2,
+        clip=0.05,
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+    )
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-5 and r.max_param_update > 1e-3
+    stores = {id(s): s for s in (store_of(p) for p in r.model.parameters()) if s is not None}
+    assert sum(s.grad_goes_as_is(c) for s in stores.values() for c in s.offloaded_chunks) == 2
