@@ -36,6 +36,7 @@ from protrain_fx.passes.chunked_loss import chunked_loss
 from protrain_fx.passes.optimizer_calls import optimizer_calls
 from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.resident_grads import resident_grads
+from protrain_fx.passes.sparse_embedding_grads import sparse_embedding_grads
 from protrain_fx.passes.swap import swap_offload, swap_reload
 from protrain_fx.passes.user_checkpoints import user_checkpoints
 from protrain_fx.plan.plan import Plan
@@ -105,6 +106,12 @@ PASSES: dict[str, PassSpec] = {
             exact_without=False,
             why="offloaded chunks' gradients would never reach their host accumulators",
         ),
+        _spec(
+            "sparse_embedding_grads",
+            sparse_embedding_grads,
+            reads={"world_size"},
+            writes={"notes"},
+        ),
         _spec("recompute", recompute, reads={"blocks"}),
         _spec("swap_offload", swap_offload, reads={"blocks", "saved_names"}, writes={"swapped"}),
         _spec(
@@ -136,7 +143,14 @@ PASSES: dict[str, PassSpec] = {
 # The passes of each stage, in the order they run; a training graph's stages run in this order too.
 STAGES: dict[str, tuple[str, ...]] = {
     "dynamo": ("chunked_loss", "block_marks"),
-    "joint": ("annotate", "user_checkpoints", "chunk_gather", "optimizer_calls", "recompute"),
+    "joint": (
+        "annotate",
+        "user_checkpoints",
+        "chunk_gather",
+        "optimizer_calls",
+        "sparse_embedding_grads",
+        "recompute",
+    ),
     "forward": ("swap_offload", "chunk_schedule"),
     "backward": ("swap_reload", "resident_grads", "chunk_schedule"),
     "inference": ("annotate", "chunk_gather", "chunk_schedule"),

@@ -193,11 +193,21 @@ class ChunkGrads:
             and len(self._chunk_entries[chunk]) == 1
         )
 
-    def grad_ready(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> None:
+    def grad_ready(
+        self,
+        chunk: int,
+        grads: list[torch.Tensor],
+        members: list[int],
+        rows: torch.Tensor | None = None,
+        indices: torch.Tensor | None = None,
+    ) -> None:
         """A backward pass produced the gradients of the chunk's parameters ``members`` (store
         entries): pack them into a device gradient buffer in the chunk layout and master dtype, copy
         it to the host and add it to (or, for parameters without a gradient yet, copy it into) the
-        accumulator on the host worker. While profiling, gradients are dropped."""
+        accumulator on the host worker. With ``rows`` the chunk's one parameter is an embedding
+        table whose gradient is ``grads`` (a dense part, or none) plus ``rows[k]`` in its row
+        ``indices[k]`` (passes/sparse_embedding_grads.py): the rows go to the host and are added
+        there (:meth:`_rows_to_host`). While profiling, gradients are dropped."""
         if self.profiling:
             return
         record = step_redo.first_time((self.id, chunk, tuple(members)))
@@ -210,8 +220,27 @@ class ChunkGrads:
         fresh = [not self.has_grad(i) for i in members]
         all_entries = self._chunk_entries[chunk]
         others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)
+        if grads:
+            self._dense_to_host(chunk, grads, members, fresh, others_absent)
+        if rows is not None:
+            self._rows_to_host(chunk, members[0], rows, indices, fresh[0] and not grads)
+        for i in members:
+            if self.aliased:
+                p = self._params[i]()
+                if p is not None:
+                    p.grad = self.grad_alias(i)
+                    _Backward.touched[(self.id, i)] = self._grad_plain[i]._version
+            else:
+                self._has_grad.add(i)
+        if self.optimizer is not None:
+            self.optimizer.after_chunk_grad(self, chunk, members)
+        step_redo.handed_over(record)
+        _queue_end_of_backward()
+
+    def _dense_to_host(self, chunk, grads, members, fresh, others_absent) -> None:
         n = self._chunk_numel[chunk]
         as_is = self.grad_goes_as_is(chunk)
+        all_entries = self._chunk_entries[chunk]
         if as_is:  # one parameter: its gradient is the flat chunk (a copy only if it must be)
             k, buf = None, grads[0].detach().to(self.master_dtype).contiguous().reshape(-1)
         else:
@@ -252,18 +281,44 @@ class ChunkGrads:
             WORKER.submit((self.id, chunk), self._accumulate, acc, dst, parts, event)
         elif event is not None:
             WORKER.submit((self.id, chunk), event.synchronize)
-        for i in members:
-            if self.aliased:
-                p = self._params[i]()
-                if p is not None:
-                    p.grad = self.grad_alias(i)
-                    _Backward.touched[(self.id, i)] = self._grad_plain[i]._version
-            else:
-                self._has_grad.add(i)
-        if self.optimizer is not None:
-            self.optimizer.after_chunk_grad(self, chunk, members)
-        step_redo.handed_over(record)
-        _queue_end_of_backward()
+
+    def _rows_to_host(self, chunk: int, entry: int, rows, indices, fresh: bool) -> None:
+        """An embedding's gradient as its lookup's rows (tokens x hidden) and token ids: copied to
+        the host (on the compute stream: the compiled graph owns them and may reuse them after
+        this call) and added there, on the host worker after whatever the chunk's gradient had,
+        into the parameter's gradient row by row (``index_add_``). The table of the vocabulary's
+        size never exists on the device."""
+        e = self.entries[entry]
+        rows = rows.detach().reshape(-1, rows.shape[-1]).to(self.master_dtype)
+        ids = indices.detach().reshape(-1)
+        self._stats["d2h_copies"] += 1
+        self._stats["d2h_bytes"] += rows.numel() * rows.element_size() + ids.numel() * 8
+        if self.is_cuda:
+            host_rows = pinned.cached_host_empty(tuple(rows.shape), rows.dtype, True)
+            host_ids = pinned.cached_host_empty(tuple(ids.shape), torch.long, True)
+            host_rows.copy_(rows, non_blocking=True)
+            host_ids.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        else:  # the graph's own memory: a copy of it, now
+            host_rows, host_ids, event = rows.clone(), ids.to(torch.long, copy=True), None
+        grad = self.ensure_grad(chunk)[e.offset : e.offset + e.numel].view(e.shape)
+        WORKER.submit((self.id, chunk), self._add_rows, grad, host_rows, host_ids, event, fresh)
+
+    @staticmethod
+    def _add_rows(grad: torch.Tensor, rows, ids, event, fresh: bool) -> None:
+        """The rows of each token summed in their order, then added to the gradient once per
+        token: eager's table (zeros, rows added in order) added to what the gradient held (the
+        tied head's part, an earlier micro-step's), the same fp32 sums."""
+        if event is not None:
+            event.synchronize()
+        with torch.no_grad():
+            tokens, which = torch.unique(ids, return_inverse=True)
+            table = torch.zeros(len(tokens), rows.shape[1], dtype=rows.dtype)
+            table.index_add_(0, which, rows)
+            if fresh:
+                grad.zero_()
+            grad.index_add_(0, tokens, table)
 
     def _accumulate(self, acc: torch.Tensor, staged: torch.Tensor, parts, event) -> None:
         if event is not None:

@@ -20,9 +20,11 @@ key does not see it).
   as a no-op.
 * ``prefetch(tokens, anchor) -> token``: start the host-to-device copy of the anchor's chunk into a
   device chunk buffer.
-* ``chunk_grad(grads, params, tokens) -> token``: the gradients of ``params`` (parameters of one
-  offloaded chunk): pack, copy to the host, accumulate, maybe step
-  (:meth:`protrain_fx.runtime.chunk_store.ChunkStore.grad_ready`).
+* ``chunk_grad(grads, params, tokens, rows=None, indices=None) -> token``: the gradients of
+  ``params`` (parameters of one offloaded chunk): pack, copy to the host, accumulate, maybe step
+  (:meth:`protrain_fx.runtime.chunk_store.ChunkStore.grad_ready`); with ``rows`` (an embedding's
+  lookup gradient, passes/sparse_embedding_grads.py), the one parameter's gradient is ``grads``
+  (its dense part, or none) plus ``rows[k]`` added to its row ``indices[k]`` on the host.
 * ``offload(x, tokens) -> host``: device-to-host copy of a swap block's saved activation into new
   (pinned) host memory, started when ``x`` exists, from a copy of ``x`` of protrain's own
   (protrain_fx/runtime/swap_pool.py); forward returns ``host`` instead of ``x``.
@@ -40,7 +42,7 @@ key does not see it).
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch.library import custom_op
@@ -89,15 +91,19 @@ def _(tokens, anchor):
 
 @custom_op("protrain::chunk_grad", mutates_args=())
 def chunk_grad(
-    grads: List[torch.Tensor], params: List[torch.Tensor], tokens: List[torch.Tensor]
+    grads: List[torch.Tensor],
+    params: List[torch.Tensor],
+    tokens: List[torch.Tensor],
+    rows: Optional[torch.Tensor] = None,
+    indices: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     store, chunk = chunk_store.bound_chunk(params[0])
-    store.grad_ready(chunk, grads, [store.entry_index(p) for p in params])
+    store.grad_ready(chunk, grads, [store.entry_index(p) for p in params], rows, indices)
     return _token(params[0].device)
 
 
 @chunk_grad.register_fake
-def _(grads, params, tokens):
+def _(grads, params, tokens, rows=None, indices=None):
     return torch.empty(0, device=params[0].device)
 
 

@@ -1,0 +1,146 @@
+"""An offloaded embedding's gradient leaves the device as its lookup's rows
+(passes/sparse_embedding_grads.py): no table of the vocabulary's size in the backward graph, the
+rows added into the table on the host, and training exactly like eager PyTorch's (tied or untied,
+eager or Inductor, with accumulation and clipping, a padding index)."""
+
+import pytest
+import torch
+from hf_models import LossOnly, hf_llama
+
+from protrain_fx import pipeline
+from protrain_fx.runtime import ops
+from protrain_fx.testing import compare_with_eager, random_batches
+
+VOCAB = 2048  # 2048 x 64 fp32 = 512 KiB: a chunk of its own, larger than the blocks'
+TABLE_OPS = ("embedding_dense_backward", "_unsafe_masked_index_put_accumulate")
+
+
+def model(tied: bool):
+    return LossOnly(
+        hf_llama(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tied,
+        )
+    )
+
+
+def joint_graphs():
+    """Record each compiled joint graph's ops after the joint passes."""
+    seen = []
+
+    def record(gm, plan):
+        seen.append(gm.graph)
+        return gm
+
+    return seen, pipeline.probe("joint", record)
+
+
+def table_ops(graph) -> list[str]:
+    return [str(n.target) for n in graph.nodes if any(t in str(n.target) for t in TABLE_OPS)]
+
+
+def rows_calls(graph) -> list:
+    return [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is ops.CHUNK_GRAD and len(n.args) == 5
+    ]
+
+
+@pytest.mark.parametrize(
+    "tied,compiler,whole",
+    [
+        (True, "eager", False),
+        (False, "eager", False),
+        (True, "eager", True),  # the tied head's gradient, the dense part, in the same graph
+        (True, "inductor", True),
+        (False, "inductor", False),
+    ],
+)
+def test_offloaded_embedding_gradient_goes_as_rows_and_trains_like_eager(
+    tied, compiler, whole, monkeypatch
+):
+    if whole:
+        monkeypatch.setenv("PROTRAIN_REGIONS", "0")
+    seen, probe = joint_graphs()
+    with probe:
+        r = compare_with_eager(
+            model(tied),
+            random_batches(3, 2, 16, vocab=VOCAB),
+            {"compiler": compiler, "n_persist": 0},
+            give_optimizer=True,
+        )
+    # Inductor's kernels are not bit-exact against eager's (1e-8 per op, grown by Adam)
+    param_tol = 1e-5 if compiler == "eager" else 1e-4
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= param_tol and r.max_param_update > 1e-3
+    # the table is built nowhere, one chunk_grad hands over rows (the embedding's; in a whole
+    # graph a tied one with the head's dense part; in regions the head's region hands that over
+    # on its own)
+    calls = [c for g in seen for c in rows_calls(g)]
+    assert len(calls) == 1 and not any(table_ops(g) for g in seen), [table_ops(g) for g in seen]
+    assert len(calls[0].args[0]) == (1 if tied and whole else 0)
+    assert any("lookup's rows" in n for n in r.plan.notes), r.plan.notes
+
+
+def test_a_resident_embedding_keeps_autograd_s_gradient():
+    seen, probe = joint_graphs()
+    with probe:
+        r = compare_with_eager(
+            model(True),
+            random_batches(2, 2, 16, vocab=VOCAB),
+            {"compiler": "eager", "n_persist": 1},
+            give_optimizer=True,
+        )
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-5
+    assert not any(rows_calls(g) for g in seen)
+
+
+def test_rows_with_accumulation_clipping_and_a_second_arrival():
+    """Two micro-steps (the second micro-step's rows added on the host to the first's gradient)
+    and clipping (every gradient read before any update): like eager."""
+    r = compare_with_eager(
+        model(True),
+        random_batches(6, 2, 16, vocab=VOCAB),
+        {"compiler": "eager", "n_persist": 0},
+        give_optimizer=True,
+        micro_steps=2,
+        clip=0.05,
+    )
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-5 and r.max_param_update > 1e-3
+
+
+class PaddedLM(torch.nn.Module):
+    """An embedding with a padding index (its row gets no gradient) before two blocks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 64, padding_idx=3)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(2))
+        self.out = torch.nn.Linear(64, 8)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return torch.nn.functional.cross_entropy(self.out(h).flatten(0, 1), y.flatten() % 8)
+
+
+def test_a_padding_index_gets_no_gradient_as_in_eager():
+    data = random_batches(3, 2, 16, vocab=VOCAB)
+    data = [(torch.where(x % 4 == 0, 3, x), y) for x, y in data]  # a quarter are padding
+    seen, probe = joint_graphs()
+    with probe:
+        r = compare_with_eager(
+            PaddedLM(), data, {"compiler": "eager", "n_persist": 0}, give_optimizer=True
+        )
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-5
+    assert [len(rows_calls(g)) for g in seen] and sum(len(rows_calls(g)) for g in seen) == 1
+    # the padding row never moved (AdamW's decay aside: weight_decay scales it, no gradient step)
+    pad_ref = r.ref.emb.weight.detach()[3]
+    pad_mine = r.model.state_dict()["emb.weight"][3]
+    assert torch.allclose(pad_mine, pad_ref, atol=1e-6)
