@@ -61,5 +61,25 @@ class LossOnly(torch.nn.Module):
         return self.lm(input_ids=x, labels=x, use_cache=False).loss
 
 
+# a vocabulary whose table (2048 x 64 fp32 = 512 KiB) is far larger than the blocks' largest matrix
+# (32 KiB): it gets a chunk of its own (issue 24.1)
+BIG_VOCAB = 2048
+
+
+def big_vocab_llama(tied: bool) -> LossOnly:
+    """A small HF Llama (width 64, GQA 4/2 heads) whose embedding (and untied head) is larger than
+    any chunk its blocks make, called as ``(x, y) -> loss``."""
+    return LossOnly(
+        hf_llama(
+            vocab_size=BIG_VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tied,
+        )
+    )
+
+
 def largest_param_bytes(model) -> int:
     return max(p.numel() * p.element_size() for p in model.parameters())

@@ -183,6 +183,15 @@ def test_on_the_cpu_a_generous_budget_keeps_every_chunk_resident():
     assert r.plan.n_persist == len(r.plan.chunks)
 
 
+def forbid_profiling(monkeypatch, why: str) -> None:
+    """From now on a profiled step fails the test."""
+
+    def no_profiling(*a, **k):
+        raise AssertionError(f"profiled although {why}")
+
+    monkeypatch.setattr(frugal, "profile_step", no_profiling)
+
+
 def test_plan_cache_skips_profiling(monkeypatch, tmp_path):
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
     monkeypatch.setattr(plan_cache, "path_of", lambda key: str(tmp_path / f"{key}.json"))
@@ -195,10 +204,7 @@ def test_plan_cache_skips_profiling(monkeypatch, tmp_path):
     (entry,) = tmp_path.glob("*.json")
     torch._dynamo.reset()
 
-    def no_profiling(*a, **k):
-        raise AssertionError("profiled although the plan was cached")
-
-    monkeypatch.setattr(frugal, "profile_step", no_profiling)
+    forbid_profiling(monkeypatch, "the plan was cached")
     second = gpt()
     opt = make_adamw(second)
     compiled = torch.compile(second, backend="protrain", options=dict(options, optimizer=opt))
@@ -229,10 +235,7 @@ def test_another_budget_reuses_the_profile(monkeypatch, tmp_path):
     roomy = protrain_fx.get_plan(compiled)
     torch._dynamo.reset()
 
-    def no_profiling(*a, **k):
-        raise AssertionError("profiled although the graph's profile was kept")
-
-    monkeypatch.setattr(frugal, "profile_step", no_profiling)
+    forbid_profiling(monkeypatch, "the graph's profile was kept")
     second = gpt()
     opt2 = make_adamw(second)
     tight = roomy.predicted["peak_bytes"] * 3 // 4

@@ -1,31 +1,19 @@
 """An offloaded embedding's gradient leaves the device as its lookup's rows
 (passes/sparse_embedding_grads.py): no table of the vocabulary's size in the backward graph, the
 rows added into the table on the host, and training exactly like eager PyTorch's (tied or untied,
-eager or Inductor, with accumulation and clipping, a padding index)."""
+eager or Inductor, a padding index; with accumulation and clipping:
+tests/test_oversized_chunks.py)."""
 
 import pytest
 import torch
-from hf_models import LossOnly, hf_llama
+from hf_models import BIG_VOCAB, big_vocab_llama
 
 from protrain_fx import pipeline
 from protrain_fx.runtime import ops
 from protrain_fx.testing import compare_with_eager, random_batches
 
-VOCAB = 2048  # 2048 x 64 fp32 = 512 KiB: a chunk of its own, larger than the blocks'
+VOCAB = BIG_VOCAB
 TABLE_OPS = ("embedding_dense_backward", "_unsafe_masked_index_put_accumulate")
-
-
-def model(tied: bool):
-    return LossOnly(
-        hf_llama(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=tied,
-        )
-    )
 
 
 def joint_graphs():
@@ -69,7 +57,7 @@ def test_offloaded_embedding_gradient_goes_as_rows_and_trains_like_eager(
     seen, probe = joint_graphs()
     with probe:
         r = compare_with_eager(
-            model(tied),
+            big_vocab_llama(tied),
             random_batches(3, 2, 16, vocab=VOCAB),
             {"compiler": compiler, "n_persist": 0},
             give_optimizer=True,
@@ -90,27 +78,13 @@ def test_a_resident_embedding_keeps_autograd_s_gradient():
     seen, probe = joint_graphs()
     with probe:
         r = compare_with_eager(
-            model(True),
+            big_vocab_llama(True),
             random_batches(2, 2, 16, vocab=VOCAB),
             {"compiler": "eager", "n_persist": 1},
             give_optimizer=True,
         )
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-5
     assert not any(rows_calls(g) for g in seen)
-
-
-def test_rows_with_accumulation_clipping_and_a_second_arrival():
-    """Two micro-steps (the second micro-step's rows added on the host to the first's gradient)
-    and clipping (every gradient read before any update): like eager."""
-    r = compare_with_eager(
-        model(True),
-        random_batches(6, 2, 16, vocab=VOCAB),
-        {"compiler": "eager", "n_persist": 0},
-        give_optimizer=True,
-        micro_steps=2,
-        clip=0.05,
-    )
-    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-5 and r.max_param_update > 1e-3
 
 
 class PaddedLM(torch.nn.Module):
