@@ -105,28 +105,14 @@ class Chunks:
         self.numel = total
 
     def step(self, threads: int | None = None) -> float:
-        from protrain_fx.machine import cpu_adam
+        from protrain_fx.machine import measure
 
         old = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
         for p, g, m, v, out in self.chunks:
-            cpu_adam.adam_step(
-                p,
-                g,
-                m,
-                v,
-                out,
-                2.0,
-                lr=1e-4,
-                beta1=0.9,
-                beta2=0.999,
-                eps=1e-8,
-                weight_decay=0.01,
-                decoupled=True,
-                maximize=False,
-            )
+            measure.one_pass_step(p, g, m, v, out, 2.0)
         dt = time.perf_counter() - t0
         torch.set_num_threads(old)
         return dt

@@ -261,6 +261,29 @@ def cpu_adam_kind() -> str:
     return "one-pass kernel + bf16 copy" if cpu_adam.available() else "torch fused + bf16 copy"
 
 
+def one_pass_step(p, g, m, v, out, step: float = 1.0) -> None:
+    """One AdamW step of the one-pass kernel (protrain_fx/machine/cpu_adam.py) with the
+    hyperparameters the hardware profile times it at (benchmarks/host_adam_probe.py times it
+    too)."""
+    from protrain_fx.machine import cpu_adam
+
+    cpu_adam.adam_step(
+        p,
+        g,
+        m,
+        v,
+        out,
+        step,
+        lr=1e-4,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.01,
+        decoupled=True,
+        maximize=False,
+    )
+
+
 def _measure_cpu_adam(numel: int) -> float:
     """The CPU step of an offloaded chunk as runtime/hybrid_optim.py runs it: AdamW over the flat
     chunk and its bf16 transfer copy (protrain_fx.machine.cpu_adam's one pass where it builds, else
@@ -273,21 +296,7 @@ def _measure_cpu_adam(numel: int) -> float:
 
         def step():
             (p,), (g,), (m,), (v,), _ = tensors
-            cpu_adam.adam_step(
-                p,
-                g,
-                m,
-                v,
-                out,
-                1.0,
-                lr=1e-4,
-                beta1=0.9,
-                beta2=0.999,
-                eps=1e-8,
-                weight_decay=0.01,
-                decoupled=True,
-                maximize=False,
-            )
+            one_pass_step(p, g, m, v, out)
     else:
 
         def step():
