@@ -385,7 +385,7 @@ def _allocating_frames(monkeypatch, extra_pass=None) -> list[str]:
     """One compile and step of an offloaded, swapped, recomputed model: every real tensor allocated
     through torch's factories or protrain's buffer and pinned-memory functions is traced to the
     frames that asked for it; returns those in a pass or the graph layer."""
-    import inspect
+    import sys
 
     from models import build
     from torch._subclasses.fake_tensor import FakeTensor
@@ -400,16 +400,21 @@ def _allocating_frames(monkeypatch, extra_pass=None) -> list[str]:
     def check(result):
         if isinstance(result, FakeTensor) or (isinstance(result, torch.Tensor) and result.is_meta):
             return  # no memory behind it
-        for frame in inspect.stack()[2:]:
+        # the callers of traced(), innermost first (what inspect.stack()[2:] lists, without reading
+        # every frame's source lines: that made each allocation cost milliseconds)
+        frame = sys._getframe(2)
+        while frame is not None:
+            filename, function = frame.f_code.co_filename, frame.f_code.co_name
             # a pass or the graph layer; or the control's stand-in pass
-            if frame.filename.startswith(watched) or frame.function == "allocating":
+            if filename.startswith(watched) or function == "allocating":
                 culprits.append(
-                    f"{frame.filename}:{frame.lineno} ({frame.function}): "
+                    f"{filename}:{frame.f_lineno} ({function}): "
                     f"{type(result).__name__}"
                     f" {getattr(result, 'shape', None)} "
                     f"{getattr(result, 'device', None)}"
                 )
                 return
+            frame = frame.f_back
 
     def wrap(owner, name):
         real = getattr(owner, name)
