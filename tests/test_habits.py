@@ -190,11 +190,15 @@ CHILD_ENV = "PROTRAIN_HABITS_CHILD"
 def isolated(test):
     """Run the test in a child pytest process: a crash of the interpreter (today: segfaults on
     offloaded shells) fails this one test instead of ending the session. The child runs the body
-    itself."""
+    itself. Under pytest-xdist (scripts/test.sh runs ``-n auto``) the worker process is already that
+    isolation: a worker that crashes fails the test it was running (xdist reports "worker crashed
+    while running" it) and is replaced, and the session goes on; so there the body runs in the
+    worker, without the child's start-up (a new interpreter importing torch, transformers and
+    protrain, and compiling from cold: 8-20 s per test)."""
 
     @functools.wraps(test)
     def run(*args, **kwargs):
-        if os.environ.get(CHILD_ENV) == "1":
+        if os.environ.get(CHILD_ENV) == "1" or os.environ.get("PYTEST_XDIST_WORKER"):
             return test(*args, **kwargs)
         nodeid = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
         proc = subprocess.run(
