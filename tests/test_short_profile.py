@@ -101,10 +101,12 @@ def _profiled(monkeypatch, whole: bool, model, batch):
 def test_the_short_profile_derives_what_the_whole_one_measures(monkeypatch):
     """Saved bytes per block under both policies, the recomputed FLOP share and the block
     signatures come from partitions of the graph: the short copy's, widened to every block, must
-    equal the whole graph's exactly (HF Llama, 8 layers, tied embeddings, GQA)."""
+    equal the whole graph's exactly (HF Llama, 5 layers, tied embeddings, GQA: the fewest that are
+    shortened, KEPT + 2; the middle kept block stands for three)."""
+    layers = KEPT + 2
     batch = torch.randint(0, 512, (2, 16))
-    whole = _profiled(monkeypatch, True, hf_llama(num_hidden_layers=8), batch)
-    short = _profiled(monkeypatch, False, hf_llama(num_hidden_layers=8), batch)
+    whole = _profiled(monkeypatch, True, hf_llama(num_hidden_layers=layers), batch)
+    short = _profiled(monkeypatch, False, hf_llama(num_hidden_layers=layers), batch)
     pw, ps = whole.predicted["profiled"], short.predicted["profiled"]
     for key in (
         "saved_keep",
@@ -114,10 +116,10 @@ def test_the_short_profile_derives_what_the_whole_one_measures(monkeypatch):
         "recomputed_share",
     ):
         assert ps[key] == pw[key], key
-    assert len(ps["block_fwd_ms"]) == 8
-    assert ps["conditions"]["profiled_blocks"] == KEPT and ps["conditions"]["blocks"] == 8
+    assert len(ps["block_fwd_ms"]) == layers
+    assert ps["conditions"]["profiled_blocks"] == KEPT and ps["conditions"]["blocks"] == layers
     assert "profiled_blocks" not in pw["conditions"]
-    assert any("3 of its 8 blocks" in n for n in short.notes)
+    assert any(f"3 of its {layers} blocks" in n for n in short.notes)
     assert any("profiled the whole graph: PROTRAIN_PROFILE_WHOLE=1" in n for n in whole.notes)
     # the same memory: the same knobs and predicted peak (times are measured, and may differ a bit)
     knobs = ("n_persist", "n_buffer", "n_swap", "n_checkpoint")
