@@ -288,7 +288,7 @@ def test_whole_and_regions_agree_on_what_the_blocks_keep(monkeypatch):
         monkeypatch.setenv("PROTRAIN_REGIONS", "1" if regions else "0")
         monkeypatch.setenv("PROTRAIN_PROFILE_WHOLE", "1")
         torch._dynamo.reset()
-        model = hf(6)
+        model = hf(4)  # blocks 1 and 2 are compared alone, 0 and 3 in the totals
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         compiled = torch.compile(
             model, backend="protrain", options={"compiler": "eager", "memory_budget": "64MiB"}
@@ -303,7 +303,7 @@ def test_whole_and_regions_agree_on_what_the_blocks_keep(monkeypatch):
     for policy in ("keep", "recompute"):
         total = sum(regions[f"saved_{policy}"]) + regions[f"saved_nonblock_{policy}"]
         assert total == sum(whole[f"saved_{policy}"]) + whole[f"saved_nonblock_{policy}"], policy
-    assert len(regions["block_fwd_ms"]) == 6 and all(t > 0 for t in regions["block_fwd_ms"])
+    assert len(regions["block_fwd_ms"]) == 4 and all(t > 0 for t in regions["block_fwd_ms"])
 
 
 def test_an_automatic_plan_in_regions_profiles_with_the_code_it_reuses(monkeypatch, caplog):
