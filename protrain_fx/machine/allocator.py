@@ -36,12 +36,16 @@ EXPANDABLE_FRAGMENTATION = 1.02
 # of 22.98 GiB at 1.02); the margin covers that and more
 SEGMENT_FRAGMENTATION = 1.25
 # ... and once the profiled step measured its own ratio (its warm-up run starts from an empty
-# cache): that ratio with a margin, between a floor and SEGMENT_FRAGMENTATION. On the H200 an HF
-# Llama-3.2-1B shape at 16 GiB profiled 1.040 and ran its plan at 1.039, where 1.25 had kept half
-# of the chunks it could hold on the host; the 3B shape profiled 1.269 and ran at 1.29
-# (benchmarks/results/oom_sweep_h200_run2.md, _run3.md)
+# cache), fixed segments are budgeted as allocated bytes times SEGMENT_BASE plus an overhead of
+# their own: the profiled step's reserved-but-unallocated bytes (its ratio with a margin, times its
+# allocated peak). What fragments is what comes and goes (chunk and gradient buffers, activations,
+# logits), not the resident states a plan allocates once: the profiled step's ratio applied to the
+# whole plan (1.269 for the 3B shape) over-predicted plans with many resident chunks by 8.5-17%
+# (H200, benchmarks/results/oom_sweep_h200_run2-5.md: the 3B shape at 24 and 40 GiB, Mistral-7B's at
+# 80 GiB, the 1B shape at 16 GiB); as bytes, the same rows come within -2.6..+1.0%, and the 3B shape
+# at 16 GiB (4.0 GiB reserved but free where the profiled step left 2.0) within +8%
 SEGMENT_MARGIN = 1.02
-SEGMENT_FLOOR = 1.05
+SEGMENT_BASE = 1.02
 ASYNC_FRAGMENTATION = 1.05  # cudaMallocAsync: the driver's pool, no fixed segments
 
 
@@ -111,37 +115,41 @@ def prepare(device: torch.device) -> AllocatorState:
     return _state
 
 
-def fragmentation(state: AllocatorState, profiled_ratio: float | None = None) -> float | None:
-    """The reserved-over-allocated factor to budget; None on the CPU (the cost model's own
-    factor). ``profiled_ratio``: what the profiled step measured (reserved over allocated peak, from
-    an empty cache), which calibrates the factor of fixed segments (see the constants)."""
+def fragmentation(
+    state: AllocatorState, profiled_ratio: float | None = None, profiled_peak: int = 0
+) -> tuple[float, int] | None:
+    """What to budget for the allocator, as ``(factor, extra_bytes)``: reserved = allocated *
+    factor + extra_bytes; None on the CPU (the cost model's own factor). ``profiled_ratio`` and
+    ``profiled_peak``: what the profiled step measured (reserved over allocated peak, from an empty
+    cache, and its allocated peak), which calibrate fixed segments (see the constants)."""
     if state.backend == "cpu":
         return None
     if state.backend != "native":
-        return ASYNC_FRAGMENTATION
+        return ASYNC_FRAGMENTATION, 0
     if state.expandable:
         # not calibrated: with expandable segments the all-offloaded, all-recomputed profiled
         # step's ratio says little of the plan's (an HF LLaMA profiled 1.10, its plan ran at 1.03)
-        return EXPANDABLE_FRAGMENTATION
-    if profiled_ratio is None:
-        return SEGMENT_FRAGMENTATION
-    return min(SEGMENT_FRAGMENTATION, max(SEGMENT_FLOOR, profiled_ratio * SEGMENT_MARGIN))
+        return EXPANDABLE_FRAGMENTATION, 0
+    if profiled_ratio is None or profiled_peak <= 0:
+        return SEGMENT_FRAGMENTATION, 0
+    extra = max(0.0, profiled_ratio * SEGMENT_MARGIN - 1.0) * profiled_peak
+    return SEGMENT_BASE, int(extra)
 
 
-def describe(state: AllocatorState, factor: float | None = None) -> str:
-    """What the plan summary says of the allocator; ``factor``: the one budgeted (default: the
-    uncalibrated one)."""
+def describe(state: AllocatorState, budgeted: tuple[float, int] | None = None) -> str:
+    """What the plan summary says of the allocator; ``budgeted``: the ``(factor, extra_bytes)``
+    budgeted (default: the uncalibrated one)."""
     if state.backend == "cpu":
         return "CPU (no caching allocator)"
-    factor = fragmentation(state) if factor is None else factor
+    factor, extra = fragmentation(state) if budgeted is None else budgeted
+    how_much = f"reserved budgeted at {factor:.2f}x allocated" + (
+        f" + {extra / 2**30:.2f} GiB (the profiled step's reserved but free bytes)" if extra else ""
+    )
     if state.backend != "native":
-        return f"{state.backend} (reserved budgeted at {factor:.2f}x allocated)"
+        return f"{state.backend} ({how_much})"
     if state.expandable:
         how = (
             "turned on by protrain" if state.set_by_protrain else "as PYTORCH_CUDA_ALLOC_CONF says"
         )
-        return f"expandable segments ({how}; reserved budgeted at {factor:.2f}x allocated)"
-    return (
-        "fixed segments (expandable_segments off as PYTORCH_CUDA_ALLOC_CONF says; reserved "
-        f"budgeted at {factor:.2f}x allocated)"
-    )
+        return f"expandable segments ({how}; {how_much})"
+    return f"fixed segments (expandable_segments off as PYTORCH_CUDA_ALLOC_CONF says; {how_much})"

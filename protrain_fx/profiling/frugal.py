@@ -107,7 +107,8 @@ def profile_frugal(
         with prog.phase("profiling", "profiling one step (1 + 2 runs)"):
             step = profile_step(compiled, list(example_inputs), stores, n_profiled, device)
     except torch.OutOfMemoryError as e:
-        least = int(oom_need_bytes(e, device) * (allocator.fragmentation(alloc) or 1.0))
+        factor, extra = allocator.fragmentation(alloc) or (1.0, 0)
+        least = int(oom_need_bytes(e, device) * factor + extra)
         raise NoPlanFits(
             "protrain could not profile this graph: even the most frugal plan (every chunk "
             "offloaded, every block recomputed) ran out of device memory, so every plan needs more "

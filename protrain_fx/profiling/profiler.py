@@ -313,16 +313,16 @@ def graph_profile(
     master_elem: int,
     transfer_elem: int,
     resident_cast_elem: int,
-    fragmentation: float | None = None,
+    fragmentation: tuple[float, int] | None = None,
     groups: list | None = None,
     reload_lead_blocks: int = 1,
 ) -> GraphProfile:
     """The cost model's profile for ``chunk_size``. ``params``: ``(fqn, bytes, block index or
     None)`` in first-use order (how the chunks are packed; ``groups``: as ``pack``'s, when the
-    graph is compiled in regions). ``fragmentation``: the allocator's
-    reserved over allocated factor to budget (protrain_fx/machine/allocator.py; None: the cost
-    model's default; protrain_fx/machine/allocator.py calibrates fixed segments' with the profiled
-    step's own ratio). ``reload_lead_blocks``: the profile's field (compiled in regions: 0)."""
+    graph is compiled in regions). ``fragmentation``: what to budget for the allocator,
+    ``(factor, extra_bytes)`` (protrain_fx/machine/allocator.py, which calibrates fixed segments'
+    with the profiled step's own; None: the cost model's default factor). ``reload_lead_blocks``:
+    the profile's field (compiled in regions: 0)."""
     saved = static.saved
     n_blocks = len(step.block_fwd_s)
     block_fwd, block_bwd = identical_block_times(step, static)
@@ -384,6 +384,7 @@ def graph_profile(
         master_elem=master_elem,
         transfer_elem=transfer_elem,
         resident_cast_elem=resident_cast_elem,
-        fragmentation=FRAGMENTATION if fragmentation is None else fragmentation,
+        fragmentation=FRAGMENTATION if fragmentation is None else fragmentation[0],
+        fragmentation_bytes=0 if fragmentation is None else fragmentation[1],
         reload_lead_blocks=reload_lead_blocks,
     )
