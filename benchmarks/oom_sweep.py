@@ -227,6 +227,8 @@ def run_row(row: dict, steps: int) -> dict:
                 "cpu_kernel_gparams_s": round(
                     (timers1[3] - timers0[3]) / max(timers1[2] - timers0[2], 1e-9) / 1e9, 3
                 ),
+                # offloaded parameters stepped on the device (runtime/device_steps.py)
+                "device_step_params": timers1[4] - timers0[4],
                 "peak_alloc_gib": round(
                     stats["allocated_bytes.all.peak"] / 2**30, 3
                 ),  # since step 0
@@ -286,7 +288,15 @@ def run_row(row: dict, steps: int) -> dict:
         d = plan.to_dict()
         pred = plan.predicted or {}
         out["plan"] = {
-            k: d[k] for k in ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint")
+            k: d.get(k, 0)
+            for k in (
+                "chunk_size",
+                "n_persist",
+                "n_buffer",
+                "n_swap",
+                "n_checkpoint",
+                "device_steps",
+            )
         }
         out["plan"]["chunks"] = len(d["chunks"])
         out["predicted_peak_reserved_gib"] = pred.get("peak_bytes", 0) / 2**30 or None
@@ -306,13 +316,14 @@ def run_row(row: dict, steps: int) -> dict:
     return out
 
 
-def _timers(hybrid) -> tuple[float, float, float, int]:
+def _timers(hybrid) -> tuple[float, float, float, int, int]:
     """(CPU Adam seconds inside backward, seconds opt.step() waited for the host worker, seconds
-    inside the one-pass C kernel, parameters it stepped) so far."""
+    inside the one-pass C kernel, parameters it stepped, parameters stepped on the device) so
+    far."""
     if hybrid is None:
-        return (0.0, 0.0, 0.0, 0)
+        return (0.0, 0.0, 0.0, 0, 0)
     t = hybrid.timers
-    return (t.worker_step_s, t.step_wait_s, t.kernel_s, t.kernel_params)
+    return (t.worker_step_s, t.step_wait_s, t.kernel_s, t.kernel_params, t.device_step_params)
 
 
 def summarize_snapshot(snap: dict, top: int = 25) -> dict:
@@ -507,6 +518,7 @@ def table(out: dict) -> str:
             f"{plan['chunks']} x {plan['chunk_size'] / 2**20:.0f} MiB, "
             f"persist {plan['n_persist']}, buffer {plan['n_buffer']}, "
             f"swap {plan['n_swap']}, ckpt {plan['n_checkpoint']}"
+            + (f", device steps {plan['device_steps']:.2f}" if plan.get("device_steps") else "")
             if plan
             else ("gradient checkpointing" if r.get("gradient_checkpointing") else "")
         )

@@ -290,7 +290,7 @@ def choose(
         if fixed["chunk_size"]
         else [default_size, default_size * 3 // 2, default_size * 2]
     )
-    frag = allocator.fragmentation(alloc, step.reserved_ratio)
+    frag = allocator.fragmentation(alloc, step.reserved_ratio, step.peak_bytes)
     profiles = [
         graph_profile(
             step,
@@ -316,6 +316,15 @@ def choose(
     if device.type == "cpu":  # the CPU optimizer would run on the cores that compute
         hw = dataclasses.replace(hw, shared_compute=True)
     w = distributed.world()
+    # offloaded chunks may step on the device, streamed (runtime/device_steps.py): one rank, a
+    # device that is not the host, the share not given, not turned off (PROTRAIN_DEVICE_STEPS=0)
+    hw = dataclasses.replace(
+        hw,
+        device_steps=device.type == "cuda"
+        and w.size == 1
+        and fixed["device_steps"] is None
+        and config.settings().device_steps,
+    )
     if w.sharded:  # the collectives' rate, measured now by every rank together
         hw = dataclasses.replace(
             hw, world_size=w.size, collective_bytes_per_s=distributed.collective_bytes_per_s(device)
@@ -391,6 +400,8 @@ def choose(
     if outcome[0] == "failed":
         raise NoPlanFits(*outcome[1]) from None
     knobs, predicted = outcome[1]
+    if fixed["device_steps"] is not None:
+        knobs["device_steps"] = fixed["device_steps"]
     if distributed.world().rank == 0:
         plan_cache.save_entry(
             path, plan_cache.entry(graph_name, knobs, predicted, None, failed_peaks=failed)
@@ -429,8 +440,8 @@ def _prediction(
     predicted = {
         "iter_s": best.time_s,
         "peak_bytes": best.peak_bytes,  # reserved: what the cap bounds
-        "peak_allocated_bytes": int(best.peak_bytes / lc.fragmentation),
-        "allocator": allocator.describe(alloc, prof.fragmentation),
+        "peak_allocated_bytes": int((best.peak_bytes - lc.fragmentation_bytes) / lc.fragmentation),
+        "allocator": allocator.describe(alloc, (prof.fragmentation, prof.fragmentation_bytes)),
         "host_bytes": best.host_bytes,
         "budget_bytes": budget,
         "budget": budget_why,
@@ -454,6 +465,7 @@ def _prediction(
             "tail_bytes": prof.tail_bytes,
             "reserved_ratio": step.reserved_ratio,
             "fragmentation": prof.fragmentation,
+            "fragmentation_bytes": prof.fragmentation_bytes,
             "saved_keep": static.saved.keep,
             "saved_recompute": static.saved.recompute,
             "saved_nonblock_keep": static.saved.nonblock_keep,

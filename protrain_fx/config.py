@@ -36,6 +36,8 @@ VARIABLES = {
     "PROTRAIN_DUMP_DIR": "default dump_dir: graph dumps per stage and the plan",
     "PROTRAIN_CPU_ADAM": "torch: the CPU optimizer step uses torch's AdamW instead of protrain's "
     "one-pass kernel",
+    "PROTRAIN_DEVICE_STEPS": "0: the automatic plan steps every offloaded chunk on the CPU (none "
+    "on the device, streamed: protrain_fx/runtime/device_steps.py)",
     "PROTRAIN_PROFILE_BLOCKS": "1: time every block in the chosen plan's steps too (block marks in "
     "the graph)",
     "PROTRAIN_PROFILE_WHOLE": "1: profile the whole graph, not a copy of it with three of its "
@@ -126,6 +128,7 @@ class Settings:
     host_memory: str | None
     dump_dir: str | None
     cpu_adam: str  # "" or "torch"
+    device_steps: bool
     profile_blocks: bool
     profile_whole: bool
     regions: bool
@@ -164,6 +167,7 @@ def settings() -> Settings:
         host_memory=_text("PROTRAIN_HOST_MEMORY"),
         dump_dir=_text("PROTRAIN_DUMP_DIR"),
         cpu_adam=cpu_adam_choice(),
+        device_steps=_flag("PROTRAIN_DEVICE_STEPS", True),
         profile_blocks=_flag("PROTRAIN_PROFILE_BLOCKS", False),
         profile_whole=_flag("PROTRAIN_PROFILE_WHOLE", False),
         regions=_flag("PROTRAIN_REGIONS", True),

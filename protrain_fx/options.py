@@ -132,6 +132,9 @@ class Options:
     n_buffer: int | None = None
     n_swap: int | None = None
     n_checkpoint: int | None = None
+    # the share of offloaded chunks whose Adam step runs on the compute device, streamed
+    # (protrain_fx/runtime/device_steps.py); None: as the automatic plan chooses (0 without one)
+    device_steps: float | None = None
     param_dtype: torch.dtype | None = None
     dump_dir: str | None = None
     compiler: str = "inductor"
@@ -169,6 +172,14 @@ class Options:
                         f"{key}: expected an int >= 0 (or None for automatic), got {v!r}"
                     )
                 kw[key] = v
+        v = raw.get("device_steps")
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise OptionsError(
+                    f"device_steps: expected a share between 0 and 1 (or None for automatic), got "
+                    f"{v!r}"
+                )
+            kw["device_steps"] = float(v)
         if raw.get("optimizer") is not None:
             opt = raw["optimizer"]
             if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):

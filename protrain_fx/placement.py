@@ -104,6 +104,9 @@ def _bind(plan, options, params, root, graph, training, autocast) -> None:
         if options.optimizer is not None:
             for s in offloaded:
                 hybrid_optim.attach(options.optimizer, s)
+                # some offloaded chunks step on the compute device (runtime/device_steps.py)
+                s.set_device_steps(options.device_steps or 0.0)
+            plan.device_steps = options.device_steps or 0.0
         elif not any(s.optimizer is not None for s in offloaded):
             plan.notes.append(
                 "offloaded chunks are stepped by your optimizer through device views of host "

@@ -50,9 +50,12 @@ from __future__ import annotations
 
 import math
 
+from protrain_fx.plan.device_step_cost import device_step_link_s, device_step_split
 from protrain_fx.plan.profiles import (
     ADAM_BYTES_PER_PARAM,
     ADAM_STATES,
+    DEVICE_STEP_SLOT_BYTES,
+    DEVICE_STEP_SLOTS,
     GRAD_BUFFERS,
     STAGING,
     SWAP_FRAGMENTATION,
@@ -62,6 +65,7 @@ from protrain_fx.plan.profiles import (
     Prediction,
 )
 from protrain_fx.plan.swap_cost import swap_stall_s
+from protrain_fx.plan.timeline import memory_timeline
 
 
 class _ProfileArrays:
@@ -174,7 +178,10 @@ class _ProfileArrays:
         policies keep plus backward's transient, times the profile's allocator factor (every
         n_persist adds to it)."""
         act = self.activation_bytes(n_swap, n_checkpoint)
-        return int((act + self.prof.transient_bytes) * self.prof.fragmentation)
+        return int(
+            (act + self.prof.transient_bytes) * self.prof.fragmentation
+            + self.prof.fragmentation_bytes
+        )
 
     def lower_bound_s(
         self, n_swap: int, n_checkpoint: int, device_budget: int | None = None
@@ -208,13 +215,15 @@ class _ProfileArrays:
         ckpt = n_checkpoint / n_blocks if n_blocks else 0.0
         # per offloaded parameter
         cpu = hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s
+        if hw.device_steps:  # the CPU and the link together, each at its best
+            cpu = 1 / (1 / cpu + 1 / device_step_link_s(hw))
         # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side
         a0, a1 = fwd + bwd + total * pack, cast * (2 + ckpt) - pack + 1 / hw.gpu_adam_params_per_s
         b0, b1 = fwd + total * cpu, cast - cpu + 1 / hw.gpu_adam_params_per_s
         top = float(total)
         if device_budget is not None:
             room = (
-                device_budget / prof.fragmentation
+                (device_budget - prof.fragmentation_bytes) / prof.fragmentation
                 - self.activation_bytes(n_swap, n_checkpoint)
                 - prof.transient_bytes
             )
@@ -280,6 +289,16 @@ class LayoutCosts:
             arrival = prof.head_bwd_s + (bwd_off[n] - bwd_off[c]) + A.down_s[c]
             latest = max(latest, arrival + k * numel[c + 1])
             self.cpu_done[c] = latest - k * numel[c]
+        # ---- steps on the device (protrain_fx/runtime/device_steps.py): offloaded chunks of the
+        # layout's size from chunk c on, their parameters and count; the scratch slots
+        self.packed_numel, self.packed_count = [0] * (n + 1), [0] * (n + 1)
+        for c in range(n - 1, -1, -1):
+            packed = not A.as_is[c]
+            self.packed_numel[c] = self.packed_numel[c + 1] + (chunks[c].numel if packed else 0)
+            self.packed_count[c] = self.packed_count[c + 1] + packed
+        self.device_step_scratch = (
+            DEVICE_STEP_SLOTS * DEVICE_STEP_SLOT_BYTES * (prof.chunk_size // prof.master_elem)
+        )
         # ---- data parallel: resident chunks' all-reduces, one per chunk as soon as its backward is
         # done, back to back on the link while backward goes on with the chunks before it. With
         # resident chunks
@@ -312,6 +331,7 @@ class LayoutCosts:
         self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window)
         self.cast_per_param, self.pack_per_param = A.cast_per_param, A.pack_per_param
         self.fragmentation = prof.fragmentation * (SWAP_FRAGMENTATION if n_swap else 1.0)
+        self.fragmentation_bytes = prof.fragmentation_bytes
         self.swap_stall_s = swap_stall_s(prof, hw, n_swap, n_checkpoint) if n_swap else 0.0
 
     # ------------------------------------------------------------------------------ per n_persist
@@ -332,7 +352,11 @@ class LayoutCosts:
             + GRAD_BUFFERS * self.grad_numel[n_persist] * prof.master_elem
         )
         live = max(self.activation_bytes + casts + self.transient_bytes, grads + prof.tail_bytes)
-        return int(math.ceil((states + buffers + live) * self.fragmentation))
+        if self.device_steps(n_persist)[0]:
+            buffers += self.device_step_scratch
+        return int(
+            math.ceil((states + buffers + live) * self.fragmentation + self.fragmentation_bytes)
+        )
 
     def host_bytes(self, n_persist: int) -> int:
         """Pinned host bytes of one rank (its shards)."""
@@ -365,6 +389,19 @@ class LayoutCosts:
         copy = nbytes / self.hw.d2h_bytes_per_s + nbytes / self.hw.h2d_bytes_per_s
         return max(self.swap_stall_s, copy - self.swap_window_s, 0.0)
 
+    def device_steps(self, n_persist: int) -> tuple[float, int, float]:
+        """``(share, parameters, seconds)`` of the offloaded chunks stepped on the compute device
+        (protrain_fx/plan/device_step_cost.py) when chunks from ``n_persist`` on are offloaded."""
+        n = len(self.prof.chunks)
+        return device_step_split(
+            self.prof,
+            self.hw,
+            self.numel[n] - self.numel[n_persist],
+            self.packed_numel[n_persist],
+            self.packed_count[n_persist],
+            self.cpu_per_param,
+        )
+
     def time_s(self, n_persist: int, detail: bool = False):
         n = len(self.prof.chunks)
         prof, hw = self.prof, self.hw
@@ -395,6 +432,8 @@ class LayoutCosts:
         # the CPU steps end at cpu_done (they wait for the gradients: before the first arrives and
         # wherever backward is slower than the CPU): first_grad_s is that wait
         t_first = max(0.0, self.cpu_done[n_persist] - t_cpu) if offloaded else 0.0
+        # some of them may run on the device, streamed, beside the CPU's (device_steps)
+        device_share, device_params, t_cpu = self.device_steps(n_persist)
         # the device optimizer runs at opt.step(), after backward() returned, which waits for the
         # host worker's CPU steps: it follows both (H200: a 3B plan's step measured within 1.4% of
         # forward + max(backward, first gradient + CPU optimizer) + device optimizer)
@@ -407,6 +446,8 @@ class LayoutCosts:
             "gpu_optim_s": t_gpu,
             "cpu_optim_s": t_cpu,
             "first_grad_s": t_first,
+            "device_step_share": device_share,
+            "device_step_params": device_params,
             "swap_exposed_s": swap_exposed,
             "cast_s": cast_fwd + cast_bwd,
             "allreduce_exposed_s": exposed,
@@ -423,52 +464,8 @@ class LayoutCosts:
         ) * self.pack_per_param
 
     def timeline(self, n_persist: int) -> list[list]:
-        """Predicted device memory over one step, ``[t_s, bytes, label]`` at every block boundary:
-        model states and buffers throughout; forward adds what each block keeps under its policy,
-        backward gives it back block by block while resident gradients appear; times are the blocks'
-        compute scaled to the predicted forward and backward. Points are allocator-factor scaled
-        like :meth:`peak_bytes`."""
-        prof, frag = self.prof, self.fragmentation
-        t_total, parts = self.time_s(n_persist, detail=True)
-        states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)
-        static = (
-            states
-            + self.n_buffer * self.buffer_numel[n_persist] * prof.transfer_elem
-            + GRAD_BUFFERS * self.grad_numel[n_persist] * prof.master_elem
-        )
-        blocks, n = prof.blocks, len(prof.blocks)
-        casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
-        kept = []
-        for i, b in enumerate(blocks):
-            policy = block_policy(i, self.n_swap, self.n_checkpoint)
-            kept.append(
-                b.swap_resident_bytes
-                if policy == "swap"
-                else b.input_bytes
-                if policy == "recompute"
-                else b.keep_bytes + (casts // max(1, n - self.n_swap - self.n_checkpoint))
-            )
-        fwd_total = sum(b.fwd_s for b in blocks) + prof.nonblock_fwd_s or 1.0
-        bwd_total = sum(b.bwd_s for b in blocks) + prof.nonblock_bwd_s or 1.0
-        f_scale, b_scale = parts["fwd_s"] / fwd_total, (t_total - parts["fwd_s"]) / bwd_total
-        grads_total = self.resident_bytes[n_persist]
-        t, act = prof.nonblock_fwd_s * f_scale / 2, 0
-        points = [[0.0, static * frag, "step start"]]
-        for i, b in enumerate(blocks):
-            t += b.fwd_s * f_scale
-            act += kept[i]
-            points.append([t, (static + act) * frag, f"fwd block {i}"])
-        act += prof.nonblock_saved_bytes
-        t += prof.nonblock_fwd_s * f_scale / 2
-        points.append([t, (static + act + self.transient_bytes) * frag, "head"])
-        t += prof.nonblock_bwd_s * b_scale / 2
-        for i in range(n - 1, -1, -1):
-            t += blocks[i].bwd_s * b_scale
-            act -= kept[i]
-            grads = grads_total * (n - i) // max(1, n)
-            points.append([t, (static + max(act, 0) + grads) * frag, f"bwd block {i}"])
-        points.append([t_total, (static + grads_total + prof.tail_bytes) * frag, "step end"])
-        return [[p[0], int(p[1]), p[2]] for p in points]
+        """Predicted device memory over one step (protrain_fx/plan/timeline.py)."""
+        return memory_timeline(self, n_persist)
 
     def predict(self, n_persist: int) -> Prediction:
         t, parts = self.time_s(n_persist, detail=True)
@@ -479,7 +476,12 @@ class LayoutCosts:
             swapped_bytes=self.swapped_total(n_persist),
         )
         knobs = Knobs(
-            self.prof.chunk_size, n_persist, self.n_buffer, self.n_swap, self.n_checkpoint
+            self.prof.chunk_size,
+            n_persist,
+            self.n_buffer,
+            self.n_swap,
+            self.n_checkpoint,
+            self.device_steps(n_persist)[0],
         )
         return Prediction(knobs, t, self.peak_bytes(n_persist), self.host_bytes(n_persist), parts)
 

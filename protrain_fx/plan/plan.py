@@ -55,6 +55,8 @@ class Plan:
     n_buffer: int
     n_swap: int
     n_checkpoint: int
+    # the share of offloaded chunks stepped on the compute device (runtime/device_steps.py)
+    device_steps: float = 0.0
     chunks: list[ChunkPlan] = field(default_factory=list)
     blocks: list[BlockPlan] = field(default_factory=list)
     predicted: dict[str, float] | None = None
@@ -115,6 +117,7 @@ class Plan:
             "n_buffer": self.n_buffer,
             "n_swap": self.n_swap,
             "n_checkpoint": self.n_checkpoint,
+            "device_steps": self.device_steps,
             "chunks": [c.to_dict() for c in self.chunks],
             "blocks": [b.to_dict() for b in self.blocks],
             "predicted": None if self.predicted is None else dict(self.predicted),
@@ -130,7 +133,8 @@ class Plan:
             f"protrain plan for graph {self.graph_name or '?'}: {n_params} parameters "
             f"({format_bytes(total)}) in {len(self.chunks)} chunks, {len(self.blocks)} blocks",
             f"  knobs: chunk_size={format_bytes(self.chunk_size)}  n_persist={self.n_persist}  "
-            f"n_buffer={self.n_buffer}  n_swap={self.n_swap}  n_checkpoint={self.n_checkpoint}",
+            f"n_buffer={self.n_buffer}  n_swap={self.n_swap}  n_checkpoint={self.n_checkpoint}"
+            + (f"  device_steps={self.device_steps:.2f}" if self.device_steps else ""),
             f"  chunks: {sum(c.placement == 'device' for c in self.chunks)} resident on the device "
             f"({format_bytes(resident)}), {sum(c.placement == 'host' for c in self.chunks)} "
             "offloaded to the host "

@@ -33,6 +33,12 @@ ADAM_BYTES_PER_PARAM = 28
 ADAM_STATES = 2
 GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (runtime/chunk_buffers.py)
 STAGING = 4  # pinned staging buffers of the CPU optimizer (runtime/chunk_grads.py)
+# offloaded chunks stepped on the compute device (runtime/device_steps.py): slots of one chunk each
+# (master, gradient, two moments in fp32 and the bf16 copy), and the bytes each parameter moves
+DEVICE_STEP_SLOTS = 2
+DEVICE_STEP_SLOT_BYTES = 4 * 4 + 2
+DEVICE_STEP_UP_BYTES = 16  # master, gradient, moments
+DEVICE_STEP_DOWN_BYTES = 14  # master, moments, bf16 transfer copy
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,10 @@ class GraphProfile:
     # chunks arrive in that dtype and are re-gathered in backward instead): bytes per resident
     # parameter element
     resident_cast_elem: int = 0
-    # reserved / allocated; calibrate from measurements where known
+    # the allocator: reserved = allocated * fragmentation + fragmentation_bytes (calibrated from
+    # the profiled step where known: protrain_fx/machine/allocator.py)
     fragmentation: float = FRAGMENTATION
+    fragmentation_bytes: int = 0
     # how many blocks ahead of its own backward a swap block's reload starts: one in a whole graph
     # (passes/swap.py), none in a graph compiled in regions (the block's own code starts it)
     reload_lead_blocks: int = 1
@@ -113,6 +121,9 @@ class Hardware:
     # that compute, so it adds to the step instead of running beside backward (offloading then only
     # pays under a budget)
     shared_compute: bool = False
+    # offloaded chunks may be stepped on the compute device, streamed over the link, beside the CPU
+    # steps (protrain_fx/runtime/device_steps.py; one rank, a compute device that is not the host)
+    device_steps: bool = False
 
     def collective_s(self, nbytes: float, passes: int = 1) -> float:
         """Seconds of ``passes`` all-gathers / reduce-scatters of ``nbytes`` (0 with one rank)."""
@@ -138,6 +149,9 @@ class Knobs:
     n_buffer: int
     n_swap: int
     n_checkpoint: int
+    # the share of the offloaded chunks (of the layout's size) whose Adam step runs on the compute
+    # device (protrain_fx/runtime/device_steps.py)
+    device_steps: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protrain_fx.machine import cpu_adam
+from protrain_fx.runtime import device_steps
 from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.runtime.worker import WORKER
 
@@ -89,7 +90,8 @@ class ChunkAdam:
             ((gi, idxs),) = by_group.items()
             step = torch.tensor(step_counts.pop(), dtype=torch.float32)
             g = groups[gi]
-            if not self._one_pass_step(st, step, g):  # it writes the transfer copy itself
+            # both write the transfer copy themselves
+            if not (self._device_step(st, step, g) or self._one_pass_step(st, step, g)):
                 vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
                 _adam(
                     g,
@@ -130,6 +132,49 @@ class ChunkAdam:
                 _adam(groups[gi], params, grads, m, v, vmax, steps, impl=_impl(store, groups[gi]))
         store.refresh_transfer(st.chunk)
         return False
+
+    def _device_step(self, st: ChunkOptState, step: torch.Tensor, g: dict) -> bool:
+        """The whole-chunk step on the compute device (protrain_fx/runtime/device_steps.py) for a
+        chunk the plan chose: queued, not waited for (the worker's waits cover it); it advances
+        ``step``. False where it does not apply."""
+        store = st.store
+        master, transfer = store.master[st.chunk], store.transfer[st.chunk]
+        if (
+            st.chunk not in store.device_step_chunks
+            or st.max_exp_avg_sq is not None
+            or g["amsgrad"]
+            or master.dtype != torch.float32
+            or store.world.sharded
+        ):
+            return False
+        impl = "fused" if store.is_cuda else _impl(store, g)
+        before = float(step)
+        step += 1
+
+        def adam(p, gr, m, v):
+            steps = [torch.full((), before, dtype=torch.float32, device=p.device)]
+            _adam(g, [p], [gr], [m], [v], [], steps, impl=impl)
+
+        scratch = device_steps.scratch(
+            store.device, store.chunk_capacity, None if transfer is master else transfer.dtype
+        )
+        t0 = time.perf_counter()
+        k = scratch.take()
+        event = scratch.step(
+            k,
+            master,
+            store.grad[st.chunk],
+            st.exp_avg,
+            st.exp_avg_sq,
+            None if transfer is master else transfer,
+            adam,
+        )
+        if event is not None:
+            WORKER.pending((store.id, st.chunk), event)
+        self.timers.device_step_queue_s += time.perf_counter() - t0
+        self.timers.device_steps += 1
+        self.timers.device_step_params += master.numel()
+        return True
 
     def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict) -> bool:
         """The whole-chunk step with protrain_fx/machine/cpu_adam.py's kernel, which also writes the

@@ -215,6 +215,8 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         self.grad_buffers = grad_buffers(self.device, self.master_dtype, gbig) if gbig else None
         self.streams = streams_of(self.device)
         self._staging: GradStaging | None = None
+        # offloaded chunks whose Adam step runs on the compute device (set_device_steps)
+        self.device_step_chunks: set[int] = set()
         # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
         self.optimizer = None
         # set while the profiler runs a step (protrain_fx/profiling/profiler.py): chunk copies go on
@@ -416,6 +418,24 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
                 _PARAM_STORE.pop(p, None)
         _forget_store(self.id)
 
+    def set_device_steps(self, fraction: float) -> None:
+        """Step ``fraction`` of the offloaded chunks on the compute device, evenly spread
+        (protrain_fx/runtime/device_steps.py): chunks of the layout's size only (an oversized one,
+        a large vocabulary's embedding, would need a scratch of its size), one rank only. Their
+        device scratch is allocated now."""
+        from protrain_fx.runtime import device_steps
+
+        packed = [c for c in self.offloaded_chunks if not self.grad_goes_as_is(c)]
+        ok = fraction > 0 and not self.world.sharded and self.master_dtype == torch.float32
+        self.device_step_chunks = device_steps.pick(packed, fraction) if ok else set()
+        if self.device_step_chunks:
+            transfer = self.transfer[next(iter(self.device_step_chunks))]
+            device_steps.scratch(
+                self.device,
+                self.chunk_capacity,
+                None if transfer.dtype == self.master_dtype else transfer.dtype,
+            )
+
     # ------------------------------------------------------------------------------ report
     @property
     def host_bytes(self) -> int:
@@ -432,11 +452,13 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
     def describe(self) -> str:
         off = self.offloaded_chunks
         host = sum(self.host_numel(c) for c in off)
+        dev = len(self.device_step_chunks)
         return (
             f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident, {len(off)} "
             "offloaded "
             f"({format_bytes(host * self.master_dtype.itemsize)} of "
-            f"{str(self.master_dtype).replace('torch.', '')} master on the host)"
+            f"{str(self.master_dtype).replace('torch.', '')} master on the host"
+            + (f"; {dev} of them stepped on the device, streamed)" if dev else ")")
         )
 
 

@@ -107,6 +107,11 @@ class Timers:
     undone_steps: int = 0  # provisional steps taken back
     whole_chunk_steps: int = 0  # chunk steps done as one call over the flat chunk
     one_pass_steps: int = 0  # of which with protrain_fx/machine/cpu_adam.py
+    # of which on the compute device (protrain_fx/runtime/device_steps.py): their count, parameters
+    # and the host seconds spent queueing them (waiting for a free slot included)
+    device_steps: int = 0
+    device_step_params: int = 0
+    device_step_queue_s: float = 0.0
 
 
 class HybridOptimizer(ChunkAdam, TorchStateView):

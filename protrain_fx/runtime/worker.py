@@ -3,7 +3,10 @@ chunk's gradient copy into its host gradient, the CPU optimizer step of that chu
 device never waits for them.
 
 Tasks are tagged with the chunk they touch; :meth:`Worker.wait_chunk` waits for one chunk's tasks
-(before its host values are read), :meth:`Worker.wait` for all. The thread exists while some chunk
+(before its host values are read), :meth:`Worker.wait` for all. A task may leave work of the chunk
+queued on the compute device (an Adam step run there, runtime/device_steps.py): it registers the
+event that ends it (:meth:`Worker.pending`), and both waits synchronize with it too, so the worker
+goes on to the next chunk while the device and the copies work. The thread exists while some chunk
 store uses it and stops when the last one is gone, so a deleted model leaves no thread behind.
 """
 
@@ -22,6 +25,7 @@ class Worker:
         self._last: dict[tuple, Future] = {}  # chunk key -> its newest task
         self._users: "weakref.WeakSet" = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._events: dict[tuple, list] = {}  # chunk key -> device events its values wait for
 
     def attach(self, user) -> None:
         self._users.add(user)
@@ -42,6 +46,11 @@ class Worker:
             self._last[key] = fut
         return fut
 
+    def pending(self, key: tuple, event) -> None:
+        """The chunk's host values are final only once ``event`` (a CUDA event) has completed."""
+        with self._lock:
+            self._events.setdefault(key, []).append(event)
+
     def wait_chunk(self, key: tuple) -> None:
         fut = self._last.get(key)
         if fut is not None:
@@ -49,6 +58,11 @@ class Worker:
             with self._lock:
                 if self._last.get(key) is fut:
                     del self._last[key]
+        if self._events:
+            with self._lock:
+                events = self._events.pop(key, ())
+            for ev in events:
+                ev.synchronize()
 
     def wait(self) -> None:
         """Block until every task handed over so far is done; the first task's exception is
@@ -65,6 +79,10 @@ class Worker:
                 error = error or e
         with self._lock:
             self._last = {k: f for k, f in self._last.items() if not f.done()}
+            events, self._events = self._events, {}
+        for evs in events.values():
+            for ev in evs:
+                ev.synchronize()
         if error is not None:
             raise error
 
@@ -77,6 +95,7 @@ class Worker:
             ex.shutdown(wait=not threading.current_thread().name.startswith("protrain-host"))
         self._futures.clear()
         self._last.clear()
+        self._events.clear()
 
 
 WORKER = Worker()

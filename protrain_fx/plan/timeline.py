@@ -1,0 +1,61 @@
+"""The predicted device memory of a plan over one step, for the plan's memory timeline plot
+(protrain_fx/report/memory_plot.py) and its JSON.
+
+Model states and buffers throughout; forward adds what each block keeps under its policy, backward
+gives it back block by block while resident gradients appear; times are the blocks' compute scaled
+to the predicted forward and backward. Points are scaled for the allocator like
+``LayoutCosts.peak_bytes``.
+"""
+
+from __future__ import annotations
+
+from protrain_fx.plan.profiles import ADAM_STATES, GRAD_BUFFERS
+
+
+def memory_timeline(lc, n_persist: int) -> list[list]:
+    """``[t_s, bytes, label]`` at every block boundary of the plan ``lc``
+    (a :class:`~protrain_fx.plan.cost_model.LayoutCosts`) with ``n_persist`` resident chunks."""
+    from protrain_fx.plan.cost_model import block_policy
+
+    prof, frag, extra = lc.prof, lc.fragmentation, lc.fragmentation_bytes
+    t_total, parts = lc.time_s(n_persist, detail=True)
+    states = lc.resident_bytes[n_persist] * (1 + ADAM_STATES)
+    static = (
+        states
+        + lc.n_buffer * lc.buffer_numel[n_persist] * prof.transfer_elem
+        + GRAD_BUFFERS * lc.grad_numel[n_persist] * prof.master_elem
+        + (lc.device_step_scratch if lc.device_steps(n_persist)[0] else 0)
+    )
+    blocks, n = prof.blocks, len(prof.blocks)
+    casts = int(lc.numel[n_persist] * prof.resident_cast_elem * lc.keep_fraction)
+    kept = []
+    for i, b in enumerate(blocks):
+        policy = block_policy(i, lc.n_swap, lc.n_checkpoint)
+        kept.append(
+            b.swap_resident_bytes
+            if policy == "swap"
+            else b.input_bytes
+            if policy == "recompute"
+            else b.keep_bytes + (casts // max(1, n - lc.n_swap - lc.n_checkpoint))
+        )
+    fwd_total = sum(b.fwd_s for b in blocks) + prof.nonblock_fwd_s or 1.0
+    bwd_total = sum(b.bwd_s for b in blocks) + prof.nonblock_bwd_s or 1.0
+    f_scale, b_scale = parts["fwd_s"] / fwd_total, (t_total - parts["fwd_s"]) / bwd_total
+    grads_total = lc.resident_bytes[n_persist]
+    t, act = prof.nonblock_fwd_s * f_scale / 2, 0
+    points = [[0.0, static * frag + extra, "step start"]]
+    for i, b in enumerate(blocks):
+        t += b.fwd_s * f_scale
+        act += kept[i]
+        points.append([t, (static + act) * frag + extra, f"fwd block {i}"])
+    act += prof.nonblock_saved_bytes
+    t += prof.nonblock_fwd_s * f_scale / 2
+    points.append([t, (static + act + lc.transient_bytes) * frag + extra, "head"])
+    t += prof.nonblock_bwd_s * b_scale / 2
+    for i in range(n - 1, -1, -1):
+        t += blocks[i].bwd_s * b_scale
+        act -= kept[i]
+        grads = grads_total * (n - i) // max(1, n)
+        points.append([t, (static + max(act, 0) + grads) * frag + extra, f"bwd block {i}"])
+    points.append([t_total, (static + grads_total + prof.tail_bytes) * frag + extra, "step end"])
+    return [[p[0], int(p[1]), p[2]] for p in points]

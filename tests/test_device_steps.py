@@ -1,0 +1,120 @@
+"""Offloaded chunks stepped on the compute device, streamed up and back
+(protrain_fx/runtime/device_steps.py): training exactly like eager PyTorch's whatever share of the
+chunks steps there, with accumulation, clipping and two param groups; the cost model chooses the
+share only where the CPU bounds the step and the link has room, and budgets the scratch."""
+
+import dataclasses
+
+import pytest
+import torch
+from hf_models import LossOnly, hf_llama
+
+from protrain_fx.options import Options, OptionsError
+from protrain_fx.plan.cost_model import LayoutCosts
+from protrain_fx.plan.profiles import (
+    DEVICE_STEP_SLOT_BYTES,
+    DEVICE_STEP_SLOTS,
+    BlockProfile,
+    ChunkProfile,
+    GraphProfile,
+    Hardware,
+)
+from protrain_fx.runtime import device_steps
+from protrain_fx.testing import compare_with_eager, random_batches
+
+VOCAB = 512
+
+
+def model():
+    return LossOnly(hf_llama(hidden_size=64, intermediate_size=128, num_hidden_layers=3))
+
+
+def timers(r):
+    from protrain_fx.runtime.hybrid_optim import handle_of
+
+    return handle_of(r.opt).timers
+
+
+@pytest.mark.parametrize(
+    "share,train_kw",
+    [
+        (1.0, {}),
+        (0.5, {}),
+        (0.5, {"micro_steps": 2, "clip": 0.05, "groups": "decay_split"}),
+        (1.0, {"clip": 0.05, "autocast_dtype": torch.bfloat16}),
+    ],
+)
+def test_device_steps_train_like_eager(share, train_kw):
+    n = 6 if train_kw.get("micro_steps") else 4
+    r = compare_with_eager(
+        model(),
+        random_batches(n, 2, 16, vocab=VOCAB),
+        {"compiler": "eager", "n_persist": 0, "chunk_size": "48KiB", "device_steps": share},
+        give_optimizer=True,
+        **train_kw,
+    )
+    tol = 2e-2 if "autocast_dtype" in train_kw else 1e-5  # bf16: eager's own rounding differs
+    assert r.max_loss_rel <= tol and r.max_param_update > 1e-3
+    if "autocast_dtype" not in train_kw:
+        assert r.max_param_abs <= 1e-5, r.max_param_abs
+    t = timers(r)
+    assert t.device_steps > 0, t
+    if share < 1.0:  # the others stepped on the CPU
+        assert 0 < t.device_steps < t.whole_chunk_steps, (t.device_steps, t.whole_chunk_steps)
+    assert r.plan.device_steps == share
+
+
+def test_pick_spreads_the_chunks_evenly():
+    assert device_steps.pick([3, 4, 5, 6, 7, 8], 0.5) == {3, 5, 7} or device_steps.pick(
+        [3, 4, 5, 6, 7, 8], 0.5
+    ) == {4, 6, 8}
+    assert device_steps.pick([1, 2, 3], 0.0) == set()
+    assert device_steps.pick([1, 2, 3], 1.0) == {1, 2, 3}
+    assert len(device_steps.pick(list(range(10)), 0.3)) == 3
+
+
+def test_option_is_a_share():
+    assert Options.from_dict({"device_steps": 0.25}).device_steps == 0.25
+    for bad in (1.5, -0.1, True, "half"):
+        with pytest.raises(OptionsError):
+            Options.from_dict({"device_steps": bad})
+
+
+def cpu_bound_profile(n_chunks=8, numel=25_000_000):
+    """A profile whose offloaded chunks' CPU steps outlast backward (the 3B shape at 24 GiB)."""
+    chunks = tuple(ChunkProfile(numel, 2e-3, 2e-3, blocks=(i,)) for i in range(n_chunks))
+    blocks = tuple(
+        BlockProfile(fwd_s=2e-3, bwd_s=2e-3, keep_bytes=1 << 28, input_bytes=1 << 24)
+        for _ in range(n_chunks)
+    )
+    return GraphProfile(chunk_size=numel * 4, chunks=chunks, blocks=blocks)
+
+
+HW = Hardware(55e9, 55e9, 100e9, 4.5e9, 120e9)
+
+
+def test_cost_model_steps_some_chunks_on_the_device_when_the_cpu_bounds_the_step():
+    prof = cpu_bound_profile()
+    off = LayoutCosts(prof, HW, 1, 0, 0)
+    on = LayoutCosts(prof, dataclasses.replace(HW, device_steps=True), 1, 0, 0)
+    share, params, work = on.device_steps(0)
+    assert 0 < share < 1 and params > 0 and work < 0.7 * off.device_steps(0)[2]
+    assert on.time_s(0) < 0.8 * off.time_s(0)  # CPU and link share the optimizer's work
+    scratch = DEVICE_STEP_SLOTS * DEVICE_STEP_SLOT_BYTES * 25_000_000
+    assert on.peak_bytes(0) - off.peak_bytes(0) == pytest.approx(
+        scratch * prof.fragmentation, rel=1e-6
+    )
+    assert on.predict(0).knobs.device_steps == share
+    # every chunk resident: nothing to step on the host, no scratch
+    n = len(prof.chunks)
+    assert on.device_steps(n)[0] == 0 and on.peak_bytes(n) == off.peak_bytes(n)
+    # a slow link: the CPU alone is faster
+    slow = LayoutCosts(
+        prof, dataclasses.replace(HW, device_steps=True, h2d_bytes_per_s=1e9), 1, 0, 0
+    )
+    assert slow.device_steps(0)[0] == 0
+    # the search's lower bound stays a lower bound
+    from protrain_fx.plan.cost_model import _ProfileArrays
+
+    arrays = _ProfileArrays(prof, dataclasses.replace(HW, device_steps=True), 1)
+    assert arrays.lower_bound_s(0, 0) <= min(on.time_s(p) for p in range(n + 1)) + 1e-9
