@@ -22,6 +22,7 @@ SCHEMA = {
     "n_buffer",
     "n_swap",
     "n_checkpoint",
+    "device_steps",
     "chunks",
     "blocks",
     "predicted",
