@@ -27,7 +27,7 @@ from protrain_fx.runtime import distributed
 log = logging.getLogger("protrain_fx")
 
 # bump when the profile or the cost model changes meaning: old cache entries miss
-COST_MODEL_VERSION = 18
+COST_MODEL_VERSION = 19
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "device_steps")
 
 
@@ -68,6 +68,9 @@ def key(
             autocast,
             opts.optimizer is not None,
             regions,  # compiled in regions: chunks never span two (another layout)
+            # PROTRAIN_DEVICE_STEPS=0 rules out plans that step chunks on the device (a plan made
+            # with them was served to a run that had turned them off: H200, oom_sweep run 6)
+            budget is None or config.settings().device_steps,
         ],
         default=str,
     )

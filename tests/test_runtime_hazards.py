@@ -11,6 +11,7 @@
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -238,3 +239,29 @@ def test_regional_inductor_with_the_worker_ahead(monkeypatch):
     base = th.gpt(n_layer=2)
     pair = th.parity(base, th.offload(base, compiler="inductor"), compile_fn=th.regional("blocks"))
     pair.check()
+
+
+def test_a_model_whose_optimizer_is_gone_does_not_break_another_model_s_backward():
+    """Every live store hears of every backward; one whose optimizer the user dropped (its model
+    still alive, or waiting for the garbage collector) stays quiet instead of raising from inside
+    another model's backward."""
+    from hf_models import LossOnly, hf_llama
+
+    from protrain_fx.testing import make_adamw, train_steps
+
+    def offloaded(seed):
+        model = LossOnly(hf_llama(seed=seed, hidden_size=64, intermediate_size=128))
+        opt = make_adamw(model)
+        compiled = torch.compile(
+            model, backend="protrain", options={"optimizer": opt, "n_persist": 0}
+        )
+        return model, opt, compiled
+
+    data = random_batches(2, 2, 16, vocab=512)
+    first, first_opt, first_compiled = offloaded(0)
+    train_steps(first, first_compiled, data, opt=first_opt)
+    del first_opt  # the model stays; its store's optimizer is gone (once collected)
+    __import__("gc").collect()
+    second, second_opt, second_compiled = offloaded(1)
+    losses = train_steps(second, second_compiled, data, opt=second_opt)
+    assert all(math.isfinite(x) for x in losses)

@@ -6,8 +6,18 @@ master, moments and the bf16 transfer copy come back (14 bytes). The link also c
 own traffic meanwhile (every offloaded chunk's re-gather up and gradient down). The optimizer's
 work is over when both the CPU's share and the link's are done, so the split that ends them
 together is best; it is rounded to whole chunks (of the layout's size: an oversized chunk, a large
-vocabulary's table, always steps on the CPU) and kept only where it saves more than 3% of the CPU's
+vocabulary's table, always steps on the CPU) and kept only where it saves more than 5% of the CPU's
 time alone. One rank only.
+
+Both ways touch the host's memory as much: the CPU kernel reads and writes 30 bytes per parameter,
+the copies of a device step 30 too, and backward's own copies go through it as well. So the work
+is never shorter than all of those bytes at the host's memory bandwidth, taken as what the CPU
+kernel reaches alone (the hardware profile's rate times its 30 bytes): device steps only pay where
+the CPU steps inside a training step run below that (the cores shared with the threads that
+launch the device's work: ``Hardware.cpu_contention``), not where memory bounds them. On the H200
+host the kernel ran inside steps at about the triad's bandwidth (3.1-4.0 G parameters/s,
+benchmarks/results/oom_sweep_h200_run4-6.md): there this model gives them 4% at most, under the
+threshold.
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ from protrain_fx.plan.profiles import (
     Hardware,
 )
 
-MIN_SAVING = 0.03  # below this share of the CPU's time, every chunk steps on the CPU
+MIN_SAVING = 0.05  # below this share of the CPU's time, every chunk steps on the CPU
+HOST_BYTES_PER_PARAM = 30  # host memory one parameter's step touches, on the CPU or copied
 
 
 def device_step_link_s(hw: Hardware) -> float:
@@ -50,9 +61,16 @@ def device_step_split(
     down = DEVICE_STEP_DOWN_BYTES / hw.d2h_bytes_per_s
     per_chunk = packed / count
 
+    # every step's bytes and backward's copies through the host's memory, at the kernel's rate alone
+    memory = (
+        offloaded * HOST_BYTES_PER_PARAM + offloaded * (prof.transfer_elem + prof.master_elem)
+    ) / (hw.cpu_adam_params_per_s * HOST_BYTES_PER_PARAM)
+
     def work(k: int) -> float:
         x = k * per_chunk
-        return max((offloaded - x) * a, up_base + x * up, down_base + x * down) if k else alone
+        return (
+            max((offloaded - x) * a, up_base + x * up, down_base + x * down, memory) if k else alone
+        )
 
     x = min((alone - up_base) / (a + up), (alone - down_base) / (a + down))
     k = max(0, min(count, int(x // per_chunk)))

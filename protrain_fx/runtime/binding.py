@@ -164,6 +164,7 @@ class GraphBinding:
         opt = self._optimizer() if self._optimizer is not None else None
         if store.offloaded_chunks and opt is not None:
             hybrid_optim.attach(opt, store)
+            store.set_device_steps(template.device_step_share)
         root = self._root() if self._root is not None else None
         if store.offloaded_chunks and not store.aliased and root is not None:
             from protrain_fx.runtime.param_values import hook_owners_of

@@ -217,6 +217,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         self._staging: GradStaging | None = None
         # offloaded chunks whose Adam step runs on the compute device (set_device_steps)
         self.device_step_chunks: set[int] = set()
+        self.device_step_share = 0.0
         # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
         self.optimizer = None
         # set while the profiler runs a step (protrain_fx/profiling/profiler.py): chunk copies go on
@@ -427,6 +428,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
 
         packed = [c for c in self.offloaded_chunks if not self.grad_goes_as_is(c)]
         ok = fraction > 0 and not self.world.sharded and self.master_dtype == torch.float32
+        self.device_step_share = fraction if ok else 0.0
         self.device_step_chunks = device_steps.pick(packed, fraction) if ok else set()
         if self.device_step_chunks:
             transfer = self.transfer[next(iter(self.device_step_chunks))]

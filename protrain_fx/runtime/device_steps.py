@@ -27,14 +27,24 @@ import torch
 # slot holds and moves are the cost model's DEVICE_STEP_* (protrain_fx/plan/profiles.py)
 from protrain_fx.plan.profiles import DEVICE_STEP_SLOTS as SLOTS
 
+_ORDINAL = [0]  # offloaded chunks handed to pick() so far, over every store
 
-def pick(offloaded: list[int], fraction: float) -> set[int]:
-    """``round(fraction * len(offloaded))`` of the chunks ``offloaded``, evenly spread."""
-    n = round(max(0.0, min(1.0, fraction)) * len(offloaded))
-    if n <= 0:
-        return set()
-    step = len(offloaded) / n
-    return {offloaded[min(len(offloaded) - 1, int(i * step + step / 2))] for i in range(n)}
+
+def pick(offloaded: list[int], fraction: float, start: int | None = None) -> set[int]:
+    """The chunks of ``offloaded`` to step on the device: ``fraction`` of them, evenly spread, as
+    the positions ``start, start + 1, ...`` of one sequence over every store (by default, where the
+    last call left off): a model compiled in regions has a store of a few chunks per block, and
+    rounding each store's share on its own would step 2 of 4 chunks in every store for a share of
+    0.41. Over consecutive calls, the chunks picked are ``floor(fraction * positions)``."""
+    f = max(0.0, min(1.0, fraction))
+    if start is None:
+        start, _ORDINAL[0] = _ORDINAL[0], _ORDINAL[0] + len(offloaded)
+    eps = 1e-9  # a share k / n times n is k, not k - 1 ulp
+    return {
+        c
+        for i, c in enumerate(offloaded)
+        if int((start + i + 1) * f + eps) > int((start + i) * f + eps)
+    }
 
 
 class Scratch:

@@ -277,7 +277,11 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
     def backward_ended(self) -> None:
         """A backward pass is over (chunk_grads' end-of-backward callback): the first one a chunk's
         gradients came in tells how many arrive per backward, which with declared micro-steps
-        (:func:`set_grad_accumulation`) gives the arrivals per step."""
+        (:func:`set_grad_accumulation`) gives the arrivals per step. Nothing for a store whose
+        optimizer is gone (the user dropped it, or it awaits collection with its model): every
+        store's handle is told of every backward."""
+        if self._opt._ref() is None:
+            return
         micro = getattr(self.opt, "_protrain_micro_steps", None)
         for st in self.states.values():
             if st.in_backward and st.per_backward is None:
