@@ -216,8 +216,9 @@ class ChunkAdam:
         self.timers.one_pass_steps += 1
         return True
 
-    def _undo(self, st: ChunkOptState) -> None:
-        """Take back the chunk's provisional step: Adam inverted (see the module docstring)."""
+    def _undo(self, st: ChunkOptState, bookkeeping: bool = True) -> None:
+        """Take back the chunk's provisional step: Adam inverted (see the module docstring).
+        ``bookkeeping``: also put the step counts back (not once the optimizer is gone)."""
         WORKER.wait_chunk((st.store.id, st.chunk))
         rec, st.provisional = st.provisional, None
         store = st.store
@@ -238,7 +239,7 @@ class ChunkAdam:
             for a in range(lo, hi, _UNDO_PIECE):
                 b = min(hi, a + _UNDO_PIECE)
                 _adam_inverse(g, t, master[a:b], grad[a:b], st.exp_avg[a:b], st.exp_avg_sq[a:b])
-        for i in rec.entries:
+        for i in rec.entries if bookkeeping else ():
             before = rec.steps_before[i]
             if before == 0:
                 self._clear_step(st, i)

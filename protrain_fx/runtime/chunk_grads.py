@@ -83,7 +83,8 @@ def _end_of_backward() -> None:
     _Backward.queued = False
     touched, _Backward.touched = _Backward.touched, {}
     WORKER.wait()
-    for opt in {id(s.optimizer): s.optimizer for s in list(_STORES.values())}.values():
+    stores = list(_STORES.values())
+    for opt in {id(h): h for h in (s.live_optimizer() for s in stores)}.values():
         if opt is not None:
             opt.backward_ended()
     for (store_id, i), version in touched.items():
@@ -213,7 +214,7 @@ class ChunkGrads:
         record = step_redo.first_time((self.id, chunk, tuple(members)))
         if record is None:  # a redone backward: handed over before it ran out
             return
-        if self.optimizer is not None:
+        if self.live_optimizer() is not None:
             # takes back a step of this chunk not yet committed
             self.optimizer.before_chunk_grad(self, chunk)
         self.fold_foreign_grads(chunk)

@@ -419,6 +419,15 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
                 _PARAM_STORE.pop(p, None)
         _forget_store(self.id)
 
+    def live_optimizer(self):
+        """The HybridOptimizer stepping the offloaded chunks, or None; one whose optimizer the
+        user dropped (collected) lets the store go first (``HybridOptimizer.orphan``)."""
+        h = self.optimizer
+        if h is not None and h._opt._ref() is None:
+            h.orphan(self)
+            h = None
+        return h
+
     def set_device_steps(self, fraction: float) -> None:
         """Step ``fraction`` of the offloaded chunks on the compute device, evenly spread
         (protrain_fx/runtime/device_steps.py): chunks of the layout's size only (an oversized one,

@@ -73,7 +73,7 @@ class ChunkTransfers:
     def _ready_for_copy(self, chunk: int) -> None:
         WORKER.wait_chunk((self.id, chunk))  # a CPU step of the chunk may still be running
         # a graph reads the chunk before opt.step(): a provisional step goes
-        if self.optimizer is not None:
+        if self.live_optimizer() is not None:
             self.optimizer.before_chunk_read(self, chunk)
         self.sync_writes(chunk)
 

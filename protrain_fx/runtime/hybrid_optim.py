@@ -196,6 +196,19 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         if store.world.sharded:
             clip.install()  # sharded gradients are not in param.grad: clipping must find them
 
+    def orphan(self, store: ChunkStore) -> None:
+        """The optimizer was collected while ``store``'s model lives on (the user dropped it, maybe
+        for a new one): a step of its chunks taken inside a backward that no ``opt.step()``
+        committed is taken back (eager never took it), and the store forgets this handle; its
+        offloaded parameters then keep plain gradients that any optimizer steps through their
+        views (:meth:`ChunkStore.live_optimizer`)."""
+        WORKER.wait()
+        for c in store.offloaded_chunks:
+            st = self.states.get((store.id, c))
+            if st is not None and st.provisional is not None:
+                self._undo(st, bookkeeping=False)
+        self.remove_store(store)
+
     def remove_store(self, store: ChunkStore) -> None:
         """Forget a store (a failed compile gave its parameters back)."""
         for c in store.offloaded_chunks:
