@@ -175,7 +175,11 @@ def run_row(row: dict, steps: int) -> dict:
         if "protrain" not in torch._dynamo.list_backends(exclude_tags=()):
             torch._dynamo.register_backend(protrain_fx.backend.protrain_backend, name="protrain")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        compiled = torch.compile(model, backend="protrain", options={"optimizer": opt})
+        # SWEEP_OPTIONS (JSON, from a --variant): more protrain options, e.g. a forced
+        # device_steps share for an A/B against the automatic plan
+        extra = json.loads(os.environ.get("SWEEP_OPTIONS") or "{}")
+        out["options"] = extra
+        compiled = torch.compile(model, backend="protrain", options={"optimizer": opt, **extra})
     else:
         n = sum(p.numel() for p in build_meta(spec, row["seq"]).parameters())
         # fp32 weights, gradients and two moments: 16 B a parameter, plus activations
