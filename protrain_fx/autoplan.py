@@ -324,6 +324,8 @@ def choose(
         and w.size == 1
         and fixed["device_steps"] is None
         and config.settings().device_steps,
+        # a share the user fixed is priced as given (one rank, a device that is not the host)
+        device_step_share=fixed["device_steps"] if device.type == "cuda" and w.size == 1 else None,
     )
     if w.sharded:  # the collectives' rate, measured now by every rank together
         hw = dataclasses.replace(

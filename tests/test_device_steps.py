@@ -11,6 +11,7 @@ from hf_models import LossOnly, hf_llama
 
 from protrain_fx.options import Options, OptionsError
 from protrain_fx.plan.cost_model import LayoutCosts
+from protrain_fx.plan.device_step_cost import MIN_SAVING
 from protrain_fx.plan.profiles import (
     DEVICE_STEP_SLOT_BYTES,
     DEVICE_STEP_SLOTS,
@@ -150,3 +151,24 @@ def test_turning_device_steps_off_changes_the_plan_cache_key(monkeypatch):
     monkeypatch.setenv("PROTRAIN_DEVICE_STEPS", "0")
     plan_off, profile_off = keys()
     assert plan_off != plan_on and profile_off == profile_on
+
+
+def test_a_share_the_user_fixed_is_priced_as_given():
+    """``options={"device_steps": 0.4}`` on a host whose memory bounds the CPU steps (where the
+    automatic plan steps none on the device): the prediction is that share's, the chunks the runtime
+    picks (floor of 0.4 x the offloaded chunks), the scratch slots counted, and no faster than the
+    host's memory allows (H200 run 7: 14% slower than the CPU alone, measured)."""
+    prof = cpu_bound_profile()
+    auto = LayoutCosts(prof, dataclasses.replace(HW, device_steps=True), 1, 0, 0)
+    forced = LayoutCosts(prof, dataclasses.replace(HW, device_step_share=0.4), 1, 0, 0)
+    count = forced.packed_count[0]
+    share, params, work = forced.device_steps(0)
+    assert share == int(0.4 * count) / count and params > 0
+    assert forced.predict(0).knobs.device_steps == share
+    assert forced.peak_bytes(0) > auto.peak_bytes(0)  # the scratch slots
+    assert work >= auto.device_steps(0)[2] * (1 - MIN_SAVING)  # memory-bound: no real saving
+    from protrain_fx.plan.cost_model import _ProfileArrays
+
+    arrays = _ProfileArrays(prof, dataclasses.replace(HW, device_step_share=0.4), 1)
+    n = len(prof.chunks)
+    assert arrays.lower_bound_s(0, 0) <= min(forced.time_s(p) for p in range(n + 1)) + 1e-9

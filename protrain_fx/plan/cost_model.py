@@ -215,7 +215,7 @@ class _ProfileArrays:
         ckpt = n_checkpoint / n_blocks if n_blocks else 0.0
         # per offloaded parameter
         cpu = hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s
-        if hw.device_steps:  # the CPU and the link together, each at its best
+        if hw.device_steps or hw.device_step_share:  # the CPU and the link, each at its best
             cpu = 1 / (1 / cpu + 1 / device_step_link_s(hw))
         # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side
         a0, a1 = fwd + bwd + total * pack, cast * (2 + ckpt) - pack + 1 / hw.gpu_adam_params_per_s

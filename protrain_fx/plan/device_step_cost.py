@@ -53,7 +53,8 @@ def device_step_split(
     ``packed`` are in those chunks, at ``cpu_per_param`` CPU seconds each."""
     a = cpu_per_param
     alone = offloaded * a
-    if not hw.device_steps or hw.world_size != 1 or not count or not a:
+    forced = hw.device_step_share
+    if (not hw.device_steps and not forced) or hw.world_size != 1 or not count or not a:
         return 0.0, 0, alone
     up_base = offloaded * prof.transfer_elem / hw.h2d_bytes_per_s
     down_base = offloaded * prof.master_elem / hw.d2h_bytes_per_s
@@ -72,6 +73,9 @@ def device_step_split(
             max((offloaded - x) * a, up_base + x * up, down_base + x * down, memory) if k else alone
         )
 
+    if forced:  # the user's share, as the runtime picks it (floor: device_steps.pick)
+        k = min(count, int(forced * count + 1e-9))
+        return (k / count, int(k * per_chunk), work(k)) if k else (0.0, 0, alone)
     x = min((alone - up_base) / (a + up), (alone - down_base) / (a + down))
     k = max(0, min(count, int(x // per_chunk)))
     k = min((k, min(count, k + 1)), key=work)

@@ -124,6 +124,8 @@ class Hardware:
     # offloaded chunks may be stepped on the compute device, streamed over the link, beside the CPU
     # steps (protrain_fx/runtime/device_steps.py; one rank, a compute device that is not the host)
     device_steps: bool = False
+    # the share the user fixed (Options.device_steps), priced as given; None: chosen as above
+    device_step_share: float | None = None
 
     def collective_s(self, nbytes: float, passes: int = 1) -> float:
         """Seconds of ``passes`` all-gathers / reduce-scatters of ``nbytes`` (0 with one rank)."""

@@ -160,15 +160,19 @@ def _search(
             if best_key is None or key < best_key:
                 best_key, best = key, lc.predict(p)
     if best is None:  # the smallest peak and pinned footprint over every layout, for the error
-        min_peak, min_host = None, None
+        # and the smallest peak of the plans whose pinned memory fits the host: the device budget
+        # that would do where the host is what is short (more resident chunks, less pinned)
+        min_peak, min_host, host_ok_peak = None, None, None
         for _, _, prof, nb, s, k, arrays in layouts:
             lc = LayoutCosts(prof, hw, nb, s, k, arrays)
             for p in [n_persist] if n_persist is not None else range(len(prof.chunks) + 1):
                 peak = lc.peak_bytes(p)
                 min_peak = peak if min_peak is None else min(min_peak, peak)
+                host = lc.host_bytes(p)
                 if peak <= device_budget:
-                    host = lc.host_bytes(p)
                     min_host = host if min_host is None else min(min_host, host)
+                if host_budget is not None and host <= host_budget:
+                    host_ok_peak = peak if host_ok_peak is None else min(host_ok_peak, peak)
         if min_peak is None:
             raise NoPlanFits(
                 "no plan satisfies the given knobs (n_persist larger than the chunks, "
@@ -191,9 +195,15 @@ def _search(
             "available less a "
             f"reserve) is too small for the pinned buffers of any plan that fits "
             f"the device budget: the smallest needs {format_bytes(min_host)} of pinned host "
-            "memory; free host "
-            "memory or give a larger memory_budget (more resident chunks need less host memory)",
-            min_device_bytes=min_peak,
+            "memory; free host memory or give a larger memory_budget (more resident chunks need "
+            "less host memory): "
+            + (
+                f"the smallest device budget whose plans fit this host is {host_ok_peak} bytes "
+                f"({format_bytes(host_ok_peak)})"
+                if host_ok_peak is not None
+                else "no device budget makes a plan fit this host"
+            ),
+            min_device_bytes=host_ok_peak,
             min_host_bytes=min_host,
         )
     return SearchResult(best, evaluated, time.perf_counter() - t0)
