@@ -133,6 +133,14 @@ def test_host_memory_too_small_names_what_is_needed():
     with pytest.raises(NoPlanFits, match="pinned host memory") as e:
         search([prof], HW, only_offloaded, host_budget=1)
     assert e.value.min_host_bytes > 1
+    # it names the device budget at which a plan needs no more pinned memory than the host has
+    # (every chunk resident), and that budget works
+    need = e.value.min_device_bytes
+    assert need is not None and need > only_offloaded and f"{need} bytes" in str(e.value)
+    got = search([prof], HW, need, host_budget=1).best
+    assert got.peak_bytes <= need and got.host_bytes <= 1
+    with pytest.raises(NoPlanFits, match="smallest device budget"):
+        search([prof], HW, need - 1, host_budget=1)
 
 
 def test_given_knobs_are_honoured():
