@@ -4,6 +4,7 @@ for a graph fed activations, it says to redo the batch, and redoing it equals ea
 cache never serves a plan that failed or one that does not fit the budget asked for now, and the
 allocator's settings decide the fragmentation the plan budgets."""
 
+import gc
 import json
 
 import pytest
@@ -555,3 +556,38 @@ def test_inductor_redone_backward_of_hf_llama_with_dropout_matches_the_uninterru
     assert calls["raised"] == 1
     assert rel(losses, ref_losses) <= 1e-5, (losses, ref_losses)
     assert compare(sd, ref_sd) <= 1e-4
+
+
+def test_a_failed_compile_releases_the_tensors_its_chained_errors_hold():
+    """A NoPlanFits raised from a profiled step's out-of-memory error keeps that error as its cause,
+    whose frames hold the step's tensors: before the parameters are put back (the H200's 1B shape at
+    16 GiB ran out of memory there, 15.5 GiB still allocated) every frame of the chain is cleared,
+    not only the NoPlanFits' own."""
+    import traceback
+    import weakref
+
+    from protrain_fx.backend import release_frames
+
+    refs = []
+
+    def profiled_step():
+        activations = torch.ones(1000)
+        refs.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    def profile():
+        try:
+            profiled_step()
+        except torch.OutOfMemoryError as e:
+            raise NoPlanFits("even the most frugal plan ran out of device memory") from e
+
+    try:
+        profile()
+    except NoPlanFits as e:
+        err = e
+    traceback.clear_frames(err.__traceback__)  # what the backend did before
+    gc.collect()
+    assert refs[0]() is not None
+    release_frames(err)
+    gc.collect()
+    assert refs[0]() is None
