@@ -24,6 +24,7 @@ of them profiles, ``profile_cached`` says which).
     python benchmarks/oom_sweep.py --out $OUT/oom_sweep --deadline 560 [--resume OLD.json]
         [--only ROW_ID,...] [--models llama3.2-1b,...]
 
+Rows run in the order ``--only`` lists them, else in the order of ``--models``. The script
 writes ``OUT.json`` and ``OUT.md`` after every row, so a call cut by its time limit keeps what ran;
 ``--resume`` runs only the rows an earlier JSON lacks (rows that timed out run again);
 ``--merge A.json B.json`` joins runs. ``--list`` prints the row ids.
@@ -68,6 +69,7 @@ GRID = [
     ("llama3.2-3b", 1, 4096, (16, 24)),
     ("llama3.1-8b", 4, 1024, (24, 40, 80)),
     ("mistral-7b", 2, 2048, (24, 40, 80)),
+    ("qwen2.5-7b", 2, 2048, (24, 40, 80)),
 ]
 # the allocator as the user leaves it (protrain then turns expandable segments on, and says so) and
 # as a user who turns them off has it (PyTorch's fixed segments, which protrain then budgets for)
@@ -617,7 +619,7 @@ def main() -> None:
     meta.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
     keep = [r for r in done if r.get("outcome") != "timeout"]
     have = {r["id"] for r in keep}
-    only = {x for x in args.only.split(",") if x}
+    only = [x for x in args.only.split(",") if x]  # also the order the rows run in
     models = [x for x in args.models.split(",") if x]  # also the order the rows run in
     todo = [
         r
@@ -626,7 +628,9 @@ def main() -> None:
         and (not only or r["id"] in only)
         and (not models or r["model"] in models)
     ]
-    if models:
+    if only:
+        todo.sort(key=lambda r: only.index(r["id"]))
+    elif models:
         todo.sort(key=lambda r: models.index(r["model"]))
     for spec in args.variant:
         name, _, assigns = spec.partition(":")
