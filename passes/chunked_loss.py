@@ -10,10 +10,18 @@ hand-written models put between them (the shift of the labels happens on the tar
 replaces it with protrain's chunked op (protrain_fx/runtime/loss_ops.py), which computes the same
 fp32 loss and gradient a chunk of rows at a time:
 
-* when the logits come from a bias-free ``linear`` and feed the loss alone (not a graph output):
+* when the logits come from a bias-free ``linear`` and feed the loss alone:
   ``linear_cross_entropy(hidden, weight, ...)``; the logits then exist one chunk at a time too, and
   only their gradient, in the projection's dtype, has their full size (in backward);
-* otherwise (Hugging Face returns the logits as well): ``cross_entropy(logits, ...)`` on the logits
+* the same when the logits are also a graph output (Hugging Face returns them beside the loss):
+  the output is then the same ``linear`` on detached inputs, so that aot_autograd gives it no
+  gradient (it would otherwise make a zero gradient of the logits' full size in every backward
+  and keep the logits for the loss's backward), and the graph returns the hidden states as one more
+  output, which the backend hands to :func:`protrain_fx.runtime.loss_ops.reattach_logits`: the
+  user gets the logits as eager's, with a gradient function of their own that, if a loss of the
+  user's ever reaches them, raises a ``ProtrainError`` saying what to do (``plan.logits_outputs``
+  lists the outputs it rewrote: the logits' position and the hidden states');
+* otherwise (the logits feed other computations too): ``cross_entropy(logits, ...)`` on the logits
   in their own dtype, so no fp32 copy is made.
 
 Only what is exact is rewritten: no class weights, no label smoothing, ``reduction`` ``"mean"`` or
@@ -103,10 +111,29 @@ def _logits_source(x: fx.Node, vocab: int):
     return node, chain
 
 
-def _alone(logits: fx.Node, chain: list, loss: fx.Node) -> bool:
-    """The logits feed this loss and nothing else (through the chain)."""
-    allowed = {loss, *chain}
-    return all(set(n.users) <= allowed for n in (logits, *chain))
+def _is_detach(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "detach") or (
+        node.op == "call_function" and node.target in (torch.detach, torch.Tensor.detach)
+    )
+
+
+def _returned(logits: fx.Node) -> set:
+    """The users of ``logits`` that return them from the graph: the output (the logits directly in
+    its flat tuple) and ``detach`` nodes whose only user is the output."""
+    out = set()
+    for u in logits.users:
+        if u.op == "output" and isinstance(u.args[0], (tuple, list)) and logits in u.args[0]:
+            out.add(u)
+        elif _is_detach(u) and u.users and all(w.op == "output" for w in u.users):
+            out.add(u)
+    return out
+
+
+def _alone(logits: fx.Node, chain: list, loss: fx.Node, output_too: bool = False) -> bool:
+    """The logits feed this loss and nothing else (through the chain); ``output_too``: they may
+    also leave the graph (:func:`_returned`)."""
+    allowed = {loss, *chain} | (_returned(logits) if output_too else set())
+    return set(logits.users) <= allowed and all(set(n.users) <= {loss, *chain} for n in chain)
 
 
 def _chunk_rows(vocab: int) -> int:
@@ -124,7 +151,28 @@ def _fake(fn, *args):
         return fn(*vals)
 
 
-def _rewrite(graph: fx.Graph, loss: fx.Node, args: dict) -> str | None:
+def _detach_output(graph: fx.Graph, logits: fx.Node, hidden: fx.Node, weight: fx.Node) -> list:
+    """The logits, which also leave the graph, computed from detached inputs (no gradient from
+    aot_autograd). Where the graph returns them themselves (not only a ``detach`` of them), the
+    hidden states become one more output: [(the logits' output position, the hidden states')]."""
+    with graph.inserting_before(logits):
+        detached = []
+        for x in (hidden, weight):
+            d = graph.call_method("detach", (x,))
+            d.meta["example_value"] = _fake(lambda t: t.detach(), x)
+            detached.append(d)
+    logits.args = (*detached, *logits.args[2:])  # the same value: its example value stays
+    out = next(n for n in graph.nodes if n.op == "output")
+    if out not in logits.users:
+        return []
+    flat = list(out.args[0])
+    where = len(flat)
+    flat.append(hidden)
+    out.args = (type(out.args[0])(flat), *out.args[1:])
+    return [(k, where) for k, n in enumerate(flat[:where]) if n is logits]
+
+
+def _rewrite(graph: fx.Graph, loss: fx.Node, args: dict, plan: Plan) -> str | None:
     x, target = args["input"], args["target"]
     vx, vloss, vt = _val(x), _val(loss), _val(target)
     if not (isinstance(x, fx.Node) and isinstance(target, fx.Node)):
@@ -153,8 +201,9 @@ def _rewrite(graph: fx.Graph, loss: fx.Node, args: dict) -> str | None:
         and len(logits.args) >= 2
         and (len(logits.args) < 3 or logits.args[2] is None)
         and not logits.kwargs
-        and _alone(logits, chain, loss)
+        and _alone(logits, chain, loss, output_too=True)
     )
+    as_output = fused and bool(_returned(logits))
     with graph.inserting_before(loss):
         if fused:
             hidden, weight = logits.args[0], logits.args[1]
@@ -178,7 +227,10 @@ def _rewrite(graph: fx.Graph, loss: fx.Node, args: dict) -> str | None:
     for node in chain:
         if not node.users:
             graph.erase_node(node)
-    if fused:
+    if as_output:
+        plan.logits_outputs.extend(_detach_output(graph, logits, hidden, weight))
+        what += ", the logits returned from detached inputs"
+    elif fused:
         graph.erase_node(logits)
     tokens = vx.shape[0]
     return (
@@ -195,7 +247,7 @@ def chunked_loss(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if node.op != "call_function" or node.target not in _CE_TARGETS:
             continue
         args = _ce_arguments(node)
-        note = _rewrite(gm.graph, node, args) if args is not None else None
+        note = _rewrite(gm.graph, node, args, plan) if args is not None else None
         if note:
             notes.append(note)
     if notes:

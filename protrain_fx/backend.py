@@ -48,7 +48,7 @@ from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
 from protrain_fx.profiling import static
 from protrain_fx.report.dump import GraphDump
-from protrain_fx.runtime import distributed, ops, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
+from protrain_fx.runtime import distributed, loss_ops, ops, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
 from protrain_fx.runtime.binding import on_error, runtime_guard
 from protrain_fx.runtime.optimizer_lookup import find_optimizer
 from protrain_fx.runtime.param_values import placement_snapshot
@@ -242,7 +242,7 @@ def _compile_plan(
     compiler = GraphCompiler(
         plan, opts, dump, len(example_inputs), _compat.num_outputs(gm), bound, root
     )
-    return aot_autograd(
+    compiled = aot_autograd(
         fw_compiler=compiler.forward,
         bw_compiler=compiler.backward,
         inference_compiler=compiler.inference,
@@ -250,6 +250,9 @@ def _compile_plan(
         decompositions=_compat.inductor_decompositions() if compiler.use_inductor else {},
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+    if plan.logits_outputs:  # passes/chunked_loss.py returned logits without a gradient path
+        compiled = loss_ops.reattach_logits(compiled, plan.logits_outputs)
+    return compiled
 
 
 def release_frames(exc: BaseException) -> None:

@@ -81,7 +81,7 @@ INPUTS = DECISION | frozenset(
 PASSES: dict[str, PassSpec] = {
     s.name: s
     for s in (
-        _spec("chunked_loss", chunked_loss, writes={"notes"}),
+        _spec("chunked_loss", chunked_loss, writes={"notes", "logits_outputs"}),
         _spec("block_marks", block_marks, reads={"profile_blocks", "blocks", "block_structure"}),
         _spec(
             "annotate",

@@ -27,7 +27,7 @@ from protrain_fx.runtime import distributed
 log = logging.getLogger("protrain_fx")
 
 # bump when the profile or the cost model changes meaning: old cache entries miss
-COST_MODEL_VERSION = 20
+COST_MODEL_VERSION = 21  # 21: logits returned beside the fused loss (passes/chunked_loss.py)
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "device_steps")
 
 

@@ -132,9 +132,9 @@ def test_models_train_like_eager_with_the_chunked_loss_and_offloaded_chunks(case
     if case == "hf-tied-loss-only":
         model, fused = LossOnly(hf_llama()), True
     elif case == "hf-loss-and-logits":
-        model, fused = LossAndLogits(hf_llama()), False
+        model, fused = LossAndLogits(hf_llama()), True
     elif case == "hf-num-items":  # reduction="sum", divided by the trainer's token count
-        model, fused = LossAndLogits(hf_llama(tie_word_embeddings=False), num_items=29), False
+        model, fused = LossAndLogits(hf_llama(tie_word_embeddings=False), num_items=29), True
     else:
         model, fused = HandWritten(reduction="sum"), True
     r = compare_with_eager(
@@ -244,3 +244,123 @@ def test_inductors_cache_key_carries_protrains_ops(monkeypatch):
         assert torch.compiler.config.cache_key_tag == "user-tag"
     assert seen == [f"user-tag;{fingerprint()}"]
     assert fingerprint().startswith("protrain-")
+
+
+# ------------------------------------------------- logits returned beside the loss (Hugging Face's)
+def _hf_steps(ref, compiled, ref_opt, opt, batches):
+    """Both models trained as a Hugging Face loop does: the output object, its loss backward."""
+    for x, _ in batches:
+        outs = []
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            out = m(input_ids=x, labels=x)
+            out.loss.backward()
+            o.step()
+            o.zero_grad()
+            outs.append(out)
+        yield outs
+
+
+@pytest.mark.parametrize("regions", ["1", "0"])
+def test_a_model_returning_its_logits_gets_the_fused_loss_and_eagers_logits(monkeypatch, regions):
+    """Hugging Face returns the logits beside the loss: the loss still comes from the hidden states
+    a chunk at a time (the logits leave the graph without a gradient path, so aot_autograd makes no
+    zero gradient of their size), and the user gets eager's logits, requiring grad like eager's;
+    losses and parameters are eager's bit for bit, compiled in regions or whole."""
+    import copy
+
+    monkeypatch.setenv("PROTRAIN_REGIONS", regions)
+    base = hf_llama()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(mine.parameters(), lr=1e-3)
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options={"compiler": "eager", "n_persist": 0, "optimizer": opt},
+    )
+    batches = random_batches(3, 2, 16, vocab=HF_VOCAB)
+    for want, got in _hf_steps(ref, compiled, ref_opt, opt, batches):
+        assert torch.equal(got.loss, want.loss)
+        assert torch.equal(got.logits, want.logits)
+        assert got.logits.requires_grad and got.logits.grad_fn is not None
+    notes = rewrite_notes(get_plan(compiled))
+    assert len(notes) == 1 and "head and loss fused" in notes[0], notes
+    assert "logits returned from detached inputs" in notes[0]
+    sd = ref.state_dict()
+    assert all(torch.equal(v.cpu(), sd[k]) for k, v in mine.state_dict().items())
+    with torch.no_grad():  # evaluation: the same logits, no gradient function
+        x = batches[0][0]
+        out, want = compiled(input_ids=x, labels=x), ref(input_ids=x, labels=x)
+    assert torch.equal(out.logits, want.logits) and not out.logits.requires_grad
+    assert torch.equal(out.loss, want.loss)
+
+
+def test_a_gradient_through_the_returned_logits_raises_and_training_goes_on():
+    """A loss of the user's on the returned logits (a z-loss, distillation) would need the whole
+    logits in backward, which the rewrite avoided: its backward raises a ProtrainError saying how to
+    turn the rewrite off, before protrain's backward ran; the next steps train like eager's."""
+    import copy
+
+    from protrain_fx.errors import ProtrainError
+
+    base = hf_llama()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(mine.parameters(), lr=1e-3)
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options={"compiler": "eager", "n_persist": 0, "optimizer": opt},
+    )
+    batches = random_batches(3, 2, 16, vocab=HF_VOCAB)
+    x = batches[0][0]
+    out = compiled(input_ids=x, labels=x)
+    with pytest.raises(ProtrainError, match="PROTRAIN_DISABLE_PASSES=chunked_loss"):
+        (out.loss + 1e-4 * out.logits.float().pow(2).mean()).backward()
+    del out
+    opt.zero_grad()
+    for want, got in _hf_steps(ref, compiled, ref_opt, opt, batches):
+        assert torch.equal(got.loss, want.loss)
+    sd = ref.state_dict()
+    assert all(torch.equal(v.cpu(), sd[k]) for k, v in mine.state_dict().items())
+
+
+def test_no_tensor_of_the_logits_size_in_backward_when_the_logits_are_returned(monkeypatch):
+    """The graphs of a model that returns its logits: only the forward holds a tensor of their size
+    (the logits it returns); the backward none (no zero gradient of the output, no saved logits).
+    Without the pass the backward holds several (the check can fail)."""
+    from protrain_fx import pipeline
+
+    run_stage = pipeline.run_stage
+
+    def big_nodes():
+        seen = []
+
+        def spy(stage, gm, plan, dump):
+            gm = run_stage(stage, gm, plan, dump)
+            for n in gm.graph.nodes:
+                val = n.meta.get("val")
+                for v in val if isinstance(val, (list, tuple)) else [val]:
+                    if (
+                        isinstance(v, torch.Tensor)
+                        and v.numel() == 32 * HF_VOCAB
+                        and HF_VOCAB in v.shape
+                    ):
+                        seen.append(stage)
+            return gm
+
+        monkeypatch.setattr(pipeline, "run_stage", spy)
+        model = hf_llama(tie_word_embeddings=False)
+        compiled = torch.compile(
+            model, backend="protrain", options={"compiler": "eager", "n_persist": 0}
+        )
+        x = random_batches(1, 2, 16, vocab=HF_VOCAB)[0][0]
+        compiled(input_ids=x, labels=x).loss.backward()
+        return seen
+
+    stages = big_nodes()
+    assert "forward" in stages and "backward" not in stages, stages
+    monkeypatch.setenv("PROTRAIN_DISABLE_PASSES", "chunked_loss")
+    torch._dynamo.reset()
+    stages = big_nodes()
+    assert stages.count("backward") >= 2, stages

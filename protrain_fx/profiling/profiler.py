@@ -125,10 +125,18 @@ def _device_clocks(device: torch.device) -> dict:
 
 
 def _grad_outputs(outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs the profiled backward starts from, with ones as their gradients: every
+    differentiable one but logits returned beside a fused loss (passes/chunked_loss.py), which a
+    training step never back-propagates through (their gradient function raises)."""
+    from protrain_fx.runtime.loss_ops import is_returned_logits
+
     leaves = [
         o
         for o in pytree.tree_leaves(outs)
-        if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+        if isinstance(o, torch.Tensor)
+        and o.requires_grad
+        and o.is_floating_point()
+        and not is_returned_logits(o)
     ]
     return leaves, [torch.ones_like(o) for o in leaves]
 

@@ -24,6 +24,12 @@ bit.
 
 ``reduction`` is ``"mean"`` (over the rows whose target is not ``ignore_index``, as eager's) or
 ``"sum"``. The ops are opaque to Inductor (their kernels are eager ATen calls per chunk).
+
+A graph that returns its logits beside the fused loss returns them without a gradient path (and its
+hidden states as one more output): :func:`reattach_logits` wraps the compiled graph so that the
+caller gets the outputs it asked for, the logits with a gradient function of their own
+(:class:`LogitsOfChunkedLoss`) that connects them to the hidden states and raises, with what to do,
+if a gradient ever reaches it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from typing import Tuple
 
 import torch
 from torch.library import custom_op
+
+from protrain_fx.errors import ProtrainError
 
 _REDUCTION = {"mean": 1, "sum": 2}  # at::Reduction
 
@@ -198,3 +206,56 @@ def _lce_backward(ctx, grad_loss, grad_total_weight):
 
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+# ------------------------------------------------------------------ logits returned beside the loss
+class LogitsOfChunkedLoss(torch.autograd.Function):
+    """The logits a graph with the fused head and loss returns: eager's values, a gradient function
+    that hangs off the hidden states (so they require grad where eager's do), and no backward.
+    Eager would back-propagate a loss of the user's through them into the head's weight and the
+    model; the compiled graph computed its loss from the hidden states and did not keep them."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return logits.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ProtrainError(
+            "a gradient reached the logits of a model whose loss protrain computes from the hidden "
+            "states a chunk of tokens at a time (passes/chunked_loss.py, so that the logits need "
+            "not exist whole in backward): the compiled graph keeps no gradient path through the "
+            "logits it returns. To back-propagate through them too, turn the rewrite off with "
+            "PROTRAIN_DISABLE_PASSES=chunked_loss (the loss is then computed from the whole logits)"
+        )
+
+
+def is_returned_logits(t: torch.Tensor) -> bool:
+    """Whether ``t`` is logits :func:`reattach_logits` returned (no gradient may reach them)."""
+    return isinstance(t.grad_fn, LogitsOfChunkedLoss._backward_cls)
+
+
+def reattach_logits(fn, pairs: list[tuple[int, int]]):
+    """``fn`` (a compiled graph, called as it is) whose outputs at ``pairs``' first positions are
+    logits without a gradient path and whose last outputs are the hidden states they came from
+    (``pairs``' second positions, passes/chunked_loss.py): called, it returns the graph's outputs
+    without those extras, each such logits tensor through :class:`LogitsOfChunkedLoss`."""
+    extra = len({h for _, h in pairs})
+
+    def fix(outs):
+        got = list(outs)
+        for k, h in pairs:
+            hidden = got[h]
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                got[k] = LogitsOfChunkedLoss.apply(hidden, got[k])
+        del got[len(got) - extra :]
+        return type(outs)(got) if isinstance(outs, tuple) else got
+
+    def run(*args):
+        return fix(fn(*args))
+
+    # called as ``fn`` is: aot_autograd's forward carries its inner function's ``_boxed_call``
+    if hasattr(fn, "_boxed_call"):
+        run._boxed_call = fn._boxed_call
+    run.__wrapped__ = fn
+    return run
