@@ -26,7 +26,6 @@ import dataclasses
 import gc
 import logging
 import os
-import traceback
 import weakref
 from typing import Sequence
 
@@ -36,7 +35,7 @@ import torch.fx as fx
 
 from protrain_fx import _compat, autoplan, config, pipeline, placement, progress, region_program
 from protrain_fx.compiled_graph import ProtrainGraph, StepOutOfMemory  # noqa: F401 (re-exported)
-from protrain_fx.errors import OptionsError, ProtrainError
+from protrain_fx.errors import OptionsError, ProtrainError, release_frames
 from protrain_fx.graph import regions
 from protrain_fx.graph.blocks import detect_blocks
 from protrain_fx.graph.build_plan import make_plan
@@ -253,22 +252,6 @@ def _compile_plan(
     if plan.logits_outputs:  # passes/chunked_loss.py returned logits without a gradient path
         compiled = loss_ops.reattach_logits(compiled, plan.logits_outputs)
     return compiled
-
-
-def release_frames(exc: BaseException) -> None:
-    """Clear the frames of ``exc``'s traceback and of every exception it was raised from or while
-    handling (``__cause__``, ``__context__``): a NoPlanFits raised from a profiled step's
-    out-of-memory error keeps that error, whose frames hold the step's device tensors (H200: 15.5
-    GiB still allocated when the parameters were put back, which then ran out of memory)."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
-        todo += [e.__cause__, e.__context__]
 
 
 def protrain_backend(

@@ -16,7 +16,7 @@ import torch
 import torch._guards
 
 from protrain_fx import autoplan, plan_cache
-from protrain_fx.errors import NoPlanFits, ProtrainError
+from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
@@ -129,17 +129,22 @@ class ProtrainGraph:
         return self._forward(args)
 
     def _forward(self, args):
-        try:
-            out = self.binding(self.compiled, args)
-        except torch.OutOfMemoryError as e:
-            if (
-                self.choice is None
-                or self.replans >= self.MAX_REPLANS
-                or isinstance(e, StepOutOfMemory)
-            ):
-                raise
-            self._replan(args, str(e).splitlines()[0], "forward")
-            return self._forward(args)
+        while True:
+            try:
+                out = self.binding(self.compiled, args)
+                break
+            except torch.OutOfMemoryError as e:
+                if (
+                    self.choice is None
+                    or self.replans >= self.MAX_REPLANS
+                    or isinstance(e, StepOutOfMemory)
+                ):
+                    raise
+                detail = str(e).splitlines()[0]
+                # the failed forward's frames hold what it had computed (on the H200 9 GiB of a
+                # 16 GiB cap, and the re-planned forward ran out again): freed before re-planning
+                release_frames(e)
+            self._replan(args, detail, "forward")
         self._returns_list = isinstance(out, list)
         return out
 
