@@ -209,8 +209,16 @@ def _rewrite(graph: fx.Graph, loss: fx.Node, args: dict, plan: Plan) -> str | No
             hidden, weight = logits.args[0], logits.args[1]
             width = _val(hidden).shape[-1]
             flat = graph.call_method("reshape", (hidden, -1, width))
-            extra = (ignore_index, reduction, rows, _val(logits).dtype)
-            op, op_args = torch.ops.protrain.linear_cross_entropy.default, (flat, weight, target)
+            compute = _val(logits).dtype
+            extra = (ignore_index, reduction, rows, compute)
+            low = weight
+            if _val(weight).dtype != compute:
+                # the weight in the dtype the projection runs in (autocast's cast, as eager's):
+                # the op's weight gradient then comes back in it, and its upcast is a node of the
+                # graph (which passes/optimizer_calls.py leaves to the host for an oversized chunk)
+                low = graph.call_method("to", (weight, compute))
+                low.meta["example_value"] = _fake(lambda t, d: t.to(d), weight, compute)
+            op, op_args = torch.ops.protrain.linear_cross_entropy.default, (flat, low, target)
             what = "head and loss fused"
         else:
             flat = graph.call_method("reshape", (logits, -1, vocab))

@@ -9,16 +9,62 @@ on the copy stream and lets the host worker accumulate it and maybe step the chu
 their gradients live on the host, and autograd leaves ``param.grad`` to the runtime. Because the op
 takes the parameters themselves, the partitioner keeps them as inputs of the backward graph, so the
 runtime finds the chunk from the parameters each call was made with.
+
+A chunk larger than the chunk size holds one parameter (a large vocabulary's embedding or head),
+whose gradient goes to the host as it is, not through a gradient buffer (runtime/chunk_grads.py,
+``grad_goes_as_is``). Under autocast that gradient is the upcast of the low-precision matmul's
+(the backward of the weight's cast): the op then takes the low-precision gradient and the host
+upcasts it into the accumulator (exact), so no master-dtype table of the vocabulary's size is made
+on the device.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
 from protrain_fx.graph.fx import call, node_positions, output_node
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import ops
+
+_UPCASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def _before_upcast(grad: fx.Node, out: fx.Node) -> fx.Node:
+    """The low-precision gradient ``grad`` upcasts (the backward of autocast's cast of the weight),
+    when ``grad`` is such an upcast that only the graph's output reads; else ``grad``."""
+    if grad.op != "call_function" or grad.target not in _UPCASTS or set(grad.users) != {out}:
+        return grad
+    src = grad.args[0]
+    val, low = grad.meta.get("val"), getattr(src, "meta", {}).get("val")
+    if not (isinstance(val, torch.Tensor) and isinstance(low, torch.Tensor)):
+        return grad
+    kw = dict(grad.kwargs)
+    if grad.target is torch.ops.aten._to_copy.default and (
+        set(kw) - {"dtype", "layout", "device"}
+        or kw.get("layout", torch.strided) != torch.strided
+        or torch.device(kw.get("device", low.device)) != low.device
+    ):
+        return grad  # a layout, device or memory format change too
+    if not (
+        low.dtype.is_floating_point
+        and low.dtype.itemsize < val.dtype.itemsize
+        and low.shape == val.shape
+    ):
+        return grad
+    return src
+
+
+def _oversized(ph: fx.Node, plan: Plan) -> bool:
+    """The parameter fills a chunk larger than the chunk size on its own (a gradient that goes to
+    the host as it is; with several ranks every chunk's gradient is packed)."""
+    val = ph.meta.get("val")
+    return (
+        plan.world_size == 1
+        and isinstance(val, torch.Tensor)
+        and val.numel() * val.element_size() > plan.chunk_size
+    )
 
 
 def optimizer_calls(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -41,6 +87,9 @@ def optimizer_calls(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         ]
         if not grads:
             continue  # frozen parameters: no gradients
+        if len(slots) == 1 and _oversized(grads[0][2], plan):
+            o, g, ph = grads[0]
+            grads = [(o, _before_upcast(g, out), ph)]
         last = max((g for _, g, _ in grads), key=pos.__getitem__)
         with graph.inserting_after(last):
             node = call(

@@ -2,6 +2,8 @@
 vocabulary's embedding or untied head) gets a chunk of its own, and every placement of it
 (resident, offloaded) trains exactly like eager PyTorch."""
 
+import math
+
 import pytest
 import torch
 from hf_models import BIG_VOCAB, big_vocab_llama
@@ -76,3 +78,53 @@ def test_offloaded_oversized_gradients_with_accumulation_clipping_and_a_schedule
     stores = {id(s): s for s in (store_of(p) for p in r.model.parameters()) if s is not None}
     big = sum(s.grad_goes_as_is(c) for s in stores.values() for c in s.offloaded_chunks)
     assert big == (1 if tied else 2)
+
+
+def test_an_oversized_gradient_goes_to_the_host_in_its_own_dtype(monkeypatch):
+    """Under autocast an untied head's weight gradient is the upcast of a bf16 matmul's: its
+    oversized chunk's gradient goes down in bf16 (passes/optimizer_calls.py hands the op the
+    gradient before the graph's upcast) and the host upcasts it into the fp32 accumulator (exact),
+    so no fp32 table of the vocabulary's size is made on the device; the host stages it in two bf16
+    buffers of its own, and the packed gradients' fp32 staging is no longer sized for it."""
+    from protrain_fx.runtime.chunk_store import ChunkStore
+
+    seen = []
+    real = ChunkStore.copy_to_host
+
+    def spy(self, flat, dst, on_compute_stream=False):
+        if on_compute_stream:  # an oversized chunk's gradient
+            seen.append((flat.dtype, dst.dtype, flat.numel()))
+        return real(self, flat, dst, on_compute_stream)
+
+    monkeypatch.setattr(ChunkStore, "copy_to_host", spy)
+    model = big_vocab_llama(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "n_persist": 0, "optimizer": opt},
+    )
+    data = random_batches(4, 2, 16, vocab=VOCAB)
+    losses = []
+    for i, (x, y) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(x, y) / 2
+        loss.backward()
+        losses.append(loss.item())
+        if i % 2:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    table = VOCAB * 64
+    assert seen and all(s == (torch.bfloat16, torch.bfloat16, table) for s in seen), seen
+    # the head's, every backward (the embedding's goes as its lookup's rows)
+    assert len(seen) == len(data)
+    assert all(math.isfinite(x) for x in losses)
+    stores = {id(s): s for s in (store_of(p) for p in model.parameters()) if s is not None}
+    oversized = [t for s in stores.values() for pool in s._oversized.values() for t in pool.free]
+    # one pool: two bf16 tables
+    assert len(oversized) == 2 and all(
+        t.dtype == torch.bfloat16 and t.numel() == table for t in oversized
+    )
+    packed = [s._staging for s in stores.values() if s._staging is not None]
+    assert all(t.numel() < table for p in packed for t in p.free)

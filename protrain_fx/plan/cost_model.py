@@ -57,6 +57,7 @@ from protrain_fx.plan.profiles import (
     DEVICE_STEP_SLOT_BYTES,
     DEVICE_STEP_SLOTS,
     GRAD_BUFFERS,
+    N_OVERSIZED_STAGING,
     STAGING,
     SWAP_FRAGMENTATION,
     GraphProfile,
@@ -97,6 +98,9 @@ class _ProfileArrays:
             self.fwd_off.append(self.fwd_off[-1] + max(f, h2d))
             # the last n_buffer chunks stay in their buffers
             up = 0 if c >= n - n_buffer else ch.numel * te
+            # priced in the master dtype: an oversized chunk's gradient goes down as autograd made
+            # it, in the transfer dtype only where the graph's last step was its upcast (an untied
+            # head under autocast; passes/optimizer_calls.py), a tied one's in the master dtype
             down = ch.numel * me
             # its gradient's copy to the host (and reduce-scatter): what the CPU step waits for
             down_s = down * shard / hw.d2h_bytes_per_s + hw.collective_s(down)
@@ -126,15 +130,22 @@ class _ProfileArrays:
         # (protrain_fx/runtime/chunk_store.py); the gradient buffers likewise for the chunks whose
         # gradients are packed (grad_numel)
         self.buffer_numel, self.grad_numel = [0] * (n + 1), [0] * (n + 1)
+        # the host staging of oversized chunks' gradients (N_OVERSIZED_STAGING buffers per size,
+        # priced in the master dtype, the larger of the two a gradient may come in)
+        self.oversized_staging = [0] * (n + 1)
         largest_in: dict[int, int] = {}
         packed_in: dict[int, int] = {}
+        oversized: set[int] = set()
         for c in range(n - 1, -1, -1):
             g = chunks[c].group
             largest_in[g] = max(largest_in.get(g, 0), chunks[c].numel)
             if not self.as_is[c]:
                 packed_in[g] = max(packed_in.get(g, 0), chunks[c].numel)
+            else:
+                oversized.add(chunks[c].numel)
             self.buffer_numel[c] = sum({max(capacity, v) for v in largest_in.values()})
             self.grad_numel[c] = sum({max(capacity, v) for v in packed_in.values()})
+            self.oversized_staging[c] = N_OVERSIZED_STAGING * sum(oversized) * me
         self.hw, self.prof = hw, prof
         # the casts' seconds per resident parameter (forward's cast to the compute dtype) and per
         # offloaded one (its gradient packed), at the device's streaming rate
@@ -257,6 +268,7 @@ class LayoutCosts:
         self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
         self.numel, self.resident_bytes = A.numel, A.resident_bytes
         self.buffer_numel, self.grad_numel = A.buffer_numel, A.grad_numel
+        self.oversized_staging = A.oversized_staging
         self.swap_window_s = A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
         # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
@@ -362,15 +374,17 @@ class LayoutCosts:
         """Pinned host bytes of one rank (its shards)."""
         prof = self.prof
         offloaded = (self.numel[-1] - self.numel[n_persist]) // self.hw.world_size
-        big = self.buffer_numel[n_persist]
-        # fp32 master, gradient accumulator and two moments, the transfer copy; staging; the swap
-        # pool
+        packed = self.grad_numel[n_persist]
+        # fp32 master, gradient accumulator and two moments, the transfer copy; the staging of
+        # packed gradients (master dtype, runtime/chunk_grads.py) and of oversized ones (their own
+        # dtype); the swap pool
         per_param = prof.master_elem * (2 + ADAM_STATES) + (
             prof.transfer_elem if prof.transfer_elem != prof.master_elem else 0
         )
         return (
             offloaded * per_param
-            + (STAGING * big * prof.transfer_elem if big else 0)
+            + (STAGING * packed * prof.master_elem if packed else 0)
+            + self.oversized_staging[n_persist]
             + self.swapped_total(n_persist)
         )
 

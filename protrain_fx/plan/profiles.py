@@ -32,7 +32,8 @@ COLLECTIVE_CONTENTION = 0.24
 ADAM_BYTES_PER_PARAM = 28
 ADAM_STATES = 2
 GRAD_BUFFERS = 2  # device gradient buffers of offloaded chunks (runtime/chunk_buffers.py)
-STAGING = 4  # pinned staging buffers of the CPU optimizer (runtime/chunk_grads.py)
+STAGING = 4  # pinned staging buffers of packed gradients (runtime/chunk_grads.py: N_STAGING)
+N_OVERSIZED_STAGING = 2  # ... of an oversized chunk's gradient, per size (N_OVERSIZED_STAGING)
 # offloaded chunks stepped on the compute device (runtime/device_steps.py): slots of one chunk each
 # (master, gradient, two moments in fp32 and the bf16 copy), and the bytes each parameter moves
 DEVICE_STEP_SLOTS = 2

@@ -3,12 +3,13 @@
 Gradients of an offloaded chunk arrive flat through ``protrain::chunk_grad`` (:meth:`grad_ready`):
 packed into a device gradient buffer in the chunk layout and the master dtype, copied to the host on
 the copy stream (:meth:`copy_to_host`; a chunk larger than the layout's size, one parameter, goes as
-autograd made it, copied on the compute stream: :meth:`grad_goes_as_is`): straight into the chunk's
-accumulator while the chunk holds no gradient yet, else into a host staging buffer
-(:class:`GradStaging`) that the host worker adds (or copies, for a parameter whose ``.grad`` is
-None) into the accumulator. The parameters' ``.grad`` then is the accumulator's view on the compute
-device (:meth:`grad_alias`), exactly as eager autograd would have left it; gradients that eager code
-put in ``.grad`` meanwhile are folded into the accumulator first. A callback at the end of every
+autograd made it, in its own dtype, copied on the compute stream: :meth:`grad_goes_as_is`):
+straight into the chunk's accumulator while the chunk holds no gradient yet and the dtypes agree,
+else into a host staging buffer (:class:`GradStaging`) that the host worker adds (or copies, for a
+parameter whose ``.grad`` is None) into the accumulator, upcasting there (exact). The parameters'
+``.grad`` then is the accumulator's view on the compute device (:meth:`grad_alias`), exactly as
+eager autograd would have left it; gradients that eager code put in ``.grad`` meanwhile are folded
+into the accumulator first. A callback at the end of every
 backward waits for the worker, so after ``loss.backward()`` returns gradients are final, and checks
 that no parameter got gradients both from a compiled graph and from code outside it.
 :class:`ChunkGrads` holds these as methods of :class:`protrain_fx.runtime.chunk_store.ChunkStore`,
@@ -24,18 +25,23 @@ import torch
 
 from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
+from protrain_fx.plan.profiles import N_OVERSIZED_STAGING
+from protrain_fx.plan.profiles import STAGING as N_STAGING
 from protrain_fx.runtime import distributed, mapped, step_redo
 from protrain_fx.runtime.worker import WORKER
 
-N_STAGING = 4
+# the staging buffers, as many as the cost model prices: N_STAGING of packed gradients (master
+# dtype); N_OVERSIZED_STAGING of an oversized chunk's (grad_goes_as_is), in its own dtype, per size:
+# an untied embedding and head of one shape share them, so two (backward's end does not wait for the
+# head's to be added)
 
 
 class GradStaging:
     """Host buffers a gradient waits in when it must be added to (not copied into) its
-    accumulator."""
+    accumulator, or upcast into it."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool):
-        self.free = [pinned.host_empty(numel, dtype, pin) for _ in range(N_STAGING)]
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, count: int = N_STAGING):
+        self.free = [pinned.host_empty(numel, dtype, pin) for _ in range(count)]
         self._cond = threading.Condition()
 
     def take(self) -> torch.Tensor:
@@ -53,14 +59,16 @@ class GradStaging:
 _STAGINGS: "weakref.WeakValueDictionary[tuple, GradStaging]" = weakref.WeakValueDictionary()
 
 
-def shared_staging(numel: int, dtype: torch.dtype, pin: bool) -> GradStaging:
+def shared_staging(
+    numel: int, dtype: torch.dtype, pin: bool, count: int = N_STAGING
+) -> GradStaging:
     """The staging buffers of that size, shared by every store that stages gradients of it (a model
     compiled in regions has a store per block: one set of buffers, not one per store); freed with
     the last store that uses them."""
-    key = (numel, dtype, pin)
+    key = (numel, dtype, pin, count)
     staging = _STAGINGS.get(key)
     if staging is None:
-        staging = _STAGINGS[key] = GradStaging(numel, dtype, pin)
+        staging = _STAGINGS[key] = GradStaging(numel, dtype, pin, count)
     return staging
 
 
@@ -242,8 +250,9 @@ class ChunkGrads:
         n = self._chunk_numel[chunk]
         as_is = self.grad_goes_as_is(chunk)
         all_entries = self._chunk_entries[chunk]
-        if as_is:  # one parameter: its gradient is the flat chunk (a copy only if it must be)
-            k, buf = None, grads[0].detach().to(self.master_dtype).contiguous().reshape(-1)
+        if as_is:  # one parameter: its gradient is the flat chunk, in its own dtype (the host
+            # upcasts it: no master-dtype table of the vocabulary's size on the device)
+            k, buf = None, grads[0].detach().contiguous().reshape(-1)
         else:
             k, buf = self.grad_buffers.take()
             buf = buf[:n]
@@ -261,27 +270,45 @@ class ChunkGrads:
                 distributed.reduce_scatter_mean(shard, buf, self.world.size)
                 buf = shard
         acc = self.ensure_grad(chunk)
-        direct = all(fresh) and others_absent
+        direct = all(fresh) and others_absent and buf.dtype == acc.dtype
         WORKER.wait_chunk((self.id, chunk)) if not direct else None
+        pool = None
         if direct:  # straight into the accumulator
             dst = acc
         else:
-            if self._staging is None:
-                big = max(self.host_numel(c) for c in self.offloaded_chunks)
-                self._staging = shared_staging(
-                    max(big, self.chunk_capacity // self.world.size),
-                    self.master_dtype,
-                    self.is_cuda,
-                )
-            dst = self._staging.take()
+            pool = self._oversized_staging(n, buf.dtype) if as_is else self._packed_staging()
+            dst = pool.take()
         event = self.copy_to_host(buf, dst, on_compute_stream=as_is)
         if k is not None:
             self.grad_buffers.copied(k, event)
         if not direct:
             parts = [(self.host_slices(i), f) for i, f in zip(members, fresh)]
-            WORKER.submit((self.id, chunk), self._accumulate, acc, dst, parts, event)
+            WORKER.submit((self.id, chunk), self._accumulate, acc, dst, parts, event, pool)
         elif event is not None:
             WORKER.submit((self.id, chunk), event.synchronize)
+
+    def _packed_staging(self) -> GradStaging:
+        """The staging of packed gradients (master dtype), of the largest packed chunk's size."""
+        if self._staging is None:
+            packed = [
+                self.host_numel(c) for c in self.offloaded_chunks if not self.grad_goes_as_is(c)
+            ]
+            self._staging = shared_staging(
+                max(packed + [self.chunk_capacity // self.world.size]),
+                self.master_dtype,
+                self.is_cuda,
+            )
+        return self._staging
+
+    def _oversized_staging(self, numel: int, dtype: torch.dtype) -> GradStaging:
+        """The staging of an oversized chunk's gradient, in the dtype autograd made it."""
+        key = (numel, dtype)
+        pool = self._oversized.get(key)
+        if pool is None:
+            pool = self._oversized[key] = shared_staging(
+                numel, dtype, self.is_cuda, N_OVERSIZED_STAGING
+            )
+        return pool
 
     def _rows_to_host(self, chunk: int, entry: int, rows, indices, fresh: bool) -> None:
         """An embedding's gradient as its lookup's rows (tokens x hidden) and token ids: copied to
@@ -321,7 +348,10 @@ class ChunkGrads:
                 grad.zero_()
             grad.index_add_(0, tokens, table)
 
-    def _accumulate(self, acc: torch.Tensor, staged: torch.Tensor, parts, event) -> None:
+    @staticmethod
+    def _accumulate(acc: torch.Tensor, staged: torch.Tensor, parts, event, pool) -> None:
+        """On the host worker: the staged gradient copied into (or added to) the accumulator, in
+        the accumulator's dtype (an upcast of a low-precision gradient is exact)."""
         if event is not None:
             event.synchronize()
         with torch.no_grad():
@@ -333,7 +363,7 @@ class ChunkGrads:
                     acc[sl].copy_(staged[sl])
                 else:
                     acc[sl].add_(staged[sl])
-        self._staging.give(staged)
+        pool.give(staged)
 
     def resident_grads_ready(
         self, chunk: int, grads: list[torch.Tensor], members: list[int]

@@ -215,6 +215,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         self.grad_buffers = grad_buffers(self.device, self.master_dtype, gbig) if gbig else None
         self.streams = streams_of(self.device)
         self._staging: GradStaging | None = None
+        self._oversized: dict[tuple, GradStaging] = {}  # (numel, dtype) -> its staging
         # offloaded chunks whose Adam step runs on the compute device (set_device_steps)
         self.device_step_chunks: set[int] = set()
         self.device_step_share = 0.0
@@ -458,6 +459,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         tensors += list(self.grad.values()) + (
             self._staging.free if self._staging is not None else []
         )
+        tensors += [t for pool in self._oversized.values() for t in pool.free]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def describe(self) -> str:
