@@ -17,10 +17,11 @@ bit.
 * ``linear_cross_entropy(hidden, weight, target, ..., compute_dtype) -> (loss, total_weight)``: the
   same from the hidden states and the output projection's weight (``logits = hidden @ weight.T`` in
   ``compute_dtype``, the dtype autocast would run the projection in), for a graph whose logits feed
-  the loss alone: the logits then exist one chunk at a time too, and backward recomputes each
-  chunk's logits (one more matmul of the head's size) to return the gradients of ``hidden`` and
-  ``weight``; the weight's is summed over the chunks in fp32 (the one result that is not eager's bit
-  for bit: within fp32 rounding).
+  the loss alone: the logits then exist one chunk at a time in forward; backward recomputes each
+  chunk's logits (one more matmul of the head's size) and writes their gradient, in
+  ``compute_dtype``, into a tensor of the logits' size, then runs the projection's two backward
+  matmuls over all rows as eager does (``weight`` comes in ``compute_dtype`` where the graph casts
+  it, passes/chunked_loss.py, and its gradient goes back in it).
 
 ``reduction`` is ``"mean"`` (over the rows whose target is not ``ignore_index``, as eager's) or
 ``"sum"``. The ops are opaque to Inductor (their kernels are eager ATen calls per chunk).
