@@ -217,7 +217,8 @@ def _rewrite(graph: fx.Graph, loss: fx.Node, args: dict, plan: Plan) -> str | No
                 # the op's weight gradient then comes back in it, and its upcast is a node of the
                 # graph (which passes/optimizer_calls.py leaves to the host for an oversized chunk)
                 low = graph.call_method("to", (weight, compute))
-                low.meta["example_value"] = _fake(lambda t, d: t.to(d), weight, compute)
+                with _val(weight).fake_mode:
+                    low.meta["example_value"] = torch.empty_like(_val(weight), dtype=compute)
             op, op_args = torch.ops.protrain.linear_cross_entropy.default, (flat, low, target)
             what = "head and loss fused"
         else:

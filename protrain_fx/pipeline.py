@@ -102,7 +102,7 @@ PASSES: dict[str, PassSpec] = {
         _spec(
             "optimizer_calls",
             optimizer_calls,
-            reads={"grad_slots"},
+            reads={"grad_slots", "chunk_size", "world_size"},
             exact_without=False,
             why="offloaded chunks' gradients would never reach their host accumulators",
         ),

@@ -98,11 +98,9 @@ class _ProfileArrays:
             self.fwd_off.append(self.fwd_off[-1] + max(f, h2d))
             # the last n_buffer chunks stay in their buffers
             up = 0 if c >= n - n_buffer else ch.numel * te
-            # priced in the master dtype: an oversized chunk's gradient goes down as autograd made
-            # it, in the transfer dtype only where the graph's last step was its upcast (an untied
-            # head under autocast; passes/optimizer_calls.py), a tied one's in the master dtype
+            # its gradient's copy to the host (and reduce-scatter): what the CPU step waits for;
+            # in the master dtype (an oversized one's may go in the transfer dtype: optimizer_calls)
             down = ch.numel * me
-            # its gradient's copy to the host (and reduce-scatter): what the CPU step waits for
             down_s = down * shard / hw.d2h_bytes_per_s + hw.collective_s(down)
             if self.as_is[c]:
                 self.serial.append(down_s)
@@ -130,8 +128,7 @@ class _ProfileArrays:
         # (protrain_fx/runtime/chunk_store.py); the gradient buffers likewise for the chunks whose
         # gradients are packed (grad_numel)
         self.buffer_numel, self.grad_numel = [0] * (n + 1), [0] * (n + 1)
-        # the host staging of oversized chunks' gradients (N_OVERSIZED_STAGING buffers per size,
-        # priced in the master dtype, the larger of the two a gradient may come in)
+        # the host staging of oversized chunks' gradients, per size, in the master dtype (at most)
         self.oversized_staging = [0] * (n + 1)
         largest_in: dict[int, int] = {}
         packed_in: dict[int, int] = {}
