@@ -83,3 +83,15 @@ def big_vocab_llama(tied: bool) -> LossOnly:
 
 def largest_param_bytes(model) -> int:
     return max(p.numel() * p.element_size() for p in model.parameters())
+
+
+def offloaded(model, lr: float = 1e-3, **options):
+    """``model`` compiled with protrain's eager compiler, every chunk offloaded, and its AdamW (the
+    optimizer the offloaded chunks need): (compiled, optimizer)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "n_persist": 0, "optimizer": opt, **options},
+    )
+    return compiled, opt

@@ -7,7 +7,7 @@ full size remains in the graphs of a model that returns the loss alone."""
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_models import HF_VOCAB, LossOnly, hf_llama
+from hf_models import HF_VOCAB, LossOnly, hf_llama, offloaded
 
 from protrain_fx.plan.plan import get_plan
 from protrain_fx.runtime import loss_ops  # noqa: F401
@@ -179,38 +179,48 @@ def test_what_is_not_exact_to_rewrite_stays_eagers():
     assert rewrite_notes(r.plan) == [] and r.max_loss_rel == 0.0
 
 
+def _logits_sized_nodes(monkeypatch, model, step) -> tuple[list, object]:
+    """Compile ``model`` (eager compiler, every chunk offloaded), run ``step(compiled, x)`` on 32
+    tokens, and return the (stage, node) of every node the backend's graphs hold of the logits' size
+    (32 x HF_VOCAB), and the plan."""
+    from protrain_fx import pipeline
+
+    run_stage = pipeline.run_stage
+    seen = []
+
+    def spy(stage, gm, plan, dump):
+        gm = run_stage(stage, gm, plan, dump)
+        for n in gm.graph.nodes:
+            val = n.meta.get("val")
+            for v in val if isinstance(val, (list, tuple)) else [val]:
+                if (
+                    isinstance(v, torch.Tensor)
+                    and v.numel() == 32 * HF_VOCAB
+                    and HF_VOCAB in v.shape
+                ):
+                    seen.append((stage, n.name))
+        return gm
+
+    monkeypatch.setattr(pipeline, "run_stage", spy)
+    compiled = torch.compile(
+        model, backend="protrain", options={"compiler": "eager", "n_persist": 0}
+    )
+    step(compiled, random_batches(1, 2, 16, vocab=HF_VOCAB)[0][0])
+    monkeypatch.setattr(pipeline, "run_stage", run_stage)
+    return seen, get_plan(compiled)
+
+
 def test_no_tensor_of_the_logits_size_remains_in_the_graphs(monkeypatch):
     """The joint, forward and backward graphs as the backend builds them: with the fused head and
     loss, no node holds a tensor of tokens x vocab elements; without the pass, eager's graphs hold
     several (the check can fail)."""
-    from protrain_fx import pipeline
-
-    run_stage = pipeline.run_stage
 
     def big_nodes():
-        seen = []
-
-        def spy(stage, gm, plan, dump):
-            gm = run_stage(stage, gm, plan, dump)
-            for n in gm.graph.nodes:
-                val = n.meta.get("val")
-                for v in val if isinstance(val, (list, tuple)) else [val]:
-                    if (
-                        isinstance(v, torch.Tensor)
-                        and v.numel() == 32 * HF_VOCAB
-                        and HF_VOCAB in v.shape
-                    ):
-                        seen.append((stage, n.name))
-            return gm
-
-        monkeypatch.setattr(pipeline, "run_stage", spy)
-        model = LossOnly(hf_llama(tie_word_embeddings=False))
-        compiled = torch.compile(
-            model, backend="protrain", options={"compiler": "eager", "n_persist": 0}
+        return _logits_sized_nodes(
+            monkeypatch,
+            LossOnly(hf_llama(tie_word_embeddings=False)),
+            lambda compiled, x: compiled(x, x).backward(),
         )
-        x = random_batches(1, 2, 16, vocab=HF_VOCAB)[0][0]
-        compiled(x, x).backward()
-        return seen, get_plan(compiled)
 
     seen, plan = big_nodes()
     assert len(rewrite_notes(plan)) == 1 and seen == []
@@ -272,12 +282,7 @@ def test_a_model_returning_its_logits_gets_the_fused_loss_and_eagers_logits(monk
     base = hf_llama()
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(mine.parameters(), lr=1e-3)
-    compiled = torch.compile(
-        mine,
-        backend="protrain",
-        options={"compiler": "eager", "n_persist": 0, "optimizer": opt},
-    )
+    compiled, opt = offloaded(mine)
     batches = random_batches(3, 2, 16, vocab=HF_VOCAB)
     for want, got in _hf_steps(ref, compiled, ref_opt, opt, batches):
         assert torch.equal(got.loss, want.loss)
@@ -306,12 +311,7 @@ def test_a_gradient_through_the_returned_logits_raises_and_training_goes_on():
     base = hf_llama()
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(mine.parameters(), lr=1e-3)
-    compiled = torch.compile(
-        mine,
-        backend="protrain",
-        options={"compiler": "eager", "n_persist": 0, "optimizer": opt},
-    )
+    compiled, opt = offloaded(mine)
     batches = random_batches(3, 2, 16, vocab=HF_VOCAB)
     x = batches[0][0]
     out = compiled(input_ids=x, labels=x)
@@ -329,34 +329,14 @@ def test_no_tensor_of_the_logits_size_in_backward_when_the_logits_are_returned(m
     """The graphs of a model that returns its logits: only the forward holds a tensor of their size
     (the logits it returns); the backward none (no zero gradient of the output, no saved logits).
     Without the pass the backward holds several (the check can fail)."""
-    from protrain_fx import pipeline
-
-    run_stage = pipeline.run_stage
 
     def big_nodes():
-        seen = []
-
-        def spy(stage, gm, plan, dump):
-            gm = run_stage(stage, gm, plan, dump)
-            for n in gm.graph.nodes:
-                val = n.meta.get("val")
-                for v in val if isinstance(val, (list, tuple)) else [val]:
-                    if (
-                        isinstance(v, torch.Tensor)
-                        and v.numel() == 32 * HF_VOCAB
-                        and HF_VOCAB in v.shape
-                    ):
-                        seen.append(stage)
-            return gm
-
-        monkeypatch.setattr(pipeline, "run_stage", spy)
-        model = hf_llama(tie_word_embeddings=False)
-        compiled = torch.compile(
-            model, backend="protrain", options={"compiler": "eager", "n_persist": 0}
+        seen, _ = _logits_sized_nodes(
+            monkeypatch,
+            hf_llama(tie_word_embeddings=False),
+            lambda compiled, x: compiled(input_ids=x, labels=x).loss.backward(),
         )
-        x = random_batches(1, 2, 16, vocab=HF_VOCAB)[0][0]
-        compiled(input_ids=x, labels=x).loss.backward()
-        return seen
+        return [stage for stage, _ in seen]
 
     stages = big_nodes()
     assert "forward" in stages and "backward" not in stages, stages
@@ -371,8 +351,6 @@ def test_returned_logits_no_longer_raise_the_smallest_budget(monkeypatch):
     Llama whose 1024 tokens' logits (8192 vocabulary, fp32: 32 MiB) dominate: with the head and
     loss fused although the logits are returned, at least the logits' size below the plan without
     the rewrite (the rewrite of the loss alone, before, changed nothing here: 60.1 MiB both)."""
-    import transformers
-
     from protrain_fx.errors import NoPlanFits
 
     monkeypatch.setenv("PROTRAIN_LOSS_CHUNK_BYTES", "4MiB")
@@ -380,19 +358,13 @@ def test_returned_logits_no_longer_raise_the_smallest_budget(monkeypatch):
     vocab, tokens = 8192, 1024
 
     def smallest_budget() -> int:
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(
+        model = hf_llama(
             vocab_size=vocab,
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             max_position_embeddings=512,
-            tie_word_embeddings=True,
-            attn_implementation="eager",
         )
-        model = transformers.LlamaForCausalLM(cfg).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         compiled = torch.compile(
             model,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hf_models import BIG_VOCAB, big_vocab_llama
+from hf_models import BIG_VOCAB, big_vocab_llama, offloaded
 
 from protrain_fx.runtime.chunk_store import store_of
 from protrain_fx.testing import compare_with_eager, random_batches
@@ -98,12 +98,7 @@ def test_an_oversized_gradient_goes_to_the_host_in_its_own_dtype(monkeypatch):
 
     monkeypatch.setattr(ChunkStore, "copy_to_host", spy)
     model = big_vocab_llama(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    compiled = torch.compile(
-        model,
-        backend="protrain",
-        options={"compiler": "eager", "n_persist": 0, "optimizer": opt},
-    )
+    compiled, opt = offloaded(model)
     data = random_batches(4, 2, 16, vocab=VOCAB)
     losses = []
     for i, (x, y) in enumerate(data):
