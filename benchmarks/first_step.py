@@ -99,8 +99,32 @@ class _Lines(logging.Handler):
         print(record.getMessage(), file=sys.stderr, flush=True)
 
 
-def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
+def _profile_top(prof, n: int = 40) -> dict:
+    """The ``n`` functions with the most cumulative and the most own time in a cProfile run, as
+    ``[seconds, calls, "file:line(function)"]`` rows: where the first step's seconds went."""
+    import pstats
+
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+
+    def where(key):
+        path, line, name = key
+        return f"{'/'.join(path.split('/')[-3:])}:{line}({name})"
+
+    def top(index):
+        best = sorted(stats.items(), key=lambda kv: -kv[1][index])[:n]
+        return [[round(v[index], 3), v[1], where(k)] for k, v in best]
+
+    return {"cumulative": top(3), "own": top(2)}
+
+
+def run_one(
+    model_name: str, system: str, steps: int, cap_gib: float, py_profile: bool = False
+) -> dict:
+    import cProfile
+
     import torch
+
+    prof = cProfile.Profile() if py_profile else None
 
     t_imported = time.perf_counter()
     spec = MODELS[model_name]
@@ -113,6 +137,8 @@ def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
     logging.getLogger("protrain_fx").addHandler(lines)
     logging.getLogger("protrain_fx").setLevel(logging.INFO)
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     model, loss_of = build(spec)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     build_s = time.perf_counter() - t0
@@ -143,6 +169,8 @@ def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
         times.append(time.perf_counter() - ts)
         if first is None:
             first = time.perf_counter() - t0
+            if prof is not None:
+                prof.disable()
             print(f"first step after {first:.1f} s", file=sys.stderr, flush=True)
     steady = times[3:] or times[1:]
     tokens = spec["batch"] * spec["seq"]
@@ -158,6 +186,8 @@ def run_one(model_name: str, system: str, steps: int, cap_gib: float) -> dict:
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / 2**30, 2),
         "progress": lines.lines,
     }
+    if prof is not None:  # seconds under the profiler: about 1.3x the plain run's
+        row["py_profile"] = _profile_top(prof)
     ready = [line for line in lines.lines if "ready after" in line]
     row["ready_line"] = ready[-1] if ready else None
     if system.startswith("protrain"):
@@ -195,7 +225,7 @@ def child(model_name: str, system: str, cache: str, dirs: dict, args) -> dict:
         str(args.steps),
         "--cap-gib",
         str(args.cap_gib),
-    ]
+    ] + (["--py-profile"] if args.py_profile else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     sys.stderr.write(proc.stderr[-4000:])
@@ -226,9 +256,15 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this run's rows (shown in the table)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "first_step_h200"))
     ap.add_argument("--run", nargs=2, metavar=("MODEL", "SYSTEM"))
+    ap.add_argument(
+        "--py-profile",
+        action="store_true",
+        help="run each process's build, compile and first step under cProfile and keep the top "
+        "functions by cumulative and own time in its row (py_profile)",
+    )
     args = ap.parse_args()
     if args.run:
-        row = run_one(args.run[0], args.run[1], args.steps, args.cap_gib)
+        row = run_one(args.run[0], args.run[1], args.steps, args.cap_gib, args.py_profile)
         print("RESULT " + json.dumps(row), flush=True)
         return
     work = tempfile.mkdtemp(prefix="first_step_")
