@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -156,10 +158,79 @@ def build(spec: dict, seq: int, checkpointing: bool = False, host: bool = False)
     return model.train()
 
 
+class Clocks(logging.Handler):
+    """The device's SM clock and power, sampled every 100 ms through NVML on a thread, summarized
+    over two windows: protrain's profiled runs (between its ``profiling one step`` and
+    ``searching`` progress lines) and the timed steps. Tells whether the steps ran at a lower clock
+    than the profile was measured at (a power or thermal limit) when a plan's GPU phases take longer
+    than predicted."""
+
+    def __init__(self, index: int = 0):
+        super().__init__()
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.samples: list[tuple[float, int, float]] = []
+        self.marks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        nv = self._nvml
+        while not self._stop.wait(0.1):
+            try:
+                sm = nv.nvmlDeviceGetClockInfo(self._handle, nv.NVML_CLOCK_SM)
+                watts = nv.nvmlDeviceGetPowerUsage(self._handle) / 1e3
+            except nv.NVMLError:
+                return
+            self.samples.append((time.perf_counter(), sm, watts))
+
+    def emit(self, record) -> None:
+        msg = record.getMessage()
+        if "profiling one step" in msg:
+            self.marks["profile_start"] = time.perf_counter()
+        elif "searching the plans" in msg:
+            self.marks.setdefault("profile_end", time.perf_counter())
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.perf_counter()
+
+    def summary(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        out = {}
+        for name, a, b in (
+            ("profiling", "profile_start", "profile_end"),
+            ("steps", "steps_start", "steps_end"),
+        ):
+            if a in self.marks and b in self.marks:
+                window = [s for s in self.samples if self.marks[a] <= s[0] <= self.marks[b]]
+                if window:
+                    clocks = [s[1] for s in window]
+                    out[name] = {
+                        "samples": len(window),
+                        "sm_mhz_mean": round(statistics.mean(clocks)),
+                        "sm_mhz_min": min(clocks),
+                        "sm_mhz_max": max(clocks),
+                        "watts_mean": round(statistics.mean(s[2] for s in window), 1),
+                    }
+        return out
+
+
 def run_row(row: dict, steps: int) -> dict:
     """One row in this process."""
     import torch
 
+    try:
+        clocks = Clocks(torch.cuda.current_device())
+        logging.getLogger("protrain_fx").addHandler(clocks)
+        logging.getLogger("protrain_fx").setLevel(logging.INFO)
+    except Exception as e:  # no NVML here: the row goes on without clocks
+        print(f"no clock samples: {e}", file=sys.stderr)
+        clocks = None
     t0 = time.perf_counter()
     dev = torch.device("cuda")
     spec = MODELS[row["model"]]
@@ -199,6 +270,8 @@ def run_row(row: dict, steps: int) -> dict:
     history = row.get("memory_history")
     losses, times, per_step = [], [], []
     for i, x in enumerate(data):
+        if clocks is not None and i == 3:
+            clocks.mark("steps_start")
         if history and i == 3:
             torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
         ts = time.perf_counter()
@@ -256,6 +329,9 @@ def run_row(row: dict, steps: int) -> dict:
             file=sys.stderr,
             flush=True,
         )
+    if clocks is not None:
+        clocks.mark("steps_end")
+        out["clocks"] = clocks.summary()
     if row.get("trace"):  # one more step under torch.profiler: where its device time went
         import tempfile
 
@@ -530,6 +606,12 @@ def table(out: dict) -> str:
         )
         lines_of_error = (r.get("error") or "").strip().splitlines()
         err = [x for x in lines_of_error if "Error" in x or "NoPlanFits" in x][-1:] or [""]
+        clk = r.get("clocks") or {}
+        if not err[0] and "profiling" in clk and "steps" in clk:
+            err = [
+                f"SM clock profiled {clk['profiling']['sm_mhz_mean']} MHz, steps "
+                f"{clk['steps']['sm_mhz_mean']} MHz ({clk['steps']['watts_mean']:.0f} W)"
+            ]
         rel = r.get("max_loss_rel_vs_compile")
         pa, ma = r.get("predicted_peak_allocated_gib"), r.get("peak_allocated_gib")
         alloc_s = f"{pa:.2f} / {ma:.2f}" if pa and ma else (f"{ma:.2f}" if ma else "-")

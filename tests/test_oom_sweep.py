@@ -115,3 +115,52 @@ def test_snapshot_summary():
     ]
     assert s["traced_peak_gib_above_start"] == round(3 / 1024, 3)
     assert [x["where"] for x in s["largest_at_traced_peak"]] == [["b.py:1:b"], ["a.py:1:a"]]
+
+
+def test_clock_windows(monkeypatch):
+    """The SM clock sampler (through a stand-in NVML whose clock drops once the steps start)
+    splits its samples at protrain's progress lines and the timed steps, and the table shows both
+    means."""
+    import logging
+    import time
+    import types
+
+    state = {"mhz": 1980}
+    fake = types.SimpleNamespace(
+        NVML_CLOCK_SM=1,
+        NVMLError=RuntimeError,
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetClockInfo=lambda h, kind: state["mhz"],
+        nvmlDeviceGetPowerUsage=lambda h: 650_000,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    clocks = oom_sweep.Clocks(0)
+    log = logging.getLogger("protrain_fx.test_clock_windows")
+    log.addHandler(clocks)
+    log.setLevel(logging.INFO)
+
+    def wait_samples(n):
+        start = len(clocks.samples)
+        deadline = time.monotonic() + 10
+        while len(clocks.samples) < start + n and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    log.info("protrain [ 1.0 s] graph 0/0: profiling one step (1 + 2 runs)")
+    wait_samples(3)
+    log.info("protrain [ 2.0 s] graph 0/0: searching the plans under a budget of 1 GiB")
+    state["mhz"] = 1755
+    wait_samples(2)
+    clocks.mark("steps_start")
+    wait_samples(3)
+    clocks.mark("steps_end")
+    summary = clocks.summary()
+    log.removeHandler(clocks)
+    assert summary["profiling"]["sm_mhz_mean"] == 1980 and summary["profiling"]["samples"] >= 3
+    assert summary["steps"]["sm_mhz_mean"] == 1755 and summary["steps"]["watts_mean"] == 650.0
+    row = _row("m/b1s8/cap16/default", outcome="trained", losses=[2.0], clocks=summary)
+    rows = [row]
+    text = oom_sweep.table(
+        dict(device="d", torch="t", date="today", counts=oom_sweep.evaluate(rows), rows=rows)
+    )
+    assert "SM clock profiled 1980 MHz, steps 1755 MHz (650 W)" in text
