@@ -220,6 +220,20 @@ class Clocks(logging.Handler):
         return out
 
 
+def rss_gib() -> float:
+    """This process's resident set now (pinned host memory included: it is resident)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def peak_rss_gib() -> float:
+    """This process's largest resident set so far (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def run_row(row: dict, steps: int) -> dict:
     """One row in this process."""
     import torch
@@ -234,7 +248,8 @@ def run_row(row: dict, steps: int) -> dict:
     t0 = time.perf_counter()
     dev = torch.device("cuda")
     spec = MODELS[row["model"]]
-    out = {"steps_asked": steps}
+    torch.zeros(1, device=dev)  # the CUDA context: part of the baseline, not of the row
+    out = {"steps_asked": steps, "rss_base_gib": round(rss_gib(), 3)}
     hybrid = None
     if row["system"] == "protrain":
         import protrain_fx
@@ -350,6 +365,10 @@ def run_row(row: dict, steps: int) -> dict:
         )
     steady = times[3:] or times[1:]
     later = per_step[1:] or per_step
+    # host memory: the process's peak resident set (building the model on the host, profiling,
+    # the plan's buffers) and its resident set after the steps, both above the baseline
+    out["rss_steps_gib"] = round(rss_gib(), 3)
+    out["peak_rss_gib"] = round(peak_rss_gib(), 3)
     out.update(
         losses=losses,
         per_step=per_step,
@@ -385,6 +404,8 @@ def run_row(row: dict, steps: int) -> dict:
         if pred.get("peak_allocated_bytes"):
             out["predicted_peak_allocated_gib"] = pred["peak_allocated_bytes"] / 2**30
         out["predicted_step_s"] = pred.get("iter_s")
+        if pred.get("host_bytes") is not None:
+            out["predicted_host_gib"] = pred["host_bytes"] / 2**30
         out["predicted_detail"] = {
             "breakdown": pred.get("breakdown"),
             "host_bytes": pred.get("host_bytes"),
@@ -587,12 +608,16 @@ def table(out: dict) -> str:
         "5% off.",
         "",
         "Peaks: the process's `max_memory_reserved` (profiling and the first step included). Step "
-        "time: median of steps 4-20, synchronized. Errors: (measured - predicted) / predicted.",
+        "time: median of steps 4-20, synchronized. Errors: (measured - predicted) / predicted. "
+        "Host: the pinned buffers the plan predicts, and the process's resident set after the "
+        "steps and at its peak (building the model on the host included), both above its "
+        "resident set before the model was built (libraries, the CUDA context).",
         "",
         "| row | outcome | loss rel vs compile | reserved peak GiB pred / meas (err) | "
         "allocated peak GiB pred / meas | allocator retries | "
-        "step s pred / meas (err) | tokens/s | first step s (Inductor cache) | plan | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "step s pred / meas (err) | tokens/s | first step s (Inductor cache) | "
+        "host GiB: plan's buffers / resident after the steps / peak resident | plan | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
         plan = r.get("plan")
@@ -606,6 +631,19 @@ def table(out: dict) -> str:
         )
         lines_of_error = (r.get("error") or "").strip().splitlines()
         err = [x for x in lines_of_error if "Error" in x or "NoPlanFits" in x][-1:] or [""]
+        base = r.get("rss_base_gib")
+        host_s = (
+            " / ".join(
+                [
+                    f"{r['predicted_host_gib']:.2f}"
+                    if r.get("predicted_host_gib") is not None
+                    else "-"
+                ]
+                + [f"{r[k] - base:.2f}" for k in ("rss_steps_gib", "peak_rss_gib")]
+            )
+            if base is not None and r.get("peak_rss_gib") is not None
+            else "-"
+        )
         clk = r.get("clocks") or {}
         if not err[0] and "profiling" in clk and "steps" in clk:
             err = [
@@ -629,7 +667,8 @@ def table(out: dict) -> str:
             f"{alloc_s} | {r.get('alloc_retries', '-')} | "
             f"{pe('predicted_step_s', 'measured_step_s', 'time_err', '{:.3f}')} | "
             f"{r.get('tokens_per_s') and round(r['tokens_per_s']) or '-'} | "
-            f"{r.get('first_step_s', '-')} ({r.get('inductor_cache', '-')}) | {plan_s} | "
+            f"{r.get('first_step_s', '-')} ({r.get('inductor_cache', '-')}) | {host_s} | "
+            f"{plan_s} | "
             f"{err[0][:160]} |"
         )
     return "\n".join(lines) + "\n"

@@ -164,3 +164,29 @@ def test_clock_windows(monkeypatch):
         dict(device="d", torch="t", date="today", counts=oom_sweep.evaluate(rows), rows=rows)
     )
     assert "SM clock profiled 1980 MHz, steps 1755 MHz (650 W)" in text
+
+
+def test_host_column():
+    """The host column: the plan's predicted buffers, then the resident set after the steps and
+    at its peak, each above the baseline; rows without the measurements show a dash."""
+    rows = [
+        _row(
+            "m/b1s8/cap16/default",
+            outcome="trained",
+            losses=[2.0],
+            predicted_host_gib=40.0,
+            rss_base_gib=3.5,
+            rss_steps_gib=44.25,
+            peak_rss_gib=50.0,
+        ),
+        _row("m/b1s8/cap16/segments", outcome="trained", losses=[2.0]),
+    ]
+    text = oom_sweep.table(
+        dict(device="d", torch="t", date="today", counts=oom_sweep.evaluate(rows), rows=rows)
+    )
+    lines = {x.split(" | ")[0]: x.split(" | ") for x in text.splitlines() if x.startswith("| m/")}
+    header = next(x for x in text.splitlines() if x.startswith("| row")).split(" | ")
+    col = next(i for i, h in enumerate(header) if h.startswith("host GiB"))
+    assert lines["| m/b1s8/cap16/default"][col] == "40.00 / 40.75 / 46.50"
+    assert lines["| m/b1s8/cap16/segments"][col] == "-"
+    assert all(len(v) == len(header) for v in lines.values())
