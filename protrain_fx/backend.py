@@ -395,6 +395,7 @@ def _compile(
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
     plan = make_plan(name, graph_inputs, structure, opts, split)
+    plan.inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in live))
     if device is not None:  # knobs given by hand too: no fragmentation from protrain's buffers
         plan.notes.append(f"allocator: {allocator.describe(allocator.prepare(device))}")
     # the automatic plan checked the host's memory; knobs given by hand are checked here

@@ -321,10 +321,12 @@ def compile_program(
             key = (r.signature, grads, policy, n_local if placed is None else None, placed)
             v = variants.get(key)
             if v is None:
+                # parameters an earlier graph placed (evaluation, a re-plan) keep their chunks
+                on_device, held = (n_local, len(owned)) if placed is None else _held(live)
                 what = (
                     f"{r.name}"
                     + (f" ({policy}" if policy else " (")
-                    + f"{', ' if policy else ''}{n_local} of {len(owned)} chunks resident)"
+                    + f"{', ' if policy else ''}{on_device} of {held} chunks resident)"
                 )
                 prog.line(f"compiling region code {len(variants) + 1}: {what}")
                 v = _compile_variant(r, ex, graph_inputs, params, ropts, plan, compile_region, root)
@@ -341,18 +343,38 @@ def compile_program(
         top.add_submodule(r.submod, call)
     top.recompile()
     program = RegionProgram(top, calls, list(variants.values()))
-    _describe(plan, program, n_persist)
+    _describe(plan, program, n_persist, graph_inputs, example_inputs)
     plan.notes.append(program.describe() + f" in {time.perf_counter() - t0:.1f} s")
     if plan.profiling:
         plan.static_profile = program.static_profile(len(structure.blocks))
     return program
 
 
-def _describe(plan: Plan, program: RegionProgram, n_persist: int) -> None:
-    """The whole plan's chunk table, knobs and transfer dtype, as the regions' stores hold them."""
-    plan.n_persist = min(n_persist, len(plan.chunks))
+def _held(params: list) -> tuple[int, int]:
+    """Of the store chunks that hold ``params``: how many are resident, and how many there are."""
+    held = {(store, store.entry(p).chunk) for p in params if (store := chunk_store.store_of(p))}
+    return sum(not store.is_offloaded(c) for store, c in held), len(held)
+
+
+def _describe(plan: Plan, program: RegionProgram, n_persist: int, graph_inputs, examples) -> None:
+    """The whole plan's chunk table, knobs and transfer dtype, as the regions' stores hold them: a
+    chunk is on the host when its parameters' store chunk is, which an earlier graph may have
+    decided (an inference graph runs on the training plan's chunks)."""
+    param_of = {
+        gi.fqn or gi.node_name: x
+        for gi, x in zip(graph_inputs, examples)
+        if gi.is_param and isinstance(x, torch.Tensor)
+    }
+
+    def offloaded(name: str) -> bool:
+        p = param_of.get(name)
+        store = chunk_store.store_of(p) if p is not None else None
+        return store is not None and store.param_is_offloaded(p)
+
     for c in plan.chunks:
-        c.placement = "device" if c.id < plan.n_persist else "host"
+        on_host = any(offloaded(name) for name in c.params)
+        c.placement = "host" if on_host else "device"
+    plan.n_persist = sum(c.placement == "device" for c in plan.chunks)
     plans = [v.plan for v in program.variants]
     # what each block's code swaps, by the block's name in the whole graph
     plan.swapped = {

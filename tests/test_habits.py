@@ -361,6 +361,41 @@ def test_19_2_hf_llama_labels_and_no_grad_eval_offloaded(compiler):
     p.check()
 
 
+def test_19_2_plan_after_a_no_grad_eval_is_the_training_plan():
+    """An evaluation under torch.no_grad() compiles one more graph (compiled in regions), which runs
+    on the chunks the automatic plan placed for training. ``get_plan(model)`` still returns the
+    training graph's plan, and the evaluation graph's own plan describes those chunks as they are
+    (it reported every chunk resident, with the automatic plan's chunks on the host)."""
+    from protrain_fx.runtime.chunk_store import store_of
+
+    model = hf_llama()
+    opt = adamw(model.parameters())
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000},
+    )
+    (x, _), (x_eval, _) = hf_data(2)
+    hf_loss(compiled, x).backward()
+    opt.step()
+    opt.zero_grad()
+    trained = protrain_fx.get_plan(compiled)
+    assert "host" in placements(compiled) and "device" in placements(compiled), placements(compiled)
+    model.eval()
+    with torch.no_grad():
+        hf_loss(compiled, x_eval)
+    assert protrain_fx.get_plan(compiled) is trained
+    evaluation = protrain_fx.get_plan()  # the newest plan of all: the evaluation graph's
+    assert evaluation is not trained and evaluation.inference and not trained.inference
+    params = dict(model.named_parameters())
+    for plan in (trained, evaluation):
+        for chunk in plan.chunks:
+            on_host = {store_of(params[n]).param_is_offloaded(params[n]) for n in chunk.params}
+            assert on_host == {chunk.placement == "host"}, (plan.graph_name, chunk)
+        assert plan.n_persist == sum(c.placement == "device" for c in plan.chunks)
+    assert [c.placement for c in evaluation.chunks] == [c.placement for c in trained.chunks]
+
+
 # ------------------------------------------------------------- 19.3 touching an offloaded parameter
 def trained_pair(n_steps=2, **extra):
     """An eager GPT and a protrain copy with every chunk on the host, each trained ``n_steps``."""

@@ -110,6 +110,9 @@ class Plan:
     profile_blocks: bool = False
     # the profiler's plan (protrain_fx/profiling/profiler.py): its step's gradients are dropped
     profiling: bool = False
+    # a graph that computes no gradients (evaluation under torch.no_grad()): it runs on the chunks
+    # its parameters already have; get_plan prefers the training graph's plan
+    inference: bool = False
     # set at partition when profiling: what the profiler reads of the partitioned graphs
     # (profiler.StaticProfile)
     static_profile: Any = field(default=None, repr=False)
@@ -326,13 +329,20 @@ def _name_from_root(entry: _Entry, module: torch.nn.Module) -> None:
         plan.block_container = prefix + plan.block_container
 
 
+def _training_first(entries: list[_Entry]) -> list[_Entry]:
+    """The training graphs' entries, or all of them when there are none."""
+    return [e for e in entries if not e.plan.inference] or entries
+
+
 def get_plan(compiled=None) -> Plan:
     """The plan of the most recent graph compiled by backend="protrain" for ``compiled`` (the module
     returned by ``torch.compile`` or the original module). Without an argument: the newest plan of
     all.
 
     A model whose forward was split by graph breaks has one plan per graph; the most recent graph
-    that holds any of the model's parameters is the one returned.
+    that holds any of the model's parameters is the one returned. A training graph's plan comes
+    before an inference graph's (an evaluation under ``torch.no_grad()`` compiles one more graph,
+    which runs on the training plan's chunks): the latter only for a model never trained.
     """
     live = [e for e in _ENTRIES if all(r() is not None for r in e.params)]
     if compiled is None:
@@ -342,13 +352,13 @@ def get_plan(compiled=None) -> Plan:
     module = getattr(compiled, "_orig_mod", compiled)
     if isinstance(module, torch.nn.Module):
         ids = {id(p) for p in module.parameters()}
-        mine = [e for e in live if e.param_ids and e.param_ids <= ids]
+        mine = _training_first([e for e in live if e.param_ids and e.param_ids <= ids])
         if mine:
             _name_from_root(mine[-1], module)
             return mine[-1].plan
     opts = _options_of(compiled)
     if opts is not None:
-        mine = [e for e in live if e.options_id == id(opts)]
+        mine = _training_first([e for e in live if e.options_id == id(opts)])
         if mine:
             return mine[-1].plan
     raise ProtrainError(
