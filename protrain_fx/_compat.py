@@ -15,10 +15,22 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 
+def eager_random():
+    """Inductor set to draw random numbers (dropout) from eager PyTorch's generator, in eager's
+    order, instead of its own Philox streams: a compiled step then gives the masks eager gives, so
+    a model with dropout trains exactly like eager (torch.compile's default differs from eager
+    there). Around every Inductor entry protrain makes: the decompositions, the joint-graph passes
+    (replace_random) and the lowering."""
+    from torch._inductor import config
+
+    return config.patch(fallback_random=True)
+
+
 def inductor_decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
-    return select_decomp_table()
+    with eager_random():
+        return select_decomp_table()
 
 
 def min_cut_partition(
@@ -40,7 +52,7 @@ def inductor_joint_passes(joint: fx.GraphModule) -> fx.GraphModule:
     fake = torch._guards.detect_fake_mode(
         [n.meta.get("val") for n in joint.graph.nodes if n.op == "placeholder"]
     )
-    with V.set_fake_mode(fake) if fake is not None else contextlib.nullcontext():
+    with eager_random(), V.set_fake_mode(fake) if fake is not None else contextlib.nullcontext():
         return _recursive_joint_graph_passes(joint, skip_invoke_subgraph=True)
 
 
@@ -58,9 +70,10 @@ def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs
     cfg = torch.compiler.config
     user_tag = getattr(cfg, "cache_key_tag", None)  # None: a torch without it
     if user_tag is None:
-        return inner(gm, example_inputs, **kwargs)
+        with eager_random():
+            return inner(gm, example_inputs, **kwargs)
     tag = ";".join(t for t in (user_tag, ops_fingerprint()) if t)
-    with cfg.patch(cache_key_tag=tag):
+    with cfg.patch(cache_key_tag=tag), eager_random():
         return inner(gm, example_inputs, **kwargs)
 
 

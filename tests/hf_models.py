@@ -38,6 +38,25 @@ def hf_llama(seed: int = 0, **overrides):
     return model.train()
 
 
+def hf_gpt2(seed: int = 0, **overrides):
+    """``GPT2LMHeadModel`` (2 layers, width 64, tied embeddings, eager attention) with its default
+    dropout (0.1 on the embeddings, attention and residuals), in train mode, built under
+    ``torch.manual_seed(seed)``."""
+    import transformers
+
+    kw = dict(
+        vocab_size=HF_VOCAB,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**kw)).train()
+
+
 def hf_loss(model, x, y=None):
     """Hugging Face's own loss: the labels are the inputs (shifted inside the model)."""
     return model(input_ids=x, labels=x).loss
