@@ -1238,3 +1238,25 @@ def test_20_10_manual_knobs_that_cannot_fit_the_host_fail_before_allocating(monk
     assert pe is not None and "need" in str(pe) and "of host memory" in str(pe), err.value
     assert not re.search(r"(?<![\w.])-\s*\d", str(pe))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_20_11_first_call_leaves_the_random_numbers_as_eager(tmp_path, monkeypatch):
+    """The first compiled call measures the machine, profiles and searches a plan (new caches
+    here), all inside the user's step: torch's global generator must come out of the step where
+    eager's does (the step draws nothing: the model has no dropout), so the data order and masks
+    drawn after it are eager's."""
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    model = hf_llama()
+    opt = adamw(model.parameters())
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000},
+    )
+    ((x, _),) = hf_data(1)
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    hf_loss(compiled, x).backward()
+    opt.step()
+    assert "host" in placements(compiled)  # the automatic plan profiled and offloaded
+    assert torch.equal(torch.get_rng_state(), before)

@@ -288,3 +288,13 @@ def test_every_pinned_host_buffer_goes_through_pinned_empty():
             if re.search(r"pin_memory\s*=|\.pin_memory\(", line.split("#")[0]):
                 offenders.append(f"{path.name}:{n}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_measuring_leaves_the_random_numbers_alone(tmp_path):
+    """The hardware profile is measured inside the first compiled call on a new machine: it must
+    not move torch's global generator (a data order or a dropout mask drawn after it would differ
+    from eager's on that run only)."""
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    hardware_profile("cpu", refresh=True, cache_dir=str(tmp_path))
+    assert torch.equal(torch.get_rng_state(), before)

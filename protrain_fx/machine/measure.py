@@ -325,7 +325,9 @@ def _measure_host_triad(numel: int) -> float:
     on the 2-core CI machine)."""
     from protrain_fx.machine import cpu_adam
 
-    b, c = torch.rand(numel), torch.rand(numel)
+    # a generator of its own: measuring must not move the user's random numbers
+    gen = torch.Generator().manual_seed(0)
+    b, c = torch.rand(numel, generator=gen), torch.rand(numel, generator=gen)
     a = torch.empty(numel)
 
     def run():
