@@ -1,0 +1,76 @@
+"""The automatic plan's host memory against what the runtime allocates (issue 25: host memory
+planned like device memory). After two steps every host buffer exists: the offloaded chunks' fp32
+masters, their transfer copies (when the transfer dtype differs), gradient accumulators and Adam
+moments, the staging of packed gradients (shared by the stores of a model compiled in regions) and
+of oversized ones. Their bytes, each storage counted once, must be the plan's ``host_bytes``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import hf_llama, hf_loss
+
+import protrain_fx
+from protrain_fx.runtime.chunk_store import store_of
+from protrain_fx.testing import random_batches
+
+
+def allocated_host_bytes(model, opt) -> dict[str, int]:
+    """The host buffers protrain holds for ``model`` and its optimizer, by kind, each storage
+    once."""
+    seen: dict[int, tuple[int, str]] = {}
+
+    def add(t, kind):
+        if t is not None:
+            s = t.untyped_storage()
+            seen.setdefault(s.data_ptr(), (s.nbytes(), kind))
+
+    stores = {id(s): s for p in model.parameters() if (s := store_of(p)) is not None}
+    for s in stores.values():
+        for t in s.master.values():
+            add(t, "master")
+        for t in s.transfer.values():
+            add(t, "transfer")
+        for t in s.grad.values():
+            add(t, "gradient")
+        for t in s._staging.free if s._staging is not None else []:
+            add(t, "staging")
+        for pool in s._oversized.values():
+            for t in pool.free:
+                add(t, "oversized staging")
+    for st in opt._protrain_hybrid.states.values():
+        add(st.exp_avg, "moments")
+        add(st.exp_avg_sq, "moments")
+    out: dict[str, int] = {}
+    for nbytes, kind in seen.values():
+        out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
+@pytest.mark.parametrize(
+    "overrides, budget",
+    [
+        ({}, 3_000_000),  # tied embeddings, chunks packed by block
+        ({"vocab_size": 8192, "tie_word_embeddings": False}, 12_000_000),  # oversized head
+    ],
+    ids=["tied", "untied_oversized"],
+)
+def test_predicted_host_bytes_are_the_allocated_ones(overrides, budget):
+    model = hf_llama(**overrides)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": opt, "memory_budget": budget},
+    )
+    for x, _ in random_batches(2, 2, 16, vocab=model.config.vocab_size):
+        hf_loss(compiled, x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    plan = protrain_fx.get_plan(compiled)
+    assert any(c.placement == "host" for c in plan.chunks)
+    got = allocated_host_bytes(model, opt)
+    assert got.get("master") and got.get("moments") == 2 * got["master"], got
+    if overrides:
+        assert got.get("oversized staging"), got
+    assert sum(got.values()) == plan.predicted["host_bytes"], (got, plan.predicted["host_bytes"])
