@@ -350,6 +350,40 @@ def _compile_graph(gm, example_inputs, graph_inputs, params, plan: Plan, opts: O
     return program
 
 
+def _symbolic(example_inputs) -> bool:
+    """Whether dynamo traced this graph with symbolic sizes (a dynamic graph: after a second input
+    shape, or ``torch.compile(dynamic=True)``)."""
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt) or (
+            isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
+        ):
+            return True
+    return False
+
+
+def _no_swap_when_dynamic(opts: Options, example_inputs) -> tuple[Options, str | None]:
+    """Swapped blocks under Inductor need static shapes: compiled with symbolic sizes, Inductor's
+    backward of a swapped block asserted strides of the first shape for some saved activations
+    (an HF Llama trained on two sequence lengths failed in its backward). The automatic plan then
+    chooses among plans without swap; swap asked for by hand is an error that says what to do."""
+    if opts.compiler != "inductor" or not _symbolic(example_inputs):
+        return opts, None
+    if opts.n_swap:
+        raise ProtrainError(
+            f"n_swap={opts.n_swap} with dynamic shapes: dynamo compiled this graph with symbolic "
+            "sizes (inputs of another shape came, or torch.compile(dynamic=True)), and swapped "
+            "blocks are not supported there with Inductor yet. Pass dynamic=False to "
+            "torch.compile (one graph per shape), or n_swap=0 (recompute with n_checkpoint "
+            "instead), or compiler='eager'"
+        )
+    if opts.n_swap == 0:
+        return opts, None
+    return dataclasses.replace(opts, n_swap=0), (
+        "no swapped blocks: this graph has dynamic shapes, where Inductor does not support them "
+        "yet (torch.compile(dynamic=False) compiles one graph per shape, which may swap)"
+    )
+
+
 def _compile(
     gm,
     example_inputs,
@@ -368,6 +402,7 @@ def _compile(
     name = graph_name or _graph_name()
     prog = progress.current() if graph_name is None else progress.Silent()
     prog.arrived(len(gm.graph.nodes), live, len(structure.blocks), device)
+    opts, swap_note = _no_swap_when_dynamic(opts, example_inputs)
     choice = None
     if autoplan.wanted(opts, params, device):
 
@@ -395,6 +430,8 @@ def _compile(
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
     plan = make_plan(name, graph_inputs, structure, opts, split)
+    if swap_note:
+        plan.notes.append(swap_note)
     plan.inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in live))
     if device is not None:  # knobs given by hand too: no fragmentation from protrain's buffers
         plan.notes.append(f"allocator: {allocator.describe(allocator.prepare(device))}")

@@ -431,6 +431,52 @@ def test_19_2_hf_gpt2_dropout_inductor_like_eager(policy):
     p.check()
 
 
+def two_lengths(call, module, opts, data):
+    """Gradient accumulation over micro-batches of two sequence lengths (the second makes dynamo
+    compile a dynamic graph), clipped, then one step."""
+    losses = []
+    for x, _ in data:
+        for seq in (16, 12):
+            loss = hf_loss(call, x[:, :seq])
+            (loss / 2).backward()
+            losses.append(loss.item())
+        clip_grad_norm_(module.parameters(), 1.0)
+        opts[0].step()
+        opts[0].zero_grad()
+    return losses
+
+
+def test_19_6_dynamic_shapes_inductor_plan_without_swap():
+    """Two sequence lengths through Inductor: the automatic plan of the dynamic graph swaps no
+    block (Inductor's backward of a swapped block asserted the first shape's strides there and
+    failed), says so, and trains like eager; swap asked for by hand on a dynamic graph is a
+    ProtrainError that says what to do, raised before the model is touched."""
+    base = hf_llama()
+    p = parity(
+        base,
+        {"compiler": "inductor", "memory_budget": 3_000_000},
+        habit=two_lengths,
+        data=hf_data(2),
+    )
+    plan = protrain_fx.get_plan(p.compiled)
+    assert plan.n_swap == 0 and any("dynamic shapes" in n for n in plan.notes), plan.notes
+    p.check()
+
+    model = hf_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compiled = torch.compile(
+        model,
+        dynamic=True,
+        backend="protrain",
+        options={"compiler": "inductor", "n_persist": 0, "n_swap": 2, "n_checkpoint": 0},
+    )
+    ((x, _),) = hf_data(1)
+    with pytest.raises(Exception, match="n_swap=2 with dynamic shapes.*dynamic=False"):
+        hf_loss(compiled, x)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.device.type == "cpu" and p.untyped_storage().size() for p in model.parameters())
+
+
 # ------------------------------------------------------------- 19.3 touching an offloaded parameter
 def trained_pair(n_steps=2, **extra):
     """An eager GPT and a protrain copy with every chunk on the host, each trained ``n_steps``."""
