@@ -368,6 +368,18 @@ def test_19_2_hf_llama_labels_and_no_grad_eval_offloaded(compiler):
     p.check()
 
 
+def auto_planned(model):
+    """``model`` under the automatic plan at a 3 MB budget (the HF Llama's chunks mostly on the
+    host), eager compiler, with its AdamW: (compiled, optimizer)."""
+    opt = adamw(model.parameters())
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000},
+    )
+    return compiled, opt
+
+
 def test_19_2_plan_after_a_no_grad_eval_is_the_training_plan():
     """An evaluation under torch.no_grad() compiles one more graph (compiled in regions), which runs
     on the chunks the automatic plan placed for training. ``get_plan(model)`` still returns the
@@ -376,12 +388,7 @@ def test_19_2_plan_after_a_no_grad_eval_is_the_training_plan():
     from protrain_fx.runtime.chunk_store import store_of
 
     model = hf_llama()
-    opt = adamw(model.parameters())
-    compiled = torch.compile(
-        model,
-        backend="protrain",
-        options={"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000},
-    )
+    compiled, opt = auto_planned(model)
     (x, _), (x_eval, _) = hf_data(2)
     hf_loss(compiled, x).backward()
     opt.step()
@@ -1293,12 +1300,7 @@ def test_20_11_first_call_leaves_the_random_numbers_as_eager(tmp_path, monkeypat
     drawn after it are eager's."""
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
     model = hf_llama()
-    opt = adamw(model.parameters())
-    compiled = torch.compile(
-        model,
-        backend="protrain",
-        options={"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000},
-    )
+    compiled, opt = auto_planned(model)
     ((x, _),) = hf_data(1)
     torch.manual_seed(11)
     before = torch.get_rng_state()
