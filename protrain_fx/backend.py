@@ -40,7 +40,7 @@ from protrain_fx.graph import regions
 from protrain_fx.graph.blocks import detect_blocks
 from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.fx import copy_graph_module, saved_names
-from protrain_fx.graph.inputs import capture_graph_inputs
+from protrain_fx.graph.inputs import capture_graph_inputs, has_symbolic_shape
 from protrain_fx.machine import allocator
 from protrain_fx.options import Options, forget_optimizer
 from protrain_fx.placement import autocast_dtypes, bind_chunks
@@ -350,23 +350,15 @@ def _compile_graph(gm, example_inputs, graph_inputs, params, plan: Plan, opts: O
     return program
 
 
-def _symbolic(example_inputs) -> bool:
-    """Whether dynamo traced this graph with symbolic sizes (a dynamic graph: after a second input
-    shape, or ``torch.compile(dynamic=True)``)."""
-    for x in example_inputs:
-        if isinstance(x, torch.SymInt) or (
-            isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
-        ):
-            return True
-    return False
-
-
 def _no_swap_when_dynamic(opts: Options, example_inputs) -> tuple[Options, str | None]:
     """Swapped blocks under Inductor need static shapes: compiled with symbolic sizes, Inductor's
     backward of a swapped block asserted strides of the first shape for some saved activations
     (an HF Llama trained on two sequence lengths failed in its backward). The automatic plan then
     chooses among plans without swap; swap asked for by hand is an error that says what to do."""
-    if opts.compiler != "inductor" or not _symbolic(example_inputs):
+    if opts.compiler != "inductor" or not any(
+        isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and has_symbolic_shape(x))
+        for x in example_inputs
+    ):
         return opts, None
     if opts.n_swap:
         raise ProtrainError(

@@ -343,7 +343,7 @@ def compile_program(
         top.add_submodule(r.submod, call)
     top.recompile()
     program = RegionProgram(top, calls, list(variants.values()))
-    _describe(plan, program, n_persist, graph_inputs, example_inputs)
+    _describe(plan, program, graph_inputs, example_inputs)
     plan.notes.append(program.describe() + f" in {time.perf_counter() - t0:.1f} s")
     if plan.profiling:
         plan.static_profile = program.static_profile(len(structure.blocks))
@@ -356,7 +356,7 @@ def _held(params: list) -> tuple[int, int]:
     return sum(not store.is_offloaded(c) for store, c in held), len(held)
 
 
-def _describe(plan: Plan, program: RegionProgram, n_persist: int, graph_inputs, examples) -> None:
+def _describe(plan: Plan, program: RegionProgram, graph_inputs, examples) -> None:
     """The whole plan's chunk table, knobs and transfer dtype, as the regions' stores hold them: a
     chunk is on the host when its parameters' store chunk is, which an earlier graph may have
     decided (an inference graph runs on the training plan's chunks)."""

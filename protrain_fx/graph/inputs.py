@@ -98,10 +98,10 @@ def capture_graph_inputs(
                 kind=kind,
                 fqn=fqn if kind != "input" else None,
                 source=src,
-                shape=tuple(ex.shape) if is_tensor and not _has_symbolic_shape(ex) else None,
+                shape=tuple(ex.shape) if is_tensor and not has_symbolic_shape(ex) else None,
                 dtype=ex.dtype if is_tensor else None,
                 nbytes=ex.numel() * ex.element_size()
-                if is_tensor and not _has_symbolic_shape(ex)
+                if is_tensor and not has_symbolic_shape(ex)
                 else 0,
             )
         )
@@ -109,7 +109,8 @@ def capture_graph_inputs(
     return infos, params
 
 
-def _has_symbolic_shape(t: torch.Tensor) -> bool:
+def has_symbolic_shape(t: torch.Tensor) -> bool:
+    """Whether dynamo traced ``t`` with a symbolic size (a dynamic graph)."""
     return any(not isinstance(s, int) for s in t.shape)
 
 
