@@ -27,7 +27,8 @@ from protrain_fx.runtime import distributed
 log = logging.getLogger("protrain_fx")
 
 # bump when the profile or the cost model changes meaning: old cache entries miss
-COST_MODEL_VERSION = 22  # 22: oversized gradients down in their own dtype, staging priced as held
+COST_MODEL_VERSION = 23  # 22: oversized gradients down in their own dtype, staging priced as held;
+# 23: compute slowed by the clock under sustained load (Hardware.clock_slowdown)
 KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "device_steps")
 
 

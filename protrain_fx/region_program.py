@@ -44,8 +44,8 @@ from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.graph.regions import Region, RegionSplit
 from protrain_fx.options import Options
-from protrain_fx.plan.cost_model import block_policy
 from protrain_fx.plan.plan import Plan
+from protrain_fx.plan.profiles import block_policy
 from protrain_fx.profiling.static import SavedBytes, StaticProfile
 from protrain_fx.runtime import block_timer, chunk_buffers, chunk_store, swap_pool
 from protrain_fx.runtime.binding import GraphBinding, placement_signature

@@ -409,3 +409,32 @@ def test_a_chunk_larger_than_the_chunk_size_needs_no_gradient_buffer():
         - 2e-3,
         rel=1e-6,
     )
+
+
+@SETTINGS
+@given(profs=profiles(), n_buffer=st.integers(1, 3), slowdown=st.sampled_from([1.0, 1.05, 1.2]))
+def test_a_busy_device_runs_its_compute_at_the_sustained_clock(profs, n_buffer, slowdown):
+    """Forward and backward are scaled by the clock under sustained load, by the step's busy share:
+    not at all up to THROTTLE_BUSY_FROM, fully when the device never waits; the CPU's and the
+    device optimizer's terms are left as they were."""
+    from protrain_fx.plan.cost_model import LayoutCosts
+    from protrain_fx.plan.profiles import THROTTLE_BUSY_FROM
+
+    prof = profs[0]
+    base = LayoutCosts(prof, HW, n_buffer, 0, 0)
+    hot = LayoutCosts(prof, dataclasses.replace(HW, sustained_slowdown=slowdown), n_buffer, 0, 0)
+    for n_persist in range(len(prof.chunks) + 1):
+        t0, p0 = base.time_s(n_persist, detail=True)
+        t1, p1 = hot.time_s(n_persist, detail=True)
+        busy = (p0["fwd_s"] + p0["bwd_s"]) / t0
+        ramp = min(1.0, max(0.0, (busy - THROTTLE_BUSY_FROM) / (1 - THROTTLE_BUSY_FROM)))
+        f = 1 + (slowdown - 1) * ramp
+        assert p0["clock_slowdown"] == 1.0
+        assert p1["clock_slowdown"] == pytest.approx(f)
+        assert p1["fwd_s"] == pytest.approx(p0["fwd_s"] * f)
+        assert p1["bwd_s"] == pytest.approx(p0["bwd_s"] * f)
+        assert p1["cpu_optim_s"] == p0["cpu_optim_s"] and p1["gpu_optim_s"] == p0["gpu_optim_s"]
+        # never faster, and never more than the whole step scaled
+        assert t0 <= t1 <= t0 * f * (1 + 1e-12)
+        if busy >= 1 - 1e-9:  # nothing but compute: the step scales with it
+            assert t1 == pytest.approx(t0 * slowdown)

@@ -11,9 +11,9 @@ from protrain_fx.graph.blocks import BlockStructure
 from protrain_fx.graph.inputs import GraphInput
 from protrain_fx.graph.regions import RegionSplit
 from protrain_fx.options import Options
-from protrain_fx.plan.cost_model import block_policy
 from protrain_fx.plan.layout import choose_chunk_size, pack
 from protrain_fx.plan.plan import BlockPlan, ChunkPlan, Plan
+from protrain_fx.plan.profiles import block_policy
 from protrain_fx.runtime import distributed
 
 

@@ -56,6 +56,9 @@ COPY_REPS = 3
 
 # a few milliseconds of device-side sleep ahead of each timed Adam batch
 GPU_SLEEP_CYCLES = 10_000_000
+# the sustained-compute measurement: n x n bf16 products, batches of SUSTAIN_BATCH for SUSTAIN_S
+# seconds (an H200 reaches its power limit after about one)
+SUSTAIN_N, SUSTAIN_BATCH, SUSTAIN_S = 8192, 32, 3.0
 
 # time the timed CPU Adam steps may take, at least 3 and at most 10 steps
 CPU_ADAM_TARGET_S = 0.3
@@ -89,6 +92,10 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
             host_available // (4 * 4 * 4),
             MiB,
         )
+        sustained = 1.0
+        if dev.type == "cuda":
+            sustained = _measure_sustained_compute(dev)
+            _release_cuda_memory(dev)
         cpu_adam = _measure_cpu_adam(cpu_numel)
         triad = _measure_host_triad(cpu_numel)
     memlock = memlock_limit()
@@ -123,6 +130,7 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
         cpu_adam_kind=cpu_adam_kind(),
         host_triad_bytes_per_s=triad,
         gpu_adam_numel=cpu_numel if gpu_numel is None else gpu_numel,
+        gpu_sustained_slowdown=sustained,
         measure_seconds=round(time.perf_counter() - t0, 3),
     )
     profile._validate()
@@ -343,6 +351,45 @@ def _measure_host_triad(numel: int) -> float:
         run()
         times.append(time.perf_counter() - t0)
     return 12 * numel / max(min(times), 1e-9)
+
+
+def _measure_sustained_compute(dev: torch.device) -> float:
+    """How much slower dense bf16 products run kept back to back for :data:`SUSTAIN_S` seconds
+    than one at a time after an idle second: the profiler times blocks in short runs, at the boost
+    clock; a plan that keeps the device busy draws the board to its power limit, where the clock
+    drops (H200, 700 W: products 1.05x slower, benchmarks/results/power_probe_h200.md; the 1B
+    shape's steps at 1690 MHz against 1967 profiled, oom_sweep_h200_run10.md). The median batch of
+    the second half over the fastest single product, at least 1."""
+    n = SUSTAIN_N
+    with torch.cuda.device(dev):
+        try:
+            a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+            b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        except torch.cuda.OutOfMemoryError:
+            return 1.0
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize(dev)
+        time.sleep(1.0)  # idle: the clock back at its boost
+
+        def timed(k: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(k):
+                a @ b
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / k
+
+        single = []
+        for _ in range(5):
+            single.append(timed(1))
+            time.sleep(0.05)
+        batches, t_end = [], time.perf_counter() + SUSTAIN_S
+        while time.perf_counter() < t_end:
+            batches.append(timed(SUSTAIN_BATCH))
+    late = batches[len(batches) // 2 :]
+    return max(1.0, statistics.median(late) / min(single)) if late else 1.0
 
 
 def _measure_gpu_adam(dev: torch.device, numel: int) -> float:

@@ -59,7 +59,7 @@ from protrain_fx.machine.memory import (
 log = logging.getLogger(__name__)
 
 # 2: the CPU rate is that of the step runtime/hybrid_optim.py runs (one-pass kernel or torch + copy)
-SCHEMA_VERSION = 3  # 3: host_triad_bytes_per_s
+SCHEMA_VERSION = 4  # 3: host_triad_bytes_per_s; 4: gpu_sustained_slowdown
 
 
 ENV_CACHE_DIR = "PROTRAIN_CACHE_DIR"
@@ -109,6 +109,9 @@ class HardwareProfile:
     measure_seconds: float = 0.0
     cpu_adam_kind: str = ""  # which CPU step cpu_adam_params_per_s timed
     host_triad_bytes_per_s: float = 0.0  # the host's memory bandwidth (STREAM triad), 0: unknown
+    # dense matrix products kept back to back for seconds against one after an idle second: the
+    # device at its power limit runs a lower clock than the profiled blocks saw (1.0 on the CPU)
+    gpu_sustained_slowdown: float = 1.0
 
     def cpu_adam_bytes_per_param(self) -> int:
         """Host memory bytes one parameter's CPU step touches: the one-pass kernel reads parameter,
@@ -180,7 +183,7 @@ class HardwareProfile:
             f"both {self.duplex_bytes_per_s / G:.1f} GB/s; AdamW cpu "
             f"{self.cpu_adam_params_per_s / G:.2f} "
             f"G params/s{self._bandwidth_note()}, device {self.gpu_adam_params_per_s / G:.2f} "
-            "G params/s; device "
+            f"G params/s; sustained compute {self.gpu_sustained_slowdown:.3f}x slower; device "
             f"{self.device_free_bytes / 2**30:.1f}/{self.device_total_bytes / 2**30:.1f} GiB "
             "free, host "
             f"{self.host_available_bytes / 2**30:.1f}/{self.host_total_bytes / 2**30:.1f} GiB "

@@ -26,6 +26,9 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   the step before it is done. ``T_gpu_optim``:
   resident parameters over the device Adam rate, at ``opt.step()``: after ``backward()``, which
   returns once the host worker's CPU steps are done, so it follows both.
+* The clock under sustained load: blocks are profiled at the boost clock; a plan that keeps the
+  device busy runs at its power limit, slower: forward and backward times
+  ``Hardware.clock_slowdown`` of the busy share ``(T_fwd + T_bwd) / T``.
 * Casts the profiled step does not run (its chunks all arrive in the compute dtype and its gradients
   are dropped), priced at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): with autocast,
   forward casts every resident parameter to the compute dtype, recomputation casts again those of
@@ -445,10 +448,15 @@ class LayoutCosts:
         t_first = max(0.0, self.cpu_done[n_persist] - t_cpu) if offloaded else 0.0
         # some of them may run on the device, streamed, beside the CPU's (device_steps)
         device_share, device_params, t_cpu = self.device_steps(n_persist)
+
         # the device optimizer runs at opt.step(), after backward() returned, which waits for the
         # host worker's CPU steps: it follows both (H200: a 3B plan's step measured within 1.4% of
         # forward + max(backward, first gradient + CPU optimizer) + device optimizer)
-        t = t_fwd + (t_bwd + t_cpu if hw.shared_compute else max(t_bwd, t_first + t_cpu)) + t_gpu
+        after = (lambda b: b + t_cpu) if hw.shared_compute else (lambda b: max(b, t_first + t_cpu))
+        # a step that keeps the device busy runs it at its power limit, below the profiled clock
+        slowdown = hw.clock_slowdown((t_fwd + t_bwd) / (t_fwd + after(t_bwd) + t_gpu or 1.0))
+        t_fwd, t_bwd = t_fwd * slowdown, t_bwd * slowdown
+        t = t_fwd + after(t_bwd) + t_gpu
         if not detail:
             return t
         return t, {
@@ -463,6 +471,7 @@ class LayoutCosts:
             "cast_s": cast_fwd + cast_bwd,
             "allreduce_exposed_s": exposed,
             "collective_contention_s": contention,
+            "clock_slowdown": slowdown,
         }
 
     def cast_s(self, n_persist: int) -> tuple[float, float]:
@@ -508,13 +517,3 @@ def predict(prof: GraphProfile, hw: Hardware, knobs: Knobs) -> Prediction:
     return LayoutCosts(prof, hw, knobs.n_buffer, knobs.n_swap, knobs.n_checkpoint).predict(
         knobs.n_persist
     )
-
-
-def block_policy(index: int, n_swap: int, n_checkpoint: int) -> str:
-    """ProTrain's interleaved layout: the first n_swap blocks swap (their copies have the most later
-    compute to hide behind), the next n_checkpoint recompute, the rest keep their activations."""
-    if index < n_swap:
-        return "swap"
-    if index < n_swap + n_checkpoint:
-        return "recompute"
-    return "keep"

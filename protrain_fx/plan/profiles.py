@@ -21,6 +21,12 @@ SWAP_FRAGMENTATION = 1.07
 # (benchmarks/results/autoplan_h200.md, runs 4-7; the chunk issue's per-phase timers measured
 # 1.10-1.15 for the step's part inside backward alone)
 CPU_CONTENTION = 1.25
+# the device's clock under sustained load: a plan keeps the device busy for this share of its step
+# before its compute runs slower than profiled, and for all of it at the hardware profile's
+# sustained slowdown (Hardware.sustained_slowdown), linearly between. On the H200 (700 W), rows busy
+# 98-99% of the step ran forward and backward 5-8% slower than profiled (SM clock 1690 against 1967
+# MHz), 73-81% busy 2-3%, 64-67% busy 0-1.6% (benchmarks/results/oom_sweep_h200_runs4to10.md)
+THROTTLE_BUSY_FROM = 0.6
 # compute kernels slow down while an NCCL collective runs beside them (its kernels take SMs and
 # memory bandwidth): the 1.4B GPT's backward on 2 H200s (NVLink) ran 4.8 ms longer over the 19.6 ms
 # its resident all-reduces overlapped it (benchmarks/results/dp_h200.md, run 4's trace): 0.24 ms per
@@ -127,6 +133,15 @@ class Hardware:
     device_steps: bool = False
     # the share the user fixed (Options.device_steps), priced as given; None: chosen as above
     device_step_share: float | None = None
+    # compute kept back to back against the profiled (boost-clock) rate (HardwareProfile
+    # .gpu_sustained_slowdown), applied by busy share (THROTTLE_BUSY_FROM)
+    sustained_slowdown: float = 1.0
+
+    def clock_slowdown(self, busy: float) -> float:
+        """How much slower than profiled the compute of a step busy for ``busy`` of its time
+        runs."""
+        ramp = (busy - THROTTLE_BUSY_FROM) / (1.0 - THROTTLE_BUSY_FROM)
+        return 1.0 + (self.sustained_slowdown - 1.0) * min(1.0, max(0.0, ramp))
 
     def collective_s(self, nbytes: float, passes: int = 1) -> float:
         """Seconds of ``passes`` all-gathers / reduce-scatters of ``nbytes`` (0 with one rank)."""
@@ -142,6 +157,7 @@ class Hardware:
             profile.duplex_bytes_per_s,
             profile.cpu_adam_params_per_s,
             profile.gpu_adam_params_per_s,
+            sustained_slowdown=profile.gpu_sustained_slowdown,
         )
 
 
@@ -164,3 +180,13 @@ class Prediction:
     peak_bytes: int
     host_bytes: int  # pinned host memory the plan allocates
     breakdown: dict = field(default_factory=dict, compare=False)
+
+
+def block_policy(index: int, n_swap: int, n_checkpoint: int) -> str:
+    """ProTrain's interleaved layout: the first n_swap blocks swap (their copies have the most later
+    compute to hide behind), the next n_checkpoint recompute, the rest keep their activations."""
+    if index < n_swap:
+        return "swap"
+    if index < n_swap + n_checkpoint:
+        return "recompute"
+    return "keep"

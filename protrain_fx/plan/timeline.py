@@ -15,7 +15,7 @@ from protrain_fx.plan.profiles import ADAM_STATES, GRAD_BUFFERS
 def memory_timeline(lc, n_persist: int) -> list[list]:
     """``[t_s, bytes, label]`` at every block boundary of the plan ``lc``
     (a :class:`~protrain_fx.plan.cost_model.LayoutCosts`) with ``n_persist`` resident chunks."""
-    from protrain_fx.plan.cost_model import block_policy
+    from protrain_fx.plan.profiles import block_policy
 
     prof, frag, extra = lc.prof, lc.fragmentation, lc.fragmentation_bytes
     t_total, parts = lc.time_s(n_persist, detail=True)
