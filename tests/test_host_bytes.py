@@ -74,3 +74,37 @@ def test_predicted_host_bytes_are_the_allocated_ones(overrides, budget):
     if overrides:
         assert got.get("oversized staging"), got
     assert sum(got.values()) == plan.predicted["host_bytes"], (got, plan.predicted["host_bytes"])
+
+
+def test_a_low_precision_gradient_is_added_without_a_host_copy_of_its_size():
+    """An oversized chunk's bf16 gradient added into its fp32 accumulator (a second micro-step):
+    exact like ``add_``, and the process's peak resident memory grows by a slice, not by an fp32
+    copy of the whole gradient (``add_`` of another dtype makes one on the CPU: 256 MiB here)."""
+    import subprocess
+    import sys
+
+    from protrain_fx.runtime.chunk_grads import UPCAST_ADD_BLOCK, add_upcast
+
+    n = 3 * UPCAST_ADD_BLOCK + 12345  # slices, and a last one that is short
+    gen = torch.Generator().manual_seed(0)
+    acc = torch.randn(n, generator=gen)
+    src = torch.randn(n, generator=gen).to(torch.bfloat16)
+    want = acc + src.float()
+    add_upcast(acc, src)
+    assert torch.equal(acc, want)
+    script = (
+        "import resource, torch\n"
+        "from protrain_fx.runtime.chunk_grads import add_upcast\n"
+        "n = 64 * 2**20\n"
+        "acc = torch.zeros(n); src = torch.ones(n, dtype=torch.bfloat16)\n"
+        "peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "before = peak(); add_upcast(acc, src); after = peak()\n"
+        "assert acc[0] == acc[-1] == 1\n"
+        "print(after - before)\n"
+    )
+    cmd = [sys.executable, "-c", script]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.split()[-1])
+    # a slice is 16 MiB of fp32; add_ itself would have grown it by the whole 256 MiB
+    assert grown < 64 * 2**20, grown
