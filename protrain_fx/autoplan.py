@@ -41,7 +41,7 @@ from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import Hardware
-from protrain_fx.plan.search import search
+from protrain_fx.plan.search import check_host_floor, search
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
 from protrain_fx.profiling.frugal import oom_need_bytes, profile_frugal  # noqa: F401  (tests)
 from protrain_fx.profiling.profiler import graph_profile, profile_from_dict, profile_to_dict
@@ -226,6 +226,16 @@ def choose(
                 ),
             )
             notes.append(f"budget lowered to {format_bytes(budget)}: {budget_why}")
+
+    if not all_resident and not existing and fixed["n_persist"] is None:  # no profile needed
+        held = sum(v.nbytes for v in (host_value(p) for p in live) if v is not None)
+        _, _, avail, total = memory.current_memory(device)
+        check_host_floor(
+            sum(n for _, n in param_entries),
+            budget,
+            (avail + held - max(2 << 30, int(0.05 * total))) // n_peers,
+            distributed.world().size if distributed.world().sharded else 1,
+        )
 
     # ---- profile under the most frugal plan, on a copy with three of the blocks when they repeat;
     # or take this graph's profile from the cache (another budget or allocator cap, a re-plan)

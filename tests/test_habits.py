@@ -1293,6 +1293,41 @@ def test_20_10_manual_knobs_that_cannot_fit_the_host_fail_before_allocating(monk
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_20_10_automatic_plan_that_cannot_fit_the_host_fails_before_profiling(
+    monkeypatch, tmp_path, caplog
+):
+    """The automatic plan under a device budget that forces offloading, on a host too small for the
+    masters, gradients and moments of what must be offloaded: NoPlanFits names the host memory and
+    the device budget below which nothing fits, before the profiling compile and step (the
+    Llama-3.1-8B shape at 24 GiB on the H200 was refused only after 90-107 s of profiling); the
+    model is left as it was."""
+    import logging
+
+    from protrain_fx.errors import NoPlanFits
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    model = hf_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    from protrain_fx.machine import memory
+
+    used = memory.host_memory()[1] - memory.host_memory()[0]
+    # what this process uses plus less than the reserve: nothing may be pinned
+    monkeypatch.setenv("PROTRAIN_HOST_MEMORY", f"{used + 2**20}B")
+    compiled, _ = auto_planned(model)
+    ((x, _),) = hf_data(1)
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        with pytest.raises(Exception) as info:
+            hf_loss(compiled, x)
+    err = protrain_error_of(info.value)
+    assert isinstance(err, NoPlanFits), info.value
+    assert "before profiling" in str(err) and "host memory" in str(err), str(err)
+    assert err.min_device_bytes > 3_000_000
+    assert not any("profiling" in r.getMessage() for r in caplog.records), [
+        r.getMessage() for r in caplog.records
+    ]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_20_11_first_call_leaves_the_random_numbers_as_eager(tmp_path, monkeypatch):
     """The first compiled call measures the machine, profiles and searches a plan (new caches
     here), all inside the user's step: torch's global generator must come out of the step where

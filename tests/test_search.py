@@ -438,3 +438,43 @@ def test_a_busy_device_runs_its_compute_at_the_sustained_clock(profs, n_buffer, 
         assert t0 <= t1 <= t0 * f * (1 + 1e-12)
         if busy >= 1 - 1e-9:  # nothing but compute: the step scales with it
             assert t1 == pytest.approx(t0 * slowdown)
+
+
+@SETTINGS
+@given(
+    profs=profiles(),
+    budget_mib=st.integers(100, 12000),
+    host_mib=st.integers(1, 40 * 1024),
+    hw=st.sampled_from([HW, HW2]),
+)
+def test_the_host_floor_before_profiling_never_refuses_a_plan_the_search_finds(
+    profs, budget_mib, host_mib, hw
+):
+    """check_host_floor (autoplan runs it before profiling) is a bound: whenever the search finds
+    a plan under the device and host budgets, the floor lets it through."""
+    from protrain_fx.plan.search import check_host_floor
+
+    budget, host = budget_mib * MiB, host_mib * MiB
+    try:
+        found = search(profs, hw, budget, host).best
+    except NoPlanFits:
+        return
+    prof = next(p for p in profs if p.chunk_size == found.knobs.chunk_size)
+    param_bytes = sum(c.numel for c in prof.chunks) * prof.master_elem
+    check_host_floor(param_bytes, budget, host, hw.world_size)
+
+
+def test_the_host_floor_names_the_device_budget_that_could_fit():
+    """1 GiB of parameters, a 64 MiB device budget, 100 MiB of host: refused before profiling,
+    with the budget below which no plan fits; at that budget the floor passes."""
+    from protrain_fx.plan.search import check_host_floor
+
+    with pytest.raises(NoPlanFits) as info:
+        check_host_floor(2**30, 64 * MiB, 100 * MiB, 1)
+    err = info.value
+    assert "before profiling" in str(err) and "host memory" in str(err)
+    assert err.min_host_bytes > 100 * MiB
+    check_host_floor(2**30, err.min_device_bytes, 100 * MiB, 1)
+    with pytest.raises(NoPlanFits):
+        check_host_floor(2**30, err.min_device_bytes - 4 * MiB, 100 * MiB, 1)
+    check_host_floor(2**30, 64 * MiB, 4 * 2**30, 1)  # a host large enough: no refusal

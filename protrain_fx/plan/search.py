@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from protrain_fx.errors import NoPlanFits
 from protrain_fx.options import format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts, _ProfileArrays
-from protrain_fx.plan.profiles import GraphProfile, Hardware, Prediction
+from protrain_fx.plan.profiles import ADAM_STATES, GraphProfile, Hardware, Prediction
 
 
 @dataclass(frozen=True)
@@ -235,3 +235,31 @@ def brute_force(
                         if best_key is None or key < best_key:
                             best, best_key = pred, key
     return best
+
+
+def check_host_floor(param_bytes: int, device_budget: int, host_budget: int, ranks: int) -> None:
+    """Before any profiling: raise :class:`NoPlanFits` if no plan can fit the host, by a bound
+    that needs no profile. Resident parameters hold on the device their value, gradient and
+    ``ADAM_STATES`` moments (``2 + ADAM_STATES`` times their bytes; activations and buffers only
+    add), so at most ``device_budget / (2 + ADAM_STATES)`` bytes of parameters are resident; every
+    other byte is offloaded, and an offloaded parameter holds on the host at least its master, its
+    gradient accumulator and its moments (this rank's ``1/ranks`` of them). The Llama-3.1-8B shape
+    at 24 GiB on a 125 GiB host was refused this way only after its profiled step (90-107 s)."""
+    per_byte = 2 + ADAM_STATES
+    offloaded = max(0, param_bytes - device_budget // per_byte)
+    need = offloaded * per_byte // max(1, ranks)
+    if need <= max(0, host_budget):
+        return
+    # the device budget below which even this bound does not fit the host
+    floor = per_byte * max(0, param_bytes - max(0, host_budget) * max(1, ranks) // per_byte)
+    raise NoPlanFits(
+        f"the host memory protrain may pin ({format_bytes(max(0, host_budget))}: what is "
+        f"available less a reserve) is too small for any plan under a memory budget of "
+        f"{format_bytes(device_budget)}: at least {format_bytes(offloaded)} of the "
+        f"{format_bytes(param_bytes)} of parameters must be offloaded, which needs at least "
+        f"{format_bytes(need)} of pinned host memory (masters, gradients and Adam moments); "
+        f"found before profiling; free host memory or give a larger memory_budget: no plan fits "
+        f"this host below {floor} bytes ({format_bytes(floor)}) of device memory",
+        min_device_bytes=floor,
+        min_host_bytes=need,
+    )
