@@ -230,12 +230,13 @@ def choose(
     if not all_resident and not existing and fixed["n_persist"] is None:  # no profile needed
         held = sum(v.nbytes for v in (host_value(p) for p in live) if v is not None)
         _, _, avail, total = memory.current_memory(device)
-        check_host_floor(
+        floor_args = (  # rank 0's numbers: every rank refuses or none does (no hang)
             sum(n for _, n in param_entries),
             budget,
             (avail + held - max(2 << 30, int(0.05 * total))) // n_peers,
             distributed.world().size if distributed.world().sharded else 1,
         )
+        check_host_floor(*distributed.broadcast_object(floor_args))
 
     # ---- profile under the most frugal plan, on a copy with three of the blocks when they repeat;
     # or take this graph's profile from the cache (another budget or allocator cap, a re-plan)
