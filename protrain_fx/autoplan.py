@@ -119,6 +119,19 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     )
 
 
+def _host_values_bytes(params: list) -> int:
+    """The host values (host_init's) that the plan's store frees as it takes each chunk over."""
+    return sum(v.nbytes for v in (host_value(p) for p in params) if v is not None)
+
+
+def _pinnable_host(device, freed: int, n_peers: int) -> int:
+    """The host memory a plan may pin: what is available now, plus ``freed`` (host memory the
+    plan's store takes over), less a reserve; each of ``n_peers`` blocks of a regional compilation
+    offloads its share."""
+    _, _, avail, total = memory.current_memory(device)
+    return (avail + freed - max(2 << 30, int(0.05 * total))) // n_peers
+
+
 def choose(
     gm,
     example_inputs,
@@ -228,12 +241,10 @@ def choose(
             notes.append(f"budget lowered to {format_bytes(budget)}: {budget_why}")
 
     if not all_resident and not existing and fixed["n_persist"] is None:  # no profile needed
-        held = sum(v.nbytes for v in (host_value(p) for p in live) if v is not None)
-        _, _, avail, total = memory.current_memory(device)
         floor_args = (  # rank 0's numbers: every rank refuses or none does (no hang)
             sum(n for _, n in param_entries),
             budget,
-            (avail + held - max(2 << 30, int(0.05 * total))) // n_peers,
+            _pinnable_host(device, _host_values_bytes(live), n_peers),
             distributed.world().size if distributed.world().sharded else 1,
         )
         check_host_floor(*distributed.broadcast_object(floor_args))
@@ -250,8 +261,7 @@ def choose(
     if kept is not None:
         step, static = profile_from_dict(kept)
         transfer_elem, compile_s, graph_name = kept["transfer_elem"], 0.0, kept["graph"]
-        # the host values (host_init's) that the plan's store frees as it takes each chunk over
-        host_freed = sum(v.nbytes for v in (host_value(p) for p in live) if v is not None)
+        host_freed = _host_values_bytes(live)
         notes.append(f"profile from the profile cache ({profile_path}): no profiling compile")
         prog.line(f"profile from the profile cache ({profile_path}): no profiling")
     else:
@@ -318,11 +328,9 @@ def choose(
         )
         for cs in sizes
     ]
-    _, _, host_avail, host_total = memory.current_memory(device)
     # the profiling store's masters (host_init's values moved into them) are freed as the plan's
     # store takes each chunk over
-    host_budget = host_avail + host_freed - max(2 << 30, int(0.05 * host_total))
-    host_budget //= n_peers  # every block of a regional compilation offloads its share
+    host_budget = _pinnable_host(device, host_freed, n_peers)
     hw = Hardware.of(hw_profile)
     if device.type == "cpu":  # the CPU optimizer would run on the cores that compute
         hw = dataclasses.replace(hw, shared_compute=True)
