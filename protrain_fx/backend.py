@@ -216,6 +216,41 @@ def _traced_root(graph_inputs):
     return None
 
 
+def _refuse_untraced_checkpointing(root, live) -> None:
+    """Refuse a model whose own checkpointed layers ran outside every compiled graph.
+
+    Hugging Face's gradient checkpointing from transformers 5.25 on checkpoints each decoder layer's
+    ``forward``, and dynamo cannot trace some layers inside that checkpoint (a graph break in the
+    higher-order op): it skips the loop over the layers, which then run eagerly. Their parameters
+    reach no protrain graph, so no plan places or offloads them, and the budget would not hold. A
+    graph whose traced module holds such layers (checkpointing on, in training, none of their
+    parameters in this graph or in an earlier graph's chunks; earlier graphs run first) says so.
+    """
+    if not isinstance(root, torch.nn.Module) or not torch.is_grad_enabled():
+        return
+    from protrain_fx.runtime.chunk_store import store_of
+
+    in_graph = {id(p) for p in live}
+    hidden = [
+        name
+        for name, m in root.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+        and m.training
+        and any(True for _ in m.parameters())
+        and not any(id(p) in in_graph or store_of(p) is not None for p in m.parameters())
+    ]
+    if hidden:
+        raise ProtrainError(
+            f"the model checkpoints its own layers ({len(hidden)} of them, e.g. "
+            f"{hidden[0]!r}: Hugging Face gradient checkpointing) and torch.compile could not "
+            f"trace them: they ran eagerly, outside every graph, so protrain cannot place or "
+            f"offload their parameters and its memory budget would not hold. protrain's "
+            f"per-block plan (keep, swap or recompute each block to fit the budget) replaces "
+            f"that checkpointing: call model.gradient_checkpointing_disable() before the first "
+            f"step (torch.compile skips the code it could not trace for the rest of the process)"
+        )
+
+
 def _graph_name() -> str:
     cid = _compat.current_compile_id()
     return "?" if cid is None else f"{cid[0]}/{cid[1]}"
@@ -278,6 +313,7 @@ def protrain_backend(
         if found is not None:
             opts = dataclasses.replace(opts, optimizer=found)
             del found
+    _refuse_untraced_checkpointing(_traced_root(graph_inputs), live)
     progress.begin(_graph_name())
     # as dynamo traced it: what a call with other parameters runs
     eager_graph = copy_graph_module(gm)

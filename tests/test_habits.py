@@ -1173,18 +1173,62 @@ def test_20_7_fp64_parameters_offloaded():
 
 
 # ---------------------------------------------------------------- 20.8 HF gradient checkpointing
+def _dynamo_traces_checkpointed_layers(model) -> bool:
+    """Whether plain torch.compile puts the checkpointed decoder layers' parameters in a graph
+    (transformers 5.25 checkpoints each layer's ``forward``, and dynamo skips the layer loop)."""
+    names = set()
+
+    def backend(gm, example_inputs):
+        names.update(str(n.target) for n in gm.graph.nodes if n.op == "placeholder")
+        return gm.forward
+
+    x, _ = hf_data(1)[0]
+    torch.compile(model, backend=backend)(input_ids=x, labels=x).loss.backward()
+    torch._dynamo.reset()  # the frames it skipped stay skipped until a reset
+    return any("layers" in n for n in names)
+
+
 @pytest.mark.parametrize("plan", ["memory_budget", "n_persist_0"])
 @isolated  # today: the fixed plan segfaults reading model.state_dict()
 def test_20_8_hf_gradient_checkpointing_offloaded(plan):
+    """With checkpointing on, either dynamo traces the checkpointed layers and protrain's plan
+    replaces the recompute (the blocks offload, parity with eager), or it cannot and protrain
+    refuses, naming the fix; with the fix (checkpointing off) the blocks offload."""
     base = hf_llama(num_hidden_layers=2)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert base.is_gradient_checkpointing and base.training
-    options = (
-        {"compiler": "eager", "memory_budget": "4MiB"} if plan == "memory_budget" else offload(base)
+
+    def options(model):
+        if plan == "memory_budget":
+            return {"compiler": "eager", "memory_budget": "4MiB"}
+        return offload(model)
+
+    if _dynamo_traces_checkpointed_layers(copy.deepcopy(base)):
+        p = parity(base, options(base), loss_fn=hf_loss, data=hf_data())
+        # HF's checkpointing breaks the graph: the last graph's plan is the head's; the blocks
+        # offload
+        assert any(s.offloaded_chunks for s in stores_of(p.compiled))
+        p.check()
+    else:
+        mine = copy.deepcopy(base)
+        opt = adamw(mine.parameters())
+        compiled = torch.compile(
+            mine, backend="protrain", options={**options(mine), "optimizer": opt}
+        )
+        x, _ = hf_data(1)[0]
+        with pytest.raises(Exception) as info:
+            compiled(input_ids=x, labels=x)
+        err = protrain_error_of(info.value)
+        assert err is not None and "gradient_checkpointing_disable()" in str(err), info.value
+        assert "'model.layers.0'" in str(err)
+        torch._dynamo.reset()
+    base.gradient_checkpointing_disable()
+    p = parity(base, options(base), loss_fn=hf_loss, data=hf_data())
+    assert any(
+        "layers" in e.fqn and e.chunk in s.offloaded_chunks
+        for s in stores_of(p.compiled)
+        for e in s.entries
     )
-    p = parity(base, options, loss_fn=hf_loss, data=hf_data())
-    # HF's checkpointing breaks the graph: the last graph's plan is the head's; the blocks offload
-    assert any(s.offloaded_chunks for s in stores_of(p.compiled))
     p.check()
 
 

@@ -27,6 +27,7 @@ import protrain_fx  # noqa: E402
 from protrain_fx.errors import OptionsError, ProtrainError
 from protrain_fx.integrations.transformers import ProtrainCallback  # noqa: E402
 from protrain_fx.runtime.hybrid_optim import handle_of
+from protrain_fx.testing import stores_of
 
 LR = 1e-2
 LOSS_REL, PARAM_ABS, MIN_UPDATE = 1e-5, 1e-3, 1e-4
@@ -312,7 +313,8 @@ def test_peft_lora_adapters_only(tmp_path):
 
 def test_gradient_checkpointing(tmp_path, caplog):
     """gradient_checkpointing=True: protrain's per-block plan replaces Hugging Face's recompute
-    inside the blocks (the plan's note), and the callback logs one line saying so."""
+    inside the blocks: the callback turns it off (one log line says so), and the decoder layers are
+    in protrain's plan (their parameters in its chunks, offloaded)."""
     base = tiny_llama()
     ref = train(copy.deepcopy(base), tmp_path / "ref", gradient_checkpointing=True)
     assert ref.model.is_activation_checkpointing
@@ -328,9 +330,14 @@ def test_gradient_checkpointing(tmp_path, caplog):
         if r.name == name and "checkpointing" in r.getMessage()
     ]
     assert len(lines) == 1 and "replaces" in lines[0], lines
-    assert mine.is_activation_checkpointing
-    notes = protrain_fx.get_plan(mine).notes
-    assert any("per-block policy replaces it" in n for n in notes), notes
+    assert not mine.is_activation_checkpointing
+    plan = protrain_fx.get_plan(mine)
+    assert len(plan.blocks) == mine.config.num_hidden_layers, plan.summary()
+    assert any(
+        ".layers." in e.fqn and e.chunk in s.offloaded_chunks
+        for s in stores_of(mine)
+        for e in s.entries
+    )
     check(base, ref.model, mine, ref.losses, trainer.losses, "gradient checkpointing")
 
 

@@ -31,8 +31,9 @@ inside backward. A norm that really clips (``max_grad_norm`` above the norm) wri
 protrain then steps offloaded chunks at ``optimizer.step()`` (exact; on a GPU that step no longer
 overlaps backward).
 With ``gradient_checkpointing=True`` protrain's per-block plan (keep, swap or recompute, chosen to
-fit the memory budget) replaces Hugging Face's recompute inside the transformer blocks; the callback
-logs one line saying so.
+fit the memory budget) replaces Hugging Face's recompute inside the transformer blocks: the callback
+turns Hugging Face's off before compiling (torch.compile cannot trace the layers transformers 5.25
+checkpoints, which would then run eagerly, outside the plan) and logs one line saying so.
 """
 
 from __future__ import annotations
@@ -107,11 +108,13 @@ class ProtrainCallback(TrainerCallback):
                 f"optimizer"
             )
         if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            _checkpointing_off(model)
             logger.warning(
                 "ProtrainCallback: gradient checkpointing is on; protrain's per-block plan (keep, "
                 "swap or recompute each block, chosen to fit the memory budget) replaces Hugging "
-                "Face's recompute inside the transformer blocks (ProtrainCallback(n_checkpoint=N) "
-                "makes N blocks recompute)"
+                "Face's recompute inside the transformer blocks, so the callback turned it off "
+                "(torch.compile cannot trace layers checkpointed by transformers >= 5.25; "
+                "ProtrainCallback(n_checkpoint=N) makes N blocks recompute)"
             )
         set_grad_accumulation(opt, int(args.gradient_accumulation_steps))
         model.compile(backend="protrain", options={**self.options, "optimizer": opt})
@@ -123,6 +126,18 @@ class ProtrainCallback(TrainerCallback):
             type(opt).__name__,
             self.options,
         )
+
+
+def _checkpointing_off(model: torch.nn.Module) -> None:
+    """Turn the model's own activation checkpointing off (its method, else each module's flag)."""
+    for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        disable = getattr(model, name, None)
+        if callable(disable):
+            disable()
+            break
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) is True:
+            m.gradient_checkpointing = False
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
