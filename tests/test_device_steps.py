@@ -106,6 +106,37 @@ def test_device_steps_do_not_pay_where_host_memory_bounds_the_cpu_steps():
     assert on.device_steps(0)[0] == 0
 
 
+@pytest.mark.parametrize("forced", [None, 0.4])
+def test_the_per_profile_table_is_the_split_of_each_n_persist(forced):
+    """The search prices device steps from one table per profile (device_step_table): entry
+    ``n_persist`` is the split of the chunks ``n_persist..`` computed on its own, with an oversized
+    chunk (stepped on the CPU) among them."""
+    from protrain_fx.plan.cost_model import _ProfileArrays
+    from protrain_fx.plan.device_step_cost import device_step_split
+
+    base = cpu_bound_profile()
+    big = ChunkProfile(80_000_000, 2e-3, 2e-3, blocks=())  # larger than the chunk size
+    prof = dataclasses.replace(base, chunks=(big,) + base.chunks)
+    hw = dataclasses.replace(HW, cpu_contention=2.0, device_steps=True, device_step_share=forced)
+    arrays = _ProfileArrays(prof, hw, 1)
+    assert arrays.as_is[0] and not any(arrays.as_is[1:])
+    table = arrays.device_steps()
+    n = len(prof.chunks)
+    for p in range(n + 1):
+        rest = range(p, n)
+        packed = [c for c in rest if not arrays.as_is[c]]
+        expect = device_step_split(
+            prof,
+            hw,
+            sum(prof.chunks[c].numel for c in rest),
+            sum(prof.chunks[c].numel for c in packed),
+            len(packed),
+            arrays.cpu_per_param,
+        )
+        assert table[p] == expect, p
+    assert any(share for share, _, _ in table)  # the case exercises device steps
+
+
 def test_cost_model_steps_some_chunks_on_the_device_when_the_cpu_bounds_the_step():
     """A host whose CPU steps run at half the kernel's rate alone inside a step (cores shared with
     the threads that drive the device): the link takes a share."""
@@ -161,14 +192,14 @@ def test_a_share_the_user_fixed_is_priced_as_given():
     prof = cpu_bound_profile()
     auto = LayoutCosts(prof, dataclasses.replace(HW, device_steps=True), 1, 0, 0)
     forced = LayoutCosts(prof, dataclasses.replace(HW, device_step_share=0.4), 1, 0, 0)
-    count = forced.packed_count[0]
+    from protrain_fx.plan.cost_model import _ProfileArrays
+
+    arrays = _ProfileArrays(prof, dataclasses.replace(HW, device_step_share=0.4), 1)
+    count = sum(not as_is for as_is in arrays.as_is)  # offloaded chunks of the layout's size
     share, params, work = forced.device_steps(0)
     assert share == int(0.4 * count) / count and params > 0
     assert forced.predict(0).knobs.device_steps == share
     assert forced.peak_bytes(0) > auto.peak_bytes(0)  # the scratch slots
     assert work >= auto.device_steps(0)[2] * (1 - MIN_SAVING)  # memory-bound: no real saving
-    from protrain_fx.plan.cost_model import _ProfileArrays
-
-    arrays = _ProfileArrays(prof, dataclasses.replace(HW, device_step_share=0.4), 1)
     n = len(prof.chunks)
     assert arrays.lower_bound_s(0, 0) <= min(forced.time_s(p) for p in range(n + 1)) + 1e-9

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 
-from protrain_fx.plan.device_step_cost import device_step_link_s, device_step_split
+from protrain_fx.plan.device_step_cost import device_step_link_s, device_step_table
 from protrain_fx.plan.profiles import (
     ADAM_BYTES_PER_PARAM,
     ADAM_STATES,
@@ -69,7 +69,7 @@ from protrain_fx.plan.profiles import (
     Prediction,
 )
 from protrain_fx.plan.swap_cost import swap_stall_s
-from protrain_fx.plan.timeline import memory_timeline
+from protrain_fx.plan.timeline import memory_timeline, peaks
 
 
 class _ProfileArrays:
@@ -147,6 +147,14 @@ class _ProfileArrays:
             self.grad_numel[c] = sum({max(capacity, v) for v in packed_in.values()})
             self.oversized_staging[c] = N_OVERSIZED_STAGING * sum(oversized) * me
         self.hw, self.prof = hw, prof
+        # CPU seconds per offloaded parameter's Adam step inside a training step (this rank's share)
+        rate = hw.cpu_adam_params_per_s
+        self.cpu_per_param = hw.cpu_contention / hw.world_size / rate if rate else 0.0
+        self._device_step_table = self._static = None
+        self.n_buffer = n_buffer
+        self.device_step_scratch = (
+            DEVICE_STEP_SLOTS * DEVICE_STEP_SLOT_BYTES * (prof.chunk_size // prof.master_elem)
+        )
         # the casts' seconds per resident parameter (forward's cast to the compute dtype) and per
         # offloaded one (its gradient packed), at the device's streaming rate
         rate = hw.gpu_adam_params_per_s * ADAM_BYTES_PER_PARAM  # bytes per second
@@ -172,6 +180,29 @@ class _ProfileArrays:
             self.swap_res.append(self.swap_res[-1] + blk.swap_resident_bytes)
             self.swappable.append(self.swappable[-1] + blk.keep_bytes - blk.swap_resident_bytes)
             self.recompute.append(self.recompute[-1] + blk.recompute_cost_s)
+
+    def device_steps(self) -> list[tuple[float, int, float]]:
+        """The device-step split of every n_persist (device_step_cost.device_step_table), built at
+        the first layout that asks."""
+        if self._device_step_table is None:
+            self._device_step_table = device_step_table(
+                self.prof, self.hw, self.as_is, self.cpu_per_param
+            )
+        return self._device_step_table
+
+    def static_bytes(self) -> list[int]:
+        """The model states and buffers of every n_persist: resident parameters and their moments,
+        the chunk and gradient buffers, the device steps' scratch (timeline.py adds the rest)."""
+        if self._static is None:
+            te, me, steps = self.prof.transfer_elem, self.prof.master_elem, self.device_steps()
+            self._static = [
+                self.resident_bytes[p] * (1 + ADAM_STATES)
+                + self.n_buffer * self.buffer_numel[p] * te
+                + GRAD_BUFFERS * self.grad_numel[p] * me
+                + (self.device_step_scratch if steps[p][0] else 0)
+                for p in range(len(self.numel))
+            ]
+        return self._static
 
     def activation_bytes(self, n_swap: int, n_checkpoint: int) -> int:
         """What forward leaves on the device for backward: non-block saves, what swap blocks cannot
@@ -289,28 +320,18 @@ class LayoutCosts:
         # n_persist.. ends at max over c >= n_persist of (arrival_c + k * numel[n_persist..c]):
         # a suffix maximum prices every n_persist in O(1) (cpu_done[n_persist])
         n = len(chunks)
-        self.cpu_per_param = (
-            hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s
-            if hw.cpu_adam_params_per_s
-            else 0.0
-        )
-        k, numel = self.cpu_per_param, A.numel
+        self.cpu_per_param = k = A.cpu_per_param
+        numel = A.numel
         self.cpu_done = [0.0] * (n + 1)
         latest = -math.inf
         for c in range(n - 1, -1, -1):
             arrival = prof.head_bwd_s + (bwd_off[n] - bwd_off[c]) + A.down_s[c]
             latest = max(latest, arrival + k * numel[c + 1])
             self.cpu_done[c] = latest - k * numel[c]
-        # ---- steps on the device (protrain_fx/runtime/device_steps.py): offloaded chunks of the
-        # layout's size from chunk c on, their parameters and count; the scratch slots
-        self.packed_numel, self.packed_count = [0] * (n + 1), [0] * (n + 1)
-        for c in range(n - 1, -1, -1):
-            packed = not A.as_is[c]
-            self.packed_numel[c] = self.packed_numel[c + 1] + (chunks[c].numel if packed else 0)
-            self.packed_count[c] = self.packed_count[c + 1] + packed
-        self.device_step_scratch = (
-            DEVICE_STEP_SLOTS * DEVICE_STEP_SLOT_BYTES * (prof.chunk_size // prof.master_elem)
-        )
+        # ---- steps on the device (protrain_fx/runtime/device_steps.py), per n_persist; the scratch
+        self._device_steps, self._peaks = A.device_steps, None
+        self.device_step_scratch = A.device_step_scratch
+        self.static = A.static_bytes()  # states and buffers of each n_persist
         # ---- data parallel: resident chunks' all-reduces, one per chunk as soon as its backward is
         # done, back to back on the link while backward goes on with the chunks before it. With
         # resident chunks
@@ -348,27 +369,10 @@ class LayoutCosts:
 
     # ------------------------------------------------------------------------------ per n_persist
     def peak_bytes(self, n_persist: int) -> int:
-        """Resident parameters and moments, the chunk and gradient buffers, and the larger of the
-        two ends of backward: at its start every saved activation (plus the cast copies of resident
-        parameters) and the transient; at its end the resident gradients and what the code after
-        the last block holds beside them (``tail_bytes``: the embedding's dense gradient, a tied
-        head's gradient held since backward began; activations are freed block by block as
-        gradients appear, so in between the sum stays under the larger end). With several ranks the
-        resident gradients are averaged in place (passes/resident_grads.py): no more memory."""
-        prof = self.prof
-        states = self.resident_bytes[n_persist] * (1 + ADAM_STATES)  # params, moments
-        grads = self.resident_bytes[n_persist]  # with several ranks too: averaged in place
-        casts = int(self.numel[n_persist] * prof.resident_cast_elem * self.keep_fraction)
-        buffers = (
-            self.n_buffer * self.buffer_numel[n_persist] * prof.transfer_elem
-            + GRAD_BUFFERS * self.grad_numel[n_persist] * prof.master_elem
-        )
-        live = max(self.activation_bytes + casts + self.transient_bytes, grads + prof.tail_bytes)
-        if self.device_steps(n_persist)[0]:
-            buffers += self.device_step_scratch
-        return int(
-            math.ceil((states + buffers + live) * self.fragmentation + self.fragmentation_bytes)
-        )
+        """The predicted peak (timeline.peaks: computed for every n_persist at once)."""
+        if self._peaks is None:
+            self._peaks = peaks(self)
+        return self._peaks[n_persist]
 
     def host_bytes(self, n_persist: int) -> int:
         """Pinned host bytes of one rank (its shards)."""
@@ -406,15 +410,7 @@ class LayoutCosts:
     def device_steps(self, n_persist: int) -> tuple[float, int, float]:
         """``(share, parameters, seconds)`` of the offloaded chunks stepped on the compute device
         (protrain_fx/plan/device_step_cost.py) when chunks from ``n_persist`` on are offloaded."""
-        n = len(self.prof.chunks)
-        return device_step_split(
-            self.prof,
-            self.hw,
-            self.numel[n] - self.numel[n_persist],
-            self.packed_numel[n_persist],
-            self.packed_count[n_persist],
-            self.cpu_per_param,
-        )
+        return self._device_steps()[n_persist]
 
     def time_s(self, n_persist: int, detail: bool = False):
         n = len(self.prof.chunks)

@@ -82,3 +82,21 @@ def device_step_split(
     if not k or work(k) > (1 - MIN_SAVING) * alone:
         return 0.0, 0, alone
     return k / count, int(k * per_chunk), work(k)
+
+
+def device_step_table(
+    prof: GraphProfile, hw: Hardware, as_is: list[bool], cpu_per_param: float
+) -> list[tuple[float, int, float]]:
+    """:func:`device_step_split` for every ``n_persist`` (chunks ``n_persist..`` offloaded; those
+    ``as_is``, oversized, always step on the CPU). It depends on neither the buffers nor the
+    activation policies, so the search computes it once per profile."""
+    n = len(prof.chunks)
+    table: list[tuple[float, int, float]] = [(0.0, 0, 0.0)] * (n + 1)
+    offloaded = packed = count = 0
+    for c in range(n, -1, -1):
+        if c < n:
+            offloaded += prof.chunks[c].numel
+            if not as_is[c]:
+                packed, count = packed + prof.chunks[c].numel, count + 1
+        table[c] = device_step_split(prof, hw, offloaded, packed, count, cpu_per_param)
+    return table

@@ -1,15 +1,35 @@
-"""The predicted device memory of a plan over one step, for the plan's memory timeline plot
+"""The predicted device memory of a plan: its peak (the search's constraint, for every n_persist of
+a layout at once) and its course over one step, for the plan's memory timeline plot
 (protrain_fx/report/memory_plot.py) and its JSON.
 
 Model states and buffers throughout; forward adds what each block keeps under its policy, backward
 gives it back block by block while resident gradients appear; times are the blocks' compute scaled
-to the predicted forward and backward. Points are scaled for the allocator like
-``LayoutCosts.peak_bytes``.
+to the predicted forward and backward. Bytes are scaled for the allocator (the profile's
+fragmentation factor and fixed bytes).
 """
 
 from __future__ import annotations
 
-from protrain_fx.plan.profiles import ADAM_STATES, GRAD_BUFFERS
+import math
+
+
+def peaks(lc) -> list[int]:
+    """The peak of every n_persist of the layout ``lc`` (a
+    :class:`~protrain_fx.plan.cost_model.LayoutCosts`): model states and buffers, and the larger of
+    the two ends of backward: at its start every saved activation (plus the cast copies of resident
+    parameters) and the transient; at its end the resident gradients and what the code after the
+    last block holds beside them (``tail_bytes``: the embedding's dense gradient, a tied head's
+    gradient held since backward began; activations are freed block by block as gradients appear,
+    so in between the sum stays under the larger end). With several ranks the resident gradients
+    are averaged in place (passes/resident_grads.py): no more memory."""
+    prof, saved = lc.prof, lc.activation_bytes + lc.transient_bytes
+    frag, extra, static, rb = lc.fragmentation, lc.fragmentation_bytes, lc.static, lc.resident_bytes
+    out = []
+    for p in range(len(prof.chunks) + 1):
+        casts = int(lc.numel[p] * prof.resident_cast_elem * lc.keep_fraction)
+        live = max(saved + casts, rb[p] + prof.tail_bytes)
+        out.append(int(math.ceil((static[p] + live) * frag + extra)))
+    return out
 
 
 def memory_timeline(lc, n_persist: int) -> list[list]:
@@ -19,13 +39,7 @@ def memory_timeline(lc, n_persist: int) -> list[list]:
 
     prof, frag, extra = lc.prof, lc.fragmentation, lc.fragmentation_bytes
     t_total, parts = lc.time_s(n_persist, detail=True)
-    states = lc.resident_bytes[n_persist] * (1 + ADAM_STATES)
-    static = (
-        states
-        + lc.n_buffer * lc.buffer_numel[n_persist] * prof.transfer_elem
-        + GRAD_BUFFERS * lc.grad_numel[n_persist] * prof.master_elem
-        + (lc.device_step_scratch if lc.device_steps(n_persist)[0] else 0)
-    )
+    static = lc.static[n_persist]
     blocks, n = prof.blocks, len(prof.blocks)
     casts = int(lc.numel[n_persist] * prof.resident_cast_elem * lc.keep_fraction)
     kept = []
