@@ -311,6 +311,30 @@ def test_peft_lora_adapters_only(tmp_path):
     assert sd_diff(mine_sd, base_sd, [k for k in base_sd if "lora_" in k]) > MIN_UPDATE
 
 
+def test_peft_lora_with_gradient_checkpointing(tmp_path):
+    """LoRA fine-tuning as peft's guides write it, with gradient_checkpointing=True (the Trainer
+    then also makes the embeddings' output require grad for the frozen base): the callback turns
+    Hugging Face's checkpointing off, the frozen layers are offloaded chunks in protrain's plan, and
+    the results are the plain Trainer's with its checkpointing on."""
+    pytest.importorskip("peft")
+    base = lora(tiny_llama())
+    ref = train(copy.deepcopy(base), tmp_path / "ref", gradient_checkpointing=True)
+    mine = copy.deepcopy(base)
+    trainer = train(
+        mine, tmp_path / "mine", protrain=offload_all(base), gradient_checkpointing=True
+    )
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in mine.modules())
+    assert any(
+        "layers." in e.fqn and e.chunk in s.offloaded_chunks
+        for s in stores_of(mine)
+        for e in s.entries
+    )
+    check(base, ref.model, mine, ref.losses, trainer.losses, "lora + checkpointing")
+    base_sd, mine_sd = base.state_dict(), mine.state_dict()
+    frozen = [k for k in base_sd if "lora_" not in k]
+    assert sd_diff(mine_sd, base_sd, frozen) == 0.0
+
+
 def test_gradient_checkpointing(tmp_path, caplog):
     """gradient_checkpointing=True: protrain's per-block plan replaces Hugging Face's recompute
     inside the blocks: the callback turns it off (one log line says so), and the decoder layers are
