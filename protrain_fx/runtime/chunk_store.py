@@ -476,12 +476,20 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
 
 
 def _forget_store(store_id: int) -> None:
-    """A store's model is gone (or it was dissolved): stop its worker use, free device buffers
-    nobody else of that size uses."""
+    """A store's model is gone (or it was dissolved): stop its worker use, free its host memory and
+    the device buffers nobody else of that size uses."""
     store = _STORES.pop(store_id, None)
     if store is None:
         return
     WORKER.detach(store)
+    # the compiled graph that dynamo keeps (until torch._dynamo.reset()) still refers to the store:
+    # its host memory goes now, with the optimizer states it holds through its HybridOptimizer
+    store.master.clear()
+    store.transfer.clear()
+    store.grad.clear()
+    store._grad_alias.clear()
+    store._grad_plain.clear()
+    store._staging, store._oversized, store.optimizer = None, {}, None
     if store.buffers is not None:
         store.buffers.forget_store(store_id)
     live = set()
