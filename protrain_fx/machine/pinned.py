@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import threading
+import weakref
 
 import torch
 
@@ -137,14 +139,66 @@ def registered_host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host tensor of ``numel`` elements, pinned when ``pin`` (:func:`pinned_empty`). Every buffer
-    protrain keeps in host memory comes from here."""
-    return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
+    protrain keeps in host memory comes from here, and is counted (:func:`held_bytes`) until the
+    tensor returned is freed."""
+    return _counted(pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype))
+
+
+# bytes of the host buffers from host_empty alive now, and the most alive at once (process-wide);
+# the worker thread allocates gradient accumulators too
+_HELD = [0, 0]
+_HELD_LOCK = threading.Lock()
+
+
+def _counted(t: torch.Tensor) -> torch.Tensor:
+    nbytes = t.numel() * t.element_size()
+    if nbytes:
+        with _HELD_LOCK:
+            _HELD[0] += nbytes
+            _HELD[1] = max(_HELD[1], _HELD[0])
+        weakref.finalize(t, _release_held, nbytes)
+    return t
+
+
+def _release_held(nbytes: int) -> None:
+    with _HELD_LOCK:
+        _HELD[0] -= nbytes
+
+
+def held_bytes() -> tuple[int, int]:
+    """``(now, peak)``: bytes of the host buffers protrain holds (every :func:`host_empty` tensor
+    alive) in this process, and the most it has held at once: the measured side of the plan's
+    predicted host bytes."""
+    with _HELD_LOCK:
+        return _HELD[0], _HELD[1]
+
+
+def reset_held_peak() -> None:
+    """Start :func:`held_bytes`' peak again from what is held now."""
+    with _HELD_LOCK:
+        _HELD[1] = _HELD[0]
+
+
+def resident_bytes() -> tuple[int | None, int | None]:
+    """``(now, peak)`` of this process's resident memory (``VmRSS``, ``VmHWM``), or ``None`` where
+    /proc does not say (not Linux)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(rest.split()[0]) * 1024  # kB
+    except OSError:
+        pass
+    return out.get("VmRSS"), out.get("VmHWM")
 
 
 def cached_host_empty(shape, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host tensor for short-lived copies (swapped activations): from torch's caching host
-    allocator when ``pin``, which reuses a freed block once the copies that used it are done."""
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    allocator when ``pin``, which reuses a freed block once the copies that used it are done.
+    Counted (:func:`held_bytes`) while alive."""
+    return _counted(torch.empty(shape, dtype=dtype, pin_memory=pin))
 
 
 def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

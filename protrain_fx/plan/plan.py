@@ -199,6 +199,19 @@ class Plan:
                     else ""
                 )
             )
+        m = self.measured or {}
+        if "host_bytes" in m:
+            rss = (
+                f"; the process's resident memory {format_bytes(m['rss_bytes'])} (peak "
+                f"{format_bytes(m['peak_rss_bytes'])})"
+                if m.get("rss_bytes") is not None
+                else ""
+            )
+            lines.append(
+                f"  host memory: predicted {format_bytes((self.predicted or {}).get('host_bytes'))}"
+                f" of protrain's buffers, measured {format_bytes(m['host_bytes'])} (peak "
+                f"{format_bytes(m['host_peak_bytes'])}; all of this process's plans){rss}"
+            )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

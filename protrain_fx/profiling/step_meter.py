@@ -116,8 +116,10 @@ class StepMeter:
             self._take_timeline()
         if self.calls <= SKIP:
             return
-        if self.calls == SKIP + 1 and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.calls == SKIP + 1:
+            pinned.reset_held_peak()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
         self.points.append(self._now())
         while len(self.points) >= 2:
             a, b = self.points[0], self.points[1]
@@ -151,4 +153,7 @@ class StepMeter:
         if self.device.type == "cuda":
             measured["peak_bytes"] = torch.cuda.max_memory_reserved(self.device)
             measured["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        # host memory, process-wide: protrain's own buffers (the plan predicts these) and everything
+        measured["host_bytes"], measured["host_peak_bytes"] = pinned.held_bytes()
+        measured["rss_bytes"], measured["peak_rss_bytes"] = pinned.resident_bytes()
         self.plan.measured = measured
