@@ -224,21 +224,36 @@ def _refuse_untraced_checkpointing(root, live) -> None:
     higher-order op): it skips the loop over the layers, which then run eagerly. Their parameters
     reach no protrain graph, so no plan places or offloads them, and the budget would not hold. A
     graph whose traced module holds such layers (checkpointing on, in training, none of their
-    parameters in this graph or in an earlier graph's chunks; earlier graphs run first) says so.
+    parameters in this graph or in an earlier graph's chunks; earlier graphs run first) says so;
+    only when none of the checkpointed layers reached a graph (some that did not may be unused).
     """
     if not isinstance(root, torch.nn.Module) or not torch.is_grad_enabled():
         return
     from protrain_fx.runtime.chunk_store import store_of
 
     in_graph = {id(p) for p in live}
+    # the checkpointed layers themselves (HF also flags the model that holds them): those with no
+    # flagged module below them
+    flagged = [
+        (name, m)
+        for name, m in root.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True and m.training
+    ]
+    layers = [
+        (name, m)
+        for name, m in flagged
+        if not any(
+            o is not m and other.startswith(f"{name}." if name else "") for other, o in flagged
+        )
+        and any(True for _ in m.parameters())
+    ]
     hidden = [
         name
-        for name, m in root.named_modules()
-        if getattr(m, "gradient_checkpointing", False) is True
-        and m.training
-        and any(True for _ in m.parameters())
-        and not any(id(p) in in_graph or store_of(p) is not None for p in m.parameters())
+        for name, m in layers
+        if not any(id(p) in in_graph or store_of(p) is not None for p in m.parameters())
     ]
+    if len(hidden) < len(layers):  # some of them are in graphs: the rest may just be unused
+        hidden = []
     if hidden:
         raise ProtrainError(
             f"the model checkpoints its own layers ({len(hidden)} of them, e.g. "
