@@ -235,7 +235,7 @@ def protrain(spec, x, y):
             plan = protrain_fx.get_plan(compiled)
         except Exception as e:  # noqa: BLE001 - informational column only
             return dict(out, plan_error=repr(e)[:300])
-        host = [c for c in plan.chunks if c.placement != "device"]
+        host = [c for c in plan.chunks if c.placement == "host"]
         out.update(
             n_persist=plan.n_persist,
             n_chunks=len(plan.chunks),

@@ -129,6 +129,9 @@ class Options:
     memory_budget: int | None = None
     chunk_size: int | None = None
     n_persist: int | None = None
+    # data parallel, by hand: of the chunks after the first n_persist, how many keep their shards
+    # of master, gradient and moments on the devices instead of the host (runtime/chunk_store.py)
+    n_shard: int | None = None
     n_buffer: int | None = None
     n_swap: int | None = None
     n_checkpoint: int | None = None
@@ -164,7 +167,7 @@ class Options:
         for key in ("chunk_size", "memory_budget"):
             if raw.get(key) is not None:
                 kw[key] = parse_bytes(raw[key], what=key)
-        for key in ("n_persist", "n_buffer", "n_swap", "n_checkpoint"):
+        for key in ("n_persist", "n_shard", "n_buffer", "n_swap", "n_checkpoint"):
             v = raw.get(key)
             if v is not None:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -203,6 +206,16 @@ class Options:
             if not isinstance(dump_dir, (str, os.PathLike)):
                 raise OptionsError(f"dump_dir: expected a path, got {type(dump_dir).__name__}")
             kw["dump_dir"] = os.fspath(dump_dir)
+        if kw.get("n_shard"):
+            missing = [k for k in ("n_persist", "n_swap", "n_checkpoint") if k not in kw]
+            if missing or "memory_budget" in kw:
+                raise OptionsError(
+                    "n_shard places chunks by hand and the automatic plan does not price chunks "
+                    "sharded on the devices yet: give n_persist, n_swap and n_checkpoint with it "
+                    f"and no memory_budget (missing: {', '.join(missing) or 'none'}"
+                    + ("; memory_budget given" if "memory_budget" in kw else "")
+                    + ")"
+                )
         compiler = raw.get("compiler", "inductor")
         if compiler not in COMPILERS:
             raise OptionsError(f"compiler: expected one of {list(COMPILERS)}, got {compiler!r}")

@@ -60,7 +60,7 @@ def _spec(name, run, reads=(), writes=(), exact_without=True, why=""):
 
 # The decision: set when the plan is made and its chunks placed, before any pass; no pass writes it.
 DECISION = frozenset(
-    {"chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "chunks", "blocks"}
+    {"chunk_size", "n_persist", "n_shard", "n_buffer", "n_swap", "n_checkpoint", "chunks", "blocks"}
 )
 # Set before the passes of a stage run (make_plan, placement, the backend).
 INPUTS = DECISION | frozenset(

@@ -133,6 +133,12 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     n_persist = (
         layout.n_chunks if options.n_persist is None else min(options.n_persist, layout.n_chunks)
     )
+    # with one rank a chunk "sharded" over the ranks is a resident one
+    n_shard = options.n_shard or 0
+    if n_shard and not distributed.world().sharded:
+        n_persist = min(layout.n_chunks, n_persist + n_shard)
+        plan.notes.append(f"n_shard={n_shard} with one rank: those chunks are resident")
+        n_shard = 0
     plan.estimate = estimate_device_bytes(
         chunk_bytes, plan.chunk_size, n_persist, n_buffer, t_elem, elem, activations, ADAM_STATES
     )
@@ -140,13 +146,21 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     # fails half-built hands back what it has not placed, so the parameters keep their values
     host_values = {id(p): HOST_VALUES.pop(p) for _, p in fqns if p in HOST_VALUES}
     try:
-        store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values)
+        store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values, n_shard)
     except BaseException:
         for _, p in fqns:
             if id(p) in host_values:
                 HOST_VALUES[p] = host_values[id(p)]
         raise
     del host_values
+    if store.n_shard:
+        home = [c for c in store.offloaded_chunks if store.home_on_device(c)]
+        states = sum(store.host_numel(c) for c in home) * elem * (2 + ADAM_STATES)
+        plan.notes.append(
+            f"n_shard={store.n_shard}: {format_bytes(states)} of master, gradient and moment "
+            f"shards on this device (1/{store.world.size} of {len(home)} chunks), given by hand: "
+            "not in the predicted peak"
+        )
     # with several ranks resident chunks are replicated: average their gradients across ranks
     distributed.average_resident_grads(
         [p for _, p in fqns if not store.param_is_offloaded(p)], options.optimizer
@@ -170,6 +184,7 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
     plan.param_dtype = store.param_dtype
     plan.chunk_size = store.layout.chunk_size
     plan.n_persist = store.n_persist
+    plan.n_shard = store.n_shard
     plan.n_buffer = (
         max(1, store.n_buffer, options.n_buffer if options.n_buffer is not None else 2)
         if store.offloaded_chunks
@@ -181,7 +196,11 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
             id=c,
             bytes=store.layout.used_bytes(c),
             params=[e.fqn for _, e in store.chunk_entries(c)],
-            placement="host" if store.is_offloaded(c) else "device",
+            placement="sharded"
+            if store.home_on_device(c)
+            else "host"
+            if store.is_offloaded(c)
+            else "device",
         )
         for c in range(store.n_chunks)
     ]

@@ -262,6 +262,7 @@ def _region_options(opts: Options, plan: Plan, region: Region, n_local: int):
         opts,
         chunk_size=plan.chunk_size,
         n_persist=n_local,
+        n_shard=0,
         n_swap=1 if policy == "swap" else 0,
         n_checkpoint=1 if policy == "recompute" else 0,
     )
@@ -297,7 +298,9 @@ def compile_program(
     if split is None:
         raise ProtrainError(f"protrain internal error: the graph no longer splits ({why})")
     prog = progress.current()
+    # regions run in one process, where chunks "sharded" over one rank are resident
     n_persist = plan.layout.n_chunks if opts.n_persist is None else opts.n_persist
+    n_persist += opts.n_shard or 0
     chunks = _region_chunks(plan, split, graph_inputs)
     examples = _fake_examples(split, list(example_inputs))
     variants: dict[tuple, Variant] = {}

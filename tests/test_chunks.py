@@ -96,6 +96,21 @@ def test_offloaded_chunks_match_eager(compiler, n_persist):
 # Any n_buffer works: gathers copy their chunk out of the buffer, so two chunks in use at once (a
 # Linear whose weight and bias sit in different chunks, or the tied embedding used at both ends)
 # need no second buffer.
+@pytest.mark.parametrize("regions", ["1", "0"])
+def test_n_shard_with_one_process_is_resident(monkeypatch, regions):
+    """n_shard chunks are sharded over the ranks; with one process that is being resident, in
+    regions or compiled whole."""
+    monkeypatch.setenv("PROTRAIN_REGIONS", regions)
+    opts = {"compiler": "eager", "chunk_size": "40KB", "n_swap": 0, "n_checkpoint": 0}
+    r = compare_with_eager(
+        gpt(), random_batches(3, 2, 16), {**opts, "n_persist": 1, "n_shard": 2}, give_optimizer=True
+    )
+    assert_parity(r)
+    placements = [c.placement for c in r.plan.chunks]
+    assert placements[:3] == ["device"] * 3 and "host" in placements, placements
+    assert r.plan.n_shard == 0 and all(s.n_shard == 0 for s in stores_of(r.model))
+
+
 @settings(
     max_examples=14,
     deadline=None,

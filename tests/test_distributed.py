@@ -1,6 +1,8 @@
 """Data-parallel protrain with gloo and two processes: the same global batch split over the ranks
 trains like single-process eager PyTorch on the whole batch (losses and parameters after several
-AdamW steps), with offloaded chunks sharded over the ranks and resident chunks replicated."""
+AdamW steps), with offloaded chunks sharded over the ranks, resident chunks replicated, and chunks
+sharded on the devices (``n_shard``: each rank keeps its shard of master, gradient and moments in
+device memory)."""
 
 import os
 import sys
@@ -33,6 +35,7 @@ def model_of(kind: str):
     )
 
 
+NO_ACT = {"n_swap": 0, "n_checkpoint": 0}
 # (kind, options, clip, micro-batches per step) of the parity cases, all trained in one pair of
 # processes
 CASES = [
@@ -44,8 +47,22 @@ CASES = [
     # two micro-batches per step on each rank
     ("gpt", {"compiler": "eager", "n_persist": 2}, None, 2),
     # Inductor: resident gradients averaged in place while the graph goes on (its buffers must stay
-    # theirs)
-    ("gpt", {"compiler": "inductor", "n_persist": 3}, None, 2),
+    # theirs); one chunk sharded on the devices
+    ("gpt", {"compiler": "inductor", "n_persist": 3, "n_shard": 1, **NO_ACT}, None, 2),
+    # chunks sharded on the devices beside offloaded ones, a swapped block, clipping
+    (
+        "gpt",
+        {"compiler": "eager", "n_persist": 1, "n_shard": 2, "n_swap": 1, "n_checkpoint": 0},
+        1.0,
+        1,
+    ),
+    # every resident chunk sharded (ZeRO-3), recomputed blocks, two micro-batches
+    (
+        "llama",
+        {"compiler": "eager", "n_persist": 0, "n_shard": 3, "n_swap": 0, "n_checkpoint": 1},
+        None,
+        2,
+    ),
     # the automatic plan on both ranks, under 3x the fp32 parameter bytes (40,736 parameters): some
     # chunks must be offloaded
     ("gpt", {"compiler": "eager", "memory_budget": 3 * 4 * 40_736}, None, 1),
@@ -104,6 +121,12 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
         "state": sd,
         "opt_state": osd["state"],
         "n_persist": plan.n_persist,
+        "n_shard": plan.n_shard,
+        "sharded_chunks": sum(c.placement == "sharded" for c in plan.chunks),
+        "home_on_device": sum(s.home_on_device(c) for s in stores for c in s.offloaded_chunks),
+        # the host bytes the stores report, and what their host-side tensors add up to
+        "host_bytes": sum(s.host_bytes for s in stores),
+        "host_tensor_bytes": sum(_host_tensor_bytes(s) for s in stores),
         "n_chunks": len(plan.chunks),
         "world": stores[0].world.size,
         "host_share": [
@@ -115,6 +138,15 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
             k: v for k, v in (plan.predicted or {}).items() if k not in ("timeline", "profiled")
         },
     }
+
+
+def _host_tensor_bytes(store) -> int:
+    """Masters and gradient accumulators of the chunks on the host, and the gradient staging: a
+    chunk sharded on the device counts for nothing."""
+    host = [c for c in store.offloaded_chunks if not store.home_on_device(c)]
+    tensors = [store.master[c] for c in host] + [store.grad[c] for c in host if c in store.grad]
+    tensors += store._staging.free if store._staging is not None else []
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +190,11 @@ def test_two_ranks_train_like_eager_on_the_whole_batch(trained, case):
         # resident chunks' gradients were all-reduced from inside backward: one per chunk and
         # backward pass (with several ranks graphs are compiled whole, not in regions)
         assert r["resident_all_reduces"] == options["n_persist"] * STEPS * micro
+        # n_shard chunks keep their shards on the device; the host holds the others' master,
+        # gradient and moments only (the moments are the optimizer's, not counted here)
+        n_shard = options.get("n_shard", 0)
+        assert r["n_shard"] == r["sharded_chunks"] == r["home_on_device"] == n_shard
+        assert r["host_bytes"] == r["host_tensor_bytes"]
     check_like_eager(ranks, kind, clip)
 
 

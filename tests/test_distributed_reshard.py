@@ -1,5 +1,6 @@
 """Data parallelism over a changing number of ranks (gloo, CPU): two processes train with offloaded
-chunks sharded over them, a swapped block and a replicated resident chunk, and save a distributed
+chunks sharded over them, a chunk sharded on the devices (``n_shard``), a swapped block and a
+replicated resident chunk, and save a distributed
 checkpoint (DCP); three processes load it into a model protrain has already stepped (so the load
 must overwrite chunk values and optimizer state, and re-split every offloaded chunk in three) and
 train on. The losses of all four steps and the final parameters and Adam moments match
@@ -15,7 +16,8 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 GLOBAL_BATCH = 6  # split evenly over two and over three ranks
 STEPS = 2  # per phase
-OPTIONS = {"compiler": "eager", "n_persist": 1, "n_swap": 1}
+# chunk 0 replicated, chunk 1 sharded on the devices, the rest sharded on the hosts
+OPTIONS = {"compiler": "eager", "n_persist": 1, "n_shard": 1, "n_swap": 1, "n_checkpoint": 0}
 LOSS_REL, PARAM_ABS = 1e-5, 1e-4
 
 
@@ -89,6 +91,7 @@ def _rank_main(rank: int, world: int, init_file: str, ckpt: str, phase: str, out
             "opt_state": osd["state"],
             "world": stores[0].world.size,
             "offloaded": sum(len(s.offloaded_chunks) for s in stores),
+            "sharded_on_device": sum(s.n_shard for s in stores),
             "host_share": [
                 s.host_numel(c) / s.chunk_numel(c) for s in stores for c in s.offloaded_chunks
             ],
@@ -119,7 +122,8 @@ def test_checkpoint_saved_by_two_ranks_resumes_on_three_like_eager():
         two = _spawn(2, d, "save")
         three = _spawn(3, d, "load")
     assert two["world"] == 2 and three["world"] == 3
-    assert two["offloaded"] > 0 and three["offloaded"] == two["offloaded"]
+    assert two["offloaded"] > 1 and three["offloaded"] == two["offloaded"]
+    assert two["sharded_on_device"] == three["sharded_on_device"] == OPTIONS["n_shard"]
     # each rank held its share of every offloaded chunk (chunks padded to a multiple of the ranks)
     assert all(abs(s - 1 / 2) < 0.05 for s in two["host_share"]), two["host_share"]
     assert all(abs(s - 1 / 3) < 0.05 for s in three["host_share"]), three["host_share"]

@@ -53,6 +53,7 @@ def test_unknown_key_lists_valid_ones():
         ("n_persist", -1),
         ("n_buffer", 1.5),
         ("n_swap", True),
+        ("n_shard", -2),
         ("compiler", "tvm"),
         ("param_dtype", "int8"),
         ("memory_budget", "lots"),
@@ -81,6 +82,24 @@ def test_chunk_options_parse():
     )
     assert o.optimizer is opt and o.memory_budget == 24 * 2**30 and o.param_dtype == torch.bfloat16
     assert (o.n_persist, o.n_buffer, o.n_swap, o.n_checkpoint) == (3, 2, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "given, missing",
+    [
+        ({}, "n_persist, n_swap, n_checkpoint"),
+        ({"n_persist": 1, "n_swap": 0}, "n_checkpoint"),
+        ({"n_persist": 1, "n_swap": 0, "n_checkpoint": 0, "memory_budget": "1GiB"}, "none"),
+    ],
+)
+def test_n_shard_is_placed_by_hand(given, missing):
+    """n_shard is a hand knob the automatic plan does not price: the other placement and activation
+    knobs come with it, and no budget."""
+    with pytest.raises(OptionsError, match=f"missing: {missing}"):
+        Options.from_dict({"n_shard": 1, **given})
+    o = Options.from_dict({"n_shard": 2, "n_persist": 1, "n_swap": 0, "n_checkpoint": 1})
+    assert (o.n_shard, o.n_persist) == (2, 1)
+    assert Options.from_dict({"n_shard": 0}).n_shard == 0  # none sharded: nothing to give
 
 
 def test_env_dump_dir(monkeypatch, tmp_path):

@@ -55,6 +55,8 @@ class Plan:
     n_buffer: int
     n_swap: int
     n_checkpoint: int
+    # data parallel: chunks after the first n_persist whose shards stay on the devices
+    n_shard: int = 0
     # the share of offloaded chunks stepped on the compute device (runtime/device_steps.py)
     device_steps: float = 0.0
     chunks: list[ChunkPlan] = field(default_factory=list)
@@ -124,6 +126,7 @@ class Plan:
             "n_buffer": self.n_buffer,
             "n_swap": self.n_swap,
             "n_checkpoint": self.n_checkpoint,
+            "n_shard": self.n_shard,
             "device_steps": self.device_steps,
             "chunks": [c.to_dict() for c in self.chunks],
             "blocks": [b.to_dict() for b in self.blocks],
@@ -141,11 +144,18 @@ class Plan:
             f"({format_bytes(total)}) in {len(self.chunks)} chunks, {len(self.blocks)} blocks",
             f"  knobs: chunk_size={format_bytes(self.chunk_size)}  n_persist={self.n_persist}  "
             f"n_buffer={self.n_buffer}  n_swap={self.n_swap}  n_checkpoint={self.n_checkpoint}"
-            + (f"  device_steps={self.device_steps:.2f}" if self.device_steps else ""),
+            + (f"  device_steps={self.device_steps:.2f}" if self.device_steps else "")
+            + (f"  n_shard={self.n_shard}" if self.n_shard else ""),
             f"  chunks: {sum(c.placement == 'device' for c in self.chunks)} resident on the device "
-            f"({format_bytes(resident)}), {sum(c.placement == 'host' for c in self.chunks)} "
-            "offloaded to the host "
-            f"({format_bytes(total - resident)})",
+            f"({format_bytes(resident)}), "
+            + (
+                f"{self.n_shard} sharded on the devices "
+                f"({format_bytes(sum(c.bytes for c in self.chunks if c.placement == 'sharded'))}), "
+                if self.n_shard
+                else ""
+            )
+            + f"{sum(c.placement == 'host' for c in self.chunks)} offloaded to the host "
+            f"({format_bytes(sum(c.bytes for c in self.chunks if c.placement == 'host'))})",
         ]
         if self.chunks:
             rows = [("chunk", "placement", "bytes", "fill", "params", "first .. last parameter")]

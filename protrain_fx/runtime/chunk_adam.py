@@ -101,7 +101,7 @@ class ChunkAdam:
                     [st.exp_avg_sq],
                     vmax,
                     [step],
-                    impl=_impl(store, g),
+                    impl=_impl(store, g, store.home_on_device(st.chunk)),
                 )
                 store.refresh_transfer(st.chunk)
             else:
@@ -129,7 +129,17 @@ class ChunkAdam:
                     vmax.append(st.max_exp_avg_sq[sl])
                 steps.append(step_count)
             if params:
-                _adam(groups[gi], params, grads, m, v, vmax, steps, impl=_impl(store, groups[gi]))
+                home = store.home_on_device(st.chunk)
+                _adam(
+                    groups[gi],
+                    params,
+                    grads,
+                    m,
+                    v,
+                    vmax,
+                    steps,
+                    impl=_impl(store, groups[gi], home),
+                )
         store.refresh_transfer(st.chunk)
         return False
 
@@ -260,13 +270,19 @@ def step_hyperparameters(g: dict, decoupled: bool) -> dict:
     return out
 
 
-def _impl(store: ChunkStore, g: dict) -> str:
+def _impl(store: ChunkStore, g: dict, home_on_device: bool = False) -> str:
     """How the CPU step of an offloaded chunk runs. With a CUDA compute device: fused (protrain's
     one-pass kernel, or torch's fused CPU Adam), the fastest. With a CPU compute device, eager
     PyTorch steps the same tensors on the same device, so protrain runs the implementation the
     user's optimizer would (its ``fused`` / ``foreach`` settings; torch's default there is the
     for-loop), for the same rounding: parameters whose gradient is pure rounding noise (an attention
-    key bias) turn one-ulp differences into steps of size ``lr``."""
+    key bias) turn one-ulp differences into steps of size ``lr``. A chunk sharded on a CUDA device
+    (``home_on_device``) is stepped there as eager would step it (fused when asked, else
+    foreach)."""
+    if home_on_device and store.is_cuda:  # a shard on a GPU: the implementation eager runs there
+        if g.get("fused"):
+            return "fused"
+        return "single" if g.get("foreach") is False else "foreach"
     if store.device.type != "cpu" or store.master_dtype != torch.float32 and not g.get("fused"):
         return "fused" if store.master_dtype == torch.float32 or g.get("fused") else "single"
     return "fused" if g.get("fused") else "foreach" if g.get("foreach") else "single"
@@ -278,13 +294,18 @@ def _adam(g: dict, params, grads, m, v, vmax, steps, *, impl: str) -> None:
     from torch.optim.adam import adam
 
     beta1, beta2 = g["betas"]
+    # torch's fused CUDA Adam takes its step counts on the device: copies, written back after
+    on_device = (
+        impl == "fused" and params[0].device.type == "cuda" and steps[0].device.type == "cpu"
+    )
+    counts = [s.to(params[0].device) for s in steps] if on_device else steps
     adam(
         params,
         grads,
         m,
         v,
         vmax,
-        steps,
+        counts,
         foreach=impl == "foreach",
         fused=impl == "fused",
         decoupled_weight_decay=g["decoupled_weight_decay"],
@@ -296,6 +317,9 @@ def _adam(g: dict, params, grads, m, v, vmax, steps, *, impl: str) -> None:
         eps=g["eps"],
         maximize=g["maximize"],
     )
+    if on_device:
+        for s, c in zip(steps, counts):
+            s.copy_(c)
 
 
 def _adam_inverse(

@@ -89,6 +89,15 @@ def shared_staging(
     return staging
 
 
+def _compute_event(device: torch.device):
+    """An event at the current point of the compute stream (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class _Backward:
     """What the running backward pass handed to the host: waited for once, at its end."""
 
@@ -167,10 +176,7 @@ class ChunkGrads:
     def ensure_grad(self, chunk: int) -> torch.Tensor:
         acc = self.grad.get(chunk)
         if acc is None:
-            acc = self.grad[chunk] = pinned.host_empty(
-                self.host_numel(chunk), self.master_dtype, self.is_cuda
-            )
-            acc.zero_()
+            acc = self.grad[chunk] = self.state_empty(chunk, self.master_dtype).zero_()
         return acc
 
     def fold_foreign_grads(self, chunk: int) -> None:
@@ -287,6 +293,11 @@ class ChunkGrads:
                 distributed.reduce_scatter_mean(shard, buf, self.world.size)
                 buf = shard
         acc = self.ensure_grad(chunk)
+        if self.home_on_device(chunk):  # a shard kept on the device: added there, in order
+            self._accumulate(acc, buf, [(self.host_slices(i), f) for i, f in zip(members, fresh)])
+            if k is not None:
+                self.grad_buffers.copied(k, _compute_event(self.device))
+            return
         direct = all(fresh) and others_absent and buf.dtype == acc.dtype
         WORKER.wait_chunk((self.id, chunk)) if not direct else None
         pool = None
@@ -366,9 +377,10 @@ class ChunkGrads:
             grad.index_add_(0, tokens, table)
 
     @staticmethod
-    def _accumulate(acc: torch.Tensor, staged: torch.Tensor, parts, event, pool) -> None:
+    def _accumulate(acc: torch.Tensor, staged: torch.Tensor, parts, event=None, pool=None) -> None:
         """On the host worker: the staged gradient copied into (or added to) the accumulator, in
-        the accumulator's dtype (an upcast of a low-precision gradient is exact)."""
+        the accumulator's dtype (an upcast of a low-precision gradient is exact). For a shard kept
+        on the device: on the compute stream, with no event and no staging pool."""
         if event is not None:
             event.synchronize()
         with torch.no_grad():
@@ -380,7 +392,8 @@ class ChunkGrads:
                     acc[sl].copy_(staged[sl])
                 else:
                     add_upcast(acc[sl], staged[sl])
-        pool.give(staged)
+        if pool is not None:
+            pool.give(staged)
 
     def resident_grads_ready(
         self, chunk: int, grads: list[torch.Tensor], members: list[int]

@@ -24,7 +24,9 @@ protrain_fx/runtime/chunk_grads.py (methods :class:`ChunkStore` inherits).
 
 With several data-parallel ranks (protrain_fx/runtime/distributed.py) a rank keeps only its shard of
 each host tensor; parameters are then empty device *shells* and offloaded gradients stay on the host
-(read through ``model.state_dict()`` hooks and protrain's clipping).
+(read through ``model.state_dict()`` hooks and protrain's clipping). The ``n_shard`` chunks after
+the resident ones take the offloaded chunks' paths, but a rank keeps their shards in device memory
+(:meth:`home_on_device`; docs/design.md, section 9).
 
 On a CPU compute device the same code runs with real copies and no streams.
 """
@@ -124,6 +126,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         n_persist: int,
         param_dtype: torch.dtype,
         host_values: dict | None = None,
+        n_shard: int = 0,
     ):
         if not params:
             raise ProtrainError("a chunk store needs parameters")
@@ -149,6 +152,8 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to
         # a multiple
         self.world = distributed.world()
+        # offloaded chunks whose shards stay on the device (several ranks only)
+        self.n_shard = min(n_shard, self.n_chunks - self.n_persist) if self.world.sharded else 0
         # parameters are views of their host values (not shells)
         self.aliased = not self.world.sharded
         align_elems = max(1, ALIGN_BYTES // elem) * self.world.size
@@ -256,15 +261,15 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
                     if id(p) in host_values:
                         p.data = host_values.pop(id(p)).to(self.device, copy=True)
                 continue
-            master = pinned.host_empty(self.host_numel(c), self.master_dtype, pin)
-            master.zero_()
+            master = self.state_empty(c, self.master_dtype).zero_()
             for i in self._chunk_entries[c]:
                 part = self.host_slices(i)
                 if part is not None:
                     p = params_in_order[i]
                     master[part[0]].copy_(host_values.get(id(p), p.data).reshape(-1)[part[1]])
             self.master[c] = master
-            if self.param_dtype == self.master_dtype:
+            # a shard on the device is cast on its way into the chunk buffer (_fill)
+            if self.param_dtype == self.master_dtype or self.home_on_device(c):
                 self.transfer[c] = master
             else:
                 self.transfer[c] = pinned.host_empty(self.host_numel(c), self.param_dtype, pin)
@@ -344,6 +349,17 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
 
     def is_offloaded(self, chunk: int) -> bool:
         return chunk >= self.n_persist
+
+    def home_on_device(self, chunk: int) -> bool:
+        """An offloaded chunk whose shards stay in device memory (see the module docstring)."""
+        return self.n_persist <= chunk < self.n_persist + self.n_shard
+
+    def state_empty(self, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's share of an offloaded chunk (master, gradient, moment), uninitialized: in
+        pinned host memory, or on the device for a chunk sharded there."""
+        if self.home_on_device(chunk):
+            return torch.empty(self.host_numel(chunk), dtype=dtype, device=self.device)
+        return pinned.host_empty(self.host_numel(chunk), dtype, self.is_cuda)
 
     @property
     def offloaded_chunks(self) -> list[int]:
@@ -453,10 +469,11 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
     def host_bytes(self) -> int:
         """Host bytes this store holds (masters, transfer copies, gradient accumulators,
         staging)."""
-        tensors = list(self.master.values()) + [
-            t for c, t in self.transfer.items() if t is not self.master[c]
+        host = [c for c in self.master if not self.home_on_device(c)]
+        tensors = [self.master[c] for c in host] + [
+            self.transfer[c] for c in host if self.transfer[c] is not self.master[c]
         ]
-        tensors += list(self.grad.values()) + (
+        tensors += [t for c, t in self.grad.items() if not self.home_on_device(c)] + (
             self._staging.free if self._staging is not None else []
         )
         tensors += [t for pool in self._oversized.values() for t in pool.free]
@@ -464,11 +481,12 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
 
     def describe(self) -> str:
         off = self.offloaded_chunks
-        host = sum(self.host_numel(c) for c in off)
         dev = len(self.device_step_chunks)
+        sharded = f", {self.n_shard} sharded on the devices" if self.n_shard else ""
+        host = sum(self.host_numel(c) for c in off if not self.home_on_device(c))
         return (
-            f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident, {len(off)} "
-            "offloaded "
+            f"store {self.id}: {self.n_chunks} chunks, {self.n_persist} resident{sharded}, "
+            f"{len(off) - self.n_shard} offloaded "
             f"({format_bytes(host * self.master_dtype.itemsize)} of "
             f"{str(self.master_dtype).replace('torch.', '')} master on the host"
             + (f"; {dev} of them stepped on the device, streamed)" if dev else ")")

@@ -53,7 +53,7 @@ class ChunkTransfers:
         def fill(dst: torch.Tensor) -> int:
             """Copy the host values into the device buffer: the whole chunk, or with several ranks
             this rank's shard into its place and an all-gather of the others (on the current
-            stream)."""
+            stream). A shard kept on the device is cast into its place (no host copy)."""
             src = self.transfer[chunk]
             n = self._chunk_numel[chunk]
             if self.profiling:
@@ -66,7 +66,7 @@ class ChunkTransfers:
                 distributed.all_gather_into(dst[:n], dst[lo:hi])
             if self.profiling:
                 block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_END, self.device)
-            return src.numel() * src.element_size()
+            return 0 if self.home_on_device(chunk) else src.numel() * src.element_size()
 
         return fill
 
@@ -86,10 +86,15 @@ class ChunkTransfers:
         if DEBUG_SYNC and self.is_cuda:
             torch.cuda.synchronize()
         self._ready_for_copy(chunk)
-        # while profiling, copies go on the compute stream, between the profiler's copy marks
         self.buffers.prefetch(
-            (self.id, chunk), self._fill(chunk), on_compute=self.profiling, ahead=ahead
+            (self.id, chunk), self._fill(chunk), on_compute=self._on_compute(chunk), ahead=ahead
         )
+
+    def _on_compute(self, chunk: int) -> bool:
+        """Whether the chunk's copy runs on the compute stream: while profiling (between the
+        profiler's copy marks), and for a shard kept on the device, which the optimizer's step
+        and gradient accumulation write on the compute stream (ordered after them there)."""
+        return self.profiling or self.home_on_device(chunk)
 
     def gather(self, chunk: int) -> torch.Tensor:
         """The chunk's parameters on the compute device: a fresh flat tensor in the transfer dtype
@@ -98,7 +103,7 @@ class ChunkTransfers:
         if not self.buffers.is_reserved(key):
             self._ready_for_copy(chunk)
         out = self.buffers.gather(
-            key, self._chunk_numel[chunk], self._fill(chunk), on_compute=self.profiling
+            key, self._chunk_numel[chunk], self._fill(chunk), on_compute=self._on_compute(chunk)
         )
         if DEBUG_SYNC and self.is_cuda:
             torch.cuda.synchronize()

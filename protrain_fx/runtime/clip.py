@@ -60,7 +60,9 @@ def install() -> None:
         norm_type = float(norm_type)
         norms = [torch.linalg.vector_norm(g, norm_type) for g in device_grads]
         host_norms = [torch.linalg.vector_norm(g, norm_type) for g in host]
-        dev = device_grads[0].device if device_grads else torch.device("cpu")
+        # the compute device even when no gradient is in param.grad (every chunk offloaded or
+        # sharded): NCCL reduces device tensors only
+        dev = device_grads[0].device if device_grads else next(iter(handles)).stores[0].device
         # shards: the norm spans the ranks
         host_norms = [distributed.shard_norm(host_norms, norm_type, dev)]
         all_norms = torch.stack([n.to(dev) for n in norms + host_norms])

@@ -48,7 +48,6 @@ from dataclasses import dataclass
 import torch
 
 from protrain_fx.errors import ProtrainError
-from protrain_fx.machine import pinned
 from protrain_fx.runtime import clip, mapped
 from protrain_fx.runtime.chunk_adam import (
     ChunkAdam,
@@ -177,13 +176,11 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
             return
         dtype = store.master_dtype  # Adam's moments have the parameter's dtype, as in torch
         amsgrad = any(g.get("amsgrad") for g in self.opt.param_groups)
-        pin = store.is_cuda
         for c in store.offloaded_chunks:
-            n = store.host_numel(c)  # this rank's shard with several ranks
-
-            # pinned at its exact size (torch 2.11 would round a chunk up to a power of two)
+            # this rank's shard with several ranks; pinned at its exact size (torch 2.11 would
+            # round a chunk up to a power of two), or on the device for a chunk sharded there
             def buf():
-                return pinned.host_empty(n, dtype, pin).zero_()
+                return store.state_empty(c, dtype).zero_()
 
             # arrivals per step: learned at the first opt.step(), or, with the micro-steps declared,
             # once the first backward has shown how many each backward brings
@@ -304,8 +301,11 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
             st.in_backward = 0
 
     def _may_step_in_backward(self, st: ChunkOptState) -> bool:
+        # a shard kept on the device steps at opt.step(), on the compute stream: fast there, and
+        # ordered with its gradients and its next gather without the host worker
         return (
             self.overlap
+            and not st.store.home_on_device(st.chunk)
             and st.learned is not None
             and st.max_exp_avg_sq is None
             and st.store.master_dtype == torch.float32
