@@ -41,7 +41,7 @@ from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import Hardware
-from protrain_fx.plan.search import check_host_floor, search
+from protrain_fx.plan.search import check_host_floor, search, search_or_without_copies
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
 from protrain_fx.profiling.frugal import oom_need_bytes, profile_frugal  # noqa: F401  (tests)
 from protrain_fx.profiling.profiler import graph_profile, profile_from_dict, profile_to_dict
@@ -175,7 +175,11 @@ def choose(
         # its first chunks resident
         n_own = pack(param_entries, store.layout.chunk_size, groups).n_chunks
         resident = sum(s.n_persist for s in existing.values())
-        fixed.update(chunk_size=store.layout.chunk_size, n_persist=min(resident, n_own))
+        fixed.update(
+            chunk_size=store.layout.chunk_size,
+            n_persist=min(resident, n_own),
+            transfer_copies=store.transfer_copies,
+        )
         notes.append(
             "chunk placement kept from this model's earlier graph; activation knobs searched"
         )
@@ -208,7 +212,9 @@ def choose(
     path = plan_cache.path_of(key)
     # rank 0's cache decides for every rank
     cached, failed, refused = distributed.broadcast_object(
-        plan_cache.usable(plan_cache.read(path), budget)
+        plan_cache.usable(
+            plan_cache.read(path), budget, _pinnable_host(device, _host_values_bytes(live), n_peers)
+        )
     )
     if refused:
         notes.append(refused)
@@ -353,6 +359,8 @@ def choose(
     knobs_given = dict(
         n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"]
     )
+    if fixed["transfer_copies"] is False:  # given: priced as given
+        profiles = [dataclasses.replace(p, transfer_copies=False) for p in profiles]
     prog.line(f"searching the plans under a budget of {format_bytes(budget)}")
 
     def searched(budget):
@@ -369,9 +377,17 @@ def choose(
                 evaluated=sum(r.evaluated for r in results),
                 seconds=sum(r.seconds for r in results),
             )
-        return search(
-            profiles, hw, budget, host_budget, n_persist=fixed["n_persist"], **knobs_given
+        res, why = search_or_without_copies(
+            profiles,
+            hw,
+            budget,
+            host_budget,
+            fixed["transfer_copies"] is None,
+            n_persist=fixed["n_persist"],
+            **knobs_given,
         )
+        notes.extend([why] if why else [])
+        return res
 
     try:  # every rank searches; rank 0's outcome is the one every rank runs (distributed.py)
         try:

@@ -139,6 +139,10 @@ class Options:
     # (protrain_fx/runtime/device_steps.py); None: as the automatic plan chooses (0 without one)
     device_steps: float | None = None
     param_dtype: torch.dtype | None = None
+    # offloaded chunks keep a host copy in param_dtype, written by the CPU step (False: a gather
+    # uploads the fp32 master and casts it on the device; None: as the automatic plan chooses,
+    # copies unless the host cannot hold them)
+    transfer_copies: bool | None = None
     dump_dir: str | None = None
     compiler: str = "inductor"
 
@@ -206,6 +210,13 @@ class Options:
             if not isinstance(dump_dir, (str, os.PathLike)):
                 raise OptionsError(f"dump_dir: expected a path, got {type(dump_dir).__name__}")
             kw["dump_dir"] = os.fspath(dump_dir)
+        v = raw.get("transfer_copies")
+        if v is not None:
+            if not isinstance(v, bool):
+                raise OptionsError(
+                    f"transfer_copies: expected True or False (or None for automatic), got {v!r}"
+                )
+            kw["transfer_copies"] = v
         if kw.get("n_shard"):
             missing = [k for k in ("n_persist", "n_swap", "n_checkpoint") if k not in kw]
             if missing or "memory_budget" in kw:

@@ -21,7 +21,7 @@ from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.plan import ChunkPlan, Plan
 from protrain_fx.plan.profiles import ADAM_STATES, GRAD_BUFFERS
-from protrain_fx.runtime import distributed, hybrid_optim
+from protrain_fx.runtime import device_steps, distributed, hybrid_optim
 from protrain_fx.runtime.chunk_store import ChunkStore, get_store, store_of
 from protrain_fx.runtime.param_values import HOST_VALUES, hook_owners_of
 
@@ -105,7 +105,7 @@ def _bind(plan, options, params, root, graph, training, autocast) -> None:
             for s in offloaded:
                 hybrid_optim.attach(options.optimizer, s)
                 # some offloaded chunks step on the compute device (runtime/device_steps.py)
-                s.set_device_steps(options.device_steps or 0.0)
+                device_steps.assign(s, options.device_steps or 0.0)
             plan.device_steps = options.device_steps or 0.0
         elif not any(s.optimizer is not None for s in offloaded):
             plan.notes.append(
@@ -146,7 +146,15 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     # fails half-built hands back what it has not placed, so the parameters keep their values
     host_values = {id(p): HOST_VALUES.pop(p) for _, p in fqns if p in HOST_VALUES}
     try:
-        store = ChunkStore(fqns, layout, n_persist, param_dtype, host_values, n_shard)
+        store = ChunkStore(
+            fqns,
+            layout,
+            n_persist,
+            param_dtype,
+            host_values,
+            n_shard,
+            transfer_copies=options.transfer_copies is not False,
+        )
     except BaseException:
         for _, p in fqns:
             if id(p) in host_values:
@@ -185,6 +193,7 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
     plan.chunk_size = store.layout.chunk_size
     plan.n_persist = store.n_persist
     plan.n_shard = store.n_shard
+    plan.transfer_copies = store.transfer_copies
     plan.n_buffer = (
         max(1, store.n_buffer, options.n_buffer if options.n_buffer is not None else 2)
         if store.offloaded_chunks
@@ -208,6 +217,16 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
     if len(stores) > 1:
         plan.notes.append(
             f"this graph's parameters span {len(stores)} chunk stores; the table shows the first"
+        )
+    if (
+        store.offloaded_chunks
+        and not store.transfer_copies
+        and store.param_dtype != store.master_dtype
+    ):
+        plan.notes.append(
+            "offloaded chunks keep no host copy in "
+            f"{str(store.param_dtype).replace('torch.', '')}: a gather uploads the master and "
+            "casts it on the device (twice the bytes up, 2 bytes per parameter less host memory)"
         )
     if store.offloaded_chunks:
         plan.notes.append(
@@ -241,7 +260,8 @@ def check_host_memory(plan: Plan, opts: Options, params: list, device) -> None:
         layout.used_bytes(c) for c in range(min(opts.n_persist, layout.n_chunks), layout.n_chunks)
     )
     transfer = opts.param_dtype.itemsize if opts.param_dtype is not None else elem
-    per_param_bytes = 4 * elem + (transfer if transfer != elem else 0)
+    copies = transfer != elem and opts.transfer_copies is not False
+    per_param_bytes = 4 * elem + (transfer if copies else 0)
     need = offloaded // elem * per_param_bytes
     _, _, available, total = memory.current_memory(device)
     reserve = max(2 << 30, int(0.05 * total))

@@ -27,9 +27,18 @@ from protrain_fx.runtime import distributed
 log = logging.getLogger("protrain_fx")
 
 # bump when the profile or the cost model changes meaning: old cache entries miss
-COST_MODEL_VERSION = 23  # 22: oversized gradients down in their own dtype, staging priced as held;
+COST_MODEL_VERSION = 24  # 22: oversized gradients down in their own dtype, staging priced as held;
 # 23: compute slowed by the clock under sustained load (Hardware.clock_slowdown)
-KNOBS = ("chunk_size", "n_persist", "n_buffer", "n_swap", "n_checkpoint", "device_steps")
+# 24: the transfer_copies knob (a cached plan's knobs include it)
+KNOBS = (
+    "chunk_size",
+    "n_persist",
+    "n_buffer",
+    "n_swap",
+    "n_checkpoint",
+    "device_steps",
+    "transfer_copies",
+)
 
 
 def key(
@@ -112,10 +121,13 @@ def read(path: str) -> dict | None:
         return None
 
 
-def usable(entry: dict | None, budget: int) -> tuple[dict | None, list[int], str | None]:
+def usable(
+    entry: dict | None, budget: int, host_budget: int | None = None
+) -> tuple[dict | None, list[int], str | None]:
     """``(entry to serve or None, predicted peaks of plans that failed, why the entry is not
     served)``. A plan that ran out of memory or gave a non-finite loss is never served again; nor
-    one whose predicted peak exceeds the budget asked for now."""
+    one whose predicted peak exceeds the budget asked for now, or whose host bytes exceed what the
+    host may pin now (``host_budget``)."""
     if entry is None:
         return None, [], None
     failed = [int(x) for x in entry.get("failed_peaks", [])]
@@ -137,6 +149,13 @@ def usable(entry: dict | None, budget: int) -> tuple[dict | None, list[int], str
                 f"({format_bytes(budget)}): planned anew"
             ),
         )
+    host = (entry.get("predicted") or {}).get("host_bytes") or 0
+    if host_budget is not None and host > host_budget:
+        why = (
+            f"the cached plan needs {format_bytes(host)} of host memory, more than protrain may "
+            f"pin now ({format_bytes(max(0, host_budget))}): planned anew"
+        )
+        return None, failed, why
     return entry, failed, None
 
 

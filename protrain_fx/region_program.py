@@ -387,6 +387,7 @@ def _describe(plan: Plan, program: RegionProgram, graph_inputs, examples) -> Non
     }
     plan.n_buffer = max((p.n_buffer for p in plans), default=0)
     plan.device_steps = max((p.device_steps for p in plans), default=0.0)
+    plan.transfer_copies = all(p.transfer_copies for p in plans)
     plan.n_buffer_given = any(p.n_buffer_given for p in plans)
     dtypes = [p.param_dtype for p in plans if p.param_dtype is not None]
     plan.param_dtype = dtypes[0] if dtypes else None

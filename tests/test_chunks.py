@@ -355,6 +355,32 @@ def test_bf16_transfer_copies():
     assert r.max_param_abs <= 2 * 1e-3 * 3
 
 
+def test_without_transfer_copies_masters_go_up_and_are_cast_there():
+    """transfer_copies=False: no bf16 host copy; a gather casts the fp32 master on its way into the
+    chunk buffer, which rounds as the CPU step's copy does, so training is bit for bit the same as
+    with copies (and within the bf16 tolerance of eager)."""
+    runs = {}
+    for copies in (True, False):
+        runs[copies] = r = compare_with_eager(
+            gpt(),
+            random_batches(3, 2, 16),
+            {"compiler": "eager", "n_persist": 1, "transfer_copies": copies},
+            give_optimizer=True,
+            autocast_dtype=torch.bfloat16,
+            fused=True,
+        )
+        stores = stores_of(r.model)
+        assert r.plan.transfer_copies is copies
+        off = [(s, c) for s in stores for c in s.offloaded_chunks]
+        assert off and all((s.transfer[c] is s.master[c]) is not copies for s, c in off)
+        assert all(s.param_dtype == torch.bfloat16 for s in stores)
+        assert r.max_loss_rel <= 2 * 2**-8, (r.losses, r.ref_losses)
+    assert runs[False].losses == runs[True].losses
+    mine, theirs = runs[False].model.state_dict(), runs[True].model.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert any("keep no host copy" in n for n in runs[False].plan.notes), runs[False].plan.notes
+
+
 def test_host_init_and_memory_budget():
     """A model built with host_init never had device values; with a budget the automatic plan places
     it (the profiling step runs on the host values and leaves them unchanged)."""

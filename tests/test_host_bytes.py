@@ -87,6 +87,40 @@ def test_predicted_host_bytes_are_the_allocated_ones(overrides, budget):
     assert pinned.held_bytes()[0] == before
 
 
+def test_the_automatic_plan_drops_transfer_copies_the_host_cannot_hold(monkeypatch):
+    """Under bf16 autocast a plan with host transfer copies needs 2 bytes more per offloaded
+    parameter; with a host that holds the plan without them but not with them, the automatic plan
+    keeps none (and says so), and predicts its host bytes exactly. Every chunk offloaded and no
+    block swapped (given), so that no other plan needs less host memory."""
+    from protrain_fx import autoplan
+
+    def run(host_budget):
+        if host_budget is not None:
+            monkeypatch.setattr(autoplan, "_pinnable_host", lambda *a, **k: host_budget)
+        torch._dynamo.reset()
+        model = hf_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        options = {"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000}
+        options.update(n_persist=0, n_swap=0)
+        compiled = torch.compile(model, backend="protrain", options=options)
+        for x, _ in random_batches(2, 2, 16, vocab=model.config.vocab_size):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = hf_loss(compiled, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return protrain_fx.get_plan(compiled), allocated_host_bytes(model, opt)
+
+    plan, got = run(None)
+    assert plan.transfer_copies and got.get("transfer"), got
+    copies = plan.predicted["host_bytes"]
+    assert sum(got.values()) == copies
+    plan, got = run(copies - got["transfer"] // 2)  # room for half the copies
+    assert not plan.transfer_copies and not got.get("transfer"), got
+    assert any("transfer_copies=False" in n for n in plan.notes), plan.notes
+    assert sum(got.values()) == plan.predicted["host_bytes"] < copies
+
+
 def test_a_low_precision_gradient_is_added_without_a_host_copy_of_its_size():
     """An oversized chunk's bf16 gradient added into its fp32 accumulator (a second micro-step):
     exact like ``add_``, and the process's peak resident memory grows by a slice, not by an fp32

@@ -324,6 +324,30 @@ def test_plan_cache_refuses_a_plan_over_the_budget_asked_for_now(plan_cache):
     assert isinstance(e.value.__cause__ or e.value, NoPlanFits) or "NoPlanFits" in str(e.value)
 
 
+def test_plan_cache_refuses_a_plan_the_host_cannot_hold_now(monkeypatch, plan_cache):
+    """A cached plan whose pinned host bytes exceed what the host may pin now is planned anew: a
+    plan that needs less host memory, or the host's error naming what it needs."""
+    from protrain_fx import autoplan
+
+    data = random_batches(1, 2, 16, vocab=64)
+    budget = 3 * state_bytes(gpt())
+    model, opt, compiled = compiled_gpt(budget)
+    train(model, compiled, opt, data)
+    host = protrain_fx.get_plan(compiled).predicted["host_bytes"]
+    assert host > 0
+    torch._dynamo.reset()
+    monkeypatch.setattr(autoplan, "_pinnable_host", lambda *a, **k: host - 1)
+    model, opt, compiled = compiled_gpt(budget)
+    try:
+        train(model, compiled, opt, data)
+    except Exception as e:  # dynamo wraps it
+        assert "host memory" in str(e) and "NoPlanFits" in repr(e.__cause__ or e) + str(e), e
+    else:
+        plan = protrain_fx.get_plan(compiled)
+        assert not plan.predicted["from_cache"] and plan.predicted["host_bytes"] < host
+        assert any("more than protrain may pin now" in n for n in plan.notes), plan.notes
+
+
 def test_plan_cache_never_serves_a_plan_that_gave_a_nonfinite_loss(plan_cache):
     data = random_batches(2, 2, 16, vocab=64)
     budget = 3 * state_bytes(gpt())

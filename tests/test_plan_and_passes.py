@@ -23,6 +23,8 @@ SCHEMA = {
     "n_swap",
     "n_checkpoint",
     "device_steps",
+    "n_shard",
+    "transfer_copies",
     "chunks",
     "blocks",
     "predicted",

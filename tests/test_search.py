@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from protrain_fx.errors import NoPlanFits
 from protrain_fx.plan.cost_model import predict
-from protrain_fx.plan.profiles import BlockProfile, ChunkProfile, GraphProfile, Hardware, Knobs
+from protrain_fx.plan.profiles import (
+    UPLOAD_PIECE,
+    BlockProfile,
+    ChunkProfile,
+    GraphProfile,
+    Hardware,
+    Knobs,
+)
 from protrain_fx.plan.search import brute_force, search
 
 HW = Hardware(
@@ -83,8 +90,10 @@ HW2 = dataclasses.replace(HW, world_size=2, collective_bytes_per_s=100e9)
     budget_mib=st.integers(100, 12000),
     host_gib=st.one_of(st.none(), st.integers(1, 40)),
     hw=st.sampled_from([HW, HW2]),
+    copies=st.booleans(),
 )
-def test_search_matches_brute_force_and_fits(profs, budget_mib, host_gib, hw):
+def test_search_matches_brute_force_and_fits(profs, budget_mib, host_gib, hw, copies):
+    profs = [dataclasses.replace(p, transfer_copies=copies) for p in profs]
     budget = budget_mib * MiB
     host = None if host_gib is None else host_gib * 2**30
     expected = brute_force(profs, hw, budget, host)
@@ -237,6 +246,34 @@ def test_prediction_terms():
     # backward's start (activations, transient) or end (gradients)
     live = max(110 * MiB + 100 * MiB, 50e6 * 4)
     assert p.peak_bytes == pytest.approx((states + buffers + live) * 1.10, abs=1)
+
+
+def test_without_transfer_copies_gathers_move_masters_and_the_host_holds_less():
+    """transfer_copies=False: a gather moves the fp32 master (4 bytes, not 2) through a staging
+    piece on the device, and the host holds no bf16 copy of the offloaded chunk."""
+    ch = ChunkProfile(numel=50 * 10**6, fwd_s=0.001, bwd_s=0.020)
+    prof = GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(),
+        chunks=(
+            ChunkProfile(ch.numel, ch.fwd_s, ch.bwd_s, ()),
+            ChunkProfile(ch.numel, ch.fwd_s, ch.bwd_s, ()),
+        ),
+    )
+    knobs = Knobs(prof.chunk_size, 1, 2, 0, 0)
+    copies = predict(prof, HW, knobs)
+    lean = predict(prof, HW, dataclasses.replace(knobs, transfer_copies=False))
+    assert lean.knobs.transfer_copies is False and copies.knobs.transfer_copies is True
+    # chunk 1's forward: its gather (2 ms as bf16, 4 ms as fp32) is longer than its 1 ms compute
+    assert copies.breakdown["fwd_s"] == pytest.approx(0.001 + 50e6 * 2 / 50e9)
+    assert lean.breakdown["fwd_s"] == pytest.approx(0.001 + 50e6 * 4 / 50e9)
+    assert copies.host_bytes - lean.host_bytes == 50e6 * 2
+    staging = min(UPLOAD_PIECE, 50 * 10**6) * 4
+    assert lean.peak_bytes - copies.peak_bytes == pytest.approx(staging * 1.10, abs=2)
+    # nothing offloaded: no staging, nothing on the host
+    everything = dataclasses.replace(knobs, n_persist=2, transfer_copies=False)
+    resident = dataclasses.replace(knobs, n_persist=2)
+    assert predict(prof, HW, everything).peak_bytes == predict(prof, HW, resident).peak_bytes
 
 
 def test_autocast_casts_are_priced():

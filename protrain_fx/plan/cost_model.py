@@ -51,6 +51,7 @@ blocks) and each n_persist after that O(1) (prefix sums): the search evaluates e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from protrain_fx.plan.device_step_cost import device_step_link_s, device_step_table
@@ -94,13 +95,14 @@ class _ProfileArrays:
         self.serial = []
         # with several ranks a rank moves its shard and the collectives the rest
         shard = 1 / hw.world_size
+        ue = prof.upload_elem  # te, or me without host transfer copies
         for c, ch in enumerate(chunks):
-            h2d = ch.numel * te * shard / hw.h2d_bytes_per_s + hw.collective_s(ch.numel * te)
+            h2d = ch.numel * ue * shard / hw.h2d_bytes_per_s + hw.collective_s(ch.numel * te)
             f = ch.fwd_s
             self.fwd_res.append(self.fwd_res[-1] + f)
             self.fwd_off.append(self.fwd_off[-1] + max(f, h2d))
             # the last n_buffer chunks stay in their buffers
-            up = 0 if c >= n - n_buffer else ch.numel * te
+            up = 0 if c >= n - n_buffer else ch.numel * ue
             # its gradient's copy to the host (and reduce-scatter): what the CPU step waits for;
             # in the master dtype (an oversized one's may go in the transfer dtype: optimizer_calls)
             down = ch.numel * me
@@ -200,6 +202,7 @@ class _ProfileArrays:
                 + self.n_buffer * self.buffer_numel[p] * te
                 + GRAD_BUFFERS * self.grad_numel[p] * me
                 + (self.device_step_scratch if steps[p][0] else 0)
+                + (self.prof.upload_staging_bytes if p < len(self.numel) - 1 else 0)
                 for p in range(len(self.numel))
             ]
         return self._static
@@ -383,7 +386,7 @@ class LayoutCosts:
         # packed gradients (master dtype, runtime/chunk_grads.py) and of oversized ones (their own
         # dtype); the swap pool
         per_param = prof.master_elem * (2 + ADAM_STATES) + (
-            prof.transfer_elem if prof.transfer_elem != prof.master_elem else 0
+            prof.upload_elem if prof.upload_elem != prof.master_elem else 0
         )
         return (
             offloaded * per_param
@@ -498,6 +501,7 @@ class LayoutCosts:
             self.n_swap,
             self.n_checkpoint,
             self.device_steps(n_persist)[0],
+            self.prof.transfer_copies,
         )
         return Prediction(knobs, t, self.peak_bytes(n_persist), self.host_bytes(n_persist), parts)
 
@@ -510,6 +514,7 @@ def predict(prof: GraphProfile, hw: Hardware, knobs: Knobs) -> Prediction:
         )
     if not 0 <= knobs.n_persist <= len(prof.chunks):
         raise ValueError(f"n_persist {knobs.n_persist} outside 0..{len(prof.chunks)}")
+    prof = dataclasses.replace(prof, transfer_copies=knobs.transfer_copies)
     return LayoutCosts(prof, hw, knobs.n_buffer, knobs.n_swap, knobs.n_checkpoint).predict(
         knobs.n_persist
     )

@@ -56,7 +56,7 @@ def device_step_split(
     forced = hw.device_step_share
     if (not hw.device_steps and not forced) or hw.world_size != 1 or not count or not a:
         return 0.0, 0, alone
-    up_base = offloaded * prof.transfer_elem / hw.h2d_bytes_per_s
+    up_base = offloaded * prof.upload_elem / hw.h2d_bytes_per_s
     down_base = offloaded * prof.master_elem / hw.d2h_bytes_per_s
     up = DEVICE_STEP_UP_BYTES / hw.h2d_bytes_per_s
     down = DEVICE_STEP_DOWN_BYTES / hw.d2h_bytes_per_s
@@ -64,7 +64,7 @@ def device_step_split(
 
     # every step's bytes and backward's copies through the host's memory, at the kernel's rate alone
     memory = (
-        offloaded * HOST_BYTES_PER_PARAM + offloaded * (prof.transfer_elem + prof.master_elem)
+        offloaded * HOST_BYTES_PER_PARAM + offloaded * (prof.upload_elem + prof.master_elem)
     ) / (hw.cpu_adam_params_per_s * HOST_BYTES_PER_PARAM)
 
     def work(k: int) -> float:

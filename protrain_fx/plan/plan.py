@@ -57,6 +57,8 @@ class Plan:
     n_checkpoint: int
     # data parallel: chunks after the first n_persist whose shards stay on the devices
     n_shard: int = 0
+    # offloaded chunks keep a host copy in the transfer dtype (False: masters go up, cast there)
+    transfer_copies: bool = True
     # the share of offloaded chunks stepped on the compute device (runtime/device_steps.py)
     device_steps: float = 0.0
     chunks: list[ChunkPlan] = field(default_factory=list)
@@ -127,6 +129,7 @@ class Plan:
             "n_swap": self.n_swap,
             "n_checkpoint": self.n_checkpoint,
             "n_shard": self.n_shard,
+            "transfer_copies": self.transfer_copies,
             "device_steps": self.device_steps,
             "chunks": [c.to_dict() for c in self.chunks],
             "blocks": [b.to_dict() for b in self.blocks],
@@ -145,7 +148,8 @@ class Plan:
             f"  knobs: chunk_size={format_bytes(self.chunk_size)}  n_persist={self.n_persist}  "
             f"n_buffer={self.n_buffer}  n_swap={self.n_swap}  n_checkpoint={self.n_checkpoint}"
             + (f"  device_steps={self.device_steps:.2f}" if self.device_steps else "")
-            + (f"  n_shard={self.n_shard}" if self.n_shard else ""),
+            + (f"  n_shard={self.n_shard}" if self.n_shard else "")
+            + ("" if self.transfer_copies else "  transfer_copies=False"),
             f"  chunks: {sum(c.placement == 'device' for c in self.chunks)} resident on the device "
             f"({format_bytes(resident)}), "
             + (

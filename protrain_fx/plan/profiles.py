@@ -46,6 +46,9 @@ DEVICE_STEP_SLOTS = 2
 DEVICE_STEP_SLOT_BYTES = 4 * 4 + 2
 DEVICE_STEP_UP_BYTES = 16  # master, gradient, moments
 DEVICE_STEP_DOWN_BYTES = 14  # master, moments, bf16 transfer copy
+# without host transfer copies (Knobs.transfer_copies False) an offloaded master goes up in pieces
+# of this many elements through a device staging buffer of its dtype (runtime/chunk_transfers.py)
+UPLOAD_PIECE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class GraphProfile:
     tail_bytes: int = 0
     master_elem: int = 4
     transfer_elem: int = 2
+    # whether offloaded chunks keep a host copy in the transfer dtype (the plan's knob, set on the
+    # profile the search prices): without one a gather uploads master_elem bytes per element
+    transfer_copies: bool = True
     # forward saves a compute-dtype copy of resident parameters that autocast casts (offloaded
     # chunks arrive in that dtype and are re-gathered in backward instead): bytes per resident
     # parameter element
@@ -102,6 +108,22 @@ class GraphProfile:
     # the profiled step where known: protrain_fx/machine/allocator.py)
     fragmentation: float = FRAGMENTATION
     fragmentation_bytes: int = 0
+
+    @property
+    def upload_elem(self) -> int:
+        """Bytes per element an offloaded chunk's gather moves up: its transfer copy's, or its
+        master's without copies."""
+        return self.transfer_elem if self.transfer_copies else self.master_elem
+
+    @property
+    def upload_staging_bytes(self) -> int:
+        """The device staging masters go up through without transfer copies (none needed where
+        the two dtypes agree)."""
+        if self.transfer_copies or self.transfer_elem == self.master_elem:
+            return 0
+        largest = max((ch.numel for ch in self.chunks), default=0)
+        return min(UPLOAD_PIECE, largest) * self.master_elem
+
     # how many blocks ahead of its own backward a swap block's reload starts: one in a whole graph
     # (passes/swap.py), none in a graph compiled in regions (the block's own code starts it)
     reload_lead_blocks: int = 1
@@ -171,6 +193,9 @@ class Knobs:
     # the share of the offloaded chunks (of the layout's size) whose Adam step runs on the compute
     # device (protrain_fx/runtime/device_steps.py)
     device_steps: float = 0.0
+    # offloaded chunks keep a host copy in the transfer dtype (False: uploaded as masters, cast on
+    # the device; runtime/chunk_transfers.py)
+    transfer_copies: bool = True
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ footprint needs.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -209,6 +210,35 @@ def _search(
     return SearchResult(best, evaluated, time.perf_counter() - t0)
 
 
+def search_or_without_copies(
+    profiles: list[GraphProfile],
+    hw: Hardware,
+    device_budget: int,
+    host_budget: int | None,
+    may_drop_copies: bool,
+    **knobs,
+) -> tuple[SearchResult, str | None]:
+    """:func:`search`; where no plan with host transfer copies of the offloaded chunks fits (the
+    host cannot hold their 2 bytes per parameter), the search again without them (masters go up and
+    are cast on the device), with the note that says so. The first search's error when neither
+    fits, or when dropping them is not allowed (given) or changes nothing (no copies to drop)."""
+    try:
+        return search(profiles, hw, device_budget, host_budget, **knobs), None
+    except NoPlanFits as with_copies:
+        lean = [dataclasses.replace(p, transfer_copies=False) for p in profiles]
+        if not may_drop_copies or not lean[0].upload_staging_bytes:
+            raise
+        try:
+            res = search(lean, hw, device_budget, host_budget, **knobs)
+        except NoPlanFits:
+            raise with_copies from None
+        why = (
+            "no plan with host transfer copies of the offloaded chunks fits: "
+            f"{with_copies}; so they keep none (transfer_copies=False)"
+        )
+        return res, why
+
+
 def brute_force(
     profiles: list[GraphProfile],
     hw: Hardware,
@@ -226,7 +256,8 @@ def brute_force(
             for s in range(len(prof.blocks) + 1):
                 for k in range(len(prof.blocks) - s + 1):
                     for p in range(len(prof.chunks) + 1):
-                        pred = predict(prof, hw, Knobs(prof.chunk_size, p, nb, s, k))
+                        knobs = Knobs(prof.chunk_size, p, nb, s, k, 0.0, prof.transfer_copies)
+                        pred = predict(prof, hw, knobs)
                         if pred.peak_bytes > device_budget or (
                             host_budget is not None and pred.host_bytes > host_budget
                         ):

@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from protrain_fx.errors import ProtrainError
-from protrain_fx.runtime import chunk_buffers, chunk_grads, hybrid_optim, swap_pool
+from protrain_fx.runtime import chunk_buffers, chunk_grads, device_steps, hybrid_optim, swap_pool
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
 
 log = logging.getLogger("protrain_fx")
@@ -158,13 +158,18 @@ class GraphBinding:
 
         host_values = {id(p): HOST_VALUES.pop(p) for _, p in named if p in HOST_VALUES}
         store = ChunkStore(
-            named, template.layout, template.n_persist, template.param_dtype, host_values
+            named,
+            template.layout,
+            template.n_persist,
+            template.param_dtype,
+            host_values,
+            transfer_copies=template.transfer_copies,
         )
         store.ensure_buffers(template.n_buffer)
         opt = self._optimizer() if self._optimizer is not None else None
         if store.offloaded_chunks and opt is not None:
             hybrid_optim.attach(opt, store)
-            store.set_device_steps(template.device_step_share)
+            device_steps.assign(store, template.device_step_share)
         root = self._root() if self._root is not None else None
         if store.offloaded_chunks and not store.aliased and root is not None:
             from protrain_fx.runtime.param_values import hook_owners_of

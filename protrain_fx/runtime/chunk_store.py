@@ -52,7 +52,7 @@ from protrain_fx.runtime.chunk_buffers import (
     streams_of,
 )
 from protrain_fx.runtime.chunk_grads import ChunkGrads, GradStaging
-from protrain_fx.runtime.chunk_transfers import ChunkTransfers
+from protrain_fx.runtime.chunk_transfers import ChunkTransfers, release_pieces
 from protrain_fx.runtime.worker import WORKER
 
 _STORES: dict[int, "ChunkStore"] = {}
@@ -127,6 +127,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         param_dtype: torch.dtype,
         host_values: dict | None = None,
         n_shard: int = 0,
+        transfer_copies: bool = True,
     ):
         if not params:
             raise ProtrainError("a chunk store needs parameters")
@@ -152,6 +153,9 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to
         # a multiple
         self.world = distributed.world()
+        # False: no host copy in the transfer dtype; a gather uploads the master and casts it
+        # on the device (chunk_transfers.py)
+        self.transfer_copies = transfer_copies
         # offloaded chunks whose shards stay on the device (several ranks only)
         self.n_shard = min(n_shard, self.n_chunks - self.n_persist) if self.world.sharded else 0
         # parameters are views of their host values (not shells)
@@ -221,7 +225,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         self.streams = streams_of(self.device)
         self._staging: GradStaging | None = None
         self._oversized: dict[tuple, GradStaging] = {}  # (numel, dtype) -> its staging
-        # offloaded chunks whose Adam step runs on the compute device (set_device_steps)
+        # offloaded chunks whose Adam step runs on the compute device (device_steps.assign)
         self.device_step_chunks: set[int] = set()
         self.device_step_share = 0.0
         # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
@@ -268,8 +272,12 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
                     p = params_in_order[i]
                     master[part[0]].copy_(host_values.get(id(p), p.data).reshape(-1)[part[1]])
             self.master[c] = master
-            # a shard on the device is cast on its way into the chunk buffer (_fill)
-            if self.param_dtype == self.master_dtype or self.home_on_device(c):
+            # else cast on its way into the chunk buffer (_fill)
+            if (
+                self.param_dtype == self.master_dtype
+                or self.home_on_device(c)
+                or not self.transfer_copies
+            ):
                 self.transfer[c] = master
             else:
                 self.transfer[c] = pinned.host_empty(self.host_numel(c), self.param_dtype, pin)
@@ -445,25 +453,6 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
             h = None
         return h
 
-    def set_device_steps(self, fraction: float) -> None:
-        """Step ``fraction`` of the offloaded chunks on the compute device, evenly spread
-        (protrain_fx/runtime/device_steps.py): chunks of the layout's size only (an oversized one,
-        a large vocabulary's embedding, would need a scratch of its size), one rank only. Their
-        device scratch is allocated now."""
-        from protrain_fx.runtime import device_steps
-
-        packed = [c for c in self.offloaded_chunks if not self.grad_goes_as_is(c)]
-        ok = fraction > 0 and not self.world.sharded and self.master_dtype == torch.float32
-        self.device_step_share = fraction if ok else 0.0
-        self.device_step_chunks = device_steps.pick(packed, fraction) if ok else set()
-        if self.device_step_chunks:
-            transfer = self.transfer[next(iter(self.device_step_chunks))]
-            device_steps.scratch(
-                self.device,
-                self.chunk_capacity,
-                None if transfer.dtype == self.master_dtype else transfer.dtype,
-            )
-
     # ------------------------------------------------------------------------------ report
     @property
     def host_bytes(self) -> int:
@@ -517,3 +506,5 @@ def _forget_store(store_id: int) -> None:
         if s.grad_buffers is not None:
             live.add((s.device, s.master_dtype, s.grad_buffers.numel))
     release_unused(live)
+    if not _STORES:
+        release_pieces()

@@ -13,12 +13,54 @@ from __future__ import annotations
 import torch
 
 from protrain_fx import config
+from protrain_fx.plan.profiles import UPLOAD_PIECE
 from protrain_fx.runtime import block_timer, distributed
 from protrain_fx.runtime.worker import WORKER
 
 # debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no
 # overlap)
 DEBUG_SYNC = config.settings().sync_chunks
+
+
+# elements of the device staging a master in another dtype than its chunk buffer goes up through
+# (transfer_copies=False); the cost model budgets one piece (plan/profiles.py, UPLOAD_PIECE)
+PIECE = UPLOAD_PIECE
+_PIECES: dict = {}  # (device, dtype) -> [its staging piece, the event after its last use]
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor, most: int = PIECE) -> None:
+    """``dst.copy_(src)`` on the current stream, for a host ``src`` and a device ``dst`` of another
+    dtype without a temporary of ``src``'s size on the device (torch's copy_ would make one): piece
+    by piece through a device staging buffer of ``src``'s dtype, each piece cast into ``dst`` on the
+    same stream (so the next piece's copy waits for the cast that reads the staging). The cast
+    rounds as ``Tensor.to`` does, like a host transfer copy. The staging holds ``PIECE``
+    elements, or ``most`` (the largest chunk that goes up) if fewer."""
+    if dst.dtype == src.dtype or dst.device.type != "cuda" or src.device.type == "cuda":
+        dst.copy_(src, non_blocking=True)
+        return
+    stream = torch.cuda.current_stream(dst.device)
+    key = (dst.device, src.dtype)
+    size = min(PIECE, max(most, src.numel()))
+    if key not in _PIECES or _PIECES[key][0].numel() < size:
+        if key in _PIECES and _PIECES[key][1] is not None:
+            _PIECES[key][1].synchronize()  # the smaller one's last casts are done
+        _PIECES[key] = [torch.empty(size, dtype=src.dtype, device=dst.device), None]
+    piece, last = _PIECES[key]
+    n_piece = piece.numel()
+    if last is not None:  # its last casts may run on another stream (the profiler's compute one)
+        stream.wait_event(last)
+    for i in range(0, src.numel(), n_piece):
+        part = src[i : i + n_piece]
+        piece[: part.numel()].copy_(part, non_blocking=True)
+        dst[i : i + part.numel()].copy_(piece[: part.numel()])
+    done = torch.cuda.Event()
+    done.record(stream)
+    _PIECES[key][1] = done
+
+
+def release_pieces() -> None:
+    """Free the upload staging (the last store is gone)."""
+    _PIECES.clear()
 
 
 class ChunkTransfers:
@@ -58,11 +100,12 @@ class ChunkTransfers:
             n = self._chunk_numel[chunk]
             if self.profiling:
                 block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_START, self.device)
+            most = self.buffers.numel
             if not self.world.sharded:
-                dst[:n].copy_(src, non_blocking=True)
+                upload(dst[:n], src, most)
             else:
                 lo, hi = self.host_range(chunk)
-                dst[lo:hi].copy_(src, non_blocking=True)
+                upload(dst[lo:hi], src, most)
                 distributed.all_gather_into(dst[:n], dst[lo:hi])
             if self.profiling:
                 block_timer.RECORDER.record(block_timer.STEP, block_timer.COPY_END, self.device)

@@ -47,6 +47,23 @@ def pick(offloaded: list[int], fraction: float, start: int | None = None) -> set
     }
 
 
+def assign(store, fraction: float) -> None:
+    """Step ``fraction`` of ``store``'s offloaded chunks on the compute device, evenly spread:
+    chunks of the layout's size only (an oversized one, a large vocabulary's embedding, would need
+    a scratch of its size), one rank only. Their device scratch is allocated now."""
+    packed = [c for c in store.offloaded_chunks if not store.grad_goes_as_is(c)]
+    ok = fraction > 0 and not store.world.sharded and store.master_dtype == torch.float32
+    store.device_step_share = fraction if ok else 0.0
+    store.device_step_chunks = pick(packed, fraction) if ok else set()
+    if store.device_step_chunks:
+        transfer = store.transfer[next(iter(store.device_step_chunks))]
+        scratch(
+            store.device,
+            store.chunk_capacity,
+            None if transfer.dtype == store.master_dtype else transfer.dtype,
+        )
+
+
 class Scratch:
     """``SLOTS`` device slots of ``numel`` parameters each and the stream the steps run on."""
 
