@@ -388,17 +388,9 @@ def run_row(row: dict, steps: int) -> dict:
         plan = protrain_fx.get_plan(compiled)
         d = plan.to_dict()
         pred = plan.predicted or {}
-        out["plan"] = {
-            k: d.get(k, 0)
-            for k in (
-                "chunk_size",
-                "n_persist",
-                "n_buffer",
-                "n_swap",
-                "n_checkpoint",
-                "device_steps",
-            )
-        }
+        from protrain_fx.plan_cache import KNOBS  # the knobs a plan records
+
+        out["plan"] = {k: d.get(k, 0) for k in KNOBS}
         out["plan"]["chunks"] = len(d["chunks"])
         out["predicted_peak_reserved_gib"] = pred.get("peak_bytes", 0) / 2**30 or None
         if pred.get("peak_allocated_bytes"):
