@@ -14,22 +14,11 @@ from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.inputs import capture_graph_inputs
 from protrain_fx.options import Options
 from protrain_fx.passes.annotate import annotate
+from protrain_fx.plan_cache import KNOBS
 from protrain_fx.testing import random_batches, train_steps
 
-SCHEMA = {
-    "chunk_size",
-    "n_persist",
-    "n_buffer",
-    "n_swap",
-    "n_checkpoint",
-    "device_steps",
-    "n_shard",
-    "transfer_copies",
-    "chunks",
-    "blocks",
-    "predicted",
-    "measured",
-}
+# the plan's knobs (the ones a plan cache entry records, plus n_shard) and what it found
+SCHEMA = set(KNOBS) | {"n_shard", "chunks", "blocks", "predicted", "measured"}
 
 
 def _compiled(n_embd=32):
