@@ -36,7 +36,7 @@ from protrain_fx import config, plan_cache, progress
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
 from protrain_fx.graph.build_plan import chunked_params, default_chunk_size
-from protrain_fx.machine import allocator, measure, memory, pinned
+from protrain_fx.machine import allocator, measure, memory, pinned, step_rates
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts
 from protrain_fx.plan.layout import pack
@@ -337,7 +337,7 @@ def choose(
     # the profiling store's masters (host_init's values moved into them) are freed as the plan's
     # store takes each chunk over
     host_budget = _pinnable_host(device, host_freed, n_peers)
-    hw = Hardware.of(hw_profile)
+    hw = Hardware.of(hw_profile, step_rates.read(hw_profile, device.type))
     if device.type == "cpu":  # the CPU optimizer would run on the cores that compute
         hw = dataclasses.replace(hw, shared_compute=True)
     w = distributed.world()
@@ -483,6 +483,7 @@ def _prediction(
         "budget_bytes": budget,
         "budget": budget_why,
         "breakdown": best.breakdown,
+        "cpu_optim_rate": hw.cpu_step_rate_note(best.knobs.transfer_copies),
         "timeline": lc.timeline(best.knobs.n_persist),
         "profile_compile_s": compile_s,
         "profile_s": step.seconds,

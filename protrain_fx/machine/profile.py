@@ -291,6 +291,12 @@ def _load(path: str, key: str) -> HardwareProfile | None:
     return profile
 
 
+def cached(device: str | torch.device | None = None) -> HardwareProfile | None:
+    """The cached profile of ``device``, or None: never measures (the runtime asks mid-training)."""
+    key = profile_key(device)
+    return _load(cache_path(key), key)
+
+
 def _store(path: str, profile: HardwareProfile) -> None:
     """Atomic write (temporary file in the same folder + ``os.replace``); a folder we cannot write
     is a warning, not an error: the profile is still returned, just measured again next time."""

@@ -19,8 +19,8 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   backward of earlier chunks cannot hide, and the compute the overlapped part slows down
   (:data:`COLLECTIVE_CONTENTION`).
 * ``T_cpu_done``: when the host worker's last CPU Adam step ends, a two-stage pipeline: each
-  offloaded chunk's step (its parameters over the CPU Adam rate, times the slowdown measured when it
-  runs inside a training step, ``Hardware.cpu_contention``, :data:`CPU_CONTENTION` by default)
+  offloaded chunk's step (its parameters at the rate earlier steps on this machine measured inside
+  backward, machine/step_rates.py; before any, the alone rate times ``Hardware.cpu_contention``)
   starts once its gradient is on the host (after the backward of the code after the blocks,
   ``head_bwd_s``, of the chunks backward reaches before it and of its own, and its copy down) and
   the step before it is done. ``T_gpu_optim``:
@@ -150,8 +150,7 @@ class _ProfileArrays:
             self.oversized_staging[c] = N_OVERSIZED_STAGING * sum(oversized) * me
         self.hw, self.prof = hw, prof
         # CPU seconds per offloaded parameter's Adam step inside a training step (this rank's share)
-        rate = hw.cpu_adam_params_per_s
-        self.cpu_per_param = hw.cpu_contention / hw.world_size / rate if rate else 0.0
+        self.cpu_per_param = hw.cpu_s_per_param(prof.transfer_copies)
         self._device_step_table = self._static = None
         self.n_buffer = n_buffer
         self.device_step_scratch = (
@@ -259,7 +258,7 @@ class _ProfileArrays:
         cast, pack, me = self.cast_per_param, self.pack_per_param, prof.master_elem
         ckpt = n_checkpoint / n_blocks if n_blocks else 0.0
         # per offloaded parameter
-        cpu = hw.cpu_contention / hw.world_size / hw.cpu_adam_params_per_s
+        cpu = hw.cpu_s_per_param(prof.transfer_copies)
         if hw.device_steps or hw.device_step_share:  # the CPU and the link, each at its best
             cpu = 1 / (1 / cpu + 1 / device_step_link_s(hw))
         # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side

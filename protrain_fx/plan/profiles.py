@@ -158,6 +158,35 @@ class Hardware:
     # compute kept back to back against the profiled (boost-clock) rate (HardwareProfile
     # .gpu_sustained_slowdown), applied by busy share (THROTTLE_BUSY_FROM)
     sustained_slowdown: float = 1.0
+    # the CPU step's seconds per parameter inside backward as earlier steps on this machine measured
+    # it, with and without the transfer copy (machine/step_rates.py); None: not seen
+    observed_s_per_param_copies: float | None = None
+    observed_s_per_param_masters: float | None = None
+
+    def observed_s_per_param(self, transfer_copies: bool = True) -> float | None:
+        return (
+            self.observed_s_per_param_copies
+            if transfer_copies
+            else self.observed_s_per_param_masters
+        )
+
+    def cpu_s_per_param(self, transfer_copies: bool = True) -> float:
+        """CPU seconds per offloaded parameter's Adam step inside a training step, this rank's
+        share: as measured in earlier steps on this machine, else the alone rate times
+        ``cpu_contention``."""
+        if seen := self.observed_s_per_param(transfer_copies):
+            return seen / self.world_size
+        rate = self.cpu_adam_params_per_s
+        return self.cpu_contention / self.world_size / rate if rate else 0.0
+
+    def cpu_step_rate_note(self, transfer_copies: bool = True) -> str:
+        """The CPU step's rate the plan priced, and where it comes from (the plan summary)."""
+        s = self.cpu_s_per_param(transfer_copies) * self.world_size
+        if not s:
+            return "-"
+        if self.observed_s_per_param(transfer_copies):
+            return f"{1e-9 / s:.2f} G params/s, as measured inside backward on this machine"
+        return f"{1e-9 / s:.2f} G params/s, the alone rate / {self.cpu_contention:g}"
 
     def clock_slowdown(self, busy: float) -> float:
         """How much slower than profiled the compute of a step busy for ``busy`` of its time
@@ -171,8 +200,10 @@ class Hardware:
         return 0.0 if n == 1 else passes * nbytes * (n - 1) / n / self.collective_bytes_per_s
 
     @classmethod
-    def of(cls, profile) -> "Hardware":
-        """From a :class:`protrain_fx.machine.profile.HardwareProfile`."""
+    def of(cls, profile, observed: dict[str, float] | None = None) -> "Hardware":
+        """From a :class:`protrain_fx.machine.profile.HardwareProfile` and what steps measured on
+        the machine (``machine.step_rates.read``)."""
+        observed = observed or {}
         return cls(
             profile.h2d_bytes_per_s,
             profile.d2h_bytes_per_s,
@@ -180,6 +211,8 @@ class Hardware:
             profile.cpu_adam_params_per_s,
             profile.gpu_adam_params_per_s,
             sustained_slowdown=profile.gpu_sustained_slowdown,
+            observed_s_per_param_copies=observed.get("copies"),
+            observed_s_per_param_masters=observed.get("masters"),
         )
 
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from protrain_fx.errors import ProtrainError
+from protrain_fx.machine import step_rates
 from protrain_fx.runtime import clip, mapped
 from protrain_fx.runtime.chunk_adam import (
     ChunkAdam,
@@ -99,6 +100,9 @@ class Timers:
     # kernel_s, and worker_step_s less the in-backward part of it is Python around the kernel
     kernel_s: float = 0.0
     kernel_params: int = 0
+    # of those, the steps that ran on the CPU (not queued for the device): what the CPU rate is
+    cpu_in_backward_s: float = 0.0
+    cpu_in_backward_params: int = 0
     step_wait_s: float = 0.0  # opt.step() waiting for the worker
     deferred_step_s: float = 0.0  # CPU steps run inside opt.step()
     in_backward_steps: int = 0
@@ -138,6 +142,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         self.notes: list[str] = []
         self.cycles = 0
         self.timers = Timers()
+        self._rate_from: tuple[float, int] | None = None
         self._members_sig = None
         self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         # id(param) -> the opt.state entry protrain made for it
@@ -313,11 +318,26 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         )
 
     def _provisional_step(self, st: ChunkOptState, rec: Provisional) -> None:
-        t0 = time.perf_counter()
+        t, t0 = self.timers, time.perf_counter()
+        on_device = t.device_step_params
         rec.whole = self._step_chunk(st, rec.entries, rec.groups)
         rec.param_versions = {i: st.store.param_version(i) for i in rec.entries}
-        self.timers.worker_step_s += time.perf_counter() - t0
-        self.timers.in_backward_steps += 1
+        dt = time.perf_counter() - t0
+        t.worker_step_s += dt
+        t.in_backward_steps += 1
+        if t.device_step_params == on_device:  # stepped on the CPU
+            t.cpu_in_backward_s += dt
+            t.cpu_in_backward_params += st.exp_avg.numel()
+
+    def _observe_cpu_rate(self) -> None:
+        """The CPU steps' seconds per parameter inside backward from optimizer step FROM_STEP to
+        each of AT_STEPS, recorded for the next plans on this machine (machine/step_rates.py)."""
+        t, kinds = self.timers, {s.transfer_copies for s in self.stores}
+        now = (t.cpu_in_backward_s, t.cpu_in_backward_params)
+        if self.cycles == step_rates.FROM_STEP:
+            self._rate_from = now
+        elif self.cycles in step_rates.AT_STEPS and self._rate_from and len(kinds) == 1:
+            step_rates.observe(self.stores[0].device, kinds.pop(), now, self._rate_from)
 
     def _group_snapshot(self, st: ChunkOptState) -> dict[int, dict]:
         return {
@@ -382,6 +402,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
                 st.learned = st.arrivals
             st.arrivals = 0
         self.cycles += 1
+        self._observe_cpu_rate()
 
     def _disable_overlap(self, why: str) -> None:
         if self.overlap:

@@ -1,0 +1,112 @@
+"""What training steps measured on this machine: the CPU optimizer's seconds per parameter inside
+backward, so that later plans price it as it runs instead of as it runs alone.
+
+The hardware profile times the offloaded chunks' CPU Adam step alone (machine/measure.py). Inside a
+training step the same step runs beside backward: the main thread launching kernels, the gathers'
+and gradients' copies through host memory. How much slower that makes it is a property of the host
+more than of the model, and it varies more between hosts of one kind than a constant can price (H200
+hosts: 1.12-1.49x the alone rate; benchmarks/results/oom_sweep_h200_run13.md). So the runtime
+measures it: between optimizer steps :data:`FROM_STEP` and each of :data:`AT_STEPS`, the host
+worker's seconds per parameter stepped inside backward (runtime/hybrid_optim.py) are recorded here,
+per kind (``copies``: the kernel also writes the bf16 transfer copy; ``masters``: it does not), and
+the next plans on this machine price the CPU step at the median of the last :data:`KEEP`
+observations of their kind (``plan.profiles.Hardware.observed``). The file sits next to the hardware
+profile (``<profile>.steps.json``); an observation belongs to the profile measured at the time, so a
+re-measured profile starts over. Recorded and used for CUDA devices only (:data:`DEVICES`): on the
+CPU the optimizer shares the cores that compute, which the cost model prices otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import uuid
+
+from protrain_fx.machine.profile import HardwareProfile, cache_path, cached
+
+log = logging.getLogger("protrain_fx")
+
+FROM_STEP = 3  # optimizer steps before measuring (the first ones step at opt.step())
+AT_STEPS = (8, 20)  # the steps at which an observation is recorded
+KEEP = 8  # observations kept per kind
+KINDS = ("copies", "masters")
+DEVICES = ("cuda",)  # device types whose runs record and whose plans read (tests add "cpu")
+
+
+def path_of(profile: HardwareProfile) -> str:
+    return cache_path(profile.key).removesuffix(".json") + ".steps.json"
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+
+
+def read(profile: HardwareProfile, device_type: str) -> dict[str, float]:
+    """kind -> seconds per parameter of the CPU step inside backward (the median of this profile's
+    observations); empty for another device type or none seen."""
+    if device_type not in DEVICES:
+        return {}
+    data = _load(path_of(profile))
+    if data.get("measured_at") != profile.measured_at:
+        return {}
+    out = {}
+    for kind in KINDS:
+        seen = [float(x["s_per_param"]) for x in data.get(kind, []) if x.get("s_per_param", 0) > 0]
+        if seen:
+            out[kind] = statistics.median(seen)
+    return out
+
+
+def record(profile: HardwareProfile, kind: str, seconds: float, params: int) -> None:
+    """Add one observation: ``params`` parameters stepped in ``seconds`` of the worker inside
+    backward. Atomic; a folder that cannot be written is a warning (the plans keep the constant)."""
+    if kind not in KINDS or params <= 0 or not seconds > 0:
+        return
+    path = path_of(profile)
+    data = _load(path)
+    if data.get("measured_at") != profile.measured_at:
+        data = {
+            "measured_at": profile.measured_at,
+            "alone_params_per_s": profile.cpu_adam_params_per_s,
+        }
+    data[kind] = (data.get(kind, []) + [{"s_per_param": seconds / params, "params": params}])[
+        -KEEP:
+    ]
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("protrain: could not record the CPU optimizer's rate at %s: %s", path, e)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def observe(device, copies: bool, now: tuple[float, int], then: tuple[float, int]) -> None:
+    """The runtime's report: the worker's cumulative (seconds, parameters) of CPU steps inside
+    backward, now and at :data:`FROM_STEP`. Recorded against the cached hardware profile of
+    ``device`` (nothing without one: a plan given by hand never measured it), with a line saying
+    the rate against the alone one."""
+    seconds, params = now[0] - then[0], now[1] - then[1]
+    profile = cached(device) if device.type in DEVICES and params > 0 and seconds > 0 else None
+    if profile is None:
+        return
+    kind = "copies" if copies else "masters"
+    record(profile, kind, seconds, params)
+    log.info(
+        "protrain: the CPU optimizer stepped %.2f G params/s inside backward (%s; alone %.2f): "
+        "later plans on this machine price it so",
+        params / seconds / 1e9,
+        kind,
+        profile.cpu_adam_params_per_s / 1e9,
+    )

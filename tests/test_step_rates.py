@@ -1,0 +1,114 @@
+"""The CPU optimizer's rate inside backward, measured in training steps and priced by later plans on
+the same machine (issue 21: the step time a plan predicts; protrain_fx/machine/step_rates.py)."""
+
+import dataclasses
+
+import pytest
+import torch
+from models import build
+
+import protrain_fx
+from protrain_fx.machine import measure, step_rates
+from protrain_fx.plan.cost_model import predict
+from protrain_fx.plan.profiles import ChunkProfile, GraphProfile, Hardware, Knobs
+from protrain_fx.runtime import hybrid_optim
+from protrain_fx.testing import random_batches
+
+MiB = 2**20
+
+
+@pytest.fixture
+def own_cache(monkeypatch, tmp_path):
+    """A cache folder of the test's own, and CPU runs recording as CUDA runs do."""
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(step_rates, "DEVICES", ("cuda", "cpu"))
+    return tmp_path
+
+
+def test_observations_are_kept_per_kind_for_the_profile_they_were_measured_with(own_cache):
+    profile = measure.hardware_profile("cpu")
+    assert step_rates.read(profile, "cpu") == {}
+    for s in (3.0, 1.0, 2.0):
+        step_rates.record(profile, "copies", s, 10**9)
+    step_rates.record(profile, "masters", 0.5, 10**9)
+    step_rates.record(profile, "copies", 1.0, 0)  # nothing stepped: not an observation
+    assert step_rates.read(profile, "cpu") == {"copies": 2e-9, "masters": 0.5e-9}
+    assert step_rates.read(profile, "mps") == {}  # a device type that does not record
+    for s in range(step_rates.KEEP + 2):
+        step_rates.record(profile, "masters", 10.0, 10**9)
+    assert step_rates.read(profile, "cpu")["masters"] == 10e-9  # the last KEEP only
+    # a re-measured profile starts over
+    again = dataclasses.replace(profile, measured_at="2099-01-01T00:00:00+00:00")
+    assert step_rates.read(again, "cpu") == {}
+    step_rates.record(again, "copies", 4.0, 10**9)
+    assert step_rates.read(again, "cpu") == {"copies": 4e-9}
+    assert step_rates.read(profile, "cpu") == {}
+
+
+def test_the_cost_model_prices_the_cpu_step_at_the_measured_rate_of_its_kind():
+    """One chunk resident, one offloaded (50 M parameters): the CPU optimizer's time is those
+    parameters at the alone rate times the contention constant, until a measured rate of the plan's
+    kind (with or without transfer copies) replaces it; the step time follows."""
+    hw = Hardware(50e9, 50e9, 80e9, 4e9, 120e9)
+    ch = ChunkProfile(numel=50 * 10**6, fwd_s=0.010, bwd_s=0.020)
+    prof = GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(),
+        transient_bytes=0,
+        chunks=(ch, ch),
+        transfer_elem=2,
+        resident_cast_elem=2,
+    )
+    knobs = Knobs(prof.chunk_size, 1, 1, 0, 0)
+    alone = predict(prof, hw, knobs).breakdown["cpu_optim_s"]
+    assert alone == pytest.approx(50e6 / 4e9 * hw.cpu_contention)
+    seen = dataclasses.replace(hw, observed_s_per_param_copies=1 / 2e9)
+    p = predict(prof, seen, knobs)
+    assert p.breakdown["cpu_optim_s"] == pytest.approx(50e6 / 2e9)
+    assert p.time_s > predict(prof, hw, knobs).time_s  # CPU-bound at the slower measured rate
+    no_copies = dataclasses.replace(knobs, transfer_copies=False)
+    assert predict(prof, seen, no_copies).breakdown["cpu_optim_s"] == pytest.approx(alone)
+    both = dataclasses.replace(seen, observed_s_per_param_masters=1 / 8e9)
+    assert predict(prof, both, no_copies).breakdown["cpu_optim_s"] == pytest.approx(50e6 / 8e9)
+    assert "measured inside backward" in seen.cpu_step_rate_note(True)
+    assert "the alone rate / 1.25" in seen.cpu_step_rate_note(False)
+
+
+def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):
+    """Every chunk offloaded: from the second step on, each one steps on the host worker inside
+    backward. Steps 4 to 8 are recorded as one observation: five times the offloaded parameters, in
+    the worker's seconds. The next automatic plan on this machine prices its CPU optimizer at that
+    rate and says so; training is unchanged."""
+
+    def run(steps):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        options = {"compiler": "eager", "optimizer": opt, "memory_budget": 10**9}
+        options.update(n_persist=0, n_swap=0, n_checkpoint=0)
+        compiled = torch.compile(model, backend="protrain", options=options)
+        losses = []
+        for x, y in random_batches(steps, 2, 16, vocab=64):
+            loss = compiled(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return protrain_fx.get_plan(compiled), hybrid_optim.handle_of(opt), losses
+
+    profile = measure.hardware_profile("cpu")
+    plan, handle, losses = run(step_rates.AT_STEPS[0])
+    assert "the alone rate / 1.25" in plan.summary()
+    offloaded = sum(st.exp_avg.numel() for st in handle.states.values())
+    assert offloaded and handle.timers.cpu_in_backward_params == (len(losses) - 1) * offloaded
+    seen = step_rates._load(step_rates.path_of(profile))["copies"]
+    assert len(seen) == 1
+    assert seen[0]["params"] == (step_rates.AT_STEPS[0] - step_rates.FROM_STEP) * offloaded
+    assert 0 < seen[0]["s_per_param"] * seen[0]["params"] < handle.timers.cpu_in_backward_s
+    plan2, _, losses2 = run(2)
+    assert plan2.predicted["breakdown"]["cpu_optim_s"] == pytest.approx(
+        offloaded * seen[0]["s_per_param"], rel=1e-9
+    )
+    assert "as measured inside backward on this machine" in plan2.summary()
+    assert losses2 == losses[:2]
