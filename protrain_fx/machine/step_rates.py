@@ -5,13 +5,14 @@ The hardware profile times the offloaded chunks' CPU Adam step alone (machine/me
 training step the same step runs beside backward: the main thread launching kernels, the gathers'
 and gradients' copies through host memory. How much slower that makes it is a property of the host
 more than of the model, and it varies more between hosts of one kind than a constant can price (H200
-hosts: 1.12-1.49x the alone rate; benchmarks/results/oom_sweep_h200_run13.md). So the runtime
-measures it: between optimizer steps :data:`FROM_STEP` and each of :data:`AT_STEPS`, the host
-worker's seconds per parameter stepped inside backward (runtime/hybrid_optim.py) are recorded here,
-per kind (``copies``: the kernel also writes the bf16 transfer copy; ``masters``: it does not), and
-the next plans on this machine price the CPU step at the median of the last :data:`KEEP`
-observations of their kind (``plan.profiles.Hardware.observed``). The file sits next to the hardware
-profile (``<profile>.steps.json``); an observation belongs to the profile measured at the time, so a
+hosts: 1.12-1.33x over eight plans of runs 4-7, 1.30-1.40x on the host of
+benchmarks/results/oom_sweep_h200_run13b.md). So the runtime measures it: between optimizer steps
+:data:`FROM_STEP` and each of :data:`AT_STEPS`, the host worker's seconds per parameter stepped on
+the CPU inside backward (runtime/hybrid_optim.py) are recorded here, per kind (``copies``: the
+kernel also writes the bf16 transfer copy; ``masters``: it does not), and the next plans on this
+machine price the CPU step at the median of the last :data:`KEEP` observations of their kind
+(``plan.profiles.Hardware.cpu_s_per_param``). The file sits next to the hardware profile
+(``<profile>.steps.json``); an observation belongs to the profile measured at the time, so a
 re-measured profile starts over. Recorded and used for CUDA devices only (:data:`DEVICES`): on the
 CPU the optimizer shares the cores that compute, which the cost model prices otherwise.
 """
