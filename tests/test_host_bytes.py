@@ -94,14 +94,14 @@ def test_the_automatic_plan_drops_transfer_copies_the_host_cannot_hold(monkeypat
     block swapped (given), so that no other plan needs less host memory."""
     from protrain_fx import autoplan
 
-    def run(host_budget):
+    def run(host_budget, **given):
         if host_budget is not None:
             monkeypatch.setattr(autoplan, "_pinnable_host", lambda *a, **k: host_budget)
         torch._dynamo.reset()
         model = hf_llama()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         options = {"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000}
-        options.update(n_persist=0, n_swap=0)
+        options.update(n_persist=0, n_swap=0, **given)
         compiled = torch.compile(model, backend="protrain", options=options)
         for x, _ in random_batches(2, 2, 16, vocab=model.config.vocab_size):
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -111,13 +111,13 @@ def test_the_automatic_plan_drops_transfer_copies_the_host_cannot_hold(monkeypat
             opt.zero_grad(set_to_none=False)
         return protrain_fx.get_plan(compiled), allocated_host_bytes(model, opt)
 
-    plan, got = run(None)
+    plan, got = run(None, transfer_copies=True)  # given: the copies' host bytes
     assert plan.transfer_copies and got.get("transfer"), got
     copies = plan.predicted["host_bytes"]
     assert sum(got.values()) == copies
     plan, got = run(copies - got["transfer"] // 2)  # room for half the copies
     assert not plan.transfer_copies and not got.get("transfer"), got
-    assert any("transfer_copies=False" in n for n in plan.notes), plan.notes
+    assert any("no plan with host transfer copies" in n for n in plan.notes), plan.notes
     assert sum(got.values()) == plan.predicted["host_bytes"] < copies
 
 

@@ -276,6 +276,38 @@ def test_without_transfer_copies_gathers_move_masters_and_the_host_holds_less():
     assert predict(prof, HW, everything).peak_bytes == predict(prof, HW, resident).peak_bytes
 
 
+def test_the_automatic_plan_keeps_no_copies_where_that_is_faster():
+    """Two chunks, the first resident, the second offloaded (given), bf16 transfers.
+    The CPU step without the bf16 copy measured as fast as with it: the copies' plan is kept (a
+    shorter gather, a tie elsewhere). Measured twice as fast, in a plan bound by the CPU step: the
+    plan without copies is chosen, and its note says why with both predictions."""
+    from protrain_fx.plan.search import search_or_without_copies
+
+    ch = ChunkProfile(numel=50 * 10**6, fwd_s=0.010, bwd_s=0.002)
+    prof = GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(),
+        chunks=(ch, ch),
+        transfer_elem=2,
+        resident_cast_elem=2,
+    )
+    budget = 2**40
+    res, why = search_or_without_copies([prof], HW, budget, None, True, n_persist=1)
+    assert res.best.knobs.transfer_copies and why is None and res.best.knobs.n_persist == 1
+    fast = dataclasses.replace(HW, cpu_adam_masters_params_per_s=2 * HW.cpu_adam_params_per_s)
+    res2, why = search_or_without_copies([prof], fast, budget, None, True, n_persist=1)
+    assert not res2.best.knobs.transfer_copies and res2.best.knobs.n_persist == 1
+    assert res2.best.time_s < res.best.time_s
+    assert res2.best.breakdown["cpu_optim_s"] == pytest.approx(
+        res.best.breakdown["cpu_optim_s"] / 2
+    )
+    assert "transfer_copies=False" in why and f"{1e3 * res.best.time_s:.1f} ms" in why
+    assert res2.evaluated > res.evaluated / 2
+    # copies given: never dropped
+    res3, why = search_or_without_copies([prof], fast, budget, None, False, n_persist=1)
+    assert res3.best.knobs.transfer_copies and why is None
+
+
 def test_autocast_casts_are_priced():
     """With autocast (resident_cast_elem 2: fp32 resident parameters cast to bf16), forward pays one
     cast of each resident parameter, backward the gradients' cast back plus the recast of

@@ -96,7 +96,7 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
         if dev.type == "cuda":
             sustained = _measure_sustained_compute(dev)
             _release_cuda_memory(dev)
-        cpu_adam = _measure_cpu_adam(cpu_numel)
+        cpu_adam, cpu_adam_masters = _measure_cpu_adam(cpu_numel)
         triad = _measure_host_triad(cpu_numel)
     memlock = memlock_limit()
     profile = HardwareProfile(
@@ -131,6 +131,7 @@ def measure_hardware(device: str | torch.device | None = None) -> HardwareProfil
         host_triad_bytes_per_s=triad,
         gpu_adam_numel=cpu_numel if gpu_numel is None else gpu_numel,
         gpu_sustained_slowdown=sustained,
+        cpu_adam_masters_params_per_s=cpu_adam_masters,
         measure_seconds=round(time.perf_counter() - t0, 3),
     )
     profile._validate()
@@ -292,37 +293,44 @@ def one_pass_step(p, g, m, v, out, step: float = 1.0) -> None:
     )
 
 
-def _measure_cpu_adam(numel: int) -> float:
+def _measure_cpu_adam(numel: int) -> tuple[float, float]:
     """The CPU step of an offloaded chunk as runtime/hybrid_optim.py runs it: AdamW over the flat
     chunk and its bf16 transfer copy (protrain_fx.machine.cpu_adam's one pass where it builds, else
-    torch's fused Adam then a copy)."""
+    torch's fused Adam then a copy); and the same step without the copy (a chunk with no transfer
+    copy): the kernel writing none, which can be much faster than 2 bytes fewer per parameter say
+    (2-core CI box: 1.6x; H200 host inside steps: 1.22x,
+    benchmarks/results/oom_sweep_h200_run13a.md)."""
     from protrain_fx.machine import cpu_adam
 
     tensors = _adam_tensors(numel, "cpu")
     out = torch.empty(numel, dtype=torch.bfloat16)
     if cpu_adam.available():
 
-        def step():
+        def step(copy: bool):
             (p,), (g,), (m,), (v,), _ = tensors
-            one_pass_step(p, g, m, v, out)
+            one_pass_step(p, g, m, v, out if copy else None)
     else:
 
-        def step():
+        def step(copy: bool):
             _adam_step(tensors)
-            out.copy_(tensors[0][0])
+            if copy:
+                out.copy_(tensors[0][0])
 
-    t0 = time.perf_counter()
-    step()  # warm-up
-    warm = time.perf_counter() - t0
-    reps = max(3, min(10, int(CPU_ADAM_TARGET_S / max(warm, 1e-6))))
-    times = []
-    for _ in range(reps):
+    def rate(copy: bool) -> float:
         t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    # the fastest repetition: what the host can do; a busy moment (another process compiling) only
-    # slows some
-    return numel / max(min(times), 1e-9)
+        step(copy)  # warm-up
+        warm = time.perf_counter() - t0
+        reps = max(3, min(10, int(CPU_ADAM_TARGET_S / max(warm, 1e-6))))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step(copy)
+            times.append(time.perf_counter() - t0)
+        # the fastest repetition: what the host can do; a busy moment (another process compiling)
+        # only slows some
+        return numel / max(min(times), 1e-9)
+
+    return rate(True), rate(False)
 
 
 def _measure_host_triad(numel: int) -> float:

@@ -59,7 +59,8 @@ from protrain_fx.machine.memory import (
 log = logging.getLogger(__name__)
 
 # 2: the CPU rate is that of the step runtime/hybrid_optim.py runs (one-pass kernel or torch + copy)
-SCHEMA_VERSION = 4  # 3: host_triad_bytes_per_s; 4: gpu_sustained_slowdown
+SCHEMA_VERSION = 5  # 3: host_triad_bytes_per_s; 4: gpu_sustained_slowdown;
+# 5: cpu_adam_masters_params_per_s
 
 
 ENV_CACHE_DIR = "PROTRAIN_CACHE_DIR"
@@ -112,6 +113,9 @@ class HardwareProfile:
     # dense matrix products kept back to back for seconds against one after an idle second: the
     # device at its power limit runs a lower clock than the profiled blocks saw (1.0 on the CPU)
     gpu_sustained_slowdown: float = 1.0
+    # the CPU step of an offloaded chunk that keeps no transfer copy (Knobs.transfer_copies False):
+    # the same step writing no bf16 copy; 0: not measured (cpu_adam_params_per_s then)
+    cpu_adam_masters_params_per_s: float = 0.0
 
     def cpu_adam_bytes_per_param(self) -> int:
         """Host memory bytes one parameter's CPU step touches: the one-pass kernel reads parameter,
@@ -182,7 +186,9 @@ class HardwareProfile:
             "GB/s, "
             f"both {self.duplex_bytes_per_s / G:.1f} GB/s; AdamW cpu "
             f"{self.cpu_adam_params_per_s / G:.2f} "
-            f"G params/s{self._bandwidth_note()}, device {self.gpu_adam_params_per_s / G:.2f} "
+            f"G params/s{self._bandwidth_note()} "
+            f"({self.cpu_adam_masters_params_per_s / G:.2f} without the bf16 copy), device "
+            f"{self.gpu_adam_params_per_s / G:.2f} "
             f"G params/s; sustained compute {self.gpu_sustained_slowdown:.3f}x slower; device "
             f"{self.device_free_bytes / 2**30:.1f}/{self.device_total_bytes / 2**30:.1f} GiB "
             "free, host "

@@ -162,6 +162,9 @@ class Hardware:
     # it, with and without the transfer copy (machine/step_rates.py); None: not seen
     observed_s_per_param_copies: float | None = None
     observed_s_per_param_masters: float | None = None
+    # the alone rate of the CPU step without the transfer copy (HardwareProfile
+    # .cpu_adam_masters_params_per_s); 0: cpu_adam_params_per_s
+    cpu_adam_masters_params_per_s: float = 0.0
 
     def observed_s_per_param(self, transfer_copies: bool = True) -> float | None:
         return (
@@ -176,7 +179,9 @@ class Hardware:
         ``cpu_contention``."""
         if seen := self.observed_s_per_param(transfer_copies):
             return seen / self.world_size
-        rate = self.cpu_adam_params_per_s
+        rate = (not transfer_copies and self.cpu_adam_masters_params_per_s) or (
+            self.cpu_adam_params_per_s
+        )
         return self.cpu_contention / self.world_size / rate if rate else 0.0
 
     def cpu_step_rate_note(self, transfer_copies: bool = True) -> str:
@@ -213,6 +218,7 @@ class Hardware:
             sustained_slowdown=profile.gpu_sustained_slowdown,
             observed_s_per_param_copies=observed.get("copies"),
             observed_s_per_param_masters=observed.get("masters"),
+            cpu_adam_masters_params_per_s=profile.cpu_adam_masters_params_per_s,
         )
 
 
