@@ -162,15 +162,9 @@ def usable(
 
 
 def save_entry(path: str, entry: dict) -> None:
-    """Write a plan cache entry (plan.json: knobs, predicted and measured, outcome), atomically."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(entry, f, indent=1, default=str)
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only cache must not stop training
-        log.warning("protrain: could not write the plan cache entry %s: %s", path, e)
+    """Write a plan cache entry (plan.json: knobs, predicted and measured, outcome), atomically; a
+    read-only cache must not stop training (a warning)."""
+    profile.write_json(path, entry, "the plan cache entry")
 
 
 def entry(

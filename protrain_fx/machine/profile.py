@@ -303,9 +303,10 @@ def cached(device: str | torch.device | None = None) -> HardwareProfile | None:
     return _load(cache_path(key), key)
 
 
-def _store(path: str, profile: HardwareProfile) -> None:
-    """Atomic write (temporary file in the same folder + ``os.replace``); a folder we cannot write
-    is a warning, not an error: the profile is still returned, just measured again next time."""
+def write_json(path: str, data, what: str) -> None:
+    """Atomic JSON write (a temporary file in the same folder, then ``os.replace``), for every file
+    protrain caches (hardware profile, step rates, plan cache entries); a folder that cannot be
+    written is a warning naming ``what``, never an error (measured or searched again next time)."""
     folder = os.path.dirname(path)
     tmp = os.path.join(
         folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -313,15 +314,19 @@ def _store(path: str, profile: HardwareProfile) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
         with open(tmp, "w") as f:
-            json.dump(profile.to_dict(), f, indent=1, sort_keys=True)
+            json.dump(data, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        log.warning("protrain: could not cache the hardware profile at %s: %s", path, e)
+        log.warning("protrain: could not write %s at %s: %s", what, path, e)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def _store(path: str, profile: HardwareProfile) -> None:
+    write_json(path, profile.to_dict(), "the hardware profile")
 
 
 @contextlib.contextmanager

@@ -19,14 +19,11 @@ CPU the optimizer shares the cores that compute, which the cost model prices oth
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import statistics
-import uuid
 
-from protrain_fx.machine.profile import HardwareProfile, cache_path, cached
+from protrain_fx.machine.profile import HardwareProfile, cache_path, cached, write_json
 
 log = logging.getLogger("protrain_fx")
 
@@ -68,7 +65,7 @@ def read(profile: HardwareProfile, device_type: str) -> dict[str, float]:
 
 def record(profile: HardwareProfile, kind: str, seconds: float, params: int) -> None:
     """Add one observation: ``params`` parameters stepped in ``seconds`` of the worker inside
-    backward. Atomic; a folder that cannot be written is a warning (the plans keep the constant)."""
+    backward (a folder that cannot be written is a warning: the plans keep the constant)."""
     if kind not in KINDS or params <= 0 or not seconds > 0:
         return
     path = path_of(profile)
@@ -81,16 +78,7 @@ def record(profile: HardwareProfile, kind: str, seconds: float, params: int) -> 
     data[kind] = (data.get(kind, []) + [{"s_per_param": seconds / params, "params": params}])[
         -KEEP:
     ]
-    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("protrain: could not record the CPU optimizer's rate at %s: %s", path, e)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    write_json(path, data, "the CPU optimizer's rate")
 
 
 def observe(device, copies: bool, now: tuple[float, int], then: tuple[float, int]) -> None:
