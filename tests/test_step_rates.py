@@ -66,12 +66,23 @@ def test_the_cost_model_prices_the_cpu_step_at_the_measured_rate_of_its_kind():
     p = predict(prof, seen, knobs)
     assert p.breakdown["cpu_optim_s"] == pytest.approx(50e6 / 2e9)
     assert p.time_s > predict(prof, hw, knobs).time_s  # CPU-bound at the slower measured rate
+    # the kind not seen yet: its own alone rate, slowed as much as the other kind was measured
+    # slowed (2x here), not by the constant
     no_copies = dataclasses.replace(knobs, transfer_copies=False)
-    assert predict(prof, seen, no_copies).breakdown["cpu_optim_s"] == pytest.approx(alone)
-    both = dataclasses.replace(seen, observed_s_per_param_masters=1 / 8e9)
-    assert predict(prof, both, no_copies).breakdown["cpu_optim_s"] == pytest.approx(50e6 / 8e9)
-    assert "measured inside backward" in seen.cpu_step_rate_note(True)
-    assert "the alone rate / 1.25" in seen.cpu_step_rate_note(False)
+    masters = dataclasses.replace(hw, cpu_adam_masters_params_per_s=8e9)
+    assert predict(prof, masters, no_copies).breakdown["cpu_optim_s"] == pytest.approx(
+        50e6 / 8e9 * hw.cpu_contention
+    )
+    carried = dataclasses.replace(masters, observed_s_per_param_copies=1 / 2e9)
+    assert predict(prof, carried, no_copies).breakdown["cpu_optim_s"] == pytest.approx(
+        50e6 / 8e9 * 2
+    )
+    both = dataclasses.replace(carried, observed_s_per_param_masters=1 / 5e9)
+    assert predict(prof, both, no_copies).breakdown["cpu_optim_s"] == pytest.approx(50e6 / 5e9)
+    assert "as measured inside backward" in seen.cpu_step_rate_note(True)
+    assert "as the other kind measured" in carried.cpu_step_rate_note(False)
+    assert "(2.00x)" in carried.cpu_step_rate_note(False)
+    assert "the alone rate / 1.25" in hw.cpu_step_rate_note(False)
 
 
 def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):

@@ -173,25 +173,44 @@ class Hardware:
             else self.observed_s_per_param_masters
         )
 
-    def cpu_s_per_param(self, transfer_copies: bool = True) -> float:
-        """CPU seconds per offloaded parameter's Adam step inside a training step, this rank's
-        share: as measured in earlier steps on this machine, else the alone rate times
-        ``cpu_contention``."""
-        if seen := self.observed_s_per_param(transfer_copies):
-            return seen / self.world_size
+    def _alone_s_per_param(self, transfer_copies: bool) -> float:
         rate = (not transfer_copies and self.cpu_adam_masters_params_per_s) or (
             self.cpu_adam_params_per_s
         )
-        return self.cpu_contention / self.world_size / rate if rate else 0.0
+        return 1.0 / rate if rate else 0.0
+
+    def _observed_contention(self, transfer_copies: bool) -> tuple[float, str]:
+        """The CPU step's slowdown inside backward against its alone rate: measured for this kind,
+        else carried over from the other kind's measurement (the contention is the host's, not
+        the kernel's), else the constant."""
+        for kind in (transfer_copies, not transfer_copies):
+            seen, alone = self.observed_s_per_param(kind), self._alone_s_per_param(kind)
+            if seen and alone:
+                mine = kind == transfer_copies
+                return seen / alone, (
+                    "as measured inside backward on this machine"
+                    if mine
+                    else "the alone rate slowed as the other kind measured inside "
+                    "backward on this machine"
+                )
+        return self.cpu_contention, f"the alone rate / {self.cpu_contention:g}"
+
+    def cpu_s_per_param(self, transfer_copies: bool = True) -> float:
+        """CPU seconds per offloaded parameter's Adam step inside a training step, this rank's
+        share: the alone rate slowed as earlier steps on this machine measured (of this kind, else
+        of the other: with or without transfer copies), else slowed by ``cpu_contention``."""
+        if seen := self.observed_s_per_param(transfer_copies):
+            return seen / self.world_size
+        factor, _ = self._observed_contention(transfer_copies)
+        return factor * self._alone_s_per_param(transfer_copies) / self.world_size
 
     def cpu_step_rate_note(self, transfer_copies: bool = True) -> str:
         """The CPU step's rate the plan priced, and where it comes from (the plan summary)."""
         s = self.cpu_s_per_param(transfer_copies) * self.world_size
         if not s:
             return "-"
-        if self.observed_s_per_param(transfer_copies):
-            return f"{1e-9 / s:.2f} G params/s, as measured inside backward on this machine"
-        return f"{1e-9 / s:.2f} G params/s, the alone rate / {self.cpu_contention:g}"
+        factor, where = self._observed_contention(transfer_copies)
+        return f"{1e-9 / s:.2f} G params/s, {where} ({factor:.2f}x)"
 
     def clock_slowdown(self, busy: float) -> float:
         """How much slower than profiled the compute of a step busy for ``busy`` of its time
