@@ -27,11 +27,13 @@ from protrain_fx.runtime import distributed
 log = logging.getLogger("protrain_fx")
 
 # bump when the profile or the cost model changes meaning: old cache entries miss
-COST_MODEL_VERSION = 25  # 22: oversized gradients down in their own dtype, staging priced as held;
+COST_MODEL_VERSION = 26  # 22: oversized gradients down in their own dtype, staging priced as held;
 # 23: compute slowed by the clock under sustained load (Hardware.clock_slowdown)
 # 24: the transfer_copies knob (a cached plan's knobs include it)
 # 25: the CPU step priced per kind (with or without the transfer copy), as measured in steps where
 # it was (machine/step_rates.py); the plan without copies chosen where it is faster
+# 26: the CPU step no faster than the host's triad bandwidth allows before steps measured it; device
+# steps priced against host memory as steps measured it
 KNOBS = (
     "chunk_size",
     "n_persist",

@@ -106,6 +106,23 @@ def test_device_steps_do_not_pay_where_host_memory_bounds_the_cpu_steps():
     assert on.device_steps(0)[0] == 0
 
 
+def test_device_steps_are_not_chosen_once_steps_measured_the_cpu_step():
+    """The same slowdown as the next test's (the CPU step inside backward at half its rate alone),
+    but measured in training steps on the machine (machine/step_rates.py) rather than assumed: it is
+    taken as host memory's, which device steps load as much, so every chunk steps on the CPU (on the
+    H200 host device steps made plans 11-31% slower: benchmarks/results/oom_sweep_h200_run14.md).
+    The host's triad bandwidth bounds the same way before any measurement."""
+    prof = cpu_bound_profile()
+    assumed = dataclasses.replace(HW, cpu_contention=2.0, device_steps=True)
+    assert LayoutCosts(prof, assumed, 1, 0, 0).device_steps(0)[0] > 0
+    measured = dataclasses.replace(HW, device_steps=True, observed_s_per_param_copies=2 / 4.5e9)
+    costs = LayoutCosts(prof, measured, 1, 0, 0)
+    assert costs.cpu_per_param == pytest.approx(LayoutCosts(prof, assumed, 1, 0, 0).cpu_per_param)
+    assert costs.device_steps(0)[0] == 0
+    triad = dataclasses.replace(assumed, host_bytes_per_s=36 * 4.5e9 / 2)
+    assert LayoutCosts(prof, triad, 1, 0, 0).device_steps(0)[0] == 0
+
+
 @pytest.mark.parametrize("forced", [None, 0.4])
 def test_the_per_profile_table_is_the_split_of_each_n_persist(forced):
     """The search prices device steps from one table per profile (device_step_table): entry

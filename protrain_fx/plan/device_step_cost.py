@@ -11,13 +11,15 @@ time alone. One rank only.
 
 Both ways touch the host's memory as much: the CPU kernel reads and writes 30 bytes per parameter,
 the copies of a device step 30 too, and backward's own copies go through it as well. So the work
-is never shorter than all of those bytes at the host's memory bandwidth, taken as what the CPU
-kernel reaches alone (the hardware profile's rate times its 30 bytes): device steps only pay where
-the CPU steps inside a training step run below that (the cores shared with the threads that
-launch the device's work: ``Hardware.cpu_contention``), not where memory bounds them. On the H200
-host the kernel ran inside steps at about the triad's bandwidth (3.1-4.0 G parameters/s,
-benchmarks/results/oom_sweep_h200_run4-6.md): there this model gives them 4% at most, under the
-threshold.
+is never shorter than all of those bytes at the host's memory bandwidth inside a step
+(``Hardware.host_s_per_byte``: the slowest of what the CPU kernel reaches alone, the triad, and what
+training steps measured on this machine, all taken as bound by memory): device steps only pay where
+the CPU steps run below that (the cores shared with the threads that launch the device's work:
+``Hardware.cpu_contention``), not where memory bounds them. Once steps on a machine measured the CPU
+step, its slowdown is taken as memory's, and device steps are not chosen: on the H200 host, plans
+that stepped 41-55% of the offloaded chunks on the device ran 11-31% slower than the same plans
+without (benchmarks/results/oom_sweep_h200_run14.md against runs 10 and 13), the CPU kernel no
+faster (3.0-3.5 G parameters/s) and the host worker waiting on the link.
 """
 
 from __future__ import annotations
@@ -62,10 +64,10 @@ def device_step_split(
     down = DEVICE_STEP_DOWN_BYTES / hw.d2h_bytes_per_s
     per_chunk = packed / count
 
-    # every step's bytes and backward's copies through the host's memory, at the kernel's rate alone
+    # every step's bytes and backward's copies through the host's memory, at its rate inside a step
     memory = (
         offloaded * HOST_BYTES_PER_PARAM + offloaded * (prof.upload_elem + prof.master_elem)
-    ) / (hw.cpu_adam_params_per_s * HOST_BYTES_PER_PARAM)
+    ) * hw.host_s_per_byte(prof.transfer_copies)
 
     def work(k: int) -> float:
         x = k * per_chunk

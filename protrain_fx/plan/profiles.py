@@ -32,6 +32,20 @@ THROTTLE_BUSY_FROM = 0.6
 # its resident all-reduces overlapped it (benchmarks/results/dp_h200.md, run 4's trace): 0.24 ms per
 # ms of overlap
 COLLECTIVE_CONTENTION = 0.24
+
+
+# host memory bytes per offloaded parameter while its CPU step runs inside backward: the kernel
+# reads master, fp32 gradient and two moments and writes three (28), the bf16 transfer copy too
+# where kept (2); backward's own copies of the same parameter go through host memory meanwhile (its
+# re-gather up: 2 bytes from the copy, else 4 from the master; its gradient down, 4). The host's
+# triad bandwidth over these bounds the CPU step's rate inside a step before any step measured it:
+# 127 GB/s / 36 = 3.5 G params/s on the H200 host, where steps measured 3.4-3.6 with copies and
+# 3.75-3.95 without (benchmarks/results/oom_sweep_h200_run13a.md, run14.md); the alone rate / 1.25
+# had priced them 4% and 25% faster
+def in_step_host_bytes(transfer_copies: bool) -> int:
+    return 28 + 4 + (2 + 2 if transfer_copies else 4)
+
+
 # fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes
 # three), so the device's Adam rate times this is the memory bandwidth its streaming kernels get
 # (H200: ~3.4 TB/s), the rate of the dtype casts below
@@ -165,6 +179,8 @@ class Hardware:
     # the alone rate of the CPU step without the transfer copy (HardwareProfile
     # .cpu_adam_masters_params_per_s); 0: cpu_adam_params_per_s
     cpu_adam_masters_params_per_s: float = 0.0
+    # the host's memory bandwidth (HardwareProfile.host_triad_bytes_per_s); 0: unknown
+    host_bytes_per_s: float = 0.0
 
     def observed_s_per_param(self, transfer_copies: bool = True) -> float | None:
         return (
@@ -179,38 +195,58 @@ class Hardware:
         )
         return 1.0 / rate if rate else 0.0
 
-    def _observed_contention(self, transfer_copies: bool) -> tuple[float, str]:
-        """The CPU step's slowdown inside backward against its alone rate: measured for this kind,
-        else carried over from the other kind's measurement (the contention is the host's, not
-        the kernel's), else the constant."""
+    def _in_step(self, transfer_copies: bool) -> tuple[float, str]:
+        """Seconds per parameter of the CPU step inside backward (all ranks together), and where
+        the number comes from: measured for this kind on this machine; else the other kind's
+        measurement carried over by the host memory bytes each moves (inside a step host memory
+        bounds both: benchmarks/results/oom_sweep_h200_run14.md), no faster than the alone rate
+        allows; else the larger of the alone rate times ``cpu_contention`` and the host's
+        bandwidth bound (``memory_s_per_param``)."""
+        alone = self._alone_s_per_param(transfer_copies)
+        if seen := self.observed_s_per_param(transfer_copies):
+            return seen, "as measured inside backward on this machine"
+        priced = self.cpu_contention * alone
+        if other := self.observed_s_per_param(not transfer_copies):
+            ratio = in_step_host_bytes(transfer_copies) / in_step_host_bytes(not transfer_copies)
+            if other * ratio >= priced:
+                return other * ratio, "as the other kind measured inside backward on this machine"
+        if self.memory_s_per_param(transfer_copies) > priced:
+            return self.memory_s_per_param(
+                transfer_copies
+            ), "host memory's bandwidth inside backward"
+        return priced, f"the alone rate / {self.cpu_contention:g}"
+
+    def memory_s_per_param(self, transfer_copies: bool = True) -> float:
+        """Seconds per offloaded parameter at which host memory carries its CPU step and
+        backward's copies of it (``in_step_host_bytes`` at the triad bandwidth); 0: unknown."""
+        if not self.host_bytes_per_s:
+            return 0.0
+        return in_step_host_bytes(transfer_copies) / self.host_bytes_per_s
+
+    def host_s_per_byte(self, transfer_copies: bool = True) -> float:
+        """Seconds per byte host memory moves inside a training step: what the CPU kernel reaches
+        alone (its rate times the 30 bytes it touches), the triad, and what steps measured on this
+        machine (taken as bound by host memory), whichever is slowest."""
+        rate = self.cpu_adam_params_per_s * 30
+        s = max(1 / rate if rate else 0.0, self.memory_s_per_param(True) / in_step_host_bytes(True))
         for kind in (transfer_copies, not transfer_copies):
-            seen, alone = self.observed_s_per_param(kind), self._alone_s_per_param(kind)
-            if seen and alone:
-                mine = kind == transfer_copies
-                return seen / alone, (
-                    "as measured inside backward on this machine"
-                    if mine
-                    else "the alone rate slowed as the other kind measured inside "
-                    "backward on this machine"
-                )
-        return self.cpu_contention, f"the alone rate / {self.cpu_contention:g}"
+            if seen := self.observed_s_per_param(kind):
+                s = max(s, seen / in_step_host_bytes(kind))
+        return s
 
     def cpu_s_per_param(self, transfer_copies: bool = True) -> float:
         """CPU seconds per offloaded parameter's Adam step inside a training step, this rank's
-        share: the alone rate slowed as earlier steps on this machine measured (of this kind, else
-        of the other: with or without transfer copies), else slowed by ``cpu_contention``."""
-        if seen := self.observed_s_per_param(transfer_copies):
-            return seen / self.world_size
-        factor, _ = self._observed_contention(transfer_copies)
-        return factor * self._alone_s_per_param(transfer_copies) / self.world_size
+        share (``_in_step``)."""
+        return self._in_step(transfer_copies)[0] / self.world_size
 
     def cpu_step_rate_note(self, transfer_copies: bool = True) -> str:
         """The CPU step's rate the plan priced, and where it comes from (the plan summary)."""
-        s = self.cpu_s_per_param(transfer_copies) * self.world_size
+        s, where = self._in_step(transfer_copies)
         if not s:
             return "-"
-        factor, where = self._observed_contention(transfer_copies)
-        return f"{1e-9 / s:.2f} G params/s, {where} ({factor:.2f}x)"
+        alone = self._alone_s_per_param(transfer_copies)
+        slower = f", {s / alone:.2f}x the alone rate's time" if alone else ""
+        return f"{1e-9 / s:.2f} G params/s, {where}{slower}"
 
     def clock_slowdown(self, busy: float) -> float:
         """How much slower than profiled the compute of a step busy for ``busy`` of its time
@@ -238,6 +274,7 @@ class Hardware:
             observed_s_per_param_copies=observed.get("copies"),
             observed_s_per_param_masters=observed.get("masters"),
             cpu_adam_masters_params_per_s=profile.cpu_adam_masters_params_per_s,
+            host_bytes_per_s=profile.host_triad_bytes_per_s,
         )
 
 

@@ -331,7 +331,10 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
 
     def _observe_cpu_rate(self) -> None:
         """The CPU steps' seconds per parameter inside backward from optimizer step FROM_STEP to
-        each of AT_STEPS, recorded for the next plans on this machine (machine/step_rates.py)."""
+        each of AT_STEPS, recorded for the next plans on this machine (machine/step_rates.py);
+        not where chunks step on the device (the worker then also waits for the link)."""
+        if any(s.device_step_chunks for s in self.stores):
+            return
         t, kinds = self.timers, {s.transfer_copies for s in self.stores}
         now = (t.cpu_in_backward_s, t.cpu_in_backward_params)
         if self.cycles == step_rates.FROM_STEP:
