@@ -722,7 +722,13 @@ def main() -> None:
         with open(path) as f:
             old = json.load(f)
         meta.update({k: old[k] for k in ("device", "torch") if k in old})
-        done = [r for r in done if r["id"] not in {x["id"] for x in old["rows"]}] + old["rows"]
+        # a row cut by a deadline does not replace a measurement of it
+        rows = [
+            x
+            for x in old["rows"]
+            if x.get("outcome") != "timeout" or x["id"] not in {r["id"] for r in done}
+        ]
+        done = [r for r in done if r["id"] not in {x["id"] for x in rows}] + rows
     if args.merge:
         write(args.out, done, meta)
         print(table(dict(meta, counts=evaluate(done), rows=done)))

@@ -19,6 +19,7 @@ from protrain_fx.plan.profiles import (
     ChunkProfile,
     GraphProfile,
     Hardware,
+    in_step_host_bytes,
 )
 from protrain_fx.runtime import device_steps
 from protrain_fx.testing import compare_with_eager, random_batches
@@ -119,7 +120,7 @@ def test_device_steps_are_not_chosen_once_steps_measured_the_cpu_step():
     costs = LayoutCosts(prof, measured, 1, 0, 0)
     assert costs.cpu_per_param == pytest.approx(LayoutCosts(prof, assumed, 1, 0, 0).cpu_per_param)
     assert costs.device_steps(0)[0] == 0
-    triad = dataclasses.replace(assumed, host_bytes_per_s=36 * 4.5e9 / 2)
+    triad = dataclasses.replace(assumed, host_bytes_per_s=in_step_host_bytes(True) * 4.5e9 / 2)
     assert LayoutCosts(prof, triad, 1, 0, 0).device_steps(0)[0] == 0
 
 

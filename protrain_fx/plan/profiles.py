@@ -34,16 +34,16 @@ THROTTLE_BUSY_FROM = 0.6
 COLLECTIVE_CONTENTION = 0.24
 
 
-# host memory bytes per offloaded parameter while its CPU step runs inside backward: the kernel
-# reads master, fp32 gradient and two moments and writes three (28), the bf16 transfer copy too
-# where kept (2); backward's own copies of the same parameter go through host memory meanwhile (its
-# re-gather up: 2 bytes from the copy, else 4 from the master; its gradient down, 4). The host's
-# triad bandwidth over these bounds the CPU step's rate inside a step before any step measured it:
-# 127 GB/s / 36 = 3.5 G params/s on the H200 host, where steps measured 3.4-3.6 with copies and
-# 3.75-3.95 without (benchmarks/results/oom_sweep_h200_run13a.md, run14.md); the alone rate / 1.25
-# had priced them 4% and 25% faster
+# host memory's bandwidth bounds the CPU step inside backward: the kernel reads master, fp32
+# gradient and two moments and writes three (28 bytes; 30 with the bf16 transfer copy), and
+# backward's own copies go through host memory meanwhile. Over 13 rows of the never-OOM sweep on
+# four H200 hosts (triad 98-127 GB/s), the triad over the rate the host worker reached inside
+# backward was 31.0-34.3 bytes per parameter with transfer copies (10 rows, median 32.7) and
+# 26.0-32.6 without (3 rows, median 27.9) (benchmarks/results/oom_sweep_h200_run13a/b.md,
+# run14.md, run15.md): so these bytes at the triad price the step before steps on the machine
+# measured it
 def in_step_host_bytes(transfer_copies: bool) -> int:
-    return 28 + 4 + (2 + 2 if transfer_copies else 4)
+    return 33 if transfer_copies else 28
 
 
 # fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes
