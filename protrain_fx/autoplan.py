@@ -211,10 +211,10 @@ def choose(
     )
     path = plan_cache.path_of(key)
     # rank 0's cache decides for every rank
-    cached, failed, refused = distributed.broadcast_object(
-        plan_cache.usable(
-            plan_cache.read(path), budget, _pinnable_host(device, _host_values_bytes(live), n_peers)
-        )
+    raw = plan_cache.read(path)
+    cached, failed, refused, at_step = distributed.broadcast_object(
+        plan_cache.usable(raw, budget, _pinnable_host(device, _host_values_bytes(live), n_peers))
+        + (plan_cache.steps_at_opt_step(raw),)
     )
     if refused:
         notes.append(refused)
@@ -235,14 +235,10 @@ def choose(
     if failed:
         margin = int(min(failed) * FAILED_PEAK_MARGIN)
         if margin < budget:
-            unlowered = budget
-            budget, budget_why = (
-                margin,
-                (
-                    f"{FAILED_PEAK_MARGIN:.0%} of the predicted peak of a "
-                    "plan of this graph "
-                    f"that ran out of memory ({format_bytes(min(failed))})"
-                ),
+            unlowered, budget = budget, margin
+            budget_why = (
+                f"{FAILED_PEAK_MARGIN:.0%} of the predicted peak of a plan of this graph that "
+                f"ran out of memory ({format_bytes(min(failed))})"
             )
             notes.append(f"budget lowered to {format_bytes(budget)}: {budget_why}")
 
@@ -338,8 +334,13 @@ def choose(
     # store takes each chunk over
     host_budget = _pinnable_host(device, host_freed, n_peers)
     hw = Hardware.of(hw_profile, step_rates.read(hw_profile, device.type))
-    if device.type == "cpu":  # the CPU optimizer would run on the cores that compute
-        hw = dataclasses.replace(hw, shared_compute=True)
+    if (
+        device.type == "cpu"
+    ):  # the optimizer on the cores that compute (the triad bound: GPU hosts')
+        hw = dataclasses.replace(hw, shared_compute=True, host_bytes_per_s=0.0)
+    if at_step:  # the loop clips gradients: the CPU steps run after backward (plan_cache)
+        hw = dataclasses.replace(hw, steps_at_opt_step=True)
+        notes.append(f"offloaded chunks step at opt.step() in this loop ({at_step}): so priced")
     w = distributed.world()
     # offloaded chunks may step on the device, streamed (runtime/device_steps.py): one rank, a
     # device that is not the host, the share not given, not turned off (PROTRAIN_DEVICE_STEPS=0)
@@ -484,6 +485,7 @@ def _prediction(
         "budget": budget_why,
         "breakdown": best.breakdown,
         "cpu_optim_rate": hw.cpu_step_rate_note(best.knobs.transfer_copies),
+        "cpu_steps_at_opt_step": hw.steps_at_opt_step,
         "timeline": lc.timeline(best.knobs.n_persist),
         "profile_compile_s": compile_s,
         "profile_s": step.seconds,

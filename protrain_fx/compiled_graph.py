@@ -114,7 +114,10 @@ class ProtrainGraph:
             plan.notes += choice.notes
             path = choice.cache_path
             compiled = StepMeter(
-                plan, device, lambda p, outcome=None: plan_cache.save_plan(path, p, outcome)
+                plan,
+                device,
+                lambda p, outcome=None: plan_cache.save_plan(path, p, outcome),
+                self._optimizer,
             ).wrap(compiled)
         self.compiled = compiled
         plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)

@@ -32,8 +32,8 @@ COST_MODEL_VERSION = 26  # 22: oversized gradients down in their own dtype, stag
 # 24: the transfer_copies knob (a cached plan's knobs include it)
 # 25: the CPU step priced per kind (with or without the transfer copy), as measured in steps where
 # it was (machine/step_rates.py); the plan without copies chosen where it is faster
-# 26: the CPU step no faster than the host's triad bandwidth allows before steps measured it; device
-# steps priced against host memory as steps measured it
+# 26: the CPU step no faster than the triad allows before steps measured it; device steps priced
+# against host memory as measured; CPU steps after backward where the loop steps them at opt.step()
 KNOBS = (
     "chunk_size",
     "n_persist",
@@ -143,6 +143,17 @@ def usable(
             failed,
             f"the cached plan for this graph {what} before: not served again; planned anew",
         )
+    at_step = steps_at_opt_step(entry)
+    if bool(at_step) != bool((entry.get("predicted") or {}).get("cpu_steps_at_opt_step")):
+        priced, ran = (
+            ("beside", f"at opt.step() ({at_step})") if at_step else ("after", "beside it")
+        )
+        return (
+            None,
+            failed,
+            f"the cached plan priced the offloaded chunks' CPU steps {priced} backward, but the "
+            f"training loop ran them {ran}: planned anew for that",
+        )
     peak = (entry.get("predicted") or {}).get("peak_bytes")
     if peak is None or peak > budget:
         return (
@@ -161,6 +172,17 @@ def usable(
         )
         return None, failed, why
     return entry, failed, None
+
+
+def steps_at_opt_step(entry: dict | None) -> str | None:
+    """Why the training loop of the graph whose entry this is steps the offloaded chunks at
+    ``opt.step()`` (it clips gradients or sets hyperparameters between backward and step, as its
+    runs measured: profiling/step_meter.py), or None: the next plan prices those steps after
+    backward (``Hardware.steps_at_opt_step``)."""
+    measured, predicted = (entry or {}).get("measured") or {}, (entry or {}).get("predicted") or {}
+    if measured.get("iter_s") is not None:  # the plan's last run tells
+        return measured.get("cpu_steps_at_opt_step")
+    return "as an earlier run measured" if predicted.get("cpu_steps_at_opt_step") else None
 
 
 def save_entry(path: str, entry: dict) -> None:

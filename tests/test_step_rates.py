@@ -102,6 +102,15 @@ def test_the_cost_model_prices_the_cpu_step_at_the_measured_rate_of_its_kind():
     roomy = dataclasses.replace(hw, host_bytes_per_s=in_step_host_bytes(True) * 100e9)
     assert predict(prof, roomy, knobs).breakdown["cpu_optim_s"] == pytest.approx(alone)
     assert "the alone rate / 1.25" in hw.cpu_step_rate_note(False)
+    # a loop that clips: the CPU steps run at opt.step(), after backward, alone on the host (no
+    # rate measured inside backward applies), and the step is the sum of its parts
+    clipping = dataclasses.replace(seen, steps_at_opt_step=True)
+    p = predict(prof, clipping, knobs)
+    b = p.breakdown
+    assert b["cpu_optim_s"] == pytest.approx(alone)
+    assert p.time_s == pytest.approx(b["fwd_s"] + b["bwd_s"] + b["cpu_optim_s"] + b["gpu_optim_s"])
+    assert p.time_s > predict(prof, hw, knobs).time_s
+    assert "G params/s, at opt.step(): the alone rate / 1.25" in clipping.cpu_step_rate_note(True)
 
 
 def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):
@@ -142,3 +151,56 @@ def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):
     )
     assert "as measured inside backward on this machine" in plan2.summary()
     assert losses2 == losses[:2]
+
+
+def test_a_loop_that_clips_is_planned_with_its_cpu_steps_after_backward(own_cache, monkeypatch):
+    """Clipping between backward() and opt.step() makes the offloaded chunks step at opt.step(),
+    after backward (runtime/hybrid_optim.py), where the plan priced them beside it. The step meter
+    keeps that in the plan's cache entry and the summary says so; the next compile of the graph is
+    not served that plan but planned anew with the CPU steps after backward
+    (``Hardware.steps_at_opt_step``), and that plan is served to the compile after it. Training is
+    the same every time."""
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+
+    def run(steps, clip=True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        options = {"compiler": "eager", "optimizer": opt, "memory_budget": 10**9}
+        options.update(n_persist=0, n_swap=0, n_checkpoint=0)
+        compiled = torch.compile(model, backend="protrain", options=options)
+        losses = []
+        for x, y in random_batches(steps, 2, 16, vocab=64):
+            loss = compiled(x, y)
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return protrain_fx.get_plan(compiled), losses
+
+    first, losses = run(6)
+    assert "clipping" in first.measured["cpu_steps_at_opt_step"]
+    assert first.predicted["cpu_steps_at_opt_step"] is False
+    assert "CPU steps ran at opt.step(), after backward" in first.summary()
+    second, losses2 = run(6)
+    assert not second.predicted["from_cache"], second.notes
+    assert second.predicted["cpu_steps_at_opt_step"], second.notes
+    assert any("training loop ran them at opt.step()" in n for n in second.notes), second.notes
+    text = second.summary()
+    assert "(after backward; " in text and "at opt.step(): the alone rate / 1.25" in text, text
+    assert "CPU steps ran at opt.step(), after backward" not in text
+    third, losses3 = run(6)
+    assert third.predicted["from_cache"] and third.predicted["cpu_steps_at_opt_step"]
+    assert losses2 == losses and losses3 == losses
+    # the loop changed: it no longer clips, its steps ran beside backward, and the next plan says so
+    fourth, _ = run(6, clip=False)
+    assert fourth.predicted["from_cache"] and not fourth.measured.get("cpu_steps_at_opt_step")
+    fifth, _ = run(2, clip=False)
+    assert not fifth.predicted["from_cache"] and not fifth.predicted["cpu_steps_at_opt_step"]
+    assert any(
+        "CPU steps after backward, but the training loop ran them beside it" in n
+        for n in fifth.notes
+    )

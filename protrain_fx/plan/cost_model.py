@@ -21,12 +21,12 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
 * ``T_cpu_done``: when the host worker's last CPU Adam step ends, a two-stage pipeline: each
   offloaded chunk's step (its parameters at the rate earlier steps on this machine measured inside
   backward, machine/step_rates.py; before any, the slower of the alone rate times
-  ``Hardware.cpu_contention`` and the host triad bandwidth over ``in_step_host_bytes``)
-  starts once its gradient is on the host (after the backward of the code after the blocks,
-  ``head_bwd_s``, of the chunks backward reaches before it and of its own, and its copy down) and
-  the step before it is done. ``T_gpu_optim``:
-  resident parameters over the device Adam rate, at ``opt.step()``: after ``backward()``, which
-  returns once the host worker's CPU steps are done, so it follows both.
+  ``Hardware.cpu_contention`` and the host triad bandwidth over ``in_step_host_bytes``) starts
+  once its gradient is on the host (after the backward of the code after the blocks, ``head_bwd_s``,
+  of the chunks backward reaches before it and of its own, and its copy down) and the step before
+  it is done; all after backward where the loop clips (``Hardware.steps_at_opt_step``).
+  ``T_gpu_optim``: resident parameters over the device Adam rate, at ``opt.step()``: after
+  ``backward()``, which returns once the host worker's CPU steps are done: it follows both.
 * The clock under sustained load: blocks are profiled at the boost clock; a plan that keeps the
   device busy runs at its power limit, slower: forward and backward times
   ``Hardware.clock_slowdown`` of the busy share ``(T_fwd + T_bwd) / T``.
@@ -448,10 +448,10 @@ class LayoutCosts:
         # some of them may run on the device, streamed, beside the CPU's (device_steps)
         device_share, device_params, t_cpu = self.device_steps(n_persist)
 
-        # the device optimizer runs at opt.step(), after backward() returned, which waits for the
-        # host worker's CPU steps: it follows both (H200: a 3B plan's step measured within 1.4% of
-        # forward + max(backward, first gradient + CPU optimizer) + device optimizer)
-        after = (lambda b: b + t_cpu) if hw.shared_compute else (lambda b: max(b, t_first + t_cpu))
+        # the device optimizer follows backward and the CPU steps (H200: a 3B plan's step within
+        # 1.4% of forward + max(backward, first gradient + CPU optimizer) + device optimizer)
+        serial = hw.shared_compute or hw.steps_at_opt_step
+        after = (lambda b: b + t_cpu) if serial else (lambda b: max(b, t_first + t_cpu))
         # a step that keeps the device busy runs it at its power limit, below the profiled clock
         slowdown = hw.clock_slowdown((t_fwd + t_bwd) / (t_fwd + after(t_bwd) + t_gpu or 1.0))
         t_fwd, t_bwd = t_fwd * slowdown, t_bwd * slowdown

@@ -201,6 +201,12 @@ class Plan:
             f"{format_bytes((self.predicted or {}).get('peak_bytes'))}, "
             f"measured {format_bytes((self.measured or {}).get('peak_bytes'))}"
         )
+        at_step = (self.measured or {}).get("cpu_steps_at_opt_step")
+        if at_step and not (self.predicted or {}).get("cpu_steps_at_opt_step"):
+            lines.append(
+                f"  the offloaded chunks' CPU steps ran at opt.step(), after backward ({at_step}), "
+                "where the plan priced them beside it: the next plan of this graph prices them so"
+            )
         alloc_pred = (self.predicted or {}).get("peak_allocated_bytes")
         alloc_meas = (self.measured or {}).get("peak_allocated_bytes")
         if alloc_pred is not None or alloc_meas is not None:
@@ -246,13 +252,15 @@ class Plan:
             f"({p.get('budget', '')})"
         ]
         b = p.get("breakdown") or {}
+        rate = p.get("cpu_optim_rate", "-")
+        where = "after backward" if "at opt.step()" in rate else "beside backward"
         if b:
             lines.append(
                 f"  predicted: forward {1e3 * b['fwd_s']:.1f} ms, backward "
                 f"{1e3 * b['bwd_s']:.1f} ms, "
                 f"device optimizer {1e3 * b['gpu_optim_s']:.1f} ms, CPU optimizer "
                 f"{1e3 * b['cpu_optim_s']:.1f} ms "
-                f"(beside backward; {p.get('cpu_optim_rate', '-')}); activations "
+                f"({where}; {rate}); activations "
                 f"{format_bytes(b['activation_bytes'])}, "
                 "transient "
                 f"{format_bytes(b['transient_bytes'])}, after the blocks "

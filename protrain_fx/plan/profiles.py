@@ -164,6 +164,10 @@ class Hardware:
     # that compute, so it adds to the step instead of running beside backward (offloading then only
     # pays under a budget)
     shared_compute: bool = False
+    # the training loop clips gradients or sets a hyperparameter between backward() and
+    # opt.step(), as its earlier runs showed (plan_cache.steps_at_opt_step): the offloaded chunks'
+    # CPU steps run at opt.step(), after backward (runtime/hybrid_optim.py), alone on the host
+    steps_at_opt_step: bool = False
     # offloaded chunks may be stepped on the compute device, streamed over the link, beside the CPU
     # steps (protrain_fx/runtime/device_steps.py; one rank, a compute device that is not the host)
     device_steps: bool = False
@@ -203,9 +207,11 @@ class Hardware:
         allows; else the larger of the alone rate times ``cpu_contention`` and the host's
         bandwidth bound (``memory_s_per_param``)."""
         alone = self._alone_s_per_param(transfer_copies)
+        priced = self.cpu_contention * alone
+        if self.steps_at_opt_step:
+            return priced, f"at opt.step(): the alone rate / {self.cpu_contention:g}"
         if seen := self.observed_s_per_param(transfer_copies):
             return seen, "as measured inside backward on this machine"
-        priced = self.cpu_contention * alone
         if other := self.observed_s_per_param(not transfer_copies):
             ratio = in_step_host_bytes(transfer_copies) / in_step_host_bytes(not transfer_copies)
             if other * ratio >= priced:

@@ -8,6 +8,8 @@ On CUDA each call records an event; an interval is read only once its closing ev
 the accumulation count) are skipped; the peak counters are reset at the first measured call. With
 ``PROTRAIN_PROFILE_BLOCKS=1`` the block marks of a recent step also give
 ``plan.measured["timeline"]`` (what :func:`protrain_fx.plot_memory` draws against the prediction).
+It also records when the user's optimizer stepped the offloaded chunks at ``opt.step()`` rather than
+inside backward (a loop that clips gradients): the plan was priced otherwise, the next is not.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import torch
 
 from protrain_fx.machine import pinned
-from protrain_fx.runtime import block_timer
+from protrain_fx.runtime import block_timer, hybrid_optim
 
 SKIP = 2  # calls before measuring
 WINDOW = 20  # intervals kept
@@ -27,8 +29,9 @@ SAVE_AT = (5, 20, 100, 1000)
 
 
 class StepMeter:
-    def __init__(self, plan, device: torch.device, save=None):
+    def __init__(self, plan, device: torch.device, save=None, optimizer=None):
         self.plan, self.device, self.save = plan, device, save
+        self.optimizer = optimizer  # a weak reference to the user's optimizer, or None
         self.calls = 0
         self.points: list = []  # (call index, event or perf_counter) not yet turned into intervals
         self.intervals: list[float] = []
@@ -156,4 +159,11 @@ class StepMeter:
         # host memory, process-wide: protrain's own buffers (the plan predicts these) and everything
         measured["host_bytes"], measured["host_peak_bytes"] = pinned.held_bytes()
         measured["rss_bytes"], measured["peak_rss_bytes"] = pinned.resident_bytes()
+        # the loop clips gradients or sets hyperparameters between backward() and opt.step(): the
+        # offloaded chunks' CPU steps run at opt.step() (the cache entry keeps why: later plans of
+        # the graph price it, plan_cache.steps_at_opt_step)
+        opt = self.optimizer() if self.optimizer is not None else None
+        handle = hybrid_optim.handle_of(opt) if opt is not None else None
+        if handle is not None and handle.serial_why:
+            measured["cpu_steps_at_opt_step"] = handle.serial_why
         self.plan.measured = measured

@@ -39,6 +39,7 @@ the state (``opt.state``, the state dicts) in protrain_fx/runtime/optim_state.py
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import types
@@ -138,7 +139,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         self.stores: list[ChunkStore] = []
         self.states: dict[tuple[int, int], ChunkOptState] = {}
         # in-backward steps; off for good once clipping or a late hyperparameter is seen
-        self.overlap = True
+        self.overlap, self.serial_why = True, None
         self.notes: list[str] = []
         self.cycles = 0
         self.timers = Timers()
@@ -390,10 +391,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
             if st.store.written_since(i, rec.param_versions.get(i, -1)):
                 raise ProtrainError(
                     f"protrain: parameter {st.store.entries[i].fqn!r} was written between "
-                    "backward() and "
-                    "opt.step(), after protrain had already stepped it inside backward; write "
-                    "parameters "
-                    "before backward() or after opt.step()"
+                    "backward() and opt.step(), after protrain had already stepped it inside "
+                    "backward; write parameters before backward() or after opt.step()"
                 )
 
     def _after_step(self) -> None:
@@ -408,11 +407,12 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         self._observe_cpu_rate()
 
     def _disable_overlap(self, why: str) -> None:
+        """Chunks step at opt.step() from now on (said once; later plans price it: step_meter)."""
         if self.overlap:
-            self.overlap = False
-            self.notes.append(
-                f"{why}: offloaded chunks step at opt.step() from now on (not inside backward)"
-            )
+            self.overlap, self.serial_why = False, why
+            self.notes.append(f"{why}: offloaded chunks step at opt.step() from now on")
+            msg = "protrain: %s: offloaded chunks step at opt.step(), after backward, from now on"
+            logging.getLogger("protrain_fx").info(msg + " (later plans price it so)", why)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         WORKER.wait()
@@ -437,8 +437,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         if self._zeroing:
             return
         self._disable_overlap(
-            "gradients of offloaded parameters are changed between backward() "
-            "and opt.step() "
+            "gradients of offloaded parameters are changed between backward() and opt.step() "
             "(clipping, unscaling)"
         )
         for store_id, i in keys:
