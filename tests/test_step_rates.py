@@ -31,6 +31,28 @@ def own_cache(monkeypatch, tmp_path):
     return tmp_path
 
 
+def train_gpt(steps: int, clip: bool = False):
+    """A small GPT, every chunk offloaded, trained ``steps`` steps under an automatic plan with
+    those knobs fixed (a fresh compile): its plan, the optimizer's protrain handle, the losses."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = {"compiler": "eager", "optimizer": opt, "memory_budget": 10**9}
+    options.update(n_persist=0, n_swap=0, n_checkpoint=0)
+    compiled = torch.compile(model, backend="protrain", options=options)
+    losses = []
+    for x, y in random_batches(steps, 2, 16, vocab=64):
+        loss = compiled(x, y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return protrain_fx.get_plan(compiled), hybrid_optim.handle_of(opt), losses
+
+
 def test_observations_are_kept_per_kind_for_the_profile_they_were_measured_with(own_cache):
     profile = measure.hardware_profile("cpu")
     assert step_rates.read(profile, "cpu") == {}
@@ -119,25 +141,8 @@ def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):
     the worker's seconds. The next automatic plan on this machine prices its CPU optimizer at that
     rate and says so; training is unchanged."""
 
-    def run(steps):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        options = {"compiler": "eager", "optimizer": opt, "memory_budget": 10**9}
-        options.update(n_persist=0, n_swap=0, n_checkpoint=0)
-        compiled = torch.compile(model, backend="protrain", options=options)
-        losses = []
-        for x, y in random_batches(steps, 2, 16, vocab=64):
-            loss = compiled(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return protrain_fx.get_plan(compiled), hybrid_optim.handle_of(opt), losses
-
     profile = measure.hardware_profile("cpu")
-    plan, handle, losses = run(step_rates.AT_STEPS[0])
+    plan, handle, losses = train_gpt(step_rates.AT_STEPS[0])
     assert "the alone rate / 1.25" in plan.summary()
     offloaded = sum(st.exp_avg.numel() for st in handle.states.values())
     assert offloaded and handle.timers.cpu_in_backward_params == (len(losses) - 1) * offloaded
@@ -145,7 +150,7 @@ def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):
     assert len(seen) == 1
     assert seen[0]["params"] == (step_rates.AT_STEPS[0] - step_rates.FROM_STEP) * offloaded
     assert 0 < seen[0]["s_per_param"] * seen[0]["params"] < handle.timers.cpu_in_backward_s
-    plan2, _, losses2 = run(2)
+    plan2, _, losses2 = train_gpt(2)
     assert plan2.predicted["breakdown"]["cpu_optim_s"] == pytest.approx(
         offloaded * seen[0]["s_per_param"], rel=1e-9
     )
@@ -162,43 +167,24 @@ def test_a_loop_that_clips_is_planned_with_its_cpu_steps_after_backward(own_cach
     the same every time."""
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
 
-    def run(steps, clip=True):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        options = {"compiler": "eager", "optimizer": opt, "memory_budget": 10**9}
-        options.update(n_persist=0, n_swap=0, n_checkpoint=0)
-        compiled = torch.compile(model, backend="protrain", options=options)
-        losses = []
-        for x, y in random_batches(steps, 2, 16, vocab=64):
-            loss = compiled(x, y)
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return protrain_fx.get_plan(compiled), losses
-
-    first, losses = run(6)
+    first, _, losses = train_gpt(6, clip=True)
     assert "clipping" in first.measured["cpu_steps_at_opt_step"]
     assert first.predicted["cpu_steps_at_opt_step"] is False
     assert "CPU steps ran at opt.step(), after backward" in first.summary()
-    second, losses2 = run(6)
+    second, _, losses2 = train_gpt(6, clip=True)
     assert not second.predicted["from_cache"], second.notes
     assert second.predicted["cpu_steps_at_opt_step"], second.notes
     assert any("training loop ran them at opt.step()" in n for n in second.notes), second.notes
     text = second.summary()
     assert "(after backward; " in text and "at opt.step(): the alone rate / 1.25" in text, text
     assert "CPU steps ran at opt.step(), after backward" not in text
-    third, losses3 = run(6)
+    third, _, losses3 = train_gpt(6, clip=True)
     assert third.predicted["from_cache"] and third.predicted["cpu_steps_at_opt_step"]
     assert losses2 == losses and losses3 == losses
     # the loop changed: it no longer clips, its steps ran beside backward, and the next plan says so
-    fourth, _ = run(6, clip=False)
+    fourth, _, _ = train_gpt(6)
     assert fourth.predicted["from_cache"] and not fourth.measured.get("cpu_steps_at_opt_step")
-    fifth, _ = run(2, clip=False)
+    fifth, _, _ = train_gpt(2)
     assert not fifth.predicted["from_cache"] and not fifth.predicted["cpu_steps_at_opt_step"]
     assert any(
         "CPU steps after backward, but the training loop ran them beside it" in n
