@@ -334,9 +334,7 @@ def choose(
     # store takes each chunk over
     host_budget = _pinnable_host(device, host_freed, n_peers)
     hw = Hardware.of(hw_profile, step_rates.read(hw_profile, device.type))
-    if (
-        device.type == "cpu"
-    ):  # the optimizer on the cores that compute (the triad bound: GPU hosts')
+    if device.type == "cpu":  # the optimizer on the cores that compute; no GPU host's triad bound
         hw = dataclasses.replace(hw, shared_compute=True, host_bytes_per_s=0.0)
     if at_step:  # the loop clips gradients: the CPU steps run after backward (plan_cache)
         hw = dataclasses.replace(hw, steps_at_opt_step=True)

@@ -176,9 +176,9 @@ def usable(
 
 def steps_at_opt_step(entry: dict | None) -> str | None:
     """Why the training loop of the graph whose entry this is steps the offloaded chunks at
-    ``opt.step()`` (it clips gradients or sets hyperparameters between backward and step, as its
-    runs measured: profiling/step_meter.py), or None: the next plan prices those steps after
-    backward (``Hardware.steps_at_opt_step``)."""
+    ``opt.step()`` (it clips gradients or sets hyperparameters between backward and step, as the
+    plan's last run measured: profiling/step_meter.py), which the next plan prices after backward
+    (``Hardware.steps_at_opt_step``); None where they ran beside backward."""
     measured, predicted = (entry or {}).get("measured") or {}, (entry or {}).get("predicted") or {}
     if measured.get("iter_s") is not None:  # the plan's last run tells
         return measured.get("cpu_steps_at_opt_step")

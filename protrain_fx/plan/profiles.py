@@ -200,12 +200,13 @@ class Hardware:
         return 1.0 / rate if rate else 0.0
 
     def _in_step(self, transfer_copies: bool) -> tuple[float, str]:
-        """Seconds per parameter of the CPU step inside backward (all ranks together), and where
-        the number comes from: measured for this kind on this machine; else the other kind's
-        measurement carried over by the host memory bytes each moves (inside a step host memory
-        bounds both: benchmarks/results/oom_sweep_h200_run14.md), no faster than the alone rate
-        allows; else the larger of the alone rate times ``cpu_contention`` and the host's
-        bandwidth bound (``memory_s_per_param``)."""
+        """Seconds per parameter of the CPU step in a training step (all ranks together), and
+        where the number comes from: at ``opt.step()`` (a loop that clips), the alone rate times
+        ``cpu_contention``; inside backward, as measured for this kind on this machine; else the
+        other kind's measurement carried over by the host memory bytes each moves (inside a step
+        host memory bounds both: benchmarks/results/oom_sweep_h200_run14.md), no faster than the
+        alone rate allows; else the larger of the alone rate times ``cpu_contention`` and the
+        host's bandwidth bound (``memory_s_per_param``)."""
         alone = self._alone_s_per_param(transfer_copies)
         priced = self.cpu_contention * alone
         if self.steps_at_opt_step:
@@ -216,10 +217,8 @@ class Hardware:
             ratio = in_step_host_bytes(transfer_copies) / in_step_host_bytes(not transfer_copies)
             if other * ratio >= priced:
                 return other * ratio, "as the other kind measured inside backward on this machine"
-        if self.memory_s_per_param(transfer_copies) > priced:
-            return self.memory_s_per_param(
-                transfer_copies
-            ), "host memory's bandwidth inside backward"
+        if (memory := self.memory_s_per_param(transfer_copies)) > priced:
+            return memory, "host memory's bandwidth inside backward"
         return priced, f"the alone rate / {self.cpu_contention:g}"
 
     def memory_s_per_param(self, transfer_copies: bool = True) -> float:
