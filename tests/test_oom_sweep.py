@@ -38,11 +38,14 @@ def test_counts_and_table():
         outcome="oom",
         error="Traceback\n  File x\ntorch.OutOfMemoryError: CUDA out of memory.\n\nSet VERBOSE=1",
     )
-    rows = [ref, good, nan, oom]
+    # a variant whose loop clips (SWEEP_CLIP): the unclipped reference says nothing of its losses
+    clipped = _row("m/b1s8/cap16/default/clip", outcome="trained", losses=[2.0, 1.5], clip=1.0)
+    rows = [ref, good, nan, oom, clipped]
     counts = oom_sweep.evaluate(rows)
+    assert "max_loss_rel_vs_compile" not in clipped and clipped["finite"]
     assert counts == dict(
-        protrain_rows=3,
-        trained=2,
+        protrain_rows=4,
+        trained=3,
         no_plan_fits=0,
         oom=1,
         error=0,
