@@ -121,6 +121,11 @@ def test_the_cost_model_prices_the_cpu_step_at_the_measured_rate_of_its_kind():
     triad = dataclasses.replace(hw, host_bytes_per_s=in_step_host_bytes(True) * 2e9)
     assert predict(prof, triad, knobs).breakdown["cpu_optim_s"] == pytest.approx(50e6 / 2e9)
     assert "host memory's bandwidth" in triad.cpu_step_rate_note(True)
+    # two ranks on the host, each stepping half the offloaded parameters at once: the bandwidth is
+    # shared, so the CPU step takes as long as one rank's would for all of them
+    ranks = dataclasses.replace(triad, world_size=2)
+    assert ranks.cpu_s_per_param(True) == pytest.approx(triad.cpu_s_per_param(True))
+    assert "over 2 rank(s)" in ranks.cpu_step_rate_note(True)
     roomy = dataclasses.replace(hw, host_bytes_per_s=in_step_host_bytes(True) * 100e9)
     assert predict(prof, roomy, knobs).breakdown["cpu_optim_s"] == pytest.approx(alone)
     assert "the alone rate / 1.25" in hw.cpu_step_rate_note(False)

@@ -217,8 +217,9 @@ class Hardware:
             ratio = in_step_host_bytes(transfer_copies) / in_step_host_bytes(not transfer_copies)
             if other * ratio >= priced:
                 return other * ratio, "as the other kind measured inside backward on this machine"
-        if (memory := self.memory_s_per_param(transfer_copies)) > priced:
-            return memory, "host memory's bandwidth inside backward"
+        # ranks on one host step their shares at once: host memory's bandwidth is shared by them
+        if (memory := self.memory_s_per_param(transfer_copies) * self.world_size) > priced:
+            return memory, f"host memory's bandwidth inside backward over {self.world_size} rank(s)"
         return priced, f"the alone rate / {self.cpu_contention:g}"
 
     def memory_s_per_param(self, transfer_copies: bool = True) -> float:
