@@ -67,7 +67,7 @@ def device_step_split(
     # every step's bytes and backward's copies through the host's memory, at its rate inside a step
     memory = (
         offloaded * HOST_BYTES_PER_PARAM + offloaded * (prof.upload_elem + prof.master_elem)
-    ) * hw.host_s_per_byte(prof.transfer_copies)
+    ) * hw.host_s_per_byte()
 
     def work(k: int) -> float:
         x = k * per_chunk

@@ -229,16 +229,15 @@ class Hardware:
             return 0.0
         return in_step_host_bytes(transfer_copies) / self.host_bytes_per_s
 
-    def host_s_per_byte(self, transfer_copies: bool = True) -> float:
+    def host_s_per_byte(self) -> float:
         """Seconds per byte host memory moves inside a training step: what the CPU kernel reaches
         alone (its rate times the 30 bytes it touches), the triad, and what steps measured on this
         machine (taken as bound by host memory), whichever is slowest."""
-        rate = self.cpu_adam_params_per_s * 30
-        s = max(1 / rate if rate else 0.0, self.memory_s_per_param(True) / in_step_host_bytes(True))
-        for kind in (transfer_copies, not transfer_copies):
-            if seen := self.observed_s_per_param(kind):
-                s = max(s, seen / in_step_host_bytes(kind))
-        return s
+        rates = [self.cpu_adam_params_per_s * 30, self.host_bytes_per_s]
+        rates += [
+            in_step_host_bytes(k) / s for k in (True, False) if (s := self.observed_s_per_param(k))
+        ]
+        return max((1 / r for r in rates if r), default=0.0)
 
     def cpu_s_per_param(self, transfer_copies: bool = True) -> float:
         """CPU seconds per offloaded parameter's Adam step inside a training step, this rank's

@@ -138,9 +138,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         self.decoupled = isinstance(opt, torch.optim.AdamW)
         self.stores: list[ChunkStore] = []
         self.states: dict[tuple[int, int], ChunkOptState] = {}
-        # in-backward steps; off for good once clipping or a late hyperparameter is seen
-        self.overlap, self.serial_why = True, None
-        self.notes: list[str] = []
+        self.serial_why: str | None = None  # why chunks step at opt.step() for good (overlap)
         self.cycles = 0
         self.timers = Timers()
         self._rate_from: tuple[float, int] | None = None
@@ -406,11 +404,14 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         self.cycles += 1
         self._observe_cpu_rate()
 
+    @property
+    def overlap(self) -> bool:  # in-backward steps: off for good after clipping, a late lr, ...
+        return self.serial_why is None
+
     def _disable_overlap(self, why: str) -> None:
         """Chunks step at opt.step() from now on (said once; later plans price it: step_meter)."""
         if self.overlap:
-            self.overlap, self.serial_why = False, why
-            self.notes.append(f"{why}: offloaded chunks step at opt.step() from now on")
+            self.serial_why = why
             msg = "protrain: %s: offloaded chunks step at opt.step(), after backward, from now on"
             logging.getLogger("protrain_fx").info(msg + " (later plans price it so)", why)
 
