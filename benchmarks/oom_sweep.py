@@ -576,8 +576,12 @@ def evaluate(rows: list[dict]) -> dict:
         if r.get("predicted_step_s"):
             p, m = r["predicted_step_s"], r["measured_step_s"]
             r["time_err"] = (m - p) / p
-    pt = [r for r in rows if r["system"] == "protrain"]
+    # a row id with a fifth part (``.../cpu``, ``.../ds40``, ``.../nocopies``) is a variant: a
+    # knob or a habit set by hand for an A/B, not the automatic plan the counts are about
+    every = [r for r in rows if r["system"] == "protrain"]
+    pt = [r for r in every if r["id"].count("/") <= 3]
     return {
+        "variants": len(every) - len(pt),
         "protrain_rows": len(pt),
         "trained": sum(r.get("outcome") == "trained" for r in pt),
         "no_plan_fits": sum(r.get("outcome") == "no_plan_fits" for r in pt),
@@ -602,7 +606,13 @@ def table(out: dict) -> str:
         f"{c['outside_bf16_tolerance']} outside bf16 tolerance of torch.compile "
         f"({BF16_REL:.4f} relative per step), {c['peak_err_over_5pct']} with the reserved peak "
         f"more than 5% off the prediction, {c['time_err_over_5pct']} with the step time more than "
-        "5% off.",
+        "5% off."
+        + (
+            f" Not counted: {c['variants']} variant rows (an id with a fifth part: a knob or a "
+            "habit set by hand for an A/B, not the automatic plan)."
+            if c.get("variants")
+            else ""
+        ),
         "",
         "Peaks: the process's `max_memory_reserved` (profiling and the first step included). Step "
         "time: median of steps 4-20, synchronized. Errors: (measured - predicted) / predicted. "

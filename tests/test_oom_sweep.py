@@ -43,9 +43,11 @@ def test_counts_and_table():
     rows = [ref, good, nan, oom, clipped]
     counts = oom_sweep.evaluate(rows)
     assert "max_loss_rel_vs_compile" not in clipped and clipped["finite"]
+    # ... and, a variant (an id with a fifth part: set by hand for an A/B), it is not counted
     assert counts == dict(
-        protrain_rows=4,
-        trained=3,
+        variants=1,
+        protrain_rows=3,
+        trained=2,
         no_plan_fits=0,
         oom=1,
         error=0,
@@ -56,6 +58,7 @@ def test_counts_and_table():
     )
     assert abs(good["peak_err"] - 0.02) < 1e-12 and abs(good["time_err"] - 0.2) < 1e-12
     text = oom_sweep.table(dict(device="d", torch="t", date="today", counts=counts, rows=rows))
+    assert "Not counted: 1 variant rows" in text
     line = next(x for x in text.splitlines() if x.startswith("| m/b1s8/cap16/default"))
     assert "10.00 / 10.20 (+2.0%)" in line and "9.80 / 9.90 | 3 |" in line
     assert "1.000 / 1.200 (+20.0%)" in line and "persist 1" in line
