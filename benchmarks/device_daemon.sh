@@ -27,7 +27,12 @@ if [ "${1:-}" = "--" ]; then
 fi
 pid=$(cat "$dir/pid") || exit 1
 end=$((SECONDS + seconds))
-while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+# outputs copied as they grow: a call cut short (the session's device time spent) still brings
+# back what the daemon had written
+while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do
+  sleep 5
+  cp "$dir"/*.json "$dir"/*.md "$dir/log" "$OUT"/ 2>/dev/null
+done
 kill -0 "$pid" 2>/dev/null && echo "daemon $pid still running" || echo "daemon $pid done"
 cp "$dir"/*.json "$dir"/*.md "$dir/log" "$OUT"/ 2>/dev/null
 grep -v '^step ' "$dir/log" | tail -c 6000
