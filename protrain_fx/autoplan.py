@@ -212,9 +212,9 @@ def choose(
     path = plan_cache.path_of(key)
     # rank 0's cache decides for every rank
     raw = plan_cache.read(path)
-    cached, failed, refused, at_step = distributed.broadcast_object(
+    cached, failed, refused, at_step, gap = distributed.broadcast_object(
         plan_cache.usable(raw, budget, _pinnable_host(device, _host_values_bytes(live), n_peers))
-        + (plan_cache.steps_at_opt_step(raw),)
+        + (plan_cache.steps_at_opt_step(raw), plan_cache.allocator_gap(raw))
     )
     if refused:
         notes.append(refused)
@@ -313,7 +313,7 @@ def choose(
         if fixed["chunk_size"]
         else [default_size, default_size * 3 // 2, default_size * 2]
     )
-    frag = allocator.fragmentation(alloc, step.reserved_ratio, step.peak_bytes)
+    frag = allocator.fragmentation(alloc, step.reserved_ratio, step.peak_bytes, gap)
     profiles = [
         graph_profile(
             step,
@@ -436,6 +436,7 @@ def choose(
     if outcome[0] == "failed":
         raise NoPlanFits(*outcome[1]) from None
     knobs, predicted = outcome[1]
+    predicted["allocator_gap_bytes"] = gap if frag is not None else 0  # kept by the next plans
     if fixed["device_steps"] is not None:
         knobs["device_steps"] = fixed["device_steps"]
     if distributed.world().rank == 0:

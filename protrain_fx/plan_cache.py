@@ -5,7 +5,10 @@ hardware profile's key, the device budget, the allocator's settings, the world s
 versions of torch, protrain and the cost model (:func:`key`). It records the knobs, the prediction
 and the outcome of the runs that used it: a plan that ran out of memory or gave a non-finite loss is
 never served again, and a plan whose predicted peak is over the budget asked for now is refused
-(:func:`usable`). Entries are JSON files under the cache directory, written atomically.
+(:func:`usable`). So is a plan whose run measured a reserved peak over its prediction because the
+caching allocator kept more reserved but free than the plan budgeted: the next plan of the graph
+budgets the bytes measured (:func:`allocator_gap`). Entries are JSON files under the cache
+directory, written atomically.
 ``PROTRAIN_PLAN_CACHE=0`` turns the cache off.
 """
 
@@ -34,6 +37,9 @@ COST_MODEL_VERSION = 26  # 22: oversized gradients down in their own dtype, stag
 # it was (machine/step_rates.py); the plan without copies chosen where it is faster
 # 26: the CPU step no faster than the triad allows before steps measured it; device steps priced
 # against host memory as measured; CPU steps after backward where the loop steps them at opt.step()
+# a reserved peak measured this far over the prediction, with more reserved but free than the plan
+# budgeted, is the allocator's overhead the next plan budgets as measured (allocator_gap)
+RESERVED_TOLERANCE = 0.02
 KNOBS = (
     "chunk_size",
     "n_persist",
@@ -143,6 +149,14 @@ def usable(
             failed,
             f"the cached plan for this graph {what} before: not served again; planned anew",
         )
+    if over := _reserved_overrun(entry):
+        return (
+            None,
+            failed,
+            f"the cached plan's reserved peak measured {format_bytes(over[0])}, over the "
+            f"{format_bytes(over[1])} it predicted: the allocator kept {format_bytes(over[2])} "
+            "reserved but free at the peak; planned anew with that budgeted",
+        )
     at_step = steps_at_opt_step(entry)
     if bool(at_step) != bool((entry.get("predicted") or {}).get("cpu_steps_at_opt_step")):
         priced, ran = (
@@ -183,6 +197,31 @@ def steps_at_opt_step(entry: dict | None) -> str | None:
     if measured.get("iter_s") is not None:  # the plan's last run tells
         return measured.get("cpu_steps_at_opt_step")
     return "as an earlier run measured" if predicted.get("cpu_steps_at_opt_step") else None
+
+
+def _reserved_overrun(entry: dict | None) -> tuple[int, int, int] | None:
+    """``(measured reserved peak, predicted, measured reserved-but-free bytes)`` where the plan's
+    last run (profiling/step_meter.py: steps after the first, on CUDA) measured a reserved peak over
+    the prediction by more than :data:`RESERVED_TOLERANCE` with more reserved but free than the
+    plan budgeted (the allocator's doing, not a larger allocated peak); None otherwise."""
+    measured, predicted = (entry or {}).get("measured") or {}, (entry or {}).get("predicted") or {}
+    reserved, allocated = measured.get("peak_bytes"), measured.get("peak_allocated_bytes")
+    peak, peak_allocated = predicted.get("peak_bytes"), predicted.get("peak_allocated_bytes")
+    if not (reserved and allocated and peak and peak_allocated):
+        return None
+    if reserved > peak * (1 + RESERVED_TOLERANCE) and reserved - allocated > peak - peak_allocated:
+        return int(reserved), int(peak), int(reserved - allocated)
+    return None
+
+
+def allocator_gap(entry: dict | None) -> int:
+    """The reserved-but-free bytes the next plan of this graph budgets over its allocated peak: what
+    the last run measured where its reserved peak overran the prediction, or what the plan it ran
+    budgeted so already (``predicted["allocator_gap_bytes"]``), the larger; 0 where none was
+    measured (the allocator's constants then: machine/allocator.py)."""
+    over = _reserved_overrun(entry)
+    kept = ((entry or {}).get("predicted") or {}).get("allocator_gap_bytes") or 0
+    return max(int(kept), over[2] if over else 0)
 
 
 def save_entry(path: str, entry: dict) -> None:

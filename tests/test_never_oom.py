@@ -410,6 +410,81 @@ def test_fragmentation_calibrated_by_the_profiled_step():
     assert "budgeted at 1.02x allocated + 2.20 GiB" in text
 
 
+def _entry(reserved, allocated, peak, peak_allocated, kept=None):
+    predicted = dict(peak_bytes=peak, peak_allocated_bytes=peak_allocated)
+    if kept is not None:
+        predicted["allocator_gap_bytes"] = kept
+    measured = dict(iter_s=1.0, peak_bytes=reserved, peak_allocated_bytes=allocated)
+    return dict(predicted=predicted, measured=measured, knobs={}, failed_peaks=[])
+
+
+def test_a_reserved_peak_over_the_prediction_is_budgeted_as_measured():
+    """A run whose reserved peak overran the prediction with more reserved but free than budgeted
+    (the 1B shape at 16 GiB on the H200: 15.73 GiB reserved, 14.75 allocated, against 14.98
+    predicted at 1.02x allocated) is not served again; the next plan budgets the bytes measured,
+    and keeps them while its own runs stay within the prediction. A larger allocated peak (the
+    user's own tensors, say) is not the allocator's: served."""
+    gib = 2**30
+    over = _entry(15.73 * gib, 14.75 * gib, 14.98 * gib, 14.68 * gib)
+    entry, _, why = plan_cache_module.usable(over, 15 * gib)
+    assert entry is None and "the allocator kept 1003.52 MiB reserved but free" in why, why
+    assert plan_cache_module.allocator_gap(over) == int(0.98 * gib)
+    on = allocator.AllocatorState("native", True, True)
+    factor, extra = allocator.fragmentation(on, 1.01, gib, int(0.98 * gib))
+    assert (factor, extra) == (1.0, int(int(0.98 * gib) * allocator.MEASURED_GAP_MARGIN))
+    assert "allocated + 1.08 GiB (the reserved but free bytes a run" in allocator.describe(
+        on, (factor, extra)
+    )
+    assert allocator.fragmentation(allocator.CPU, None, 0, gib) is None
+    # the next plan (budgeted the gap) within its prediction: served, the gap kept
+    within = _entry(15.6 * gib, 14.6 * gib, 15.7 * gib, 14.6 * gib, kept=int(0.98 * gib))
+    assert plan_cache_module.usable(within, 16 * gib)[0] is within
+    assert plan_cache_module.allocator_gap(within) == int(0.98 * gib)
+    # reserved over the prediction because more was allocated, the gap as budgeted: served
+    user = _entry(16.0 * gib, 15.7 * gib, 15.0 * gib, 14.7 * gib)
+    assert plan_cache_module.usable(user, 16 * gib)[0] is user
+    assert plan_cache_module.allocator_gap(user) == 0
+
+
+def test_the_plan_after_an_allocator_overrun_budgets_it_and_is_then_served(monkeypatch, plan_cache):
+    """End to end through the plan cache (on the CPU, the allocator taken for CUDA's with expandable
+    segments): a cache entry whose run measured its reserved peak 10% over the prediction is
+    planned anew with the measured reserved-but-free bytes in its peak; the run after is served
+    that plan."""
+    real = allocator.fragmentation
+    on = allocator.AllocatorState("native", True, True)
+    monkeypatch.setattr(allocator, "fragmentation", lambda state, *a: real(on, *a))
+    data = random_batches(1, 2, 16, vocab=64)
+    budget = 3 * state_bytes(gpt())
+    model, opt, compiled = compiled_gpt(budget)
+    train(model, compiled, opt, data)
+    first = protrain_fx.get_plan(compiled).predicted
+    assert first["allocator_gap_bytes"] == 0
+    (path,) = plan_cache.glob("*.json")
+    entry = json.loads(path.read_text())
+    gap = int(0.1 * first["peak_bytes"]) + (first["peak_bytes"] - first["peak_allocated_bytes"])
+    entry["measured"] = dict(
+        iter_s=1.0,
+        peak_bytes=int(first["peak_bytes"] * 1.1),
+        peak_allocated_bytes=int(first["peak_bytes"] * 1.1) - gap,
+    )
+    path.write_text(json.dumps(entry))
+    torch._dynamo.reset()
+    model, opt, compiled = compiled_gpt(budget)
+    train(model, compiled, opt, data)
+    plan = protrain_fx.get_plan(compiled)
+    assert not plan.predicted["from_cache"]
+    assert any("reserved but free at the peak; planned anew" in n for n in plan.notes), plan.notes
+    assert plan.predicted["allocator_gap_bytes"] == gap
+    budgeted = plan.predicted["peak_bytes"] - plan.predicted["peak_allocated_bytes"]
+    assert abs(budgeted - gap * allocator.MEASURED_GAP_MARGIN) <= 1
+    torch._dynamo.reset()
+    model, opt, compiled = compiled_gpt(budget)
+    train(model, compiled, opt, data)
+    again = protrain_fx.get_plan(compiled).predicted
+    assert again["from_cache"] and again["peak_bytes"] == plan.predicted["peak_bytes"]
+
+
 def test_fixed_segments_model_against_the_h200_sweeps():
     """The fixed-segments rule replayed on every fixed-segments row the H200 sweeps measured (the
     plan that ran, its predicted allocated peak, its profiled step): the reserved peak within 10% of

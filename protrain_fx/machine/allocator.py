@@ -47,6 +47,13 @@ SEGMENT_FRAGMENTATION = 1.25
 SEGMENT_MARGIN = 1.02
 SEGMENT_BASE = 1.02
 ASYNC_FRAGMENTATION = 1.05  # cudaMallocAsync: the driver's pool, no fixed segments
+# where a plan's run measured its reserved peak over the prediction (plan_cache.allocator_gap), the
+# graph's next plan budgets allocated bytes plus the reserved-but-free bytes measured, with this
+# margin, in place of the factors above. With expandable segments the range keeps holes that later
+# requests do not fit: reserved minus allocated at the peak measured 0.03-1.56 GiB on the H200 rows
+# of 16-80 GiB (benchmarks/results/oom_sweep_h200_runs4to15.md), near 1 GiB, the size of the bf16
+# logits of a 128k vocabulary at 4 x 1024 tokens, in most: 1.02x allocated under-budgets tight caps
+MEASURED_GAP_MARGIN = 1.10
 
 
 @dataclass(frozen=True)
@@ -116,14 +123,21 @@ def prepare(device: torch.device) -> AllocatorState:
 
 
 def fragmentation(
-    state: AllocatorState, profiled_ratio: float | None = None, profiled_peak: int = 0
+    state: AllocatorState,
+    profiled_ratio: float | None = None,
+    profiled_peak: int = 0,
+    measured_gap: int = 0,
 ) -> tuple[float, int] | None:
     """What to budget for the allocator, as ``(factor, extra_bytes)``: reserved = allocated *
     factor + extra_bytes; None on the CPU (the cost model's own factor). ``profiled_ratio`` and
     ``profiled_peak``: what the profiled step measured (reserved over allocated peak, from an empty
-    cache, and its allocated peak), which calibrate fixed segments (see the constants)."""
+    cache, and its allocated peak), which calibrate fixed segments (see the constants);
+    ``measured_gap``: the reserved-but-free bytes a run of this graph measured at its peak where its
+    reserved peak overran the prediction (plan_cache.allocator_gap), budgeted in their place."""
     if state.backend == "cpu":
         return None
+    if measured_gap > 0:
+        return 1.0, int(measured_gap * MEASURED_GAP_MARGIN)
     if state.backend != "native":
         return ASYNC_FRAGMENTATION, 0
     if state.expandable:
@@ -142,9 +156,17 @@ def describe(state: AllocatorState, budgeted: tuple[float, int] | None = None) -
     if state.backend == "cpu":
         return "CPU (no caching allocator)"
     factor, extra = fragmentation(state) if budgeted is None else budgeted
-    how_much = f"reserved budgeted at {factor:.2f}x allocated" + (
-        f" + {extra / 2**30:.2f} GiB (the profiled step's reserved but free bytes)" if extra else ""
-    )
+    if factor == 1.0 and extra:  # fragmentation(measured_gap=...)
+        how_much = (
+            f"reserved budgeted at allocated + {extra / 2**30:.2f} GiB (the reserved but free "
+            f"bytes a run of this graph measured at its peak, +{MEASURED_GAP_MARGIN - 1:.0%})"
+        )
+    else:
+        how_much = f"reserved budgeted at {factor:.2f}x allocated" + (
+            f" + {extra / 2**30:.2f} GiB (the profiled step's reserved but free bytes)"
+            if extra
+            else ""
+        )
     if state.backend != "native":
         return f"{state.backend} ({how_much})"
     if state.expandable:
