@@ -477,7 +477,8 @@ def _compile(
         plan.notes.append(swap_note)
     plan.inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in live))
     if device is not None:  # knobs given by hand too: no fragmentation from protrain's buffers
-        plan.notes.append(f"allocator: {allocator.describe(allocator.prepare(device))}")
+        budgeted = (choice.predicted if choice is not None else {}).get("allocator")
+        plan.notes.append(f"allocator: {budgeted or allocator.describe(allocator.prepare(device))}")
     # the automatic plan checked the host's memory; knobs given by hand are checked here
     if choice is None:
         placement.check_host_memory(plan, opts, params, device)

@@ -476,6 +476,7 @@ def test_the_plan_after_an_allocator_overrun_budgets_it_and_is_then_served(monke
     assert not plan.predicted["from_cache"]
     assert any("reserved but free at the peak; planned anew" in n for n in plan.notes), plan.notes
     assert plan.predicted["allocator_gap_bytes"] == gap
+    assert f"allocator: {plan.predicted['allocator']}" in plan.notes  # what was budgeted, once
     budgeted = plan.predicted["peak_bytes"] - plan.predicted["peak_allocated_bytes"]
     assert abs(budgeted - gap * allocator.MEASURED_GAP_MARGIN) <= 1
     torch._dynamo.reset()
