@@ -154,13 +154,30 @@ def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):
     seen = step_rates._load(step_rates.path_of(profile))["copies"]
     assert len(seen) == 1
     assert seen[0]["params"] == (step_rates.AT_STEPS[0] - step_rates.FROM_STEP) * offloaded
-    assert 0 < seen[0]["s_per_param"] * seen[0]["params"] < handle.timers.cpu_in_backward_s
+    # the worker's seconds of steps 4 to 8 (its steps and the waits between them): part of all
+    seconds = seen[0]["s_per_param"] * seen[0]["params"]
+    assert 0 < seconds < handle.timers.span.total(len(losses))
     plan2, _, losses2 = train_gpt(2)
     assert plan2.predicted["breakdown"]["cpu_optim_s"] == pytest.approx(
         offloaded * seen[0]["s_per_param"], rel=1e-9
     )
     assert "as measured inside backward on this machine" in plan2.summary()
     assert losses2 == losses[:2]
+
+
+def test_the_worker_span_counts_the_waits_between_steps_unless_it_waited_on_the_device():
+    """A backward whose worker was busy most of its span (CPU-bound) counts the span, the waits
+    between its steps included; one whose worker mostly waited (for the device's gradients) counts
+    its steps alone; a step's span is complete once the next optimizer step begins."""
+    span = step_rates.WorkerSpan()
+    for start, end in ((0.0, 1.0), (1.1, 2.0), (2.05, 3.0)):  # busy 2.85 s of a 3 s span
+        span.mark(0, start, end)
+    assert span.total(0) == 0.0 and span.total(1) == pytest.approx(3.0)
+    for start, end in ((10.0, 10.5), (12.0, 12.5)):  # busy 1 s of a 2.5 s span: waited
+        span.mark(1, start, end)
+    assert span.total(2) == pytest.approx(4.0)
+    span.mark(2, 20.0, 20.2)  # one step: its span is itself
+    assert span.total(2) == pytest.approx(4.0) and span.total(3) == pytest.approx(4.2)
 
 
 def test_a_loop_that_clips_is_planned_with_its_cpu_steps_after_backward(own_cache, monkeypatch):

@@ -8,7 +8,8 @@ more than of the model, and it varies more between hosts of one kind than a cons
 hosts: 1.12-1.33x over eight plans of runs 4-7, 1.30-1.40x on the host of
 benchmarks/results/oom_sweep_h200_run13b.md). So the runtime measures it: between optimizer steps
 :data:`FROM_STEP` and each of :data:`AT_STEPS`, the host worker's seconds per parameter stepped on
-the CPU inside backward (runtime/hybrid_optim.py) are recorded here, per kind (``copies``: the
+the CPU inside backward, its waits between the steps included (:class:`WorkerSpan`;
+runtime/hybrid_optim.py), are recorded here, per kind (``copies``: the
 kernel also writes the bf16 transfer copy; ``masters``: it does not), and the next plans on this
 machine price the CPU step at the median of the last :data:`KEEP` observations of their kind
 (``plan.profiles.Hardware.cpu_s_per_param``). The file sits next to the hardware profile
@@ -31,7 +32,39 @@ FROM_STEP = 3  # optimizer steps before measuring (the first ones step at opt.st
 AT_STEPS = (8, 20)  # the steps at which an observation is recorded
 KEEP = 8  # observations kept per kind
 KINDS = ("copies", "masters")
+SPANS = "waits_included"  # observations of WorkerSpan (older files counted the steps alone)
 DEVICES = ("cuda",)  # device types whose runs record and whose plans read (tests add "cpu")
+
+
+class WorkerSpan:
+    """The host worker's wall time from its first CPU step inside a backward to its last, summed
+    over optimizer steps: the steps and the waits between them (a chunk's gradient still on its
+    way down, folding it), which a CPU-bound backward takes beyond its first gradient. The steps
+    alone missed 20-110 ms a step of that on the H200 (benchmarks/results/oom_sweep_h200_run17.md:
+    backward outlasted the worker's steps by 43-165 ms where the first gradient came after
+    16-66 ms), and plans priced by them ran up to 11% over. A backward whose worker was busy less
+    than :data:`BUSY_SHARE` of its span waited on the device, not on itself: its steps alone count.
+    Marked from the worker thread; read on the main thread after the worker is done."""
+
+    BUSY_SHARE = 0.85
+
+    def __init__(self):
+        self.cycle, self.start, self.end, self.busy, self.done_s = -1, 0.0, 0.0, 0.0, 0.0
+
+    def mark(self, cycle: int, start: float, end: float) -> None:
+        """One CPU step inside backward of optimizer step ``cycle``, from ``start`` to ``end``."""
+        if cycle != self.cycle:
+            self.done_s += self._seconds()
+            self.cycle, self.start, self.busy = cycle, start, 0.0
+        self.end, self.busy = end, self.busy + (end - start)
+
+    def _seconds(self) -> float:
+        span = self.end - self.start
+        return span if self.busy >= self.BUSY_SHARE * span else self.busy
+
+    def total(self, cycle: int) -> float:
+        """Seconds of the optimizer steps before ``cycle``."""
+        return self.done_s + (self._seconds() if self.cycle < cycle else 0.0)
 
 
 def path_of(profile: HardwareProfile) -> str:
@@ -53,7 +86,7 @@ def read(profile: HardwareProfile, device_type: str) -> dict[str, float]:
     if device_type not in DEVICES:
         return {}
     data = _load(path_of(profile))
-    if data.get("measured_at") != profile.measured_at:
+    if data.get("measured_at") != profile.measured_at or not data.get(SPANS):
         return {}
     out = {}
     for kind in KINDS:
@@ -70,10 +103,11 @@ def record(profile: HardwareProfile, kind: str, seconds: float, params: int) -> 
         return
     path = path_of(profile)
     data = _load(path)
-    if data.get("measured_at") != profile.measured_at:
+    if data.get("measured_at") != profile.measured_at or not data.get(SPANS):
         data = {
             "measured_at": profile.measured_at,
             "alone_params_per_s": profile.cpu_adam_params_per_s,
+            SPANS: True,
         }
     data[kind] = (data.get(kind, []) + [{"s_per_param": seconds / params, "params": params}])[
         -KEEP:

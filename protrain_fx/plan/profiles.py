@@ -36,14 +36,15 @@ COLLECTIVE_CONTENTION = 0.24
 
 # host memory's bandwidth bounds the CPU step inside backward: the kernel reads master, fp32
 # gradient and two moments and writes three (28 bytes; 30 with the bf16 transfer copy), and
-# backward's own copies go through host memory meanwhile. Over 13 rows of the never-OOM sweep on
-# four H200 hosts (triad 98-127 GB/s), the triad over the rate the host worker reached inside
-# backward was 31.0-34.3 bytes per parameter with transfer copies (10 rows, median 32.7) and
-# 26.0-32.6 without (3 rows, median 27.9) (benchmarks/results/oom_sweep_h200_run13a/b.md,
-# run14.md, run15.md): so these bytes at the triad price the step before steps on the machine
-# measured it
+# backward's own copies go through host memory meanwhile. The triad over the rate the host worker
+# reaches inside backward, its waits between chunk steps included (machine/step_rates.WorkerSpan),
+# was 29.9-34.1 bytes per parameter without transfer copies over 25 rows of the never-OOM sweep on
+# four H200 hosts (triad 116-137 GB/s; median 32.5; benchmarks/results/oom_sweep_h200_run16-18.md,
+# the span taken as backward less the predicted wait for the first gradient); with copies it was
+# 1.17x that where both kinds were measured on the steps alone (13 rows of runs 13-15, medians 32.7
+# and 27.9): so these bytes at the triad price the step before steps on the machine measured it
 def in_step_host_bytes(transfer_copies: bool) -> int:
-    return 33 if transfer_copies else 28
+    return 37 if transfer_copies else 32
 
 
 # fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes

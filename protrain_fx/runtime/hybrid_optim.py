@@ -44,7 +44,7 @@ import threading
 import time
 import types
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,6 +104,7 @@ class Timers:
     # of those, the steps that ran on the CPU (not queued for the device): what the CPU rate is
     cpu_in_backward_s: float = 0.0
     cpu_in_backward_params: int = 0
+    span: step_rates.WorkerSpan = field(default_factory=step_rates.WorkerSpan)  # and waits between
     step_wait_s: float = 0.0  # opt.step() waiting for the worker
     deferred_step_s: float = 0.0  # CPU steps run inside opt.step()
     in_backward_steps: int = 0
@@ -123,10 +124,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         if type(opt) not in SUPPORTED:
             raise ProtrainError(
                 "protrain can take over torch.optim.Adam or torch.optim.AdamW only, got "
-                f"{type(opt).__name__}; "
-                "leave options['optimizer'] unset and your optimizer steps offloaded parameters "
-                "through device "
-                "views of host memory (exact, slower)"
+                f"{type(opt).__name__}; leave options['optimizer'] unset and your optimizer steps "
+                "offloaded parameters through device views of host memory (exact, slower)"
             )
         for g in opt.param_groups:
             for flag in ("capturable", "differentiable"):
@@ -327,15 +326,16 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         if t.device_step_params == on_device:  # stepped on the CPU
             t.cpu_in_backward_s += dt
             t.cpu_in_backward_params += st.exp_avg.numel()
+            t.span.mark(self.cycles, t0, t0 + dt)
 
     def _observe_cpu_rate(self) -> None:
-        """The CPU steps' seconds per parameter inside backward from optimizer step FROM_STEP to
-        each of AT_STEPS, recorded for the next plans on this machine (machine/step_rates.py);
-        not where chunks step on the device (the worker then also waits for the link)."""
+        """The CPU steps' seconds per parameter inside backward (the waits between them included:
+        step_rates.WorkerSpan) from optimizer step FROM_STEP to each of AT_STEPS, recorded for the
+        next plans on this machine; not where chunks step on the device (waits for the link)."""
         if any(s.device_step_chunks for s in self.stores):
             return
         t, kinds = self.timers, {s.transfer_copies for s in self.stores}
-        now = (t.cpu_in_backward_s, t.cpu_in_backward_params)
+        now = (t.span.total(self.cycles), t.cpu_in_backward_params)
         if self.cycles == step_rates.FROM_STEP:
             self._rate_from = now
         elif self.cycles in step_rates.AT_STEPS and self._rate_from and len(kinds) == 1:
