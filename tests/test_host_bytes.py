@@ -91,7 +91,10 @@ def test_the_automatic_plan_drops_transfer_copies_the_host_cannot_hold(monkeypat
     """Under bf16 autocast a plan with host transfer copies needs 2 bytes more per offloaded
     parameter; with a host that holds the plan without them but not with them, the automatic plan
     keeps none (and says so), and predicts its host bytes exactly. Every chunk offloaded and no
-    block swapped (given), so that no other plan needs less host memory."""
+    block swapped (given), so that no other plan needs less host memory; the chunk size given, one
+    that holds the tied embedding (chosen by the machine's timings, a smaller one makes it an
+    oversized chunk, whose gradient's staging the plan budgets in the master dtype, at most: under
+    autocast it arrives in bf16, half that)."""
     from protrain_fx import autoplan
 
     def run(host_budget, **given):
@@ -101,7 +104,7 @@ def test_the_automatic_plan_drops_transfer_copies_the_host_cannot_hold(monkeypat
         model = hf_llama()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         options = {"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000}
-        options.update(n_persist=0, n_swap=0, **given)
+        options.update(n_persist=0, n_swap=0, chunk_size=1 << 19, **given)
         compiled = torch.compile(model, backend="protrain", options=options)
         for x, _ in random_batches(2, 2, 16, vocab=model.config.vocab_size):
             with torch.autocast("cpu", dtype=torch.bfloat16):
