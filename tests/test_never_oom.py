@@ -444,6 +444,11 @@ def test_a_reserved_peak_over_the_prediction_is_budgeted_as_measured():
     user = _entry(16.0 * gib, 15.7 * gib, 15.0 * gib, 14.7 * gib)
     assert plan_cache_module.usable(user, 16 * gib)[0] is user
     assert plan_cache_module.allocator_gap(user) == 0
+    # the process's peaks, far over this graph's plan (a block of a regional compilation, an
+    # evaluation graph beside the training one): its gap is not this plan's to budget
+    block = _entry(15.73 * gib, 14.75 * gib, 1.2 * gib, 1.1 * gib)
+    assert plan_cache_module.usable(block, 2 * gib)[0] is block
+    assert plan_cache_module.allocator_gap(block) == 0
 
 
 def test_the_plan_after_an_allocator_overrun_budgets_it_and_is_then_served(monkeypatch, plan_cache):
