@@ -87,32 +87,33 @@ def test_predicted_host_bytes_are_the_allocated_ones(overrides, budget):
     assert pinned.held_bytes()[0] == before
 
 
+def train_under_autocast(model, **options):
+    """Two steps of ``model`` under bf16 autocast with protrain (a 3 MB budget and ``options``):
+    ``(plan, allocated_host_bytes)``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = dict(compiler="eager", optimizer=opt, memory_budget=3_000_000, **options)
+    compiled = torch.compile(model, backend="protrain", options=options)
+    for x, _ in random_batches(2, 2, 16, vocab=model.config.vocab_size):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = hf_loss(compiled, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return protrain_fx.get_plan(compiled), allocated_host_bytes(model, opt)
+
+
 def test_the_automatic_plan_drops_transfer_copies_the_host_cannot_hold(monkeypatch):
     """Under bf16 autocast a plan with host transfer copies needs 2 bytes more per offloaded
     parameter; with a host that holds the plan without them but not with them, the automatic plan
     keeps none (and says so), and predicts its host bytes exactly. Every chunk offloaded and no
-    block swapped (given), so that no other plan needs less host memory; the chunk size given, one
-    that holds the tied embedding (chosen by the machine's timings, a smaller one makes it an
-    oversized chunk, whose gradient's staging the plan budgets in the master dtype, at most: under
-    autocast it arrives in bf16, half that)."""
+    block swapped (given), so that no other plan needs less host memory."""
     from protrain_fx import autoplan
 
     def run(host_budget, **given):
         if host_budget is not None:
             monkeypatch.setattr(autoplan, "_pinnable_host", lambda *a, **k: host_budget)
         torch._dynamo.reset()
-        model = hf_llama()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        options = {"compiler": "eager", "optimizer": opt, "memory_budget": 3_000_000}
-        options.update(n_persist=0, n_swap=0, chunk_size=1 << 19, **given)
-        compiled = torch.compile(model, backend="protrain", options=options)
-        for x, _ in random_batches(2, 2, 16, vocab=model.config.vocab_size):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = hf_loss(compiled, x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-        return protrain_fx.get_plan(compiled), allocated_host_bytes(model, opt)
+        return train_under_autocast(hf_llama(), n_persist=0, n_swap=0, **given)
 
     plan, got = run(None, transfer_copies=True)  # given: the copies' host bytes
     assert plan.transfer_copies and got.get("transfer"), got
@@ -122,6 +123,20 @@ def test_the_automatic_plan_drops_transfer_copies_the_host_cannot_hold(monkeypat
     assert not plan.transfer_copies and not got.get("transfer"), got
     assert any("no plan with host transfer copies" in n for n in plan.notes), plan.notes
     assert sum(got.values()) == plan.predicted["host_bytes"] < copies
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_oversized_gradient_staged_in_bf16_under_autocast_is_predicted_exactly(tied):
+    """A chunk size under the embedding's makes it (and an untied head) an oversized chunk, whose
+    gradient goes to the host as autograd made it: under bf16 autocast the head's in bf16, staged
+    so; an untied embedding's as its rows (no staging). The plan prices the staging as the profiled
+    step saw it, so its host bytes are the allocated ones (priced in the master dtype, the tied
+    model's were 256 KiB over)."""
+    plan, got = train_under_autocast(
+        hf_llama(tie_word_embeddings=tied), n_persist=0, chunk_size=1 << 17
+    )
+    assert plan.chunk_size == 1 << 17 and got.get("oversized staging"), got
+    assert sum(got.values()) == plan.predicted["host_bytes"], (got, plan.predicted["host_bytes"])
 
 
 def test_a_low_precision_gradient_is_added_without_a_host_copy_of_its_size():

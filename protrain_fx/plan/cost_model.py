@@ -134,21 +134,21 @@ class _ProfileArrays:
         # (protrain_fx/runtime/chunk_store.py); the gradient buffers likewise for the chunks whose
         # gradients are packed (grad_numel)
         self.buffer_numel, self.grad_numel = [0] * (n + 1), [0] * (n + 1)
-        # the host staging of oversized chunks' gradients, per size, in the master dtype (at most)
+        # the host staging of oversized chunks' gradients, per size and dtype
         self.oversized_staging = [0] * (n + 1)
         largest_in: dict[int, int] = {}
         packed_in: dict[int, int] = {}
-        oversized: set[int] = set()
+        oversized: set[tuple[int, int]] = set()
         for c in range(n - 1, -1, -1):
             g = chunks[c].group
             largest_in[g] = max(largest_in.get(g, 0), chunks[c].numel)
             if not self.as_is[c]:
                 packed_in[g] = max(packed_in.get(g, 0), chunks[c].numel)
-            else:
-                oversized.add(chunks[c].numel)
+            else:  # in the dtype the profiled step's gradient came in, else the master's (at most)
+                oversized.add((chunks[c].numel, me if (e := chunks[c].grad_elem) is None else e))
             self.buffer_numel[c] = sum({max(capacity, v) for v in largest_in.values()})
             self.grad_numel[c] = sum({max(capacity, v) for v in packed_in.values()})
-            self.oversized_staging[c] = N_OVERSIZED_STAGING * sum(oversized) * me
+            self.oversized_staging[c] = N_OVERSIZED_STAGING * sum(k * e for k, e in oversized)
         self.hw, self.prof = hw, prof
         # CPU seconds per offloaded parameter's Adam step inside a training step (this rank's share)
         self.cpu_per_param = hw.cpu_s_per_param(prof.transfer_copies)

@@ -90,6 +90,9 @@ class ChunkProfile:
     # the chunk store that holds it: one per region of a graph compiled in regions
     # (protrain_fx/graph/regions.py), all 0 for a whole graph
     group: int = 0
+    # an oversized chunk's gradient staging: bytes per element as the profiled step sent it, 0 for
+    # none (StepProfile.oversized_grad_elem); None: the master dtype's (not seen: at most that)
+    grad_elem: int | None = None
 
 
 @dataclass(frozen=True)

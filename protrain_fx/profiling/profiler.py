@@ -82,6 +82,10 @@ class StepProfile:
     tail_bytes: int = 0
     # the part of nonblock_bwd_s before the blocks' backward (block_timer: "head_bwd_ms")
     head_bwd_s: float = 0.0
+    # parameter -> bytes per element of the dense gradient its oversized chunk sent to the host as
+    # autograd made it (bf16 under autocast: its staging's), 0 where none came (an embedding's
+    # rows only); a parameter missing was not oversized here (priced in the master dtype)
+    oversized_grad_elem: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -366,6 +370,9 @@ def graph_profile(
         row[0] += blocks[b].fwd_s * share
         row[1] += blocks[b].bwd_s * share
         row[2].add(b)
+    fqns: dict[int, list[str]] = {}
+    for s in layout.slots:
+        fqns.setdefault(s.chunk, []).append(s.fqn)
     chunks = tuple(
         ChunkProfile(
             numel=(layout.used_bytes(c) + master_elem - 1) // master_elem,
@@ -373,6 +380,9 @@ def graph_profile(
             bwd_s=b,
             blocks=tuple(sorted(bl)),
             group=chunk_group.get(c, 0),
+            grad_elem=(
+                step.oversized_grad_elem.get(fqns[c][0]) if len(fqns.get(c, ())) == 1 else None
+            ),
         )
         for c, (f, b, bl) in enumerate(per_chunk)
     )

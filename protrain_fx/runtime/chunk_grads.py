@@ -239,7 +239,10 @@ class ChunkGrads:
         accumulator on the host worker. With ``rows`` the chunk's one parameter is an embedding
         table whose gradient is ``grads`` (a dense part, or none) plus ``rows[k]`` in its row
         ``indices[k]`` (passes/sparse_embedding_grads.py): the rows go to the host and are added
-        there (:meth:`_rows_to_host`). While profiling, gradients are dropped."""
+        there (:meth:`_rows_to_host`). While profiling, gradients are dropped (an oversized one's
+        dtype noted first: what its staging will hold, profiling/frugal.py)."""
+        if grads and self.grad_goes_as_is(chunk):
+            self.as_is_grad_elem[chunk] = grads[0].element_size()
         if self.profiling:
             return
         record = step_redo.first_time((self.id, chunk, tuple(members)))
