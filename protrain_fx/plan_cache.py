@@ -214,10 +214,9 @@ def _reserved_overrun(entry: dict | None) -> tuple[int, int, int] | None:
     peak, peak_allocated = predicted.get("peak_bytes"), predicted.get("peak_allocated_bytes")
     if not (reserved and allocated and peak and peak_allocated):
         return None
+    # the process held more than this plan (other graphs, regional blocks, the user's tensors)
     if allocated > peak_allocated * (1 + ALLOCATED_TOLERANCE):
-        return (
-            None  # the process held more than this plan (other graphs, regional blocks, the user)
-        )
+        return None
     if reserved > peak * (1 + RESERVED_TOLERANCE) and reserved - allocated > peak - peak_allocated:
         return int(reserved), int(peak), int(reserved - allocated)
     return None

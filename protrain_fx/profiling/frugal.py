@@ -106,12 +106,7 @@ def profile_frugal(
     try:
         with prog.phase("profiling", "profiling one step (1 + 2 runs)"):
             step = profile_step(compiled, list(example_inputs), stores, n_profiled, device)
-        grad_elem = {  # what oversized chunks' gradients came in (their staging's dtype)
-            s.entries[s._chunk_entries[c][0]].fqn: s.as_is_grad_elem.get(c, 0)
-            for s in stores
-            for c in s.offloaded_chunks
-            if s.grad_goes_as_is(c)
-        }
+        grad_elem = {k: v for s in stores for k, v in s.oversized_grad_elems().items()}
     except torch.OutOfMemoryError as e:
         factor, extra = allocator.fragmentation(alloc) or (1.0, 0)
         least = int(oom_need_bytes(e, device) * factor + extra)

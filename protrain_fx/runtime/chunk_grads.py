@@ -225,6 +225,15 @@ class ChunkGrads:
             and len(self._chunk_entries[chunk]) == 1
         )
 
+    def oversized_grad_elems(self) -> dict[str, int]:
+        """Parameter -> bytes per element of the gradient its oversized offloaded chunk sent while
+        profiling (what its host staging holds; 0: none came, an embedding's rows only)."""
+        return {
+            self.entries[self._chunk_entries[c][0]].fqn: self.as_is_grad_elem.get(c, 0)
+            for c in self.offloaded_chunks
+            if self.grad_goes_as_is(c)
+        }
+
     def grad_ready(
         self,
         chunk: int,
@@ -241,9 +250,9 @@ class ChunkGrads:
         ``indices[k]`` (passes/sparse_embedding_grads.py): the rows go to the host and are added
         there (:meth:`_rows_to_host`). While profiling, gradients are dropped (an oversized one's
         dtype noted first: what its staging will hold, profiling/frugal.py)."""
-        if grads and self.grad_goes_as_is(chunk):
-            self.as_is_grad_elem[chunk] = grads[0].element_size()
         if self.profiling:
+            if grads and self.grad_goes_as_is(chunk):
+                self.as_is_grad_elem[chunk] = grads[0].element_size()
             return
         record = step_redo.first_time((self.id, chunk, tuple(members)))
         if record is None:  # a redone backward: handed over before it ran out
