@@ -20,8 +20,8 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   (:data:`COLLECTIVE_CONTENTION`).
 * ``T_cpu_done``: when the host worker's last CPU Adam step ends, a two-stage pipeline: each
   offloaded chunk's step (its parameters at the rate earlier steps on this machine measured inside
-  backward, machine/step_rates.py; before any, the slower of the alone rate times
-  ``Hardware.cpu_contention`` and the host triad bandwidth over ``in_step_host_bytes``) starts
+  backward, machine/step_rates.py; before any, a prior from the triad and the alone rate:
+  ``Hardware._in_step``) starts
   once its gradient is on the host (after the backward of the code after the blocks, ``head_bwd_s``,
   of the chunks backward reaches before it and of its own, and its copy down) and the step before
   it is done; all after backward where the loop clips (``Hardware.steps_at_opt_step``).

@@ -47,6 +47,18 @@ def in_step_host_bytes(transfer_copies: bool) -> int:
     return 37 if transfer_copies else 32
 
 
+# ... and the same rate from the kernel's own rate alone (the hardware profile's): the span inside
+# backward was the alone rate / 1.45-1.65 without transfer copies (28 rows, runs 16-19) and / 1.18-
+# 1.37 with them (6 rows, runs 15 and 19). The triad alone misjudged one host of five: run 19's
+# measured 80.7 GB/s (the others 98-137) while its kernel reached the alone and in-step rates of the
+# others (in-step 3.8-4.3 G params/s, the triad's price 2.5: steps 26% slower predicted than run).
+# Before steps measured it, the in-step rate is the faster of the two (each can only be misjudged
+# low: a triad or a kernel run disturbed), no faster than the alone rate / ``CPU_CONTENTION``:
+# within 10% of the span on all 35 rows of runs 15-19, 19 within 5%
+def in_step_alone_slowdown(transfer_copies: bool) -> float:
+    return 1.30 if transfer_copies else 1.55
+
+
 # fused AdamW moves 28 bytes per fp32 parameter (reads parameter, gradient, two moments; writes
 # three), so the device's Adam rate times this is the memory bandwidth its streaming kernels get
 # (H200: ~3.4 TB/s), the rate of the dtype casts below
@@ -209,8 +221,9 @@ class Hardware:
         ``cpu_contention``; inside backward, as measured for this kind on this machine; else the
         other kind's measurement carried over by the host memory bytes each moves (inside a step
         host memory bounds both: benchmarks/results/oom_sweep_h200_run14.md), no faster than the
-        alone rate allows; else the larger of the alone rate times ``cpu_contention`` and the
-        host's bandwidth bound (``memory_s_per_param``)."""
+        alone rate allows; else the faster of the host's bandwidth bound (``memory_s_per_param``)
+        and the alone rate slowed as inside backward (``in_step_alone_slowdown``), no faster than
+        the alone rate times ``cpu_contention``."""
         alone = self._alone_s_per_param(transfer_copies)
         priced = self.cpu_contention * alone
         if self.steps_at_opt_step:
@@ -222,8 +235,16 @@ class Hardware:
             if other * ratio >= priced:
                 return other * ratio, "as the other kind measured inside backward on this machine"
         # ranks on one host step their shares at once: host memory's bandwidth is shared by them
-        if (memory := self.memory_s_per_param(transfer_copies) * self.world_size) > priced:
-            return memory, f"host memory's bandwidth inside backward over {self.world_size} rank(s)"
+        ranks = self.world_size
+        by_kernel = alone * in_step_alone_slowdown(transfer_copies) * ranks
+        memory = self.memory_s_per_param(transfer_copies) * ranks
+        if memory and (memory < by_kernel or not by_kernel):
+            if memory > priced:
+                return memory, f"host memory's bandwidth inside backward over {ranks} rank(s)"
+            return priced, f"the alone rate / {self.cpu_contention:g}"
+        if by_kernel > priced:
+            slowdown = in_step_alone_slowdown(transfer_copies)
+            return by_kernel, f"the alone rate / {slowdown:g} inside backward over {ranks} rank(s)"
         return priced, f"the alone rate / {self.cpu_contention:g}"
 
     def memory_s_per_param(self, transfer_copies: bool = True) -> float:
