@@ -14,6 +14,12 @@ shift 2
 dir=/tmp/$name
 if [ "${1:-}" = "--" ]; then
   shift
+  # one daemon at a time: a second would share the GPU and the host with the first's measurements
+  for other in /tmp/*/pid; do
+    if [ -f "$other" ] && kill -0 "$(cat "$other")" 2>/dev/null; then
+      echo "a daemon is running ($other: pid $(cat "$other")); not starting another" && exit 1
+    fi
+  done
   if [ ! -x /tmp/venv/bin/python ]; then
     python3 -m venv /tmp/venv &&
       python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
