@@ -233,3 +233,72 @@ def test_a_loop_that_clips_is_planned_with_its_cpu_steps_after_backward(own_cach
         "CPU steps after backward, but the training loop ran them beside it" in n
         for n in fifth.notes
     )
+
+
+def test_a_busy_plans_steps_record_how_much_slower_its_compute_ran_and_later_plans_price_it(
+    own_cache,
+):
+    """Where a plan keeps the device busy (its CPU steps hidden in backward), the measured step
+    less the device optimizer over the profiled forward and backward is the compute's slowdown under
+    sustained load: the step meter records it once per plan, and later plans on the machine price
+    it in place of the hardware profile's probe. A plan whose CPU steps or first gradient take most
+    of backward says nothing about the clock."""
+    import time
+    import types
+
+    from protrain_fx.plan.profiles import Hardware
+    from protrain_fx.profiling import step_meter
+
+    busy = {
+        "breakdown": {
+            "fwd_s": 0.1,
+            "bwd_s": 0.2,
+            "cpu_optim_s": 0.1,
+            "first_grad_s": 0.02,
+            "gpu_optim_s": 0.01,
+            "clock_slowdown": 1.02,
+            "device_step_share": 0.0,
+        }
+    }
+    assert step_rates.compute_slowdown(busy, 0.34) == pytest.approx(0.33 / (0.3 / 1.02))
+    assert step_rates.compute_slowdown(busy, 10.0) == step_rates.COMPUTE_RANGE[1]
+    assert step_rates.compute_slowdown(busy, 0.1) == step_rates.COMPUTE_RANGE[0]
+    cpu_bound = {"breakdown": dict(busy["breakdown"], cpu_optim_s=0.2)}
+    assert step_rates.compute_slowdown(cpu_bound, 0.34) is None
+    streamed = {"breakdown": dict(busy["breakdown"], device_step_share=0.3)}
+    assert step_rates.compute_slowdown(streamed, 0.34) is None
+    assert step_rates.compute_slowdown({}, 0.34) is None
+
+    profile = measure.hardware_profile("cpu")
+    before = Hardware.of(profile, step_rates.read(profile, "cpu"))
+    assert before.sustained_slowdown == profile.gpu_sustained_slowdown
+    # a plan predicted 4 ms of compute a step whose steps take at least 5 ms
+    b = dict(busy["breakdown"], fwd_s=0.001, bwd_s=0.003, cpu_optim_s=0.0, first_grad_s=0.0)
+    b["gpu_optim_s"] = 0.0
+    plan = types.SimpleNamespace(
+        predicted={"breakdown": dict(b, clock_slowdown=1.0)},
+        profiling=False,
+        inference=False,
+        profile_blocks=False,
+        graph_name="g",
+        measured=None,
+    )
+    meter = step_meter.StepMeter(plan, torch.device("cpu"))
+    run = meter.wrap(lambda: time.sleep(0.005))
+    for _ in range(step_meter.SKIP + step_rates.COMPUTE_INTERVALS + 5):
+        run()
+    seen = step_rates._load(step_rates.path_of(profile))[step_rates.COMPUTE]
+    assert len(seen) == 1  # once per plan
+    slowdown = step_rates.read(profile, "cpu")[step_rates.COMPUTE]
+    assert 1.2 <= slowdown <= step_rates.COMPUTE_RANGE[1]
+    assert plan.measured["iter_s"] >= 0.005
+    after = Hardware.of(profile, step_rates.read(profile, "cpu"))
+    assert after.sustained_slowdown == slowdown
+    # the profiling plan's steps and an evaluation graph's say nothing
+    for kind in ("profiling", "inference"):
+        other = types.SimpleNamespace(**dict(vars(plan), measured=None, **{kind: True}))
+        meter = step_meter.StepMeter(other, torch.device("cpu"))
+        run = meter.wrap(lambda: time.sleep(0.002))
+        for _ in range(step_meter.SKIP + step_rates.COMPUTE_INTERVALS + 1):
+            run()
+    assert len(step_rates._load(step_rates.path_of(profile))[step_rates.COMPUTE]) == 1

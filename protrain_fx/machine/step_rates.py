@@ -16,6 +16,15 @@ machine price the CPU step at the median of the last :data:`KEEP` observations o
 (``<profile>.steps.json``); an observation belongs to the profile measured at the time, so a
 re-measured profile starts over. Recorded and used for CUDA devices only (:data:`DEVICES`): on the
 CPU the optimizer shares the cores that compute, which the cost model prices otherwise.
+
+The same file keeps how much slower than profiled forward and backward ran in the steps of a plan
+that keeps the device busy (:func:`compute_slowdown`, observed by profiling/step_meter.py): blocks
+are profiled in short runs, at the boost clock, and a busy step holds the board at its power limit.
+The hardware profile's probe (dense products kept back to back) reads 1.01-1.06x on the H200, where
+the model's steps ran 1.07-1.20x with the SM clock 7-15% low (products run near 1500 MHz even
+below the limit: benchmarks/results/power_probe_h200.md, oom_sweep_h200_runs4to20.md); later plans
+on the machine price the median observation in place of the probe's
+(``plan.profiles.Hardware.sustained_slowdown``).
 """
 
 from __future__ import annotations
@@ -34,6 +43,11 @@ KEEP = 8  # observations kept per kind
 KINDS = ("copies", "masters")
 SPANS = "waits_included"  # observations of WorkerSpan (older files counted the steps alone)
 DEVICES = ("cuda",)  # device types whose runs record and whose plans read (tests add "cpu")
+COMPUTE = "compute"  # observations of compute_slowdown
+# a plan keeps the device busy where its first gradient and CPU steps fit in this share of backward
+COMPUTE_HIDDEN = 0.8
+COMPUTE_INTERVALS = 16  # measured steps before the observation
+COMPUTE_RANGE = (1.0, 1.5)  # an observation is clamped into it
 
 
 class WorkerSpan:
@@ -93,14 +107,12 @@ def read(profile: HardwareProfile, device_type: str) -> dict[str, float]:
         seen = [float(x["s_per_param"]) for x in data.get(kind, []) if x.get("s_per_param", 0) > 0]
         if seen:
             out[kind] = statistics.median(seen)
+    if seen := [float(x["slowdown"]) for x in data.get(COMPUTE, []) if x.get("slowdown", 0) > 0]:
+        out[COMPUTE] = statistics.median(seen)
     return out
 
 
-def record(profile: HardwareProfile, kind: str, seconds: float, params: int) -> None:
-    """Add one observation: ``params`` parameters stepped in ``seconds`` of the worker inside
-    backward (a folder that cannot be written is a warning: the plans keep the constant)."""
-    if kind not in KINDS or params <= 0 or not seconds > 0:
-        return
+def _append(profile: HardwareProfile, key: str, entry: dict) -> None:
     path = path_of(profile)
     data = _load(path)
     if data.get("measured_at") != profile.measured_at or not data.get(SPANS):
@@ -109,10 +121,16 @@ def record(profile: HardwareProfile, kind: str, seconds: float, params: int) -> 
             "alone_params_per_s": profile.cpu_adam_params_per_s,
             SPANS: True,
         }
-    data[kind] = (data.get(kind, []) + [{"s_per_param": seconds / params, "params": params}])[
-        -KEEP:
-    ]
-    write_json(path, data, "the CPU optimizer's rate")
+    data[key] = (data.get(key, []) + [entry])[-KEEP:]
+    write_json(path, data, "what training steps measured")
+
+
+def record(profile: HardwareProfile, kind: str, seconds: float, params: int) -> None:
+    """Add one observation: ``params`` parameters stepped in ``seconds`` of the worker inside
+    backward (a folder that cannot be written is a warning: the plans keep the constant)."""
+    if kind not in KINDS or params <= 0 or not seconds > 0:
+        return
+    _append(profile, kind, {"s_per_param": seconds / params, "params": params})
 
 
 def observe(device, copies: bool, now: tuple[float, int], then: tuple[float, int]) -> None:
@@ -132,4 +150,42 @@ def observe(device, copies: bool, now: tuple[float, int], then: tuple[float, int
         params / seconds / 1e9,
         kind,
         profile.cpu_adam_params_per_s / 1e9,
+    )
+
+
+def compute_slowdown(predicted: dict, iter_s: float) -> float | None:
+    """How much slower than profiled a plan's forward and backward ran, from its prediction and
+    its measured step (seconds between calls): the step less the device optimizer, over forward and
+    backward as profiled (the prediction's, less the clock slowdown it priced), in
+    :data:`COMPUTE_RANGE`. Only for a plan that keeps the device busy, where the step is forward and
+    backward: its first gradient and CPU steps within :data:`COMPUTE_HIDDEN` of backward, no device
+    steps, swaps or collectives exposed; None otherwise."""
+    b = (predicted or {}).get("breakdown") or {}
+    need = ("fwd_s", "bwd_s", "cpu_optim_s", "first_grad_s", "gpu_optim_s", "clock_slowdown")
+    if not all(isinstance(b.get(k), (int, float)) for k in need) or not iter_s > 0:
+        return None
+    if b.get("device_step_share") or b.get("swap_exposed_s") or b.get("allreduce_exposed_s"):
+        return None
+    if b["first_grad_s"] + b["cpu_optim_s"] > COMPUTE_HIDDEN * b["bwd_s"]:
+        return None
+    profiled = (b["fwd_s"] + b["bwd_s"]) / (b["clock_slowdown"] or 1.0)
+    if not profiled > 0:
+        return None
+    lo, hi = COMPUTE_RANGE
+    return min(hi, max(lo, (iter_s - b["gpu_optim_s"]) / profiled))
+
+
+def observe_compute(device, slowdown: float) -> None:
+    """The step meter's report of :func:`compute_slowdown`: recorded against the cached hardware
+    profile of ``device`` (nothing without one), with a line saying so."""
+    profile = cached(device) if device.type in DEVICES else None
+    if profile is None or not slowdown > 0:
+        return
+    _append(profile, COMPUTE, {"slowdown": slowdown})
+    log.info(
+        "protrain: forward and backward ran %.3fx their profiled time in a step that kept the "
+        "device busy (the clock under sustained load; the hardware profile's probe %.3fx): later "
+        "plans on this machine price it so",
+        slowdown,
+        profile.gpu_sustained_slowdown,
     )

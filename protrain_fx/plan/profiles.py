@@ -300,7 +300,8 @@ class Hardware:
             profile.duplex_bytes_per_s,
             profile.cpu_adam_params_per_s,
             profile.gpu_adam_params_per_s,
-            sustained_slowdown=profile.gpu_sustained_slowdown,
+            # as busy steps on the machine measured it, else as the probe did (step_rates.py)
+            sustained_slowdown=observed.get("compute") or profile.gpu_sustained_slowdown,
             observed_s_per_param_copies=observed.get("copies"),
             observed_s_per_param_masters=observed.get("masters"),
             cpu_adam_masters_params_per_s=profile.cpu_adam_masters_params_per_s,

@@ -9,7 +9,10 @@ the accumulation count) are skipped; the peak counters are reset at the first me
 ``PROTRAIN_PROFILE_BLOCKS=1`` the block marks of a recent step also give
 ``plan.measured["timeline"]`` (what :func:`protrain_fx.plot_memory` draws against the prediction).
 It also records when the user's optimizer stepped the offloaded chunks at ``opt.step()`` rather than
-inside backward (a loop that clips gradients): the plan was priced otherwise, the next is not.
+inside backward (a loop that clips gradients): the plan was priced otherwise, the next is not; and,
+once, how much slower than profiled forward and backward ran where the plan keeps the device busy
+(``machine.step_rates.compute_slowdown``: the clock under sustained load, for later plans on the
+machine).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 
 import torch
 
-from protrain_fx.machine import pinned
+from protrain_fx.machine import pinned, step_rates
 from protrain_fx.runtime import block_timer, hybrid_optim
 
 SKIP = 2  # calls before measuring
@@ -39,6 +42,7 @@ class StepMeter:
         self.flags: list = []  # (event, pinned finite flag, pinned loss) of recent calls on CUDA
         self.free_flags: list = []  # (flag, loss) pairs whose copies are done
         self.nonfinite = False
+        self.compute_observed = False
 
     def wrap(self, compiled):
         @functools.wraps(compiled)
@@ -167,3 +171,11 @@ class StepMeter:
         if handle is not None and handle.serial_why:
             measured["cpu_steps_at_opt_step"] = handle.serial_why
         self.plan.measured = measured
+        if not self.compute_observed and len(self.intervals) >= step_rates.COMPUTE_INTERVALS:
+            self.compute_observed = True
+            slowdown = None
+            busy_training = not (self.plan.profiling or self.plan.inference)
+            if "cpu_steps_at_opt_step" not in measured and busy_training:
+                slowdown = step_rates.compute_slowdown(self.plan.predicted, measured["iter_s"])
+            if slowdown is not None:
+                step_rates.observe_compute(self.device, slowdown)
