@@ -221,9 +221,10 @@ class Hardware:
         ``cpu_contention``; inside backward, as measured for this kind on this machine; else the
         other kind's measurement carried over by the host memory bytes each moves (inside a step
         host memory bounds both: benchmarks/results/oom_sweep_h200_run14.md), no faster than the
-        alone rate allows; else the faster of the host's bandwidth bound (``memory_s_per_param``)
-        and the alone rate slowed as inside backward (``in_step_alone_slowdown``), no faster than
-        the alone rate times ``cpu_contention``."""
+        alone rate allows; else, with the triad known, the faster of the host's bandwidth bound
+        (``memory_s_per_param``) and the alone rate slowed as inside backward
+        (``in_step_alone_slowdown``), no faster than the alone rate times ``cpu_contention``, which
+        is the price without a triad (a hand-made Hardware)."""
         alone = self._alone_s_per_param(transfer_copies)
         priced = self.cpu_contention * alone
         if self.steps_at_opt_step:
@@ -236,15 +237,15 @@ class Hardware:
                 return other * ratio, "as the other kind measured inside backward on this machine"
         # ranks on one host step their shares at once: host memory's bandwidth is shared by them
         ranks = self.world_size
-        by_kernel = alone * in_step_alone_slowdown(transfer_copies) * ranks
-        memory = self.memory_s_per_param(transfer_copies) * ranks
-        if memory and (memory < by_kernel or not by_kernel):
-            if memory > priced:
-                return memory, f"host memory's bandwidth inside backward over {ranks} rank(s)"
-            return priced, f"the alone rate / {self.cpu_contention:g}"
-        if by_kernel > priced:
+        if memory := self.memory_s_per_param(transfer_copies) * ranks:
             slowdown = in_step_alone_slowdown(transfer_copies)
-            return by_kernel, f"the alone rate / {slowdown:g} inside backward over {ranks} rank(s)"
+            by_kernel = alone * slowdown * ranks
+            if by_kernel and by_kernel < memory:  # the triad misjudged low: the kernel's own rate
+                if by_kernel > priced:
+                    where = f"the alone rate / {slowdown:g} inside backward over {ranks} rank(s)"
+                    return by_kernel, where
+            elif memory > priced:
+                return memory, f"host memory's bandwidth inside backward over {ranks} rank(s)"
         return priced, f"the alone rate / {self.cpu_contention:g}"
 
     def memory_s_per_param(self, transfer_copies: bool = True) -> float:
