@@ -48,13 +48,15 @@ def in_step_host_bytes(transfer_copies: bool) -> int:
 
 
 # ... and the same rate from the kernel's own rate alone (the hardware profile's): the span inside
-# backward was the alone rate / 1.45-1.65 without transfer copies (28 rows, runs 16-19) and / 1.18-
-# 1.37 with them (6 rows, runs 15 and 19). The triad alone misjudged one host of five: run 19's
+# backward was the alone rate / 1.38-1.69 without transfer copies (29 rows, runs 16-19, median 1.49)
+# and / 1.18-1.38 with them (8 rows, runs 15 and 19, median 1.34); the two divisors below minimize
+# the largest error of the rule that follows. The triad misjudged one host of five: run 19's
 # measured 80.7 GB/s (the others 98-137) while its kernel reached the alone and in-step rates of the
 # others (in-step 3.8-4.3 G params/s, the triad's price 2.5: steps 26% slower predicted than run).
 # Before steps measured it, the in-step rate is the faster of the two (each can only be misjudged
 # low: a triad or a kernel run disturbed), no faster than the alone rate / ``CPU_CONTENTION``:
-# within 10% of the span on all 35 rows of runs 15-19, 19 within 5%
+# within 10% of the span on all 37 rows of runs 15-19 (9.7% at most), 20 within 5% (the triad alone:
+# 25 and 12, 47% off at worst)
 def in_step_alone_slowdown(transfer_copies: bool) -> float:
     return 1.30 if transfer_copies else 1.55
 
