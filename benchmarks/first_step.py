@@ -114,7 +114,38 @@ def _profile_top(prof, n: int = 40) -> dict:
         best = sorted(stats.items(), key=lambda kv: -kv[1][index])[:n]
         return [[round(v[index], 3), v[1], where(k)] for k, v in best]
 
-    return {"cumulative": top(3), "own": top(2)}
+    # who calls the functions that took the warm H200 run's seconds (first_step_h200_pyprof.md:
+    # fake tensors made from real ones, 14-16 s over ~500 calls against ~1 ms each on the CPU;
+    # pinning; custom-op registration): their callers by cumulative time, three levels up
+    def callers(key, depth=3):
+        rows = sorted(stats[key][4].items(), key=lambda kv: -kv[1][3])[:6]
+        return [
+            [round(ct, 3), nc, where(k)] + ([callers(k, depth - 1)] if depth > 1 else [])
+            for k, (_, nc, _, ct) in rows
+            if k in stats
+        ]
+
+    # ... and what they call (where the seconds inside them go), two levels down
+    calls: dict = {}
+    for callee, (*_, by) in stats.items():
+        for caller, (_, nc, _, ct) in by.items():
+            calls.setdefault(caller, []).append((ct, nc, callee))
+
+    def callees(key, depth=2):
+        rows = sorted(calls.get(key, []), key=lambda r: -r[0])[:8]
+        return [
+            [round(ct, 3), nc, where(k)] + ([callees(k, depth - 1)] if depth > 1 else [])
+            for ct, nc, k in rows
+        ]
+
+    watched = ("from_real_tensor", "cudaHostRegister", "_register_to_dispatcher", "meta_tensor")
+    hot = [k for k in sorted(stats, key=lambda k: -stats[k][3]) if any(w in k[2] for w in watched)]
+    return {
+        "cumulative": top(3),
+        "own": top(2),
+        "callers": {where(k): callers(k) for k in hot},
+        "callees": {where(k): callees(k) for k in hot},
+    }
 
 
 def run_one(
@@ -260,7 +291,8 @@ def main() -> None:
         "--py-profile",
         action="store_true",
         help="run each process's build, compile and first step under cProfile and keep the top "
-        "functions by cumulative and own time in its row (py_profile)",
+        "functions by cumulative and own time in its row (py_profile), with the callers and "
+        "callees of fake-tensor conversion, host pinning and custom-op registration",
     )
     args = ap.parse_args()
     if args.run:
