@@ -241,13 +241,11 @@ class Hardware:
         ranks = self.world_size
         if memory := self.memory_s_per_param(transfer_copies) * ranks:
             slowdown = in_step_alone_slowdown(transfer_copies)
-            by_kernel = alone * slowdown * ranks
-            if by_kernel and by_kernel < memory:  # the triad misjudged low: the kernel's own rate
-                if by_kernel > priced:
-                    where = f"the alone rate / {slowdown:g} inside backward over {ranks} rank(s)"
-                    return by_kernel, where
-            elif memory > priced:
-                return memory, f"host memory's bandwidth inside backward over {ranks} rank(s)"
+            prior, where = memory, "host memory's bandwidth"
+            if 0 < alone * slowdown * ranks < memory:  # the triad misjudged low: the kernel's rate
+                prior, where = alone * slowdown * ranks, f"the alone rate / {slowdown:g}"
+            if prior > priced:
+                return prior, f"{where} inside backward over {ranks} rank(s)"
         return priced, f"the alone rate / {self.cpu_contention:g}"
 
     def memory_s_per_param(self, transfer_copies: bool = True) -> float:
