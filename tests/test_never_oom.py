@@ -451,6 +451,86 @@ def test_a_reserved_peak_over_the_prediction_is_budgeted_as_measured():
     assert plan_cache_module.allocator_gap(block) == 0
 
 
+def test_the_allocators_limit_during_a_plans_calls_is_the_budgets_and_is_set_back(monkeypatch):
+    """With expandable segments and an automatic budget, the allocator is held during a plan's
+    calls to the device memory the process may use less the reserve (the 3B shape at a 16 GiB cap
+    on the H200 grew reserved to 16.00 GiB over 14.66 allocated, into the reserve); set back after
+    the call, also when it raises; a lower limit of the caller's kept; none for fixed segments, the
+    CPU or a memory_budget given."""
+    gib, total = 2**30, 140 * 2**30
+    fraction = {"now": 16 / 140}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (100 * gib, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * gib)
+    monkeypatch.setattr(
+        torch.cuda, "get_per_process_memory_fraction", lambda d=None: fraction["now"]
+    )
+
+    def set_fraction(f, d=None):
+        fraction["now"] = f
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    dev = torch.device("cuda", 0)
+    on = allocator.AllocatorState("native", True, True)
+    limit = allocator.call_limit(on, dev, budget_given=False)
+    assert limit.nbytes == 15 * gib and limit.fraction == pytest.approx(15 / 140)
+    assert "limited to 15.00 GiB" in limit.describe()
+    off = allocator.AllocatorState("native", False, False)
+    assert allocator.call_limit(off, dev, False) is None
+    assert allocator.call_limit(allocator.CPU, dev, False) is None
+    assert allocator.call_limit(on, dev, budget_given=True) is None
+    # what the driver has free bounds it too: 100 GiB free + 2 reserved, less 4% of that
+    fraction["now"] = 1.0
+    assert allocator.call_limit(on, dev, False).nbytes == 102 * gib - int(0.04 * 102 * gib)
+    fraction["now"] = 16 / 140
+    with allocator.limited(limit):
+        assert fraction["now"] == pytest.approx(15 / 140)
+    assert fraction["now"] == 16 / 140
+    with pytest.raises(torch.OutOfMemoryError), allocator.limited(limit):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    assert fraction["now"] == 16 / 140
+    fraction["now"] = 10 / 140  # the caller's own, lower: kept
+    with allocator.limited(limit):
+        assert fraction["now"] == 10 / 140
+    assert fraction["now"] == 10 / 140
+
+
+def test_a_graphs_forward_and_backward_run_within_the_allocators_limit(monkeypatch):
+    """Every gather of an offloaded chunk, in the forward and in the backward, happens inside the
+    limit the graph's plan installed (machine/allocator.py), and the plan summary says it."""
+    limit = allocator.CallLimit(torch.device("cpu"), 0.5, 3 * 2**30)
+    monkeypatch.setattr(allocator, "call_limit", lambda state, device, given: limit)
+    inside = []
+
+    class Limited:
+        def __init__(self, lim):
+            self.lim = lim
+
+        def __enter__(self):
+            inside.append(self.lim)
+
+        def __exit__(self, *exc):
+            inside.pop()
+
+    monkeypatch.setattr(allocator, "limited", Limited)
+    seen = []
+    real = ChunkStore.gather
+
+    def gather(self, *a, **k):
+        seen.append((torch._C._current_graph_task_id() != -1, list(inside)))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ChunkStore, "gather", gather)
+    data = random_batches(3, 2, 16, vocab=64)
+    model, opt, compiled = compiled_gpt(3 * state_bytes(gpt()))
+    train(model, compiled, opt, data[:1])  # compiles and profiles (no limit there), then a step
+    seen.clear()
+    train(model, compiled, opt, data[1:])
+    assert {backward for backward, _ in seen} == {False, True}
+    assert all(lims == [limit] for _, lims in seen), seen
+    assert not inside
+    assert limit.describe() in protrain_fx.get_plan(compiled).notes
+
+
 def test_the_plan_after_an_allocator_overrun_budgets_it_and_is_then_served(monkeypatch, plan_cache):
     """End to end through the plan cache (on the CPU, the allocator taken for CUDA's with expandable
     segments): a cache entry whose run measured its reserved peak 10% over the prediction is
