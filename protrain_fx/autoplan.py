@@ -14,8 +14,8 @@ For a new training graph (on a CUDA device, or wherever a ``memory_budget`` is g
    (protrain_fx/profiling/profiler.py; nothing it does reaches training), and gives the parameters
    back (the chosen plan places them afresh);
 3. searches every plan with the cost model (protrain_fx/plan/search.py) under the budget
-   (``memory_budget``, or the device memory this process can use less a reserve:
-   ``allocator.reserve_bytes``) and the host memory, honouring the knobs given in the options;
+   (``memory_budget``, or the device memory this process can use less :func:`reserve_bytes`) and the
+   host memory, honouring the knobs given in the options;
 4. returns the options with every knob set, and the prediction (time, peak, timeline) for the plan.
 
 A graph whose parameters already have a chunk store (another graph of the same model, a recompile
@@ -85,6 +85,13 @@ def wanted(opts: Options, params: list, device: torch.device | None) -> bool:
     return device.type == "cuda" or opts.memory_budget is not None
 
 
+def reserve_bytes(limit: int) -> int:
+    """Device memory the automatic budget leaves unused: the CUDA context's workspaces (cuBLAS,
+    NCCL), the allocator's rounding and what the user allocates besides the model (the batch,
+    metrics)."""
+    return max(1 << 30, int(0.04 * limit))
+
+
 def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:
     """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process
     fraction of the device, or what the driver has free plus this process's allocator cache,
@@ -103,12 +110,12 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     )
     others = max(0, allocated - ours)
     usable = min(limit, free + reserved) - others
-    budget = usable - allocator.reserve_bytes(limit)
+    budget = usable - reserve_bytes(limit)
     return budget, (
         "device memory this process may use "
         f"({format_bytes(min(limit, free + reserved))}) less "
         f"{format_bytes(others)} allocated by others and a "
-        f"{format_bytes(allocator.reserve_bytes(limit))} reserve"
+        f"{format_bytes(reserve_bytes(limit))} reserve"
     )
 
 

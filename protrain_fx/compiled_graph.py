@@ -18,7 +18,6 @@ import torch._guards
 from protrain_fx import autoplan, plan_cache
 from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
 from protrain_fx.graph.fx import copy_graph_module
-from protrain_fx.machine import allocator
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
 from protrain_fx.profiling.step_meter import StepMeter
@@ -122,15 +121,6 @@ class ProtrainGraph:
             ).wrap(compiled)
         self.compiled = compiled
         plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
-        # the allocator's limit during this graph's calls under an automatic budget
-        # (machine/allocator.py): what the plan was promised, not the reserve left beside it
-        self._limit = None
-        if choice is not None and device is not None:
-            self._limit = allocator.call_limit(
-                allocator.prepare(device), device, opts.memory_budget is not None
-            )
-            if self._limit is not None:
-                plan.notes.append(self._limit.describe())
 
     def __call__(self, *args):
         if self._pending is not None:
@@ -144,8 +134,7 @@ class ProtrainGraph:
     def _forward(self, args):
         while True:
             try:
-                with allocator.limited(self._limit):
-                    out = self.binding(self.compiled, args)
+                out = self.binding(self.compiled, args)
                 break
             except torch.OutOfMemoryError as e:
                 if (
@@ -163,7 +152,6 @@ class ProtrainGraph:
         return out
 
     _returns_list = False
-    _limit = None
 
     def _replayable(self, args) -> bool:
         """Whether a backward of this call can be redone: some parameter needs a gradient and no
@@ -190,7 +178,7 @@ class ProtrainGraph:
                 return
             try:
                 self._redoing = True
-                with step_redo.handing_over(call.handed_over), allocator.limited(self._limit):
+                with step_redo.handing_over(call.handed_over):
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 return
             except torch.OutOfMemoryError as e:

@@ -15,22 +15,10 @@ So, before a CUDA graph's plan allocates anything, :func:`prepare` turns expanda
 ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` names ``expandable_segments`` (their choice is
 kept) or the backend is ``cudaMallocAsync``. :func:`fragmentation` is the reserved-over-allocated
 factor the cost model then budgets, and :func:`describe` what the plan summary says about it.
-
-Expandable segments still keep holes: a freed range stays mapped (reserved) until a request finds
-no room under the process's limit, and only then does the allocator unmap its free pages and retry.
-Left at the user's limit, reserved memory grows into the reserve the automatic budget leaves for the
-rest of the process (the 3B shape at a 16 GiB cap: 14.66 GiB allocated, reserved grown to 16.00
-with the plan promising 15.00, benchmarks/results/oom_sweep_h200_run21.md), and memory that the
-CUDA context, NCCL or another process takes outside torch's allocator cannot reclaim those holes.
-So during a plan's calls (its compiled forward and backward) the allocator's limit is lowered to
-what the automatic budget allows (:func:`call_limit`, :func:`limited`): the holes are unmapped
-there instead, and the reserve stays free. Fixed segments are left at the user's limit (their
-holes can only be given back whole, and a lower limit would turn fragmentation into errors).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -187,61 +175,3 @@ def describe(state: AllocatorState, budgeted: tuple[float, int] | None = None) -
         )
         return f"expandable segments ({how}; {how_much})"
     return f"fixed segments (expandable_segments off as PYTORCH_CUDA_ALLOC_CONF says; {how_much})"
-
-
-def reserve_bytes(limit: int) -> int:
-    """Device memory the automatic budget leaves unused, of a process that may use ``limit`` bytes:
-    the CUDA context's workspaces (cuBLAS, NCCL), the allocator's rounding and what the user
-    allocates besides the model (the batch, metrics)."""
-    return max(1 << 30, int(0.04 * limit))
-
-
-@dataclass(frozen=True)
-class CallLimit:
-    """The caching allocator's limit during a plan's calls: ``nbytes``, ``fraction`` of the
-    device's memory."""
-
-    device: torch.device
-    fraction: float
-    nbytes: int
-
-    def describe(self) -> str:
-        return (
-            f"allocator: limited to {self.nbytes / 2**30:.2f} GiB during the graph's forward and "
-            "backward (the device memory this process may use less the reserve), so that holes "
-            "in its expandable segments are unmapped there instead of growing into the reserve"
-        )
-
-
-def call_limit(state: AllocatorState, device: torch.device, budget_given: bool) -> CallLimit | None:
-    """The caching allocator's limit during a plan's calls (see the module docstring): the device
-    memory this process may use (the per-process fraction, or what the driver has free plus this
-    process's cache) less the reserve. None where the limit is left as it is: no expandable
-    segments (or the CPU), or a ``memory_budget`` given (its plan's peak is the user's to place)."""
-    if budget_given or state.backend != "native" or not state.expandable:
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
-    limit = min(int(total * fraction), free + torch.cuda.memory_reserved(device))
-    if limit <= reserve_bytes(limit):
-        return None
-    nbytes = limit - reserve_bytes(limit)
-    return CallLimit(device, nbytes / total, nbytes)
-
-
-@contextlib.contextmanager
-def limited(limit: CallLimit | None):
-    """Run with the caching allocator's limit lowered to ``limit`` (:func:`call_limit`) where the
-    limit set now is higher (a caller's own lower limit is kept), and set back after."""
-    if limit is None:
-        yield
-        return
-    before = torch.cuda.get_per_process_memory_fraction(limit.device)
-    if limit.fraction >= before:
-        yield
-        return
-    torch.cuda.set_per_process_memory_fraction(limit.fraction, limit.device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(before, limit.device)
