@@ -11,7 +11,12 @@ saw an exception, the line protrain logged, the losses of both runs and the larg
 their final weights (the redone step runs a re-planned, recompiled graph: Inductor's rounding may
 differ, nothing else).
 
-    python benchmarks/redo_check.py --out $OUT/redo_check
+``--automatic``: the automatic budget instead (the process capped at the reserve plus half the
+model's training state, so that some chunks stay resident and the rest are offloaded), and the
+error raised in the third step's backward, after two optimizer steps made the resident chunks'
+moments: the re-plan's budget must count them as the plan's own (memory.placed_bytes).
+
+    python benchmarks/redo_check.py --out $OUT/redo_check [--automatic]
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 STEPS = 4
 DEV = "cuda"
+AUTOMATIC = False
 
 
 def small_llama(device, *, vocab: int, ffn: int, layers: int, **extra):
@@ -48,11 +54,13 @@ def small_llama(device, *, vocab: int, ffn: int, layers: int, **extra):
 
 
 def build():
+    # --automatic: larger (22 M parameters), so that the training state, not the CUDA context's
+    # workspaces, decides what stays resident
     return small_llama(
         DEV,
-        vocab=8192,
-        ffn=688,
-        layers=4,
+        vocab=32000 if AUTOMATIC else 8192,
+        ffn=2048 if AUTOMATIC else 688,
+        layers=8 if AUTOMATIC else 4,
         attention_dropout=0.1,
         attn_implementation="eager",
     )
@@ -65,11 +73,15 @@ def run(inject_at: int | None, said: list) -> dict:
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    compiled = torch.compile(
-        model,
-        backend="protrain",
-        options={"optimizer": opt, "memory_budget": 16 * nbytes, "n_persist": 0},
-    )
+    options = {"optimizer": opt, "memory_budget": 16 * nbytes, "n_persist": 0}
+    if AUTOMATIC and DEV == "cuda":  # states (weights, gradients, two moments): 4x; half of it
+        options = {"optimizer": opt}
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.set_per_process_memory_fraction(((1 << 30) + 2 * nbytes) / total)
+        print(
+            f"capped at {((1 << 30) + 2 * nbytes) / 2**30:.3f} GiB; states {4 * nbytes / 2**30:.3f}"
+        )
+    compiled = torch.compile(model, backend="protrain", options=options)
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 8192, (4, 256), generator=g).to(DEV) for _ in range(STEPS)]
     torch.manual_seed(2)
@@ -88,7 +100,7 @@ def run(inject_at: int | None, said: list) -> dict:
     losses, seen, t0 = [], None, time.perf_counter()
     try:
         for i, x in enumerate(data):
-            if i == 1 and inject_at:
+            if i == (2 if AUTOMATIC else 1) and inject_at:
                 ChunkStore.grad_ready = flaky
             with torch.autocast(DEV, dtype=torch.bfloat16, enabled=DEV == "cuda"):
                 loss = compiled(input_ids=x, labels=x).loss
@@ -103,7 +115,11 @@ def run(inject_at: int | None, said: list) -> dict:
         traceback.print_exc()
     finally:
         ChunkStore.grad_ready = real
+    import protrain_fx
+
+    plan = protrain_fx.get_plan(compiled)
     return {
+        "plan": None if plan is None else plan.summary().splitlines()[:3] + plan.notes,
         "losses": losses,
         "exception_seen_by_loop": seen,
         "injected": calls["raised"],
@@ -117,9 +133,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    ap.add_argument("--automatic", action="store_true", help="see the module docstring")
     args = ap.parse_args()
-    global DEV
-    DEV = args.device
+    global DEV, AUTOMATIC
+    DEV, AUTOMATIC = args.device, args.automatic
 
     said: list = []
 
@@ -131,7 +148,7 @@ def main() -> None:
     logging.getLogger("protrain_fx").addHandler(Catch())
     plain = run(None, said)
     said.clear()
-    redone = run(2, said)
+    redone = run(1 if AUTOMATIC else 2, said)
     diff = max((plain["state"][k] - redone["state"][k]).abs().max().item() for k in plain["state"])
     rel = (
         max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], redone["losses"]))

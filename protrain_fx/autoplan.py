@@ -95,20 +95,15 @@ def reserve_bytes(limit: int) -> int:
 def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:
     """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process
     fraction of the device, or what the driver has free plus this process's allocator cache,
-    whichever is less) less everything already allocated except this graph's parameters (which the
-    plan places) and the reserve."""
+    whichever is less) less everything already allocated except this graph's parameters, their
+    gradients and optimizer state (which the plan places) and the reserve."""
     if opts.memory_budget is not None:
         return opts.memory_budget, "memory_budget"
     free, total, _, _ = memory.current_memory(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
     limit = int(total * fraction)
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    ours = sum(
-        p.untyped_storage().nbytes()
-        for p in {id(p): p for p in params if p is not None}.values()
-        if p.device == device
-    )
-    others = max(0, allocated - ours)
+    others = max(0, allocated - memory.placed_bytes(device, params, opts.optimizer))
     usable = min(limit, free + reserved) - others
     budget = usable - reserve_bytes(limit)
     return budget, (

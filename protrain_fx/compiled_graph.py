@@ -185,6 +185,7 @@ class ProtrainGraph:
                 if self.replans >= self.MAX_REPLANS or isinstance(e, StepOutOfMemory):
                     raise self._backward_gave_up(str(e).splitlines()[0]) from e
                 detail = str(e).splitlines()[0]
+                release_frames(e)  # what the failed backward's frames hold, before the re-plan
             finally:
                 self._redoing = False
             del pairs
