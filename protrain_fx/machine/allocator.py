@@ -51,7 +51,7 @@ ASYNC_FRAGMENTATION = 1.05  # cudaMallocAsync: the driver's pool, no fixed segme
 # graph's next plan budgets allocated bytes plus the reserved-but-free bytes measured, with this
 # margin, in place of the factors above. With expandable segments the range keeps holes that later
 # requests do not fit: reserved minus allocated at the peak measured 0.02-1.57 GiB on the H200 rows
-# of 16-80 GiB (benchmarks/results/oom_sweep_h200_runs4to20.md), near 1 GiB, the size of the bf16
+# of 16-80 GiB (benchmarks/results/oom_sweep_h200_runs4to21.md), near 1 GiB, the size of the bf16
 # logits of a 128k vocabulary at 4 x 1024 tokens, in most: 1.02x allocated under-budgets tight caps
 MEASURED_GAP_MARGIN = 1.10
 

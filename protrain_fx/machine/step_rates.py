@@ -22,7 +22,7 @@ that keeps the device busy (:func:`compute_slowdown`, observed by profiling/step
 are profiled in short runs, at the boost clock, and a busy step holds the board at its power limit.
 The hardware profile's probe (dense products kept back to back) reads 1.01-1.06x on the H200, where
 the model's steps ran 1.07-1.20x with the SM clock 7-15% low (products run near 1500 MHz even
-below the limit: benchmarks/results/power_probe_h200.md, oom_sweep_h200_runs4to20.md); later plans
+below the limit: benchmarks/results/power_probe_h200.md, oom_sweep_h200_runs4to21.md); later plans
 on the machine price the median observation in place of the probe's
 (``plan.profiles.Hardware.sustained_slowdown``).
 """
