@@ -15,6 +15,14 @@ So, before a CUDA graph's plan allocates anything, :func:`prepare` turns expanda
 ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` names ``expandable_segments`` (their choice is
 kept) or the backend is ``cudaMallocAsync``. :func:`fragmentation` is the reserved-over-allocated
 factor the cost model then budgets, and :func:`describe` what the plan summary says about it.
+
+Expandable segments keep holes mapped until a request finds no room under the process's limit;
+only then does the allocator unmap its free pages and retry. Holding the limit at the budget during
+a plan's calls (so that holes are unmapped before reserved memory grows into the reserve) was tried
+and reverted: the 3B shape at 16 GiB stayed at 15.00 GiB reserved, but with 53 retries in 20 steps
+against 5 and a slower step, and the 1B shape, whose allocated peak reaches its budget, ran out of
+memory in its backward (benchmarks/results/oom_sweep_h200_run23.md). The holes are budgeted
+instead: once measured, through ``measured_gap``.
 """
 
 from __future__ import annotations
