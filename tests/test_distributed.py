@@ -1,8 +1,8 @@
-"""Data-parallel protrain with gloo and two processes: the same global batch split over the ranks
-trains like single-process eager PyTorch on the whole batch (losses and parameters after several
-AdamW steps), with offloaded chunks sharded over the ranks, resident chunks replicated, and chunks
-sharded on the devices (``n_shard``: each rank keeps its shard of master, gradient and moments in
-device memory)."""
+"""Data-parallel protrain with gloo and two processes (three for the cases with chunks sharded on
+the devices): the same global batch split over the ranks trains like single-process eager PyTorch
+on the whole batch (losses and parameters after several AdamW steps), with offloaded chunks sharded
+over the ranks, resident chunks replicated, and chunks sharded on the devices (``n_shard``: each
+rank keeps its shard of master, gradient and moments in device memory)."""
 
 import os
 import sys
@@ -18,10 +18,11 @@ STEPS = 4
 LOSS_REL, PARAM_ABS = 1e-5, 1e-4
 
 
-def batches(kind: str):
+def batches(kind: str, world: int = WORLD):
     from protrain_fx.testing import random_batches
 
-    return random_batches(STEPS, 4, 16, vocab=64, seed=3)  # global batch 4: 2 rows per rank
+    # 2 rows per rank: global batch 4 with two ranks
+    return random_batches(STEPS, 2 * world, 16, vocab=64, seed=3)
 
 
 def model_of(kind: str):
@@ -69,24 +70,24 @@ CASES = [
 ]
 
 
-def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
+def _rank_main(rank: int, init_file: str, out_dir: str, world: int, cases: list) -> None:
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     os.environ["PROTRAIN_PLAN_CACHE"] = "0"
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for case, (kind, options, clip, micro) in enumerate(CASES):
+        for case, (kind, options, clip, micro) in enumerate(cases):
             torch._dynamo.reset()
             torch.save(
-                _train_case(rank, kind, options, clip, micro),
+                _train_case(rank, world, kind, options, clip, micro),
                 os.path.join(out_dir, f"case{case}_rank{rank}.pt"),
             )
     finally:
         dist.destroy_process_group()
 
 
-def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
+def _train_case(rank: int, world: int, kind: str, options: dict, clip, micro: int) -> dict:
     import torch.distributed as dist
 
     import protrain_fx
@@ -96,7 +97,7 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
     opt = make_adamw(model)
     compiled = torch.compile(model, backend="protrain", options=dict(options, optimizer=opt))
     losses = []
-    for x, y in batches(kind):
+    for x, y in batches(kind, world):
         rows = slice(rank * 2, rank * 2 + 2)
         # gradient accumulation over micro-batches
         xs, ys = x[rows].chunk(micro), y[rows].chunk(micro)
@@ -111,7 +112,7 @@ def _train_case(rank: int, kind: str, options: dict, clip, micro: int) -> dict:
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        losses.append(mean.item() / WORLD)
+        losses.append(mean.item() / world)
     sd = model.state_dict()  # a collective for sharded chunks: every rank calls it
     osd = opt.state_dict()  # so is this: the moments of offloaded chunks are gathered
     plan = protrain_fx.get_plan(compiled)
@@ -149,43 +150,65 @@ def _host_tensor_bytes(store) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """Every case's per-rank results, from one pair of processes."""
+def _train_all(world: int, cases: list) -> list:
+    """Every case's per-rank results, from one group of ``world`` processes."""
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(
             _rank_main,
-            args=(os.path.join(d, "init"), d),
-            nprocs=WORLD,
+            args=(os.path.join(d, "init"), d, world, cases),
+            nprocs=world,
             join=True,
             start_method="spawn",
         )
         return [
-            [torch.load(os.path.join(d, f"case{c}_rank{r}.pt")) for r in range(WORLD)]
-            for c in range(len(CASES))
+            [torch.load(os.path.join(d, f"case{c}_rank{r}.pt")) for r in range(world)]
+            for c in range(len(cases))
         ]
 
 
-def eager_reference(kind: str, clip=None):
+@pytest.fixture(scope="module")
+def trained():
+    return _train_all(WORLD, CASES)
+
+
+# the cases with chunks sharded on the devices, over three ranks: chunk element counts padded to
+# a multiple of 3, shards of a third
+SHARDED_CASES = [c for c in CASES if c[1].get("n_shard")]
+
+
+@pytest.fixture(scope="module")
+def trained_by_three():
+    return _train_all(3, SHARDED_CASES)
+
+
+def eager_reference(kind: str, clip=None, world: int = WORLD):
     from protrain_fx.testing import make_adamw, train_steps
 
     model = model_of(kind)
     opt = make_adamw(model)
-    losses = train_steps(model, model, batches(kind), opt=opt, clip=clip)
+    losses = train_steps(model, model, batches(kind, world), opt=opt, clip=clip)
     eager_reference.opt_state = opt.state_dict()["state"]
     return model, losses
 
 
 @pytest.mark.parametrize("case", range(len(CASES) - 1))
 def test_two_ranks_train_like_eager_on_the_whole_batch(trained, case):
-    kind, options, clip, micro = CASES[case]
-    ranks = trained[case]
+    check_case(CASES[case], trained[case], WORLD)
+
+
+@pytest.mark.parametrize("case", range(len(SHARDED_CASES)))
+def test_three_ranks_with_chunks_sharded_on_the_devices_train_like_eager(trained_by_three, case):
+    check_case(SHARDED_CASES[case], trained_by_three[case], 3)
+
+
+def check_case(case, ranks, world: int) -> None:
+    kind, options, clip, micro = case
     assert ranks[0]["n_persist"] == options["n_persist"] < ranks[0]["n_chunks"]
-    for r in ranks:  # each rank holds half of every offloaded chunk on the host
+    for r in ranks:  # each rank holds its share of every offloaded chunk on the host
         assert (
-            r["world"] == WORLD
+            r["world"] == world
             and r["offloaded"] >= 1
-            and r["host_share"] == [0.5] * r["offloaded"]
+            and r["host_share"] == pytest.approx([1 / world] * r["offloaded"])
         )
         # resident chunks' gradients were all-reduced from inside backward: one per chunk and
         # backward pass (with several ranks graphs are compiled whole, not in regions)
@@ -195,11 +218,11 @@ def test_two_ranks_train_like_eager_on_the_whole_batch(trained, case):
         n_shard = options.get("n_shard", 0)
         assert r["n_shard"] == r["sharded_chunks"] == r["home_on_device"] == n_shard
         assert r["host_bytes"] == r["host_tensor_bytes"]
-    check_like_eager(ranks, kind, clip)
+    check_like_eager(ranks, kind, clip, world)
 
 
-def check_like_eager(ranks, kind, clip=None):
-    ref, ref_losses = eager_reference(kind, clip)
+def check_like_eager(ranks, kind, clip=None, world: int = WORLD):
+    ref, ref_losses = eager_reference(kind, clip, world)
     ref_sd = ref.state_dict()
     for r in ranks:
         rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref_losses))
