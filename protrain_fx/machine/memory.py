@@ -41,8 +41,6 @@ def current_memory(
     return int(free), int(total), host_available, host_total
 
 
-# ------------------------------------------------------------------------------------------ machine
-# facts
 def placed_bytes(device: torch.device, params: list, optimizer=None) -> int:
     """Device bytes that a plan of ``params`` places itself, so not another's: the parameters',
     their gradients' and, with ``optimizer``, their optimizer state's (Adam's moments, made at the
@@ -61,6 +59,8 @@ def placed_bytes(device: torch.device, params: list, optimizer=None) -> int:
     return sum(storages.values())
 
 
+# ------------------------------------------------------------------------------------------ machine
+# facts
 def device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
