@@ -191,9 +191,11 @@ class Options:
             opt = raw["optimizer"]
             if type(opt) not in (torch.optim.Adam, torch.optim.AdamW):
                 raise OptionsError(
-                    "optimizer: protrain runs the optimizer of offloaded chunks itself and "
-                    "supports "
-                    f"torch.optim.Adam and torch.optim.AdamW instances, got {type(opt).__name__}"
+                    "optimizer: protrain steps offloaded chunks on the host with its own Adam, so "
+                    "it takes torch.optim.Adam and torch.optim.AdamW instances, got "
+                    f"{type(opt).__name__}. Use one of those, or leave 'optimizer' out of the "
+                    "options: every chunk then stays resident on the device (nothing offloaded) "
+                    f"and your {type(opt).__name__} steps as it does in eager"
                 )
             kw["optimizer"] = opt
         if raw.get("param_dtype") is not None:

@@ -46,6 +46,14 @@ def test_unknown_key_lists_valid_ones():
     assert "chunksize" in str(e.value)
 
 
+def test_an_optimizer_protrain_cannot_step_says_what_to_do():
+    w = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(OptionsError) as e:
+        Options.from_dict({"optimizer": torch.optim.SGD([w], lr=0.1)})
+    said = str(e.value)
+    assert "got SGD" in said and "Adam" in said and "leave 'optimizer' out" in said, said
+
+
 @pytest.mark.parametrize(
     "key, value",
     [
