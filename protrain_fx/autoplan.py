@@ -45,7 +45,7 @@ from protrain_fx.plan.search import check_host_floor, search, search_or_without_
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
 from protrain_fx.profiling.frugal import oom_need_bytes, profile_frugal  # noqa: F401  (tests)
 from protrain_fx.profiling.profiler import graph_profile, profile_from_dict, profile_to_dict
-from protrain_fx.runtime import distributed
+from protrain_fx.runtime import chunk_buffers, distributed
 from protrain_fx.runtime.chunk_store import store_of
 from protrain_fx.runtime.param_values import host_value
 
@@ -96,14 +96,17 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process
     fraction of the device, or what the driver has free plus this process's allocator cache,
     whichever is less) less everything already allocated except this graph's parameters, their
-    gradients and optimizer state (which the plan places) and the reserve."""
+    gradients and optimizer state and their stores' buffers (which the plan places) and the
+    reserve."""
     if opts.memory_budget is not None:
         return opts.memory_budget, "memory_budget"
     free, total, _, _ = memory.current_memory(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
     limit = int(total * fraction)
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    others = max(0, allocated - memory.placed_bytes(device, params, opts.optimizer))
+    stores = {id(s): s for s in (store_of(p) for p in params if p is not None) if s is not None}
+    mine = memory.placed_bytes(device, params, opts.optimizer)
+    others = max(0, allocated - mine - chunk_buffers.held_by(stores.values(), device))
     usable = min(limit, free + reserved) - others
     budget = usable - reserve_bytes(limit)
     return budget, (

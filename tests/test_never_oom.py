@@ -477,6 +477,36 @@ def test_a_replans_budget_counts_the_optimizer_state_and_gradients_as_the_plans(
     assert memory.placed_bytes(torch.device("meta"), params, opt) == 0
 
 
+def test_a_budget_after_steps_takes_only_what_others_allocated(monkeypatch):
+    """The automatic budget of a graph whose model has trained (a re-plan, a graph for a new shape)
+    subtracts only what others allocated: not the parameters, their gradients and optimizer state,
+    nor their stores' chunk and gradient buffers, which the plan prices itself (the allocator's
+    counters faked: the CPU has none)."""
+    from protrain_fx import autoplan
+    from protrain_fx.machine import memory
+    from protrain_fx.options import Options
+    from protrain_fx.runtime import chunk_buffers
+    from protrain_fx.runtime.chunk_store import store_of
+
+    data = random_batches(2, 2, 16, vocab=64)
+    model, opt, compiled = compiled_gpt(3 * state_bytes(gpt()))
+    train(model, compiled, opt, data)
+    params = list(model.parameters())
+    cpu = torch.device("cpu")
+    stores = {id(s): s for s in map(store_of, params) if s is not None}.values()
+    buffers = chunk_buffers.held_by(stores, cpu)
+    assert buffers > 0  # offloaded chunks' device buffers (the CPU is the compute device here)
+    placed = memory.placed_bytes(cpu, params, opt)
+    gib, others = 2**30, 123 * 2**20
+    monkeypatch.setattr(memory, "current_memory", lambda d: (8 * gib, 16 * gib, 0, 0))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: placed + buffers + others)
+    budget, why = autoplan.device_budget(Options.from_dict({"optimizer": opt}), cpu, params)
+    assert budget == 10 * gib - others - autoplan.reserve_bytes(16 * gib), why
+    assert "123.00 MiB allocated by others" in why, why
+
+
 def test_the_plan_after_an_allocator_overrun_budgets_it_and_is_then_served(monkeypatch, plan_cache):
     """End to end through the plan cache (on the CPU, the allocator taken for CUDA's with expandable
     segments): a cache entry whose run measured its reserved peak 10% over the prediction is

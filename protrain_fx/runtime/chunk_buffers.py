@@ -367,6 +367,18 @@ def grad_buffers(device: torch.device, dtype: torch.dtype, numel: int) -> GradBu
     return _GRAD_BUFFERS[key]
 
 
+def held_by(stores, device: torch.device) -> int:
+    """Device bytes of the chunk and gradient buffers ``stores`` use, each set once (stores of one
+    chunk size share theirs): a plan of their parameters prices and reuses them, so its budget does
+    not count them as another's."""
+    held = {}
+    for s in stores:
+        for b in (s.buffers, s.grad_buffers):
+            if b is not None and b.device == device:
+                held[id(b)] = b.nbytes
+    return sum(held.values())
+
+
 def release_unused(live_keys: set) -> None:
     """Free the buffers of sizes no live store uses any more (a deleted model's)."""
     for table in (_BUFFERS, _GRAD_BUFFERS):
