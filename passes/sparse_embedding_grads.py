@@ -3,7 +3,8 @@ table of the vocabulary's size.
 
 The gradient of an embedding lookup is zero but for the rows of the tokens the batch holds, yet
 backward builds it whole on the device (``embedding_dense_backward``, or what Inductor's
-decompositions make of it: a zero table and ``_unsafe_masked_index_put_accumulate``): for
+decompositions make of it: a zero table and ``_unsafe_masked_index_put_accumulate``, or in other
+versions an accumulating ``_unsafe_index_put`` / ``index_put`` of rows masked beforehand): for
 Llama-3.2-3B 128256 x 3072 fp32, 1.47 GiB, plus the tied head's gradient added to it, all of which
 ``chunk_grad`` then copies to the host. For an offloaded chunk whose one parameter is such a table
 (a large vocabulary's embedding, tied to the head or not) this pass hands ``chunk_grad`` the rows
@@ -35,6 +36,13 @@ _ZERO_FILLS = (
     aten.zeros_like.default,
 )
 _MASKED_PUT = getattr(aten, "_unsafe_masked_index_put_accumulate", None)
+# the accumulating index puts other decompositions of ``embedding_dense_backward`` build the table
+# with (older torch: the rows masked beforehand, ``_unsafe_index_put(zeros, [ids], rows, True)``)
+_ACCUMULATING_PUTS = tuple(
+    op.default
+    for op in (getattr(aten, "_unsafe_index_put", None), aten.index_put)
+    if op is not None
+)
 
 
 def _is_zero_table(node) -> bool:
@@ -64,7 +72,27 @@ def _lookup_rows(node) -> tuple[list, fx.Node] | None:
         if not _is_zero_table(base) or len(index) != 1:
             return None
         return [values, mask, None], index[0]
+    if node.target in _ACCUMULATING_PUTS:
+        base, index, values = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if not accumulate or not _is_zero_table(base) or len(index) != 1 or index[0] is None:
+            return None
+        table, ids, rows = (
+            x.meta.get("val") if isinstance(x, fx.Node) else None for x in (base, index[0], values)
+        )
+        if table is None or ids is None or rows is None or table.dim() != 2:
+            return None
+        if tuple(rows.shape) != tuple(ids.shape) + tuple(table.shape[1:]):
+            return None  # a broadcast value: not one row per token
+        return [values, None, None], index[0]
     return None
+
+
+def _table_of(node) -> fx.Node | None:
+    """The zero table an accumulating put of :func:`_lookup_rows` wrote into, or None."""
+    if _MASKED_PUT is not None and node.target is _MASKED_PUT.default:
+        return node.args[0]
+    return node.args[0] if node.target in _ACCUMULATING_PUTS else None
 
 
 def _split(grad: fx.Node):
@@ -116,9 +144,7 @@ def sparse_embedding_grads(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 rows = call(gm, aten.where.ScalarOther, (mask, rows, 0.0), meta=dict(meta))
         node.args = ([dense] if dense is not None else [], params, node.args[2], rows, ids)
         for n in drop:  # outermost first: each is unused once the one before it is gone
-            table = (
-                n.args[0] if _MASKED_PUT is not None and n.target is _MASKED_PUT.default else None
-            )
+            table = _table_of(n)
             if not n.users:
                 graph.erase_node(n)
             if isinstance(table, fx.Node) and not table.users:

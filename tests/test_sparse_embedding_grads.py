@@ -74,6 +74,38 @@ def test_offloaded_embedding_gradient_goes_as_rows_and_trains_like_eager(
     assert any("lookup's rows" in n for n in r.plan.notes), r.plan.notes
 
 
+def _older_embedding_backward(grad_output, indices, num_weights, padding_idx, scale):
+    """``embedding_dense_backward`` as older torch decomposed it: the rows masked beforehand, then
+    accumulated into a zero table with ``_unsafe_index_put``."""
+    indices = indices.to(torch.long)
+    grad = grad_output.masked_fill((indices == padding_idx).unsqueeze(-1), 0)
+    table = grad_output.new_zeros((num_weights,) + grad_output.shape[indices.ndim :])
+    return torch.ops.aten._unsafe_index_put(table, [indices], grad, accumulate=True)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_table_of_an_older_decomposition_goes_as_rows_too(tied, monkeypatch):
+    """Whatever form Inductor's decomposition gives the table (an accumulating index put into
+    zeros, as older torch builds it), the rows go instead and training is eager's."""
+    import torch._inductor.decomposition as inductor_decomp
+
+    monkeypatch.setattr(
+        inductor_decomp, "decomp_embedding_dense_backward", _older_embedding_backward
+    )
+    seen, probe = joint_graphs()
+    with probe:
+        r = compare_with_eager(
+            big_vocab_llama(tied),
+            random_batches(3, 2, 16, vocab=VOCAB),
+            {"compiler": "inductor", "n_persist": 0},
+            give_optimizer=True,
+        )
+    assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-4 and r.max_param_update > 1e-3
+    puts = [str(n.target) for g in seen for n in g.nodes if "index_put" in str(n.target)]
+    assert not puts and len([c for g in seen for c in rows_calls(g)]) == 1, puts
+    assert any("lookup's rows" in n for n in r.plan.notes), r.plan.notes
+
+
 def test_a_resident_embedding_keeps_autograd_s_gradient():
     seen, probe = joint_graphs()
     with probe:
