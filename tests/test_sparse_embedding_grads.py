@@ -27,6 +27,19 @@ def joint_graphs():
     return seen, pipeline.probe("joint", record)
 
 
+def probed_run(tied: bool, options: dict, steps: int = 3):
+    """The big-vocabulary Llama trained against eager, and its joint graphs after the passes."""
+    seen, probe = joint_graphs()
+    with probe:
+        r = compare_with_eager(
+            big_vocab_llama(tied),
+            random_batches(steps, 2, 16, vocab=VOCAB),
+            options,
+            give_optimizer=True,
+        )
+    return r, seen
+
+
 def table_ops(graph) -> list[str]:
     return [str(n.target) for n in graph.nodes if any(t in str(n.target) for t in TABLE_OPS)]
 
@@ -54,14 +67,7 @@ def test_offloaded_embedding_gradient_goes_as_rows_and_trains_like_eager(
 ):
     if whole:
         monkeypatch.setenv("PROTRAIN_REGIONS", "0")
-    seen, probe = joint_graphs()
-    with probe:
-        r = compare_with_eager(
-            big_vocab_llama(tied),
-            random_batches(3, 2, 16, vocab=VOCAB),
-            {"compiler": compiler, "n_persist": 0},
-            give_optimizer=True,
-        )
+    r, seen = probed_run(tied, {"compiler": compiler, "n_persist": 0})
     # Inductor's kernels are not bit-exact against eager's (1e-8 per op, grown by Adam)
     param_tol = 1e-5 if compiler == "eager" else 1e-4
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= param_tol and r.max_param_update > 1e-3
@@ -92,14 +98,7 @@ def test_the_table_of_an_older_decomposition_goes_as_rows_too(tied, monkeypatch)
     monkeypatch.setattr(
         inductor_decomp, "decomp_embedding_dense_backward", _older_embedding_backward
     )
-    seen, probe = joint_graphs()
-    with probe:
-        r = compare_with_eager(
-            big_vocab_llama(tied),
-            random_batches(3, 2, 16, vocab=VOCAB),
-            {"compiler": "inductor", "n_persist": 0},
-            give_optimizer=True,
-        )
+    r, seen = probed_run(tied, {"compiler": "inductor", "n_persist": 0})
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-4 and r.max_param_update > 1e-3
     puts = [str(n.target) for g in seen for n in g.nodes if "index_put" in str(n.target)]
     assert not puts and len([c for g in seen for c in rows_calls(g)]) == 1, puts
@@ -107,14 +106,7 @@ def test_the_table_of_an_older_decomposition_goes_as_rows_too(tied, monkeypatch)
 
 
 def test_a_resident_embedding_keeps_autograd_s_gradient():
-    seen, probe = joint_graphs()
-    with probe:
-        r = compare_with_eager(
-            big_vocab_llama(True),
-            random_batches(2, 2, 16, vocab=VOCAB),
-            {"compiler": "eager", "n_persist": 1},
-            give_optimizer=True,
-        )
+    r, seen = probed_run(True, {"compiler": "eager", "n_persist": 1}, steps=2)
     assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-5
     assert not any(rows_calls(g) for g in seen)
 
