@@ -105,7 +105,11 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     limit = int(total * fraction)
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
     stores = {id(s): s for s in (store_of(p) for p in params if p is not None) if s is not None}
-    mine = memory.placed_bytes(device, params, opts.optimizer)
+    # an offloaded parameter (and its gradient) is a device view of host memory: not allocated here
+    resident = [
+        p for p in params if p is not None and not ((s := store_of(p)) and s.param_is_offloaded(p))
+    ]
+    mine = memory.placed_bytes(device, resident, opts.optimizer)
     others = max(0, allocated - mine - chunk_buffers.held_by(stores.values(), device))
     usable = min(limit, free + reserved) - others
     budget = usable - reserve_bytes(limit)

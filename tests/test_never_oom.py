@@ -479,9 +479,10 @@ def test_a_replans_budget_counts_the_optimizer_state_and_gradients_as_the_plans(
 
 def test_a_budget_after_steps_takes_only_what_others_allocated(monkeypatch):
     """The automatic budget of a graph whose model has trained (a re-plan, a graph for a new shape)
-    subtracts only what others allocated: not the parameters, their gradients and optimizer state,
-    nor their stores' chunk and gradient buffers, which the plan prices itself (the allocator's
-    counters faked: the CPU has none)."""
+    subtracts only what others allocated: not the resident parameters, their gradients and
+    optimizer state, nor their stores' chunk and gradient buffers, which the plan prices itself;
+    offloaded parameters, views of host memory, count for nothing (the allocator's counters faked:
+    the CPU has none)."""
     from protrain_fx import autoplan
     from protrain_fx.machine import memory
     from protrain_fx.options import Options
@@ -489,14 +490,17 @@ def test_a_budget_after_steps_takes_only_what_others_allocated(monkeypatch):
     from protrain_fx.runtime.chunk_store import store_of
 
     data = random_batches(2, 2, 16, vocab=64)
-    model, opt, compiled = compiled_gpt(3 * state_bytes(gpt()))
+    model, opt, compiled = compiled_gpt(3 * state_bytes(gpt()), n_persist=2)
     train(model, compiled, opt, data)
     params = list(model.parameters())
     cpu = torch.device("cpu")
     stores = {id(s): s for s in map(store_of, params) if s is not None}.values()
     buffers = chunk_buffers.held_by(stores, cpu)
     assert buffers > 0  # offloaded chunks' device buffers (the CPU is the compute device here)
-    placed = memory.placed_bytes(cpu, params, opt)
+    # an offloaded parameter is a view of host memory (on CUDA, mapped): nothing allocated
+    resident = [p for p in params if not store_of(p).param_is_offloaded(p)]
+    assert 0 < len(resident) < len(params)
+    placed = memory.placed_bytes(cpu, resident, opt)
     gib, others = 2**30, 123 * 2**20
     monkeypatch.setattr(memory, "current_memory", lambda d: (8 * gib, 16 * gib, 0, 0))
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)
