@@ -42,9 +42,10 @@ def current_memory(
 
 
 def placed_bytes(device: torch.device, params: list, optimizer=None) -> int:
-    """Device bytes that a plan of ``params`` places itself, so not another's: the parameters',
-    their gradients' and, with ``optimizer``, their optimizer state's (Adam's moments, made at the
-    first step), each storage once. A re-plan after steps that counted the moments and gradients of
+    """Device bytes that a plan of ``params`` (its resident ones: the caller leaves out offloaded
+    parameters, views of host memory) places itself, so not another's: the parameters', their
+    gradients' and, with ``optimizer``, their optimizer state's (Adam's moments, made at the first
+    step), each storage once. A re-plan after steps that counted the moments and gradients of
     resident chunks as another's (the 1B shape at 16 GiB on the H200: 7.18 GiB) found no plan in
     the budget left."""
     storages: dict[int, int] = {}
