@@ -43,7 +43,8 @@ from protrain_fx.graph import regions
 from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.graph.regions import Region, RegionSplit
-from protrain_fx.options import Options
+from protrain_fx.machine import pinned
+from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
 from protrain_fx.plan.profiles import block_policy
 from protrain_fx.profiling.static import SavedBytes, StaticProfile
@@ -306,6 +307,7 @@ def compile_program(
     variants: dict[tuple, Variant] = {}
     calls: list[RegionCall] = []
     t0 = time.perf_counter()
+    bound = [0, 0.0, pinned.held_bytes()[0]]  # regions bound to a code, seconds, host bytes before
     graphs = _compat.SeveralGraphs()
     with _compat.eager_backward_compile(), progress.silenced():
         for r, ex in zip(split.regions, examples):
@@ -337,7 +339,14 @@ def compile_program(
                 v.key, v.description = key, what
                 variants[key] = v
             else:
+                if not bound[0]:  # stores made and host memory pinned: seconds on a large model
+                    prog.line(
+                        "binding the regions that reuse a compiled code to chunk stores of "
+                        "their own (host memory for their offloaded chunks)"
+                    )
+                t1 = time.perf_counter()
                 v.binding.bind(live)
+                bound[0], bound[1] = bound[0] + 1, bound[1] + time.perf_counter() - t1
             v.regions.append(r.index)
             calls.append(RegionCall(r, v, plan.profile_blocks, plan.n_swap > 0))
     top = split.top
@@ -346,6 +355,13 @@ def compile_program(
         top.add_submodule(r.submod, call)
     top.recompile()
     program = RegionProgram(top, calls, list(variants.values()))
+    if bound[0]:
+        said = (
+            f"bound {bound[0]} regions to chunk stores in {bound[1]:.1f} s "
+            f"({format_bytes(max(0, pinned.held_bytes()[0] - bound[2]))} of host memory)"
+        )
+        prog.line(said)
+        plan.notes.append(said)
     _describe(plan, program, graph_inputs, example_inputs)
     plan.notes.append(program.describe() + f" in {time.perf_counter() - t0:.1f} s")
     if plan.profiling:

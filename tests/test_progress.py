@@ -13,14 +13,15 @@ from models import build
 from protrain_fx.testing import random_batches
 
 
-def _train_one_step(options):
+def _train_one_step(options, n_layer: int = 2):
     torch.manual_seed(0)
-    model = build("gpt", n_layer=2, n_embd=32, n_head=2, block_size=32)
+    model = build("gpt", n_layer=n_layer, n_embd=32, n_head=2, block_size=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend="protrain", options={"optimizer": opt, **options})
     ((x, y),) = random_batches(1, 2, 16)
     compiled(x, y).backward()
     opt.step()
+    return compiled
 
 
 @pytest.mark.parametrize("regions", [True, False])
@@ -54,6 +55,24 @@ def test_one_line_per_phase_under_an_automatic_plan(caplog, monkeypatch, regions
     ready = lines[where[-1]]
     for phase in ("tracing", "profiling compile", "profiling", "search", "compile"):
         assert f"{phase} " in ready, ready
+
+
+def test_binding_the_regions_that_reuse_a_code_says_so(caplog, monkeypatch):
+    """Regions that reuse a compiled code get chunk stores of their own (host memory pinned for
+    their offloaded chunks on CUDA: seconds on a large model): a line as the first is bound, and one
+    with how many, how long and how much host memory, also in the plan's notes."""
+    import protrain_fx
+
+    monkeypatch.setenv("PROTRAIN_REGIONS", "1")
+    options = {"compiler": "eager", "n_persist": 0, "n_swap": 0, "n_checkpoint": 0}
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        compiled = _train_one_step(options, n_layer=4)
+    lines = [r.getMessage() for r in caplog.records if r.name == "protrain_fx.progress"]
+    start = [i for i, line in enumerate(lines) if "binding the regions that reuse" in line]
+    done = [i for i, line in enumerate(lines) if "regions to chunk stores in" in line]
+    assert len(start) == 1 and len(done) == 1 and start[0] < done[0], lines
+    assert "bound 3 regions" in lines[done[0]] and "KiB of host memory" in lines[done[0]], lines
+    assert any("regions to chunk stores in" in n for n in protrain_fx.get_plan(compiled).notes)
 
 
 def test_an_inference_graph_is_ready_after_its_compile(caplog):
