@@ -104,11 +104,10 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
     limit = int(total * fraction)
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    stores = {id(s): s for s in (store_of(p) for p in params if p is not None) if s is not None}
+    held = [(p, store_of(p)) for p in params if p is not None]
+    stores = {id(s): s for _, s in held if s is not None}
     # an offloaded parameter (and its gradient) is a device view of host memory: not allocated here
-    resident = [
-        p for p in params if p is not None and not ((s := store_of(p)) and s.param_is_offloaded(p))
-    ]
+    resident = [p for p, s in held if s is None or not s.param_is_offloaded(p)]
     mine = memory.placed_bytes(device, resident, opts.optimizer)
     others = max(0, allocated - mine - chunk_buffers.held_by(stores.values(), device))
     usable = min(limit, free + reserved) - others

@@ -307,7 +307,8 @@ def compile_program(
     variants: dict[tuple, Variant] = {}
     calls: list[RegionCall] = []
     t0 = time.perf_counter()
-    bound = [0, 0.0, pinned.held_bytes()[0]]  # regions bound to a code, seconds, host bytes before
+    # regions bound to an earlier region's code: how many, in how many seconds, from what host bytes
+    n_bound, bound_s, host_before = 0, 0.0, pinned.held_bytes()[0]
     graphs = _compat.SeveralGraphs()
     with _compat.eager_backward_compile(), progress.silenced():
         for r, ex in zip(split.regions, examples):
@@ -339,14 +340,14 @@ def compile_program(
                 v.key, v.description = key, what
                 variants[key] = v
             else:
-                if not bound[0]:  # stores made and host memory pinned: seconds on a large model
+                if not n_bound:  # stores made and host memory pinned: seconds on a large model
                     prog.line(
                         "binding the regions that reuse a compiled code to chunk stores of "
                         "their own (host memory for their offloaded chunks)"
                     )
                 t1 = time.perf_counter()
                 v.binding.bind(live)
-                bound[0], bound[1] = bound[0] + 1, bound[1] + time.perf_counter() - t1
+                n_bound, bound_s = n_bound + 1, bound_s + time.perf_counter() - t1
             v.regions.append(r.index)
             calls.append(RegionCall(r, v, plan.profile_blocks, plan.n_swap > 0))
     top = split.top
@@ -355,10 +356,10 @@ def compile_program(
         top.add_submodule(r.submod, call)
     top.recompile()
     program = RegionProgram(top, calls, list(variants.values()))
-    if bound[0]:
+    if n_bound:
         said = (
-            f"bound {bound[0]} regions to chunk stores in {bound[1]:.1f} s "
-            f"({format_bytes(max(0, pinned.held_bytes()[0] - bound[2]))} of host memory)"
+            f"bound {n_bound} regions to chunk stores in {bound_s:.1f} s "
+            f"({format_bytes(max(0, pinned.held_bytes()[0] - host_before))} of host memory)"
         )
         prog.line(said)
         plan.notes.append(said)
