@@ -36,6 +36,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -365,9 +366,10 @@ def run_row(row: dict, steps: int) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        out["trace"] = trace_summary.trace_step(
-            one_step, os.path.join(tempfile.mkdtemp(prefix="oom_sweep_trace-"), "step")
-        )
+        # SWEEP_TRACE_DIR: where the chrome trace stays (named by the row), else a temporary folder
+        where = os.environ.get("SWEEP_TRACE_DIR") or tempfile.mkdtemp(prefix="oom_sweep_trace-")
+        name = row["id"].replace("/", "_")
+        out["trace"] = trace_summary.trace_step(one_step, os.path.join(where, name))
     steady = times[3:] or times[1:]
     later = per_step[1:] or per_step
     # host memory: the process's peak resident set (building the model on the host, profiling,
@@ -768,7 +770,8 @@ def main() -> None:
         todo.sort(key=lambda r: models.index(r["model"]))
     for spec in args.variant:
         name, _, assigns = spec.partition(":")
-        env = dict(a.split("=", 1) for a in assigns.split(",") if a)
+        # a comma starts the next assignment only before NAME= (a JSON value keeps its commas)
+        env = dict(a.split("=", 1) for a in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", assigns) if a)
         todo = [
             x
             for r in todo
