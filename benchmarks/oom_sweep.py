@@ -777,7 +777,7 @@ def main() -> None:
             for r in todo
             for x in (
                 [r]
-                if r["system"] != "protrain" or f"{r['id']}/{name}" in have
+                if r["system"] != "protrain" or "env" in r or f"{r['id']}/{name}" in have
                 else [r, dict(r, id=f"{r['id']}/{name}", env=env)]
             )
         ]
