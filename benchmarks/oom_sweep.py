@@ -462,13 +462,13 @@ def summarize_snapshot(snap: dict, top: int = 25) -> dict:
             st[k + "_gib"] = round(st.pop(k) / 2**30, 3)
     trace = snap["device_traces"][0] if snap.get("device_traces") else []
     growth, live, cur, peak, peak_live = [], {}, 0, 0, []
-    pending_growth = None
-    for e in trace:
+    pending_growth, peak_at, freed_at = None, 0, {}
+    for k, e in enumerate(trace):
         act = e["action"]
         if act in ("segment_map", "segment_alloc"):
             pending_growth = {"action": act, "gib": round(e["size"] / 2**30, 3)}
         elif act == "alloc":
-            live[e["addr"]] = (e["size"], e.get("frames", []), e.get("stream"))
+            live[e["addr"]] = (e["size"], e.get("frames", []), e.get("stream"), k)
             cur += e["size"]
             if pending_growth is not None:
                 pending_growth.update(
@@ -479,20 +479,46 @@ def summarize_snapshot(snap: dict, top: int = 25) -> dict:
                 growth.append(pending_growth)
                 pending_growth = None
             if cur > peak:
-                peak = cur
+                peak, peak_at = cur, k
                 peak_live = sorted(live.values(), key=lambda v: -v[0])[:top]
         elif act in ("free_completed",):
             v = live.pop(e["addr"], None)
             if v is not None:
                 cur -= v[0]
+                freed_at[v[3]] = k
     return {
         "streams": streams,
         "growth_events": growth[:200],
         "traced_peak_gib_above_start": round(peak / 2**30, 3),
+        # event indices: when each block was allocated and freed, against the peak's
+        "traced_peak_event": peak_at,
         "largest_at_traced_peak": [
-            {"mib": round(sz / 2**20, 1), "stream": str(stream), "where": where(frames)}
-            for sz, frames, stream in peak_live
+            {
+                "mib": round(sz / 2**20, 1),
+                "stream": str(stream),
+                "where": where(frames),
+                "frames": [
+                    f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']}:{f['name']}"
+                    for f in frames[:14]
+                ],
+                "alloc_event": at,
+                "free_event": freed_at.get(at),
+            }
+            for sz, frames, stream, at in peak_live
         ],
+        # the allocations and frees of 64 MiB or more around the peak
+        "large_events_near_peak": [
+            {
+                "event": k,
+                "action": e["action"],
+                "mib": round(e["size"] / 2**20, 1),
+                "where": where(e.get("frames", []))[:2],
+            }
+            for k, e in enumerate(trace)
+            if abs(k - peak_at) <= 4000
+            and e["action"] in ("alloc", "free_completed")
+            and e["size"] >= 64 << 20
+        ][-120:],
     }
 
 
