@@ -7,6 +7,7 @@ Checked on torch 2.11 (GPU machine) and 2.13 (CI).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -265,3 +266,30 @@ def allow_non_fake_inputs(mode):
     from unittest import mock
 
     return mock.patch.object(mode, "allow_non_fake_inputs", True)
+
+
+@functools.cache
+def backward_takes_gradient_edges() -> bool:
+    """Whether ``torch.autograd.backward`` starts from ``GradientEdge``s (an output's grad_fn and
+    output number, holding its autograd graph but not its memory), tried once on the CPU."""
+    try:
+        from torch.autograd.graph import get_gradient_edge
+
+        x = torch.zeros(1, requires_grad=True)
+        with torch.enable_grad():
+            edge = get_gradient_edge(x * 2)
+        torch.autograd.backward([edge], [torch.ones(1)])
+        return bool(x.grad is not None and x.grad.item() == 2.0)
+    except Exception:  # older torch: TypeError, or an assertion on the tensors' type
+        return False
+
+
+def gradient_handle(t: torch.Tensor):
+    """What ``torch.autograd.backward`` can start from later in place of ``t``: its
+    ``GradientEdge`` where this torch takes those (``t``'s memory is then freed with the caller's
+    last reference to it, as in eager), else ``t`` itself."""
+    if backward_takes_gradient_edges():
+        from torch.autograd.graph import get_gradient_edge
+
+        return get_gradient_edge(t)
+    return t

@@ -15,7 +15,7 @@ import weakref
 import torch
 import torch._guards
 
-from protrain_fx import autoplan, plan_cache
+from protrain_fx import _compat, autoplan, plan_cache
 from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.options import Options, format_bytes
@@ -169,11 +169,7 @@ class ProtrainGraph:
     def _backward(self, call: "_CallRecord", grads) -> None:
         """The backward of one :class:`_RedoableCall`: see the class docstring."""
         while True:
-            pairs = [
-                (o, g)
-                for o, g in zip(call.outputs, grads)
-                if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
-            ]
+            pairs = [(h, g) for h, g in zip(call.outputs, grads) if g is not None and h is not None]
             if not pairs:
                 return
             try:
@@ -310,8 +306,11 @@ class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
 
 class _CallRecord:
     """What replaying one training call of a graph needs: its inputs, the random-number and
-    autocast state it ran under, its outputs (holding its autograd graph), and which chunks'
-    gradients its backward has handed over."""
+    autocast state it ran under, where its backward starts (``outputs``: a gradient handle per
+    output that needs a gradient, holding the autograd graph but not the output's memory, which goes
+    with the caller's last reference as in eager: a logits tensor beside the loss is not kept
+    through backward; None for the others), and which chunks' gradients its backward has handed
+    over."""
 
     def __init__(self, args):
         self.args = args
@@ -347,7 +346,7 @@ class _CallRecord:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
         try:
-            return list(forward(self.args))
+            return handles(forward(self.args))
         finally:
             torch.set_rng_state(cpu_now)
             if cuda_now is not None:
@@ -364,11 +363,11 @@ class _RedoableCall(torch.autograd.Function):
         call = _CallRecord(args)
         with torch.enable_grad():
             out = graph._forward(args)
-        call.outputs = list(out)
+        call.outputs = handles(out)
         ctx.graph, ctx.call = graph, call
         ctx.set_materialize_grads(False)
         detached = []
-        for o in call.outputs:
+        for o in out:
             if isinstance(o, torch.Tensor):
                 d = o.detach()
                 if not o.requires_grad:
@@ -392,6 +391,15 @@ class _RedoableCall(torch.autograd.Function):
         finally:
             call.outputs = None
         return (None,) * (1 + len(call.args))
+
+
+def handles(outputs) -> list:
+    """Per output of a compiled call: where a backward can start from it if it needs a gradient
+    (:func:`protrain_fx._compat.gradient_handle`), else None."""
+    return [
+        _compat.gradient_handle(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+        for o in outputs
+    ]
 
 
 def _after_resident_grads(compiled):
