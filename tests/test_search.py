@@ -191,6 +191,33 @@ def test_the_end_of_backward_holds_the_resident_gradients_and_what_follows_the_b
     assert peak(1024 * MiB) == states + grads + 1024 * MiB
 
 
+def test_a_resident_tied_table_builds_its_dense_gradient_beside_the_head_s_part():
+    """A tied embedding's chunk whose gradient the profiled step (the chunk offloaded) sent as rows:
+    resident, backward builds the dense table while the gradient holds the head's part, one table
+    more at the end of backward (H200 run 29: the 1B Llama shape's three 1 GiB tensors at the peak,
+    1.01 GiB over the prediction). Only where that chunk is resident."""
+    blk = BlockProfile(fwd_s=1e-3, bwd_s=2e-3, keep_bytes=10 * MiB, input_bytes=1 * MiB)
+    table = 512 * MiB
+
+    def peak(n_persist, table_grad):
+        chunks = (ChunkProfile(table // 4, 1e-3, 2e-3, (), table_grad_bytes=table_grad),) + tuple(
+            ChunkProfile(256 * MiB // 4, 1e-3, 2e-3, (i,)) for i in range(2)
+        )
+        prof = GraphProfile(
+            chunk_size=256 * MiB,
+            blocks=(blk, blk),
+            chunks=chunks,
+            transient_bytes=50 * MiB,
+            tail_bytes=64 * MiB,
+            fragmentation=1.0,
+        )
+        return predict(prof, HW, Knobs(prof.chunk_size, n_persist, 1, 0, 0)).peak_bytes
+
+    assert peak(3, table) == peak(3, 0) + table  # the end of backward is the larger end
+    assert peak(1, table) == peak(1, 0) + table
+    assert peak(0, table) == peak(0, 0)  # offloaded: its rows go to the host
+
+
 def test_prediction_terms():
     """Hand-checkable numbers: one block per chunk, two chunks, the second offloaded."""
     blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)

@@ -142,3 +142,37 @@ def test_a_padding_index_gets_no_gradient_as_in_eager():
     pad_ref = r.ref.emb.weight.detach()[3]
     pad_mine = r.model.state_dict()["emb.weight"][3]
     assert torch.allclose(pad_mine, pad_ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_profile_knows_a_tied_table_s_gradient_came_as_rows(tied, monkeypatch):
+    """The profiling step (every chunk offloaded) sends the table's gradient as rows, so it never
+    holds the dense table a resident chunk's backward builds. For a tied table, whose gradient
+    holds the head's part by then, that is one table more at the end of backward: the profile
+    says so (``StepProfile.tied_row_tables``: the table's fp32 bytes), and the cost model counts it
+    where the chunk is resident. An untied table's dense gradient is its gradient: nothing more."""
+    from protrain_fx import autoplan
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    seen = []
+    real = autoplan.profile_frugal
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(autoplan, "profile_frugal", spy)
+    model = big_vocab_llama(tied)
+    budget = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    r = compare_with_eager(
+        model,
+        random_batches(2, 2, 16, vocab=VOCAB),
+        {"compiler": "eager", "memory_budget": budget},
+        give_optimizer=True,
+    )
+    assert r.max_loss_rel <= 1e-5
+    (step,) = seen
+    table = model.lm.model.embed_tokens.weight
+    want = {"lm.model.embed_tokens.weight": table.numel() * 4} if tied else {}
+    assert step.tied_row_tables == want

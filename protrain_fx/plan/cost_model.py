@@ -93,9 +93,7 @@ class _ProfileArrays:
         # backward (serial) and needs no gradient buffer; with several ranks it is packed
         capacity = prof.chunk_size // me
         self.as_is = [hw.world_size == 1 and ch.numel > capacity for ch in chunks]
-        self.serial = []
-        # with several ranks a rank moves its shard and the collectives the rest
-        shard = 1 / hw.world_size
+        self.serial, shard = [], 1 / hw.world_size  # with several ranks a rank moves its shard
         ue = prof.upload_elem  # te, or me without host transfer copies
         for c, ch in enumerate(chunks):
             h2d = ch.numel * ue * shard / hw.h2d_bytes_per_s + hw.collective_s(ch.numel * te)
@@ -124,10 +122,11 @@ class _ProfileArrays:
                 + hw.collective_s(up)
                 + hw.collective_s(down)
             )
-        self.numel, self.resident_bytes = [0], [0]
+        self.numel, self.resident_bytes, self.table_grad = [0], [0], [0]
         for ch in chunks:
             self.numel.append(self.numel[-1] + ch.numel)
             self.resident_bytes.append(self.resident_bytes[-1] + ch.numel * me)
+            self.table_grad.append(self.table_grad[-1] + ch.table_grad_bytes)
         # elements of the device chunk buffers (and of the host staging) when chunks c.. are
         # offloaded: each store's buffers hold a chunk of the layout's size, or its largest
         # offloaded chunk if that is larger, and stores of one such size share them
@@ -300,7 +299,7 @@ class LayoutCosts:
             raise ValueError(f"n_swap + n_checkpoint = {n_swap + n_checkpoint} > {n_blocks} blocks")
         A = arrays or _ProfileArrays(prof, hw, n_buffer)
         self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
-        self.numel, self.resident_bytes = A.numel, A.resident_bytes
+        self.numel, self.resident_bytes, self.table_grad = A.numel, A.resident_bytes, A.table_grad
         self.buffer_numel, self.grad_numel = A.buffer_numel, A.grad_numel
         self.oversized_staging = A.oversized_staging
         self.swap_window_s = A.swap_window_s

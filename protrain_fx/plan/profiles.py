@@ -107,6 +107,10 @@ class ChunkProfile:
     # an oversized chunk's gradient staging: bytes per element as the profiled step sent it, 0 for
     # none (StepProfile.oversized_grad_elem); None: the master dtype's (not seen: at most that)
     grad_elem: int | None = None
+    # a tied embedding's table (its one parameter) whose gradient the profiled step, with the chunk
+    # offloaded, sent as rows: resident, its backward builds the dense table while the gradient
+    # holds the head's part: these bytes more at the end of backward (cost_model: table_grad)
+    table_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)

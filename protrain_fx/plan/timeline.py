@@ -19,15 +19,16 @@ def peaks(lc) -> list[int]:
     the two ends of backward: at its start every saved activation (plus the cast copies of resident
     parameters) and the transient; at its end the resident gradients and what the code after the
     last block holds beside them (``tail_bytes``: the embedding's dense gradient, a tied head's
-    gradient held since backward began; activations are freed block by block as gradients appear,
-    so in between the sum stays under the larger end). With several ranks the resident gradients
-    are averaged in place (passes/resident_grads.py): no more memory."""
+    gradient held since backward began; a resident tied table's dense gradient where the profiled
+    step, its chunk offloaded, sent rows: ``table_grad``; activations are freed block by block as
+    gradients appear, so in between the sum stays under the larger end). With several ranks the
+    resident gradients are averaged in place (passes/resident_grads.py): no more memory."""
     prof, saved = lc.prof, lc.activation_bytes + lc.transient_bytes
     frag, extra, static, rb = lc.fragmentation, lc.fragmentation_bytes, lc.static, lc.resident_bytes
     out = []
     for p in range(len(prof.chunks) + 1):
         casts = int(lc.numel[p] * prof.resident_cast_elem * lc.keep_fraction)
-        live = max(saved + casts, rb[p] + prof.tail_bytes)
+        live = max(saved + casts, rb[p] + prof.tail_bytes + lc.table_grad[p])
         out.append(int(math.ceil((static[p] + live) * frag + extra)))
     return out
 
@@ -71,5 +72,6 @@ def memory_timeline(lc, n_persist: int) -> list[list]:
         act -= kept[i]
         grads = grads_total * (n - i) // max(1, n)
         points.append([t, (static + max(act, 0) + grads) * frag + extra, f"bwd block {i}"])
-    points.append([t_total, (static + grads_total + prof.tail_bytes) * frag + extra, "step end"])
+    end = grads_total + prof.tail_bytes + lc.table_grad[n_persist]
+    points.append([t_total, (static + end) * frag + extra, "step end"])
     return [[p[0], int(p[1]), p[2]] for p in points]

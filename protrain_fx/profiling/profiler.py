@@ -86,6 +86,10 @@ class StepProfile:
     # autograd made it (bf16 under autocast: its staging's), 0 where none came (an embedding's
     # rows only); a parameter missing was not oversized here (priced in the master dtype)
     oversized_grad_elem: dict = field(default_factory=dict)
+    # parameter -> bytes of its dense table for a tied embedding whose gradient came as the head's
+    # dense part and then the lookup's rows (ChunkStore.tied_row_tables): the table a resident
+    # chunk's backward builds beside the gradient it holds
+    tied_row_tables: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -382,6 +386,9 @@ def graph_profile(
             group=chunk_group.get(c, 0),
             grad_elem=(
                 step.oversized_grad_elem.get(fqns[c][0]) if len(fqns.get(c, ())) == 1 else None
+            ),
+            table_grad_bytes=(
+                step.tied_row_tables.get(fqns[c][0], 0) if len(fqns.get(c, ())) == 1 else 0
             ),
         )
         for c, (f, b, bl) in enumerate(per_chunk)

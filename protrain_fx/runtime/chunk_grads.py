@@ -234,6 +234,22 @@ class ChunkGrads:
             if self.grad_goes_as_is(c)
         }
 
+    def tied_row_tables(self) -> dict[str, int]:
+        """Parameter -> bytes of its table in the master dtype, for each oversized offloaded chunk
+        whose gradient came while profiling as a dense part (a tied head's) and then the lookup's
+        rows (passes/sparse_embedding_grads.py): were the chunk resident, backward would build the
+        table's dense gradient on the device while the parameter's gradient holds the head's part,
+        one table more at the end of backward than the profiled step had (the cost model's
+        ``ChunkProfile.table_grad_bytes``)."""
+        return {
+            self.entries[self._chunk_entries[c][0]].fqn: self._chunk_numel[c]
+            * self.master_dtype.itemsize
+            for c in self.offloaded_chunks
+            if c in self.row_grad_chunks
+            and self.as_is_grad_elem.get(c, 0)
+            and self.grad_goes_as_is(c)
+        }
+
     def grad_ready(
         self,
         chunk: int,
@@ -253,6 +269,8 @@ class ChunkGrads:
         if self.profiling:
             if grads and self.grad_goes_as_is(chunk):
                 self.as_is_grad_elem[chunk] = grads[0].element_size()
+            if rows is not None:
+                self.row_grad_chunks.add(chunk)
             return
         record = step_redo.first_time((self.id, chunk, tuple(members)))
         if record is None:  # a redone backward: handed over before it ran out

@@ -226,6 +226,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         self._staging: GradStaging | None = None
         self._oversized: dict[tuple, GradStaging] = {}  # (numel, dtype) -> its staging
         self.as_is_grad_elem: dict[int, int] = {}  # chunk -> its gradient's bytes/element, profiled
+        self.row_grad_chunks: set[int] = set()  # chunks whose gradient came as rows, profiled
         # offloaded chunks whose Adam step runs on the compute device (device_steps.assign)
         self.device_step_chunks: set[int] = set()
         self.device_step_share = 0.0
