@@ -66,6 +66,30 @@ def build():
     )
 
 
+def _smallest_budget() -> int:
+    """The smallest budget that fits a plan for this model and batch (NoPlanFits says it when
+    asked for a 1-byte budget)."""
+    from protrain_fx.errors import NoPlanFits
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(
+        model, backend="protrain", options={"optimizer": opt, "memory_budget": 1}
+    )
+    x = torch.randint(0, 8192, (4, 256), device=DEV)
+    try:
+        compiled(input_ids=x, labels=x)
+    except Exception as e:  # dynamo wraps the backend's error
+        cause = e
+        while cause is not None and not isinstance(cause, NoPlanFits):
+            cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+        if cause is None:
+            raise
+        torch._dynamo.reset()
+        return cause.min_device_bytes
+    raise RuntimeError("a 1-byte budget was accepted")
+
+
 def run(inject_at: int | None, said: list) -> dict:
     from protrain_fx.runtime.chunk_store import ChunkStore
 
@@ -75,11 +99,17 @@ def run(inject_at: int | None, said: list) -> dict:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     options = {"optimizer": opt, "memory_budget": 16 * nbytes, "n_persist": 0}
     if AUTOMATIC and DEV == "cuda":  # states (weights, gradients, two moments): 4x; half of it
+        # above the smallest plan's need (activations, buffers) and the 1 GiB reserve: a cap of
+        # the reserve plus half the states alone left the smallest plan no room (run 26)
+        smallest = _smallest_budget()
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         options = {"optimizer": opt}
-        total = torch.cuda.mem_get_info()[1]
-        torch.cuda.set_per_process_memory_fraction(((1 << 30) + 2 * nbytes) / total)
+        cap = (1 << 30) + smallest + 2 * nbytes
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.mem_get_info()[1])
         print(
-            f"capped at {((1 << 30) + 2 * nbytes) / 2**30:.3f} GiB; states {4 * nbytes / 2**30:.3f}"
+            f"capped at {cap / 2**30:.3f} GiB (the smallest plan {smallest / 2**30:.3f}); "
+            f"states {4 * nbytes / 2**30:.3f}"
         )
     compiled = torch.compile(model, backend="protrain", options=options)
     g = torch.Generator().manual_seed(1)
