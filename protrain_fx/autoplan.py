@@ -125,14 +125,6 @@ def _host_values_bytes(params: list) -> int:
     return sum(v.nbytes for v in (host_value(p) for p in params) if v is not None)
 
 
-def _pinnable_host(device, freed: int, n_peers: int) -> int:
-    """The host memory a plan may pin: what is available now, plus ``freed`` (host memory the
-    plan's store takes over), less a reserve; each of ``n_peers`` blocks of a regional compilation
-    offloads its share."""
-    _, _, avail, total = memory.current_memory(device)
-    return (avail + freed - max(2 << 30, int(0.05 * total))) // n_peers
-
-
 def choose(
     gm,
     example_inputs,
@@ -144,6 +136,7 @@ def choose(
     failed_peaks: tuple[int, ...] = (),
     root=None,
     regions=None,
+    grads_held: str | None = None,
 ) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
     of the graph under the profiling plan with the given options and block structure (the graph's,
@@ -153,7 +146,7 @@ def choose(
     (regional compilation, protrain_fx/graph/regional.py) gets ``1/N`` of the budget.
     ``regions``: the graph's :class:`~protrain_fx.graph.regions.RegionSplit` when it is compiled in
     regions (chunks never span two; the profiling plan runs the whole graph, each distinct region
-    compiled once)."""
+    compiled once). ``grads_held``: why the loop keeps gradients between steps (seen at a call)."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
@@ -184,13 +177,11 @@ def choose(
         notes.append(
             "chunk placement kept from this model's earlier graph; activation knobs searched"
         )
-    # offloading needs the optimizer
-    all_resident = opts.optimizer is None and fixed["n_persist"] is None
+    all_resident = opts.optimizer is None and fixed["n_persist"] is None  # offloading needs it
     if all_resident:
         notes.append(
             "no optimizer in the options, so every chunk stays resident (pass "
-            "options={'optimizer': "
-            "opt} to let the plan offload chunks)"
+            "options={'optimizer': opt} to let the plan offload chunks)"
         )
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
     peers = regional.siblings(root) if root is not None else []
@@ -214,9 +205,14 @@ def choose(
     # rank 0's cache decides for every rank
     raw = plan_cache.read(path)
     cached, failed, refused, at_step, gap = distributed.broadcast_object(
-        plan_cache.usable(raw, budget, _pinnable_host(device, _host_values_bytes(live), n_peers))
+        plan_cache.usable(
+            raw, budget, memory.pinnable_host(device, _host_values_bytes(live), n_peers)
+        )
         + (plan_cache.steps_at_opt_step(raw), plan_cache.allocator_gap(raw))
     )
+    grads_held = plan_cache.grads_held(raw, opts.optimizer, grads_held)
+    if cached is not None and grads_held and not cached["predicted"].get("grads_held"):
+        cached, refused = None, f"{grads_held}, which the cached plan did not price: planned anew"
     if refused:
         notes.append(refused)
     failed = sorted(set(failed) | set(failed_peaks))
@@ -247,7 +243,7 @@ def choose(
         floor_args = (  # rank 0's numbers: every rank refuses or none does (no hang)
             sum(n for _, n in param_entries),
             budget,
-            _pinnable_host(device, _host_values_bytes(live), n_peers),
+            memory.pinnable_host(device, _host_values_bytes(live), n_peers),
             distributed.world().size if distributed.world().sharded else 1,
         )
         check_host_floor(*distributed.broadcast_object(floor_args))
@@ -333,13 +329,16 @@ def choose(
     ]
     # the profiling store's masters (host_init's values moved into them) are freed as the plan's
     # store takes each chunk over
-    host_budget = _pinnable_host(device, host_freed, n_peers)
+    host_budget = memory.pinnable_host(device, host_freed, n_peers)
     hw = Hardware.of(hw_profile, step_rates.read(hw_profile, device.type))
     if device.type == "cpu":  # the optimizer on the cores that compute; no GPU host's triad bound
         hw = dataclasses.replace(hw, shared_compute=True, host_bytes_per_s=0.0)
     if at_step:  # the loop clips gradients: the CPU steps run after backward (plan_cache)
         hw = dataclasses.replace(hw, steps_at_opt_step=True)
         notes.append(f"offloaded chunks step at opt.step() in this loop ({at_step}): so priced")
+    if grads_held:  # resident gradients through the whole step
+        hw = dataclasses.replace(hw, grads_held=True)
+        notes.append(f"{grads_held}: resident gradients priced through the whole step")
     w = distributed.world()
     # offloaded chunks may step on the device, streamed (runtime/device_steps.py): one rank, a
     # device that is not the host, the share not given, not turned off (PROTRAIN_DEVICE_STEPS=0)
@@ -438,6 +437,7 @@ def choose(
         raise NoPlanFits(*outcome[1]) from None
     knobs, predicted = outcome[1]
     predicted["allocator_gap_bytes"] = gap if frag is not None else 0  # kept by the next plans
+    predicted["grads_held"] = grads_held  # why (plan_cache.grads_held), or None
     if fixed["device_steps"] is not None:
         knobs["device_steps"] = fixed["device_steps"]
     if distributed.world().rank == 0:

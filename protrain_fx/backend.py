@@ -436,6 +436,7 @@ def _compile(
     options,
     failed_peaks: tuple = (),
     graph_name: str | None = None,
+    grads_held: str | None = None,
 ):
     root = _traced_root(graph_inputs)
     structure = detect_blocks(gm, root)
@@ -469,6 +470,7 @@ def _compile(
             failed_peaks,
             root=root,
             regions=split,
+            grads_held=grads_held,
         )
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options

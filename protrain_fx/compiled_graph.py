@@ -23,6 +23,7 @@ from protrain_fx.plan.plan import Plan
 from protrain_fx.profiling.step_meter import StepMeter
 from protrain_fx.runtime import distributed, step_redo
 from protrain_fx.runtime.binding import GraphBinding
+from protrain_fx.runtime.chunk_store import store_of
 
 log = logging.getLogger("protrain_fx")
 
@@ -67,7 +68,7 @@ class ProtrainGraph:
         root=None,
     ):
         # backend._compile: (gm, examples, graph inputs, params, opts, options, failed_peaks=,
-        # graph_name=) -> (compiled, plan, device, choice)
+        # graph_name=, grads_held=) -> (compiled, plan, device, choice)
         self._compile = compile_graph
         # the module dynamo traced (held weakly), for the state-dict hooks of stores the binding
         # makes
@@ -91,6 +92,10 @@ class ProtrainGraph:
         self.replans = 0
         # a backward ran out of memory: re-plan before the next forward
         self._pending: str | None = None
+        # why the loop keeps gradients between steps, once a forward saw it (_kept_grads), and
+        # whether no re-plan could count them (the plan then goes on as it was)
+        self._grads_held: str | None = None
+        self._held_unpriced = False
 
     def install(self, compiled, plan: Plan, device, choice, opts: Options) -> None:
         live = [r() for r in self._params if r is not None]
@@ -126,6 +131,8 @@ class ProtrainGraph:
         if self._pending is not None:
             detail, self._pending = self._pending, None
             self._replan(args, detail, "backward")
+        elif torch.is_grad_enabled() and (held := self._kept_grads(args)) is not None:
+            self._replan(args, held, "forward", habit=True)
         if self.choice is not None and torch.is_grad_enabled() and self._replayable(args):
             out = _RedoableCall.apply(self, *args)
             return list(out) if self._returns_list else out
@@ -231,9 +238,56 @@ class ProtrainGraph:
                 self.choice.cache_path, self.plan, {"status": "oom", "detail": detail}
             )
 
-    def _replan(self, args, detail: str, where: str, handed_over: int | None = None) -> None:
+    def _kept_grads(self, args) -> str | None:
+        """Why this forward's plan must count resident gradients through the step, when a resident
+        parameter of the graph still has the last backward's gradient and the plan priced none."""
+        if (
+            self.choice is None
+            or self._held_unpriced
+            or (self.plan.predicted or {}).get("grads_held")
+        ):
+            return None
+        for gi, r in zip(self._graph_inputs, self._params):
+            p = args[gi.index] if r is not None else None
+            if isinstance(p, torch.Tensor) and p.grad is not None:
+                store = store_of(p)
+                if store is None or not store.param_is_offloaded(p):
+                    return (
+                        "the loop keeps gradients between steps (a resident parameter's gradient "
+                        "from the last backward was there at a forward: gradient accumulation, "
+                        "or zero_grad(set_to_none=False))"
+                    )
+        return None
+
+    def _replan(
+        self, args, detail: str, where: str, handed_over: int | None = None, habit: bool = False
+    ) -> None:
         """``handed_over``: a backward to be redone, which had handed over that many chunks'
-        gradients."""
+        gradients. ``habit``: not out of memory, the loop keeps gradients between steps
+        (``detail`` says so): re-planned once to count them, nothing marked failed."""
+        if habit:
+            self._grads_held = detail
+            log.warning(
+                "protrain: graph %s: %s, which its plan did not count; re-planning once with "
+                "resident gradients counted through the whole step",
+                self.plan.graph_name,
+                detail,
+            )
+            try:
+                self._recompile(args, tuple(self.choice.failed_peaks), detail)
+            except NoPlanFits as e:  # the chunk placement stays in a re-plan: nothing fits it
+                self._held_unpriced = True
+                self.plan.measured = dict(self.plan.measured or {}, grads_held=detail)
+                if self.choice.cache_path:  # the next run plans for them from the start
+                    plan_cache.save_plan(self.choice.cache_path, self.plan)
+                log.warning(
+                    "protrain: graph %s: no plan with its chunk placement counts them (%s); "
+                    "going on under the plan as it is (running out of memory is survived; the "
+                    "next run plans for them from the start)",
+                    self.plan.graph_name,
+                    str(e).splitlines()[0],
+                )
+            return
         self.replans += 1
         failed = (self.plan.predicted or {}).get("peak_bytes")
         if where == "forward":
@@ -258,6 +312,14 @@ class ProtrainGraph:
             100 * autoplan.FAILED_PEAK_MARGIN,
             then,
         )
+        peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
+        self._recompile(
+            args, peaks, f"re-planned after running out of device memory in the {where} ({detail})"
+        )
+
+    def _recompile(self, args, peaks: tuple, note: str) -> None:
+        """Plan and compile the graph again for ``args`` (``peaks``: predicted peaks of plans that
+        ran out of memory) and install it; ``note`` goes into the new plan's notes."""
         import gc
 
         gc.collect()
@@ -271,7 +333,6 @@ class ProtrainGraph:
         if opts.optimizer is None and self._optimizer is not None and self._optimizer() is not None:
             # the one found at compile time
             opts = dataclasses.replace(opts, optimizer=self._optimizer())
-        peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
         gm = copy_graph_module(self._eager_graph)
         examples = list(args)
         if self._symbolic and self._tracing is not None:
@@ -293,10 +354,9 @@ class ProtrainGraph:
                 self._options,
                 failed_peaks=peaks,
                 graph_name=self.plan.graph_name,
+                grads_held=self._grads_held,
             )
-        plan.notes.append(
-            f"re-planned after running out of device memory in the {where} ({detail})"
-        )
+        plan.notes.append(note)
         self.install(compiled, plan, device, choice, opts)
 
 

@@ -42,7 +42,8 @@ COST_MODEL_VERSION = 30  # 22: oversized gradients down in their own dtype, stag
 # 28: before it is measured, the faster of the triad's price and the alone rate slowed as inside
 # backward (in_step_alone_slowdown): a triad measured low no longer prices the step slow
 # 29: the clock under sustained load as busy steps on the machine measured it (step_rates.COMPUTE)
-# 30: a resident tied table's dense gradient at the end of backward (StepProfile.tied_row_tables)
+# 30: a resident tied table's dense gradient at the end of backward (StepProfile.tied_row_tables);
+# gradients a loop keeps between steps counted through the step (Hardware.grads_held)
 # a reserved peak measured this far over the prediction, with more reserved but free than the plan
 # budgeted, is the allocator's overhead the next plan budgets as measured (allocator_gap)
 RESERVED_TOLERANCE = 0.02
@@ -193,6 +194,25 @@ def usable(
         )
         return None, failed, why
     return entry, failed, None
+
+
+def grads_held(entry: dict | None, optimizer, seen: str | None) -> str | None:
+    """Why the training loop keeps gradients from one backward to the next forward, so that the
+    plan counts resident gradients through the whole step (``Hardware.grads_held``): ``seen`` at a
+    forward of this process (compiled_graph.ProtrainGraph), declared micro-steps
+    (``protrain_fx.set_grad_accumulation``), or as the graph's cached plan priced it; None
+    otherwise."""
+    micro = getattr(optimizer, "_protrain_micro_steps", 1) if optimizer is not None else 1
+    return (
+        seen
+        or (
+            f"the loop keeps gradients between steps ({micro} micro-steps declared)"
+            if micro > 1
+            else None
+        )
+        or ((entry or {}).get("predicted") or {}).get("grads_held")
+        or ((entry or {}).get("measured") or {}).get("grads_held")
+    )
 
 
 def steps_at_opt_step(entry: dict | None) -> str | None:

@@ -107,11 +107,11 @@ def test_the_automatic_plan_drops_transfer_copies_the_host_cannot_hold(monkeypat
     parameter; with a host that holds the plan without them but not with them, the automatic plan
     keeps none (and says so), and predicts its host bytes exactly. Every chunk offloaded and no
     block swapped (given), so that no other plan needs less host memory."""
-    from protrain_fx import autoplan
+    from protrain_fx.machine import memory
 
     def run(host_budget, **given):
         if host_budget is not None:
-            monkeypatch.setattr(autoplan, "_pinnable_host", lambda *a, **k: host_budget)
+            monkeypatch.setattr(memory, "pinnable_host", lambda *a, **k: host_budget)
         torch._dynamo.reset()
         return train_under_autocast(hf_llama(), n_persist=0, n_swap=0, **given)
 

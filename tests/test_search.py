@@ -218,6 +218,34 @@ def test_a_resident_tied_table_builds_its_dense_gradient_beside_the_head_s_part(
     assert peak(0, table) == peak(0, 0)  # offloaded: its rows go to the host
 
 
+def test_gradients_kept_between_steps_count_through_the_whole_step():
+    """A loop that keeps gradients from one backward to the next forward (accumulation,
+    ``zero_grad(set_to_none=False)``): the resident gradients are there at the start of backward
+    beside the activations (the plan for a loop that frees them counts them at its end only), and
+    any resident table whose gradient the profiled step sent as rows is built beside one."""
+    blk = BlockProfile(fwd_s=1e-3, bwd_s=2e-3, keep_bytes=200 * MiB, input_bytes=1 * MiB)
+    table = 512 * MiB
+    chunks = (ChunkProfile(table // 4, 1e-3, 2e-3, (), row_table_bytes=table),) + tuple(
+        ChunkProfile(256 * MiB // 4, 1e-3, 2e-3, (i,)) for i in range(2)
+    )
+    prof = GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(blk, blk),
+        chunks=chunks,
+        transient_bytes=50 * MiB,
+        fragmentation=1.0,
+    )
+    knobs = Knobs(prof.chunk_size, 3, 1, 0, 0)
+    freed = predict(prof, HW, knobs).peak_bytes
+    held = predict(prof, dataclasses.replace(HW, grads_held=True), knobs).peak_bytes
+    states = (table + 2 * 256 * MiB) * 3  # parameters and two moments, fp32, all resident
+    grads = table + 2 * 256 * MiB
+    saved = 2 * 200 * MiB + 50 * MiB
+    assert freed == states + max(saved, grads)  # an untied table: its gradient is the dense one
+    assert held == states + max(saved + grads, grads + table)
+    assert held > freed
+
+
 def test_prediction_terms():
     """Hand-checkable numbers: one block per chunk, two chunks, the second offloaded."""
     blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)

@@ -346,3 +346,11 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
         raise ProtrainError(f"protrain hardware profile: {dev} requested but CUDA is not available")
     index = torch.cuda.current_device() if dev.index is None else dev.index
     return torch.device("cuda", index)
+
+
+def pinnable_host(device, freed: int, n_peers: int) -> int:
+    """The host memory a plan may pin: what is available now, plus ``freed`` (host memory the
+    plan's store takes over), less a reserve; each of ``n_peers`` blocks of a regional compilation
+    offloads its share."""
+    _, _, avail, total = current_memory(device)
+    return (avail + freed - max(2 << 30, int(0.05 * total))) // n_peers

@@ -126,7 +126,10 @@ class _ProfileArrays:
         for ch in chunks:
             self.numel.append(self.numel[-1] + ch.numel)
             self.resident_bytes.append(self.resident_bytes[-1] + ch.numel * me)
-            self.table_grad.append(self.table_grad[-1] + ch.table_grad_bytes)
+            # a resident table built beside a held gradient (a tied one's; with gradients kept
+            # between steps, any one's): one table more at the end of backward
+            more = ch.row_table_bytes if hw.grads_held else ch.table_grad_bytes
+            self.table_grad.append(self.table_grad[-1] + more)
         # elements of the device chunk buffers (and of the host staging) when chunks c.. are
         # offloaded: each store's buffers hold a chunk of the layout's size, or its largest
         # offloaded chunk if that is larger, and stores of one such size share them
@@ -148,8 +151,7 @@ class _ProfileArrays:
             self.buffer_numel[c] = sum({max(capacity, v) for v in largest_in.values()})
             self.grad_numel[c] = sum({max(capacity, v) for v in packed_in.values()})
             self.oversized_staging[c] = N_OVERSIZED_STAGING * sum(k * e for k, e in oversized)
-        self.hw, self.prof = hw, prof
-        # CPU seconds per offloaded parameter's Adam step inside a training step (this rank's share)
+        self.hw, self.prof = hw, prof  # cpu_per_param: a CPU Adam step's seconds (this rank's)
         self.cpu_per_param = hw.cpu_s_per_param(prof.transfer_copies)
         self._device_step_table = self._static = None
         self.n_buffer = n_buffer
@@ -301,8 +303,7 @@ class LayoutCosts:
         self.fwd_res, self.fwd_off = A.fwd_res, A.fwd_off
         self.numel, self.resident_bytes, self.table_grad = A.numel, A.resident_bytes, A.table_grad
         self.buffer_numel, self.grad_numel = A.buffer_numel, A.grad_numel
-        self.oversized_staging = A.oversized_staging
-        self.swap_window_s = A.swap_window_s
+        self.oversized_staging, self.swap_window_s = A.oversized_staging, A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
         # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
         bwd_res, bwd_off = [0.0], [0.0]

@@ -111,6 +111,9 @@ class ChunkProfile:
     # offloaded, sent as rows: resident, its backward builds the dense table while the gradient
     # holds the head's part: these bytes more at the end of backward (cost_model: table_grad)
     table_grad_bytes: int = 0
+    # any table whose gradient the profiled step sent as rows (tied or not): what a resident chunk
+    # builds beside a gradient kept from the last backward (Hardware.grads_held)
+    row_table_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,10 @@ class Hardware:
     # opt.step(), as its earlier runs showed (plan_cache.steps_at_opt_step): the offloaded chunks'
     # CPU steps run at opt.step(), after backward (runtime/hybrid_optim.py), alone on the host
     steps_at_opt_step: bool = False
+    # the training loop keeps gradients from one backward to the next forward (gradient
+    # accumulation, zero_grad(set_to_none=False)): resident gradients live through the whole step,
+    # and an offloaded table's dense gradient, were its chunk resident, is built beside one
+    grads_held: bool = False
     # offloaded chunks may be stepped on the compute device, streamed over the link, beside the CPU
     # steps (protrain_fx/runtime/device_steps.py; one rank, a compute device that is not the host)
     device_steps: bool = False

@@ -28,7 +28,8 @@ def peaks(lc) -> list[int]:
     out = []
     for p in range(len(prof.chunks) + 1):
         casts = int(lc.numel[p] * prof.resident_cast_elem * lc.keep_fraction)
-        live = max(saved + casts, rb[p] + prof.tail_bytes + lc.table_grad[p])
+        held = rb[p] if lc.hw.grads_held else 0  # the last backward's, kept through this one
+        live = max(saved + casts + held, rb[p] + prof.tail_bytes + lc.table_grad[p])
         out.append(int(math.ceil((static[p] + live) * frag + extra)))
     return out
 
@@ -57,6 +58,8 @@ def memory_timeline(lc, n_persist: int) -> list[list]:
     bwd_total = sum(b.bwd_s for b in blocks) + prof.nonblock_bwd_s or 1.0
     f_scale, b_scale = parts["fwd_s"] / fwd_total, (t_total - parts["fwd_s"]) / bwd_total
     grads_total = lc.resident_bytes[n_persist]
+    if lc.hw.grads_held:  # kept from the last backward through this step
+        static += grads_total
     t, act = prof.nonblock_fwd_s * f_scale / 2, 0
     points = [[0.0, static * frag + extra, "step start"]]
     for i, b in enumerate(blocks):
@@ -70,8 +73,8 @@ def memory_timeline(lc, n_persist: int) -> list[list]:
     for i in range(n - 1, -1, -1):
         t += blocks[i].bwd_s * b_scale
         act -= kept[i]
-        grads = grads_total * (n - i) // max(1, n)
+        grads = 0 if lc.hw.grads_held else grads_total * (n - i) // max(1, n)
         points.append([t, (static + max(act, 0) + grads) * frag + extra, f"bwd block {i}"])
-    end = grads_total + prof.tail_bytes + lc.table_grad[n_persist]
+    end = (0 if lc.hw.grads_held else grads_total) + prof.tail_bytes + lc.table_grad[n_persist]
     points.append([t_total, (static + end) * frag + extra, "step end"])
     return [[p[0], int(p[1]), p[2]] for p in points]

@@ -107,7 +107,8 @@ def profile_frugal(
         with prog.phase("profiling", "profiling one step (1 + 2 runs)"):
             step = profile_step(compiled, list(example_inputs), stores, n_profiled, device)
         grad_elem = {k: v for s in stores for k, v in s.oversized_grad_elems().items()}
-        tables = {k: v for s in stores for k, v in s.tied_row_tables().items()}
+        tied = {k: v for s in stores for k, v in s.row_tables(tied=True).items()}
+        tables = {k: v for s in stores for k, v in s.row_tables().items()}
     except torch.OutOfMemoryError as e:
         factor, extra = allocator.fragmentation(alloc) or (1.0, 0)
         least = int(oom_need_bytes(e, device) * factor + extra)
@@ -123,7 +124,9 @@ def profile_frugal(
     static = plan.static_profile
     if short is not None:
         step, static = expand_profile(step, static, short.expand)
-    step = dataclasses.replace(step, oversized_grad_elem=grad_elem, tied_row_tables=tables)
+    step = dataclasses.replace(
+        step, oversized_grad_elem=grad_elem, tied_row_tables=tied, row_tables=tables
+    )
     host_freed = 0  # host bytes the plan's store frees as it takes the parameters over
     if not existing:
         for s in stores:

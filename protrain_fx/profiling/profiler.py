@@ -90,6 +90,8 @@ class StepProfile:
     # dense part and then the lookup's rows (ChunkStore.tied_row_tables): the table a resident
     # chunk's backward builds beside the gradient it holds
     tied_row_tables: dict = field(default_factory=dict)
+    # every parameter whose gradient came as rows (tied or not): its table's bytes
+    row_tables: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -390,6 +392,7 @@ def graph_profile(
             table_grad_bytes=(
                 step.tied_row_tables.get(fqns[c][0], 0) if len(fqns.get(c, ())) == 1 else 0
             ),
+            row_table_bytes=step.row_tables.get(fqns[c][0], 0) if len(fqns.get(c, ())) == 1 else 0,
         )
         for c, (f, b, bl) in enumerate(per_chunk)
     )

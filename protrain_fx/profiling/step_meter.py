@@ -170,6 +170,8 @@ class StepMeter:
         handle = hybrid_optim.handle_of(opt) if opt is not None else None
         if handle is not None and handle.serial_why:
             measured["cpu_steps_at_opt_step"] = handle.serial_why
+        if (self.plan.measured or {}).get("grads_held"):  # seen by the graph, kept for the cache
+            measured["grads_held"] = self.plan.measured["grads_held"]
         self.plan.measured = measured
         if not self.compute_observed and len(self.intervals) >= step_rates.COMPUTE_INTERVALS:
             self.compute_observed = True

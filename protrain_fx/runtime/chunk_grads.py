@@ -234,19 +234,21 @@ class ChunkGrads:
             if self.grad_goes_as_is(c)
         }
 
-    def tied_row_tables(self) -> dict[str, int]:
+    def row_tables(self, tied: bool = False) -> dict[str, int]:
         """Parameter -> bytes of its table in the master dtype, for each oversized offloaded chunk
         whose gradient came while profiling as a dense part (a tied head's) and then the lookup's
         rows (passes/sparse_embedding_grads.py): were the chunk resident, backward would build the
         table's dense gradient on the device while the parameter's gradient holds the head's part,
         one table more at the end of backward than the profiled step had (the cost model's
-        ``ChunkProfile.table_grad_bytes``)."""
+        ``ChunkProfile.table_grad_bytes``). ``tied=False``: every chunk whose gradient came as rows
+        (beside a gradient kept from the last backward, any resident table is built as one more:
+        ``ChunkProfile.row_table_bytes``)."""
         return {
             self.entries[self._chunk_entries[c][0]].fqn: self._chunk_numel[c]
             * self.master_dtype.itemsize
             for c in self.offloaded_chunks
             if c in self.row_grad_chunks
-            and self.as_is_grad_elem.get(c, 0)
+            and (self.as_is_grad_elem.get(c, 0) or not tied)
             and self.grad_goes_as_is(c)
         }
 
