@@ -132,7 +132,7 @@ class ProtrainGraph:
             detail, self._pending = self._pending, None
             self._replan(args, detail, "backward")
         elif torch.is_grad_enabled() and (held := self._kept_grads(args)) is not None:
-            self._replan(args, held, "forward", habit=True)
+            self._plan_for_kept_grads(args, held)
         if self.choice is not None and torch.is_grad_enabled() and self._replayable(args):
             out = _RedoableCall.apply(self, *args)
             return list(out) if self._returns_list else out
@@ -259,35 +259,36 @@ class ProtrainGraph:
                     )
         return None
 
-    def _replan(
-        self, args, detail: str, where: str, handed_over: int | None = None, habit: bool = False
-    ) -> None:
-        """``handed_over``: a backward to be redone, which had handed over that many chunks'
-        gradients. ``habit``: not out of memory, the loop keeps gradients between steps
-        (``detail`` says so): re-planned once to count them, nothing marked failed."""
-        if habit:
-            self._grads_held = detail
+    def _plan_for_kept_grads(self, args, why: str) -> None:
+        """Not out of memory: the loop keeps gradients between steps (``why``), which the plan
+        did not count. Re-planned once with them counted through the whole step (nothing marked
+        failed); where no plan with the graph's chunk placement fits that, the plan goes on as it
+        was and its measured side keeps ``why`` for the next run's plan."""
+        self._grads_held = why
+        log.warning(
+            "protrain: graph %s: %s, which its plan did not count; re-planning once with resident "
+            "gradients counted through the whole step",
+            self.plan.graph_name,
+            why,
+        )
+        try:
+            self._recompile(args, tuple(self.choice.failed_peaks), why)
+        except NoPlanFits as e:  # a re-plan keeps the chunk placement: nothing fits beside it
+            self._held_unpriced = True
+            self.plan.measured = dict(self.plan.measured or {}, grads_held=why)
+            if self.choice.cache_path:
+                plan_cache.save_plan(self.choice.cache_path, self.plan)
             log.warning(
-                "protrain: graph %s: %s, which its plan did not count; re-planning once with "
-                "resident gradients counted through the whole step",
+                "protrain: graph %s: no plan with its chunk placement counts them (%s); going on "
+                "under the plan as it is (running out of memory is survived; the next run plans "
+                "for them from the start)",
                 self.plan.graph_name,
-                detail,
+                str(e).splitlines()[0],
             )
-            try:
-                self._recompile(args, tuple(self.choice.failed_peaks), detail)
-            except NoPlanFits as e:  # the chunk placement stays in a re-plan: nothing fits it
-                self._held_unpriced = True
-                self.plan.measured = dict(self.plan.measured or {}, grads_held=detail)
-                if self.choice.cache_path:  # the next run plans for them from the start
-                    plan_cache.save_plan(self.choice.cache_path, self.plan)
-                log.warning(
-                    "protrain: graph %s: no plan with its chunk placement counts them (%s); "
-                    "going on under the plan as it is (running out of memory is survived; the "
-                    "next run plans for them from the start)",
-                    self.plan.graph_name,
-                    str(e).splitlines()[0],
-                )
-            return
+
+    def _replan(self, args, detail: str, where: str, handed_over: int | None = None) -> None:
+        """``handed_over``: a backward to be redone, which had handed over that many chunks'
+        gradients."""
         self.replans += 1
         failed = (self.plan.predicted or {}).get("peak_bytes")
         if where == "forward":

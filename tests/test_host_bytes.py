@@ -80,7 +80,10 @@ def test_predicted_host_bytes_are_the_allocated_ones(overrides, budget):
     assert got.get("master") and got.get("moments") == 2 * got["master"], got
     if overrides:
         assert got.get("oversized staging"), got
-    assert sum(got.values()) == plan.predicted["host_bytes"], (got, plan.predicted["host_bytes"])
+    # the loop keeps gradients between steps (set_to_none=False): re-planned to count them, the
+    # plan may swap blocks, whose pinned buffers live during the step only
+    swapped = plan.predicted["breakdown"]["swapped_bytes"]
+    assert sum(got.values()) == plan.predicted["host_bytes"] - swapped, (got, plan.predicted)
     assert pinned.held_bytes()[0] - before == sum(got.values())
     del compiled, model, opt, plan
     gc.collect()

@@ -869,9 +869,11 @@ def test_hf_llama_whose_profiling_runs_out_of_memory_is_left_as_it_was_and_its_s
         assert torch.equal(p.grad, q.grad), n
 
 
-@pytest.mark.parametrize("micro_steps,states", [(1, 3), (2, 12), (2, 3)])
+@pytest.mark.parametrize(
+    "micro_steps,states,declared", [(1, 3, False), (2, 12, False), (2, 3, False), (2, 12, True)]
+)
 def test_a_loop_that_keeps_gradients_between_steps_is_planned_for_them(
-    monkeypatch, caplog, micro_steps, states
+    monkeypatch, caplog, micro_steps, states, declared
 ):
     """Gradient accumulation keeps the resident gradients from one backward into the next forward
     and backward, which a plan for a loop that frees them (``zero_grad(set_to_none=True)`` after
@@ -879,13 +881,23 @@ def test_a_loop_that_keeps_gradients_between_steps_is_planned_for_them(
     with them counted through the whole step (a line and a note say so; nothing is marked failed).
     Where no plan with the graph's chunk placement fits that (a budget of 3x the parameters here)
     the plan goes on as it was and says so, and its measured side keeps why, for the next run.
-    Training is eager's either way; with one micro-step nothing is re-planned."""
+    Training is eager's either way; with one micro-step nothing is re-planned, and with the
+    micro-steps declared (``set_grad_accumulation``) the first plan counts them."""
     from hf_models import HF_VOCAB, LossOnly, hf_llama
 
     from protrain_fx.testing import compare_with_eager
 
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
     model = LossOnly(hf_llama())
+    if declared:  # the copy compare_with_eager trains gets its own optimizer: declared there
+        real = protrain_fx.testing.make_adamw
+
+        def make_adamw(m, **kw):
+            opt = real(m, **kw)
+            protrain_fx.set_grad_accumulation(opt, micro_steps)
+            return opt
+
+        monkeypatch.setattr(protrain_fx.testing, "make_adamw", make_adamw)
     with caplog.at_level("WARNING", logger="protrain_fx"):
         r = compare_with_eager(
             model,
@@ -899,6 +911,9 @@ def test_a_loop_that_keeps_gradients_between_steps_is_planned_for_them(
     held = r.plan.predicted.get("grads_held")
     if micro_steps == 1:
         assert held is None and not said
+    elif declared:
+        assert held == "the loop keeps gradients between steps (2 micro-steps declared)", held
+        assert not said
     elif states == 12:
         assert held and "gradient accumulation" in held and len(said) == 1, said
         assert any("keeps gradients between steps" in n for n in r.plan.notes), r.plan.notes
