@@ -170,18 +170,9 @@ def test_the_end_of_backward_holds_the_resident_gradients_and_what_follows_the_b
     gradient and a tied head's held one, measured after the last block's backward), which the
     H200 showed missing: Llama-3.2-3B's shape at 24 and 40 GiB ran out of memory allocating the
     1.47 GiB embedding gradient 1.2-2.5 GiB above the predicted peak."""
-    blk = BlockProfile(fwd_s=1e-3, bwd_s=2e-3, keep_bytes=10 * MiB, input_bytes=1 * MiB)
-    chunks = tuple(ChunkProfile(256 * MiB // 4, 1e-3, 2e-3, (i,)) for i in range(2))
 
     def peak(tail):
-        prof = GraphProfile(
-            chunk_size=256 * MiB,
-            blocks=(blk, blk),
-            chunks=chunks,
-            transient_bytes=50 * MiB,
-            tail_bytes=tail,
-            fragmentation=1.0,
-        )
+        prof = _blocks_profile(10 * MiB, tail)
         return predict(prof, HW, Knobs(prof.chunk_size, 2, 1, 0, 0)).peak_bytes
 
     states = 2 * 256 * MiB * 3  # parameters and two moments, fp32, both chunks resident
@@ -191,26 +182,32 @@ def test_the_end_of_backward_holds_the_resident_gradients_and_what_follows_the_b
     assert peak(1024 * MiB) == states + grads + 1024 * MiB
 
 
+def _blocks_profile(keep: int, tail: int, table: int = 0, **table_chunk) -> GraphProfile:
+    """Two blocks of a 256 MiB chunk each, each keeping ``keep`` bytes, after an embedding table's
+    chunk of ``table`` bytes (none for 0; its ChunkProfile's fields ``table_chunk``)."""
+    blk = BlockProfile(fwd_s=1e-3, bwd_s=2e-3, keep_bytes=keep, input_bytes=1 * MiB)
+    chunks = ((ChunkProfile(table // 4, 1e-3, 2e-3, (), **table_chunk),) if table else ()) + tuple(
+        ChunkProfile(256 * MiB // 4, 1e-3, 2e-3, (i,)) for i in range(2)
+    )
+    return GraphProfile(
+        chunk_size=256 * MiB,
+        blocks=(blk, blk),
+        chunks=chunks,
+        transient_bytes=50 * MiB,
+        tail_bytes=tail,
+        fragmentation=1.0,
+    )
+
+
 def test_a_resident_tied_table_builds_its_dense_gradient_beside_the_head_s_part():
     """A tied embedding's chunk whose gradient the profiled step (the chunk offloaded) sent as rows:
     resident, backward builds the dense table while the gradient holds the head's part, one table
     more at the end of backward (H200 run 29: the 1B Llama shape's three 1 GiB tensors at the peak,
     1.01 GiB over the prediction). Only where that chunk is resident."""
-    blk = BlockProfile(fwd_s=1e-3, bwd_s=2e-3, keep_bytes=10 * MiB, input_bytes=1 * MiB)
     table = 512 * MiB
 
     def peak(n_persist, table_grad):
-        chunks = (ChunkProfile(table // 4, 1e-3, 2e-3, (), table_grad_bytes=table_grad),) + tuple(
-            ChunkProfile(256 * MiB // 4, 1e-3, 2e-3, (i,)) for i in range(2)
-        )
-        prof = GraphProfile(
-            chunk_size=256 * MiB,
-            blocks=(blk, blk),
-            chunks=chunks,
-            transient_bytes=50 * MiB,
-            tail_bytes=64 * MiB,
-            fragmentation=1.0,
-        )
+        prof = _blocks_profile(10 * MiB, 64 * MiB, table, table_grad_bytes=table_grad)
         return predict(prof, HW, Knobs(prof.chunk_size, n_persist, 1, 0, 0)).peak_bytes
 
     assert peak(3, table) == peak(3, 0) + table  # the end of backward is the larger end
@@ -223,18 +220,8 @@ def test_gradients_kept_between_steps_count_through_the_whole_step():
     ``zero_grad(set_to_none=False)``): the resident gradients are there at the start of backward
     beside the activations (the plan for a loop that frees them counts them at its end only), and
     any resident table whose gradient the profiled step sent as rows is built beside one."""
-    blk = BlockProfile(fwd_s=1e-3, bwd_s=2e-3, keep_bytes=200 * MiB, input_bytes=1 * MiB)
     table = 512 * MiB
-    chunks = (ChunkProfile(table // 4, 1e-3, 2e-3, (), row_table_bytes=table),) + tuple(
-        ChunkProfile(256 * MiB // 4, 1e-3, 2e-3, (i,)) for i in range(2)
-    )
-    prof = GraphProfile(
-        chunk_size=256 * MiB,
-        blocks=(blk, blk),
-        chunks=chunks,
-        transient_bytes=50 * MiB,
-        fragmentation=1.0,
-    )
+    prof = _blocks_profile(200 * MiB, 0, table, row_table_bytes=table)
     knobs = Knobs(prof.chunk_size, 3, 1, 0, 0)
     freed = predict(prof, HW, knobs).peak_bytes
     held = predict(prof, dataclasses.replace(HW, grads_held=True), knobs).peak_bytes
