@@ -254,6 +254,12 @@ def run_row(row: dict, steps: int) -> dict:
     # SWEEP_CLIP (from a --variant): the loop clips gradients to this norm, as HF Trainer does
     clip = float(os.environ.get("SWEEP_CLIP") or 0)
     out["clip"] = clip or None
+    # SWEEP_MICRO: micro-steps per optimizer step (the batch again, the loss divided: the same
+    # gradient), gradients accumulated as a loop does; SWEEP_KEEP_OUTPUT: the loop keeps the model's
+    # output (its logits) through backward, as ``out = model(...); out.loss.backward()`` does
+    micro = int(os.environ.get("SWEEP_MICRO") or 1)
+    keep_output = bool(os.environ.get("SWEEP_KEEP_OUTPUT"))
+    out["micro_steps"], out["keep_output"] = micro, keep_output
     hybrid = None
     if row["system"] == "protrain":
         import protrain_fx
@@ -298,10 +304,16 @@ def run_row(row: dict, steps: int) -> dict:
         timers0 = _timers(hybrid)
         ev[0].record()
         x = x.to(dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = compiled(input_ids=x, labels=x).loss
-        ev[1].record()
-        loss.backward()
+        for m in range(micro):  # ev[1]: after the first forward
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                output = compiled(input_ids=x, labels=x)
+            loss = output.loss
+            if not keep_output:
+                del output
+            if m == 0:
+                ev[1].record()
+            (loss / micro if micro > 1 else loss).backward()
+            output = None
         ev[2].record()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
