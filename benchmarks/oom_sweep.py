@@ -412,6 +412,12 @@ def run_row(row: dict, steps: int) -> dict:
         out["plan"] = {k: d.get(k, 0) for k in KNOBS}
         out["plan"]["chunks"] = len(d["chunks"])
         out["predicted_peak_reserved_gib"] = pred.get("peak_bytes", 0) / 2**30 or None
+        # the plan's peak keeps the logits a model returns beside its loss through backward; this
+        # loop drops the output first unless SWEEP_KEEP_OUTPUT: the plan's prediction for that
+        dropped = pred.get("peak_bytes_output_dropped")
+        if dropped is not None and not out.get("keep_output"):
+            out["predicted_peak_reserved_gib"] = dropped / 2**30
+            out["predicted_peak_kept_output_gib"] = pred.get("peak_bytes", 0) / 2**30
         if pred.get("peak_allocated_bytes"):
             out["predicted_peak_allocated_gib"] = pred["peak_allocated_bytes"] / 2**30
         out["predicted_step_s"] = pred.get("iter_s")
@@ -654,7 +660,11 @@ def table(out: dict) -> str:
             else ""
         ),
         "",
-        "Peaks: the process's `max_memory_reserved` (profiling and the first step included). Step "
+        "Peaks: the process's `max_memory_reserved` (profiling and the first step included); "
+        "predicted: the plan's peak for this loop, which drops the model's output before "
+        "backward (`peak_bytes_output_dropped`, which plans report from run 32 on; before, and in "
+        "the allocated column, the plan's own peak, which keeps the logits returned beside the "
+        "loss through backward, as a loop that holds the output does). Step "
         "time: median of steps 4-20, synchronized. Errors: (measured - predicted) / predicted. "
         "Host: the pinned buffers the plan predicts, and the process's resident set after the "
         "steps and at its peak (building the model on the host included), both above its "

@@ -174,9 +174,7 @@ def choose(
             n_persist=min(resident, n_own),
             transfer_copies=store.transfer_copies,
         )
-        notes.append(
-            "chunk placement kept from this model's earlier graph; activation knobs searched"
-        )
+        notes.append("chunk placement kept from an earlier graph; activation knobs searched")
     all_resident = opts.optimizer is None and fixed["n_persist"] is None  # offloading needs it
     if all_resident:
         notes.append(
@@ -478,6 +476,9 @@ def _prediction(
     predicted = {
         "iter_s": best.time_s,
         "peak_bytes": best.peak_bytes,  # reserved: what the cap bounds
+        # without the returned logits the profiled step (and peak_bytes) held through backward
+        "peak_bytes_output_dropped": best.peak_bytes
+        - int(step.returned_logits_bytes * lc.fragmentation),
         "peak_allocated_bytes": int((best.peak_bytes - lc.fragmentation_bytes) / lc.fragmentation),
         "allocator": allocator.describe(alloc, (prof.fragmentation, prof.fragmentation_bytes)),
         "host_bytes": best.host_bytes,

@@ -78,3 +78,38 @@ def test_gradient_handles_start_a_backward_without_the_output():
         del y
     torch.autograd.backward([handle], [torch.ones(4)])
     assert torch.equal(x.grad, x.detach().exp())
+
+
+def test_the_plan_predicts_the_peak_of_a_loop_that_drops_the_output_too(monkeypatch):
+    """The predicted peak keeps the logits a model returns beside its loss through backward (the
+    profiled step holds them, as ``out = model(...); out.loss.backward()`` does), and the plan
+    also says what a loop that drops the output first peaks at: that less the logits' bytes (times
+    the allocator's factor). A model that returns the loss alone: the same."""
+    from hf_models import LossOnly
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    batch, seq = 2, 16
+    for wrap in (False, True):
+        torch._dynamo.reset()
+        model = hf_llama()
+        model = LossOnly(model) if wrap else model
+        opt = make_adamw(model)
+        budget = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+        compiled = torch.compile(
+            model,
+            backend="protrain",
+            options=dict(compiler="eager", optimizer=opt, memory_budget=budget, n_persist=0),
+        )
+        (x, _) = random_batches(1, batch, seq, vocab=HF_VOCAB)[0]
+        loss = compiled(x, x) if wrap else compiled(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        plan = protrain_fx.get_plan(compiled)
+        peak, dropped = plan.predicted["peak_bytes"], plan.predicted["peak_bytes_output_dropped"]
+        if wrap:
+            assert dropped == peak
+            assert "drops the model's output" not in plan.summary()
+        else:
+            logits = batch * seq * HF_VOCAB * 4  # fp32 logits (no autocast)
+            factor = plan.predicted["profiled"]["fragmentation"]  # no block swapped here
+            assert plan.n_swap == 0 and peak - dropped == int(logits * factor), (peak, dropped)
+            assert "if the loop drops the model's output before backward" in plan.summary()

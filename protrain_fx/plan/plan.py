@@ -138,6 +138,15 @@ class Plan:
         }
 
     # ------------------------------------------------------------------------------------- summary
+    def _dropped(self) -> str:
+        """The predicted peak of a loop that drops the model's output before backward, where the
+        graph returns logits beside its loss (the plan's own peak keeps them through backward)."""
+        pred = self.predicted or {}
+        dropped, peak = pred.get("peak_bytes_output_dropped"), pred.get("peak_bytes")
+        if dropped is None or peak is None or dropped >= peak:
+            return ""
+        return f" ({format_bytes(dropped)} if the loop drops the model's output before backward)"
+
     def summary(self) -> str:
         n_params = sum(len(c.params) for c in self.chunks)
         total = sum(c.bytes for c in self.chunks)
@@ -198,7 +207,7 @@ class Plan:
             f"  iteration time: predicted {_fmt_s(self.predicted, 'iter_s')}, measured "
             f"{_fmt_s(self.measured, 'iter_s')}"
             "; peak memory reserved: predicted "
-            f"{format_bytes((self.predicted or {}).get('peak_bytes'))}, "
+            f"{format_bytes((self.predicted or {}).get('peak_bytes'))}{self._dropped()}, "
             f"measured {format_bytes((self.measured or {}).get('peak_bytes'))}"
         )
         at_step = (self.measured or {}).get("cpu_steps_at_opt_step")

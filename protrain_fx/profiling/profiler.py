@@ -90,6 +90,10 @@ class StepProfile:
     # dense part and then the lookup's rows (ChunkStore.tied_row_tables): the table a resident
     # chunk's backward builds beside the gradient it holds
     tied_row_tables: dict = field(default_factory=dict)
+    # the logits the graph returns beside a fused loss: the step holds them through backward (its
+    # peak counts them), as a loop that keeps the model's output does; a loop that drops it before
+    # backward peaks lower by them
+    returned_logits_bytes: int = 0
     # every parameter whose gradient came as rows (tied or not): its table's bytes
     row_tables: dict = field(default_factory=dict)
 
@@ -132,6 +136,17 @@ def _device_clocks(device: torch.device) -> dict:
             }
         except Exception as e:  # NVML query not permitted: the profile stands without it
             return {"nvml_error": repr(e)[:200]}
+
+
+def _returned_logits_bytes(outs) -> int:
+    """Bytes of the logits the graph returns beside a fused loss (passes/chunked_loss.py)."""
+    from protrain_fx.runtime.loss_ops import is_returned_logits
+
+    return sum(
+        o.numel() * o.element_size()
+        for o in pytree.tree_leaves(outs)
+        if isinstance(o, torch.Tensor) and is_returned_logits(o)
+    )
 
 
 def _grad_outputs(outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -183,7 +198,7 @@ def profile_step(
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     rec = block_timer.RECORDER
     best: dict | None = None
-    reserved_ratio = None
+    reserved_ratio, returned = None, 0
     for s in stores:
         s.profiling = True
     # private (torch's own tests use it): optional
@@ -208,6 +223,7 @@ def profile_step(
             rec.record(block_timer.STEP, block_timer.STEP_START, device)
             outs = compiled(*inputs)
             rec.record(block_timer.STEP, block_timer.FWD_END, device)
+            returned = max(returned, _returned_logits_bytes(outs))
             out_leaves, ones = _grad_outputs(outs)
             if out_leaves:
                 torch.autograd.backward(out_leaves, ones)
@@ -264,6 +280,7 @@ def profile_step(
         conditions=conditions,
         tail_bytes=int(step["tail_bytes"]),
         head_bwd_s=min(step["head_bwd_ms"] / 1e3, max(0.0, step["bwd_ms"] / 1e3 - sum(bwd))),
+        returned_logits_bytes=returned,
     )
 
 
