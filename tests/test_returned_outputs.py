@@ -33,13 +33,9 @@ def _holders(ptr: int) -> list:
     return out
 
 
-def test_logits_returned_beside_the_loss_are_freed_when_the_caller_drops_them(monkeypatch):
-    """HF Llama (tied embeddings) under a memory budget, every chunk offloaded, its own loss: the
-    caller takes ``.loss`` and drops the output before backward; no tensor over the logits' memory
-    is left (before the fix the call's record held the graph's own output). Training then goes on
-    (two steps, finite losses), and the logits a caller keeps stay valid."""
-    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
-    model = hf_llama()
+def _offloaded(model):
+    """``(model, its AdamW, model compiled)`` under a budget of 3x its parameters, every chunk
+    offloaded, eager kernels."""
     opt = make_adamw(model)
     budget = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     compiled = torch.compile(
@@ -47,6 +43,16 @@ def test_logits_returned_beside_the_loss_are_freed_when_the_caller_drops_them(mo
         backend="protrain",
         options=dict(compiler="eager", optimizer=opt, memory_budget=budget, n_persist=0),
     )
+    return model, opt, compiled
+
+
+def test_logits_returned_beside_the_loss_are_freed_when_the_caller_drops_them(monkeypatch):
+    """HF Llama (tied embeddings) under a memory budget, every chunk offloaded, its own loss: the
+    caller takes ``.loss`` and drops the output before backward; no tensor over the logits' memory
+    is left (before the fix the call's record held the graph's own output). Training then goes on
+    (two steps, finite losses), and the logits a caller keeps stay valid."""
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    model, opt, compiled = _offloaded(hf_llama())
     data = random_batches(2, 2, 16, vocab=HF_VOCAB)
     losses = []
     for i, (x, _) in enumerate(data):
@@ -91,15 +97,7 @@ def test_the_plan_predicts_the_peak_of_a_loop_that_drops_the_output_too(monkeypa
     batch, seq = 2, 16
     for wrap in (False, True):
         torch._dynamo.reset()
-        model = hf_llama()
-        model = LossOnly(model) if wrap else model
-        opt = make_adamw(model)
-        budget = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-        compiled = torch.compile(
-            model,
-            backend="protrain",
-            options=dict(compiler="eager", optimizer=opt, memory_budget=budget, n_persist=0),
-        )
+        model, opt, compiled = _offloaded(LossOnly(hf_llama()) if wrap else hf_llama())
         (x, _) = random_batches(1, batch, seq, vocab=HF_VOCAB)[0]
         loss = compiled(x, x) if wrap else compiled(input_ids=x, labels=x, use_cache=False).loss
         loss.backward()
