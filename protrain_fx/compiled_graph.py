@@ -96,8 +96,12 @@ class ProtrainGraph:
         # whether no re-plan could count them (the plan then goes on as it was)
         self._grads_held: str | None = None
         self._held_unpriced = False
+        # the graph's resident parameters that need gradients (weakly), found at its second call
+        self._resident: list | None = None
+        self._called = False
 
     def install(self, compiled, plan: Plan, device, choice, opts: Options) -> None:
+        self._resident, self._called = None, False  # placed anew: found again (_kept_grads)
         live = [r() for r in self._params if r is not None]
         positions = [gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None]
         self.binding = GraphBinding(
@@ -247,16 +251,23 @@ class ProtrainGraph:
             or (self.plan.predicted or {}).get("grads_held")
         ):
             return None
-        for gi, r in zip(self._graph_inputs, self._params):
-            p = args[gi.index] if r is not None else None
-            if isinstance(p, torch.Tensor) and p.grad is not None:
-                store = store_of(p)
-                if store is None or not store.param_is_offloaded(p):
-                    return (
-                        "the loop keeps gradients between steps (a resident parameter's gradient "
-                        "from the last backward was there at a forward: gradient accumulation, "
-                        "or zero_grad(set_to_none=False))"
-                    )
+        if self._resident is None:  # found once, after the first call has placed every parameter
+            if not self._called:
+                self._called = True  # no backward before it either
+                return None
+            self._resident = []
+            for gi, r in zip(self._graph_inputs, self._params):
+                p = args[gi.index] if r is not None else None
+                if isinstance(p, torch.Tensor) and p.requires_grad:
+                    store = store_of(p)
+                    if store is None or not store.param_is_offloaded(p):
+                        self._resident.append(weakref.ref(p))
+        if any((p := r()) is not None and p.grad is not None for r in self._resident):
+            return (
+                "the loop keeps gradients between steps (a resident parameter's gradient from "
+                "the last backward was there at a forward: gradient accumulation, or "
+                "zero_grad(set_to_none=False))"
+            )
         return None
 
     def _plan_for_kept_grads(self, args, why: str) -> None:

@@ -396,6 +396,8 @@ def graph_profile(
     fqns: dict[int, list[str]] = {}
     for s in layout.slots:
         fqns.setdefault(s.chunk, []).append(s.fqn)
+    # a chunk of one parameter (an oversized table or head): what the profiled step noted of it
+    alone = {c: names[0] for c, names in fqns.items() if len(names) == 1}
     chunks = tuple(
         ChunkProfile(
             numel=(layout.used_bytes(c) + master_elem - 1) // master_elem,
@@ -403,13 +405,9 @@ def graph_profile(
             bwd_s=b,
             blocks=tuple(sorted(bl)),
             group=chunk_group.get(c, 0),
-            grad_elem=(
-                step.oversized_grad_elem.get(fqns[c][0]) if len(fqns.get(c, ())) == 1 else None
-            ),
-            table_grad_bytes=(
-                step.tied_row_tables.get(fqns[c][0], 0) if len(fqns.get(c, ())) == 1 else 0
-            ),
-            row_table_bytes=step.row_tables.get(fqns[c][0], 0) if len(fqns.get(c, ())) == 1 else 0,
+            grad_elem=step.oversized_grad_elem.get(alone.get(c)),
+            table_grad_bytes=step.tied_row_tables.get(alone.get(c), 0),
+            row_table_bytes=step.row_tables.get(alone.get(c), 0),
         )
         for c, (f, b, bl) in enumerate(per_chunk)
     )
