@@ -11,8 +11,8 @@ replaces it with protrain's chunked op (protrain_fx/runtime/loss_ops.py), which 
 fp32 loss and gradient a chunk of rows at a time:
 
 * when the logits come from a bias-free ``linear`` and feed the loss alone:
-  ``linear_cross_entropy(hidden, weight, ...)``; the logits then exist one chunk at a time too, and
-  only their gradient, in the projection's dtype, has their full size (in backward);
+  ``linear_cross_entropy(hidden, weight, ...)``; the logits and their gradient then exist one chunk
+  at a time too (backward takes slices of the vocabulary);
 * the same when the logits are also a graph output (Hugging Face returns them beside the loss):
   the output is then the same ``linear`` on detached inputs, so that aot_autograd gives it no
   gradient (it would otherwise make a zero gradient of the logits' full size in every backward
@@ -26,10 +26,12 @@ fp32 loss and gradient a chunk of rows at a time:
 
 Only what is exact is rewritten: no class weights, no label smoothing, ``reduction`` ``"mean"`` or
 ``"sum"``, an fp32 loss (as eager computes it after ``float()`` or under autocast), a vocabulary of
-static size. The op runs eager's kernels a chunk at a time, so loss and gradients are eager's
-bit for bit (a test checks it); the fused op's logits come from a matmul of the chunk's rows, which
-some BLAS (AMD EPYC's) rounds by an ulp otherwise than the same rows of the whole matmul. The fused
-op costs one more matmul of the head's size in backward; the profiler measures the rewritten graph,
+static size. The op from the logits runs eager's kernels a chunk at a time, so loss and gradients
+are eager's bit for bit (a test checks it); the fused op's loss is eager's too (its logits come
+from a matmul of the chunk's rows, which some BLAS, AMD EPYC's, rounds by an ulp otherwise than the
+same rows of the whole matmul), its gradients eager's within fp32 rounding (backward sums the
+hidden states' gradient over slices of the vocabulary). The fused op costs one more matmul of the
+head's size in backward; the profiler measures the rewritten graph,
 so the cost model prices it. The pass records each rewrite in ``plan.notes``.
 ``PROTRAIN_DISABLE_PASSES=chunked_loss`` keeps eager's loss.
 """

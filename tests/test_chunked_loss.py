@@ -1,8 +1,10 @@
 """The chunked head and loss (issue 24.2, passes/chunked_loss.py): cross-entropy over the output
 projection's logits is computed a chunk of rows at a time, in forward and backward, with no change
-to the model; the loss and gradients are eager's bit for bit (the fused op's within an ulp where
-the CPU's BLAS rounds a chunk's matmul otherwise than the whole one's), and no tensor of the logits'
-full size remains in the graphs of a model that returns the loss alone."""
+to the model; the loss and gradients are eager's bit for bit (the fused op's loss within an ulp
+where the CPU's BLAS rounds a chunk's matmul otherwise than the whole one's; its gradients, where
+the logits' gradient is larger than a chunk, within fp32 rounding: backward sums over slices of the
+vocabulary, which these tests force with 16 KiB chunks), and no tensor of the logits' full size
+remains in the graphs of a model that returns the loss alone."""
 
 import pytest
 import torch
@@ -22,9 +24,11 @@ def small_chunks(monkeypatch):
 
 # ------------------------------------------------------------------------------------- the ops
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True, "whole"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_chunked_ops_give_eagers_loss_and_gradients(reduction, fused, dtype):
+    """fused=True: the fused op's backward over vocabulary slices (the logits' gradient, 37 x 50,
+    larger than a chunk of 8 rows); "whole": chunks of 64 rows, where it is built whole."""
     g = torch.Generator().manual_seed(0)
     n, width, vocab = 37, 16, 50  # 37 rows in chunks of 8: a ragged last chunk
     hidden = torch.randn(n, width, generator=g, requires_grad=True)
@@ -36,9 +40,12 @@ def test_the_chunked_ops_give_eagers_loss_and_gradients(reduction, fused, dtype)
     )
     want = torch.autograd.grad(ref, (hidden, weight))
     if fused:
-        loss, _ = torch.ops.protrain.linear_cross_entropy(
-            hidden, weight, target, -100, reduction, 8, dtype
+        rows = 64 if fused == "whole" else 8
+        loss, _, lse = torch.ops.protrain.linear_cross_entropy(
+            hidden, weight, target, -100, reduction, rows, dtype
         )
+        logits = (hidden.to(dtype) @ weight.to(dtype).t()).float()
+        torch.testing.assert_close(lse, torch.logsumexp(logits, 1), rtol=1e-6, atol=1e-6)
     else:
         logits = hidden.to(dtype) @ weight.to(dtype).t()
         loss, _ = torch.ops.protrain.cross_entropy(logits, target, -100, reduction, 8)
@@ -47,11 +54,24 @@ def test_the_chunked_ops_give_eagers_loss_and_gradients(reduction, fused, dtype)
     if not fused:  # eager's kernels a chunk at a time: bit for bit
         assert torch.equal(loss, ref)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    else:  # a chunk's logits by a matmul of its rows, which some CPUs' BLAS (AMD EPYC) rounds
-        # otherwise than the same rows of the whole matmul, by an ulp
+    elif fused == "whole":  # a chunk's logits by a matmul of its rows, which some CPUs' BLAS
+        # (AMD EPYC) rounds otherwise than the same rows of the whole matmul, by an ulp
         torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    else:  # a chunk's logits by a matmul of its rows, which some CPUs' BLAS (AMD EPYC) rounds
+        # otherwise than the same rows of the whole matmul, by an ulp; backward over 6 slices of
+        # the vocabulary (8 x 50 // 37 = 10 columns each, the last ragged): the hidden states'
+        # gradient summed over them in fp32 and rounded once to the projection's dtype (bf16: an
+        # element may round to the neighbouring value); an element that sums to almost nothing
+        # is within a few ulps of the tensor's largest
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+        for a, b in zip(got, want):
+            big = b.abs().max().item()
+            if dtype == torch.float32:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * big)
+            else:
+                torch.testing.assert_close(a, b, rtol=8e-3, atol=8e-3 * big)
 
 
 def test_the_ops_pass_torchs_custom_op_checks():
@@ -119,6 +139,21 @@ def rewrite_notes(plan) -> list[str]:
     return [n for n in plan.notes if n.startswith("cross-entropy over")]
 
 
+def close_to_eager(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within fp32 rounding, after steps whose gradients came from the fused op's backward (over
+    vocabulary slices: eager's within fp32 rounding, which AdamW's first steps amplify where a
+    gradient is near zero)."""
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def params_close_to_eager(mine, ref, base) -> None:
+    """``mine``'s parameters within 3% of the largest update eager's steps made from ``base``."""
+    b, r = base.state_dict(), ref.state_dict()
+    update = max((r[k] - b[k]).abs().max().item() for k in r)
+    diff = max((v.cpu() - r[k]).abs().max().item() for k, v in mine.state_dict().items())
+    assert update > 1e-3 and diff <= 0.03 * update, (diff, update)
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -146,14 +181,17 @@ def test_models_train_like_eager_with_the_chunked_loss_and_offloaded_chunks(case
     notes = rewrite_notes(r.plan)
     assert len(notes) == 1 and "in chunks of 8 rows" in notes[0]
     assert ("head and loss fused" in notes[0]) == fused
-    # eager's kernels, chunk by chunk: the same losses and parameters, bit for bit
-    assert r.losses == r.ref_losses and r.max_param_abs == 0.0 and r.max_param_update > 1e-3
+    # forward: eager's kernels chunk by chunk (the same losses); backward over vocabulary slices,
+    # whose gradients are eager's within fp32 rounding (test above), which AdamW's first steps
+    # amplify where a gradient is near zero: the parameters within 3% of an update
+    assert r.max_loss_rel <= 1e-6 and r.max_param_update > 1e-3
+    assert r.max_param_abs <= 0.03 * r.max_param_update
     if case == "hf-loss-and-logits":  # the logits the model returns are eager's
         x = random_batches(1, 2, 16, vocab=HF_VOCAB, seed=5)[0][0]
         with torch.no_grad():
             r.compiled(x, x)
             r.ref(x, x)
-        assert torch.equal(r.compiled.last_logits, r.ref.last_logits)
+        close_to_eager(r.compiled.last_logits, r.ref.last_logits)
 
 
 def test_the_chunked_loss_with_inductor_and_autocast_matches_eager():
@@ -275,7 +313,8 @@ def test_a_model_returning_its_logits_gets_the_fused_loss_and_eagers_logits(monk
     """Hugging Face returns the logits beside the loss: the loss still comes from the hidden states
     a chunk at a time (the logits leave the graph without a gradient path, so aot_autograd makes no
     zero gradient of their size), and the user gets eager's logits, requiring grad like eager's;
-    losses and parameters are eager's bit for bit, compiled in regions or whole."""
+    the first step's loss and logits are eager's bit for bit, the later ones and the parameters
+    within fp32 rounding (the fused backward), compiled in regions or whole."""
     import copy
 
     monkeypatch.setenv("PROTRAIN_REGIONS", regions)
@@ -284,20 +323,22 @@ def test_a_model_returning_its_logits_gets_the_fused_loss_and_eagers_logits(monk
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     compiled, opt = offloaded(mine)
     batches = random_batches(3, 2, 16, vocab=HF_VOCAB)
-    for want, got in _hf_steps(ref, compiled, ref_opt, opt, batches):
-        assert torch.equal(got.loss, want.loss)
-        assert torch.equal(got.logits, want.logits)
+    for i, (want, got) in enumerate(_hf_steps(ref, compiled, ref_opt, opt, batches)):
+        if i == 0:  # forward: eager's kernels, from the same parameters
+            assert torch.equal(got.loss, want.loss) and torch.equal(got.logits, want.logits)
+        close_to_eager(got.loss, want.loss)
+        close_to_eager(got.logits, want.logits)
         assert got.logits.requires_grad and got.logits.grad_fn is not None
     notes = rewrite_notes(get_plan(compiled))
     assert len(notes) == 1 and "head and loss fused" in notes[0], notes
     assert "logits returned from detached inputs" in notes[0]
-    sd = ref.state_dict()
-    assert all(torch.equal(v.cpu(), sd[k]) for k, v in mine.state_dict().items())
+    params_close_to_eager(mine, ref, base)
     with torch.no_grad():  # evaluation: the same logits, no gradient function
         x = batches[0][0]
         out, want = compiled(input_ids=x, labels=x), ref(input_ids=x, labels=x)
-    assert torch.equal(out.logits, want.logits) and not out.logits.requires_grad
-    assert torch.equal(out.loss, want.loss)
+    close_to_eager(out.logits, want.logits)
+    assert not out.logits.requires_grad
+    close_to_eager(out.loss, want.loss)
 
 
 def test_a_gradient_through_the_returned_logits_raises_and_training_goes_on():
@@ -320,9 +361,8 @@ def test_a_gradient_through_the_returned_logits_raises_and_training_goes_on():
     del out
     opt.zero_grad()
     for want, got in _hf_steps(ref, compiled, ref_opt, opt, batches):
-        assert torch.equal(got.loss, want.loss)
-    sd = ref.state_dict()
-    assert all(torch.equal(v.cpu(), sd[k]) for k, v in mine.state_dict().items())
+        close_to_eager(got.loss, want.loss)
+    params_close_to_eager(mine, ref, base)
 
 
 def test_no_tensor_of_the_logits_size_in_backward_when_the_logits_are_returned(monkeypatch):

@@ -9,19 +9,30 @@ eager's own kernels (``log_softmax``, ``nll_loss_backward``, ``log_softmax_backw
 results per row do not depend on the other rows; forward keeps one number per row (the picked
 log-probability) and reduces them with eager's ``nll_loss``, in the same order; backward computes
 each chunk's log-softmax again. From the logits, loss and gradient are therefore eager's bit for
-bit.
+bit (the fused op's backward below: within fp32 rounding).
 
 * ``cross_entropy(logits, target, ignore_index, reduction, chunk_rows) -> (loss, total_weight)``:
   from 2-D logits of any floating dtype, upcast to fp32 per chunk (as Hugging Face's
   ``ForCausalLMLoss`` does with ``logits.float()``); the gradient comes back in the logits' dtype.
-* ``linear_cross_entropy(hidden, weight, target, ..., compute_dtype) -> (loss, total_weight)``: the
-  same from the hidden states and the output projection's weight (``logits = hidden @ weight.T`` in
-  ``compute_dtype``, the dtype autocast would run the projection in), for a graph whose logits feed
-  the loss alone: the logits then exist one chunk at a time in forward; backward recomputes each
-  chunk's logits (one more matmul of the head's size) and writes their gradient, in
-  ``compute_dtype``, into a tensor of the logits' size, then runs the projection's two backward
-  matmuls over all rows as eager does (``weight`` comes in ``compute_dtype`` where the graph casts
-  it, passes/chunked_loss.py, and its gradient goes back in it).
+* ``linear_cross_entropy(hidden, weight, target, ..., compute_dtype) -> (loss, total_weight,
+  lse)``: the same from the hidden states and the output projection's weight (``logits = hidden @
+  weight.T`` in ``compute_dtype``, the dtype autocast would run the projection in), for a graph
+  whose logits feed the loss alone: the logits exist one chunk of rows at a time in forward, which
+  also keeps each row's log-sum-exp (``lse``, 4 bytes a token). Backward recomputes the logits
+  (one more matmul of the head's size over the step). Where their gradient whole, in
+  ``compute_dtype``, is no larger than a chunk of fp32 logits (a few hundred tokens), it is written
+  a chunk of rows at a time by eager's kernels and the projection's two backward matmuls run over
+  all rows as eager's: eager's gradients. Otherwise (4096 tokens of a 128k vocabulary: 1 GiB in
+  bf16) backward never holds the logits or their gradient whole: it takes the vocabulary a slice
+  at a time (as many elements as a chunk of rows), computes the slice's logits again, their fp32
+  gradient ``(exp(x - lse) - onehot) * g`` (what eager's ``nll_loss_backward`` and
+  ``log_softmax_backward`` compute), and the projection's backward: the weight's gradient for the
+  slice's rows is one matmul over every token (eager's reduction), the hidden states' gradient a
+  sum over the slices kept in fp32 (``n x width``, small) and rounded once to ``compute_dtype``, as
+  eager's. These gradients are eager's within fp32 rounding, not bit for bit. ``weight`` comes in
+  ``compute_dtype`` where the graph casts it (passes/chunked_loss.py), and its gradient goes back
+  in it. The largest transient is then a slice's fp32 logits (``PROTRAIN_LOSS_CHUNK_BYTES``) beside
+  the weight's gradient.
 
 ``reduction`` is ``"mean"`` (over the rows whose target is not ``ignore_index``, as eager's) or
 ``"sum"``. The ops are opaque to Inductor (their kernels are eager ATen calls per chunk).
@@ -143,18 +154,40 @@ def linear_cross_entropy(
     reduction: str,
     chunk_rows: int,
     compute_dtype: torch.dtype,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    picked = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = hidden.shape[0]
+    picked = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     wt = weight.to(compute_dtype).t()
-    for a, b in _rows(hidden.shape[0], chunk_rows):
-        logp = _log_probs(hidden[a:b].to(compute_dtype) @ wt)
-        picked[a:b] = _picked(logp, target[a:b], ignore_index)
-    return _reduce(picked, target, ignore_index, reduction)
+    for a, b in _rows(n, chunk_rows):
+        x = (hidden[a:b].to(compute_dtype) @ wt).float()
+        picked[a:b] = _picked(torch.log_softmax(x, 1), target[a:b], ignore_index)
+        lse[a:b] = torch.logsumexp(x, 1)
+        del x
+    loss, total_weight = _reduce(picked, target, ignore_index, reduction)
+    return loss, total_weight, lse
 
 
 @linear_cross_entropy.register_fake
 def _(hidden, weight, target, ignore_index, reduction, chunk_rows, compute_dtype):
-    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((), dtype=torch.float32)
+    scalar = hidden.new_empty((), dtype=torch.float32)
+    return scalar, torch.empty_like(scalar), hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+
+
+def _mm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with the product accumulated in ``acc``'s dtype (fp32, or fp64 for fp64
+    inputs): where ``a`` and ``b`` are bf16 or fp16 on CUDA, by cuBLAS with an fp32 output (no
+    rounding of the partial sum to the inputs' dtype); elsewhere by a matmul of the upcast inputs
+    (whose products are exact in fp32)."""
+    if a.dtype == acc.dtype:
+        acc.add_(a @ b)
+    elif a.is_cuda and _MM_OUT_DTYPE and acc.dtype == torch.float32:
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        acc.add_(a.to(acc.dtype) @ b.to(acc.dtype))
+
+
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 @custom_op("protrain::linear_cross_entropy_backward", mutates_args=())
@@ -164,27 +197,67 @@ def linear_cross_entropy_backward(
     weight: torch.Tensor,
     target: torch.Tensor,
     total_weight: torch.Tensor,
+    lse: torch.Tensor,
     ignore_index: int,
     reduction: str,
     chunk_rows: int,
     compute_dtype: torch.dtype,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    # the logits' gradient, a chunk at a time, in the dtype the projection ran in; then the
-    # projection's backward as eager runs it (the same two matmuls over every row)
     n, vocab = hidden.shape[0], weight.shape[0]
-    dlogits = torch.empty((n, vocab), dtype=compute_dtype, device=hidden.device)
     h = hidden.to(compute_dtype)
     w = weight.to(compute_dtype)
-    for a, b in _rows(n, chunk_rows):
-        logp = _log_probs(h[a:b] @ w.t())
-        dlogits[a:b] = _grad_rows(grad, logp, target[a:b], ignore_index, reduction, total_weight)
-        del logp
-    return (dlogits @ w).to(hidden.dtype), (dlogits.t() @ h).to(weight.dtype)
+    if n * h.element_size() <= chunk_rows * 4:
+        # the logits' gradient whole is no larger than a chunk of fp32 logits: eager's kernels a
+        # chunk of rows at a time into it, then the projection's backward as eager runs it (the
+        # same two matmuls over every row): eager's gradients bit for bit
+        dlogits = torch.empty((n, vocab), dtype=compute_dtype, device=hidden.device)
+        for a, b in _rows(n, chunk_rows):
+            logp = _log_probs(h[a:b] @ w.t())
+            dlogits[a:b] = _grad_rows(
+                grad, logp, target[a:b], ignore_index, reduction, total_weight
+            )
+            del logp
+        return (dlogits @ w).to(hidden.dtype), (dlogits.t() @ h).to(weight.dtype)
+    # else over slices of the vocabulary, so that the logits' gradient exists one slice at a time:
+    # a slice's logits again (from the hidden states and the slice's rows of the weight), their
+    # fp32 gradient from the log-sum-exp forward kept per row (what eager's ``nll_loss_backward``
+    # then ``log_softmax_backward`` compute: ``(exp(x - lse) - onehot) * g``, g = grad /
+    # total_weight on the rows not ignored), and the projection's backward: the weight's gradient
+    # for the slice's rows is the slice's whole matmul (a reduction over every token, as eager's),
+    # the hidden states' gradient a sum over the slices, accumulated in fp32 (fp64 for fp64) and
+    # rounded once to ``compute_dtype`` as eager's
+    scale = grad / total_weight if reduction == "mean" else grad
+    g = torch.where(target != ignore_index, scale, 0.0).unsqueeze(1)  # fp32, (n, 1)
+    cols = max(1, chunk_rows * vocab // n)  # as many elements as a chunk of rows
+    acc = torch.promote_types(torch.float32, compute_dtype)
+    dh = torch.zeros((n, h.shape[1]), dtype=acc, device=hidden.device)
+    dw = torch.empty((vocab, h.shape[1]), dtype=compute_dtype, device=hidden.device)
+    for a, b in _rows(vocab, cols):
+        x = (h @ w[a:b].t()).float()
+        x.sub_(lse.unsqueeze(1)).exp_().mul_(g)
+        at = (target - a).clamp_(0, b - a - 1).unsqueeze(1)
+        hit = ((target >= a) & (target < b)).unsqueeze(1)
+        x.scatter_add_(1, at, torch.where(hit, -g, 0.0))
+        dl = x.to(compute_dtype)
+        del x
+        torch.mm(dl.t(), h, out=dw[a:b])
+        _mm_into(dh, dl, w[a:b])
+        del dl
+    return dh.to(compute_dtype).to(hidden.dtype), dw.to(weight.dtype)
 
 
 @linear_cross_entropy_backward.register_fake
 def _(
-    grad, hidden, weight, target, total_weight, ignore_index, reduction, chunk_rows, compute_dtype
+    grad,
+    hidden,
+    weight,
+    target,
+    total_weight,
+    lse,
+    ignore_index,
+    reduction,
+    chunk_rows,
+    compute_dtype,
 ):
     return (
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
@@ -194,14 +267,15 @@ def _(
 
 def _lce_setup(ctx, inputs, output):
     hidden, weight, target, ignore_index, reduction, chunk_rows, compute_dtype = inputs
-    ctx.save_for_backward(hidden, weight, target, output[1])
+    ctx.save_for_backward(hidden, weight, target, output[1], output[2])
     ctx.args = (ignore_index, reduction, chunk_rows, compute_dtype)
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _lce_backward(ctx, grad_loss, grad_total_weight):
-    hidden, weight, target, total_weight = ctx.saved_tensors
+def _lce_backward(ctx, grad_loss, grad_total_weight, grad_lse):
+    hidden, weight, target, total_weight, lse = ctx.saved_tensors
     dh, dw = linear_cross_entropy_backward(
-        grad_loss, hidden, weight, target, total_weight, *ctx.args
+        grad_loss, hidden, weight, target, total_weight, lse, *ctx.args
     )
     return dh, dw, None, None, None, None, None
 
