@@ -325,9 +325,25 @@ class ProtrainGraph:
             then,
         )
         peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
-        self._recompile(
-            args, peaks, f"re-planned after running out of device memory in the {where} ({detail})"
-        )
+        try:
+            self._recompile(
+                args,
+                peaks,
+                f"re-planned after running out of device memory in the {where} ({detail})",
+            )
+        except NoPlanFits as e:
+            if not self._grads_held:
+                raise
+            raise NoPlanFits(
+                f"{e} -- {self._grads_held}, which the plan chosen at the first step did not "
+                "count, and a re-plan keeps that plan's chunk placement (resident chunks cannot "
+                "move to the host yet), so this minimum is that placement's. Declare the "
+                "micro-steps before the first step, protrain_fx.set_grad_accumulation(optimizer, "
+                "micro_steps), so that the first plan counts the kept gradients; a new run plans "
+                "for them from the start too (the plan cache kept that this loop keeps them)",
+                e.min_device_bytes,
+                e.min_host_bytes,
+            ) from None
 
     def _recompile(self, args, peaks: tuple, note: str) -> None:
         """Plan and compile the graph again for ``args`` (``peaks``: predicted peaks of plans that

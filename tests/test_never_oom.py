@@ -921,3 +921,33 @@ def test_a_loop_that_keeps_gradients_between_steps_is_planned_for_them(
     else:
         assert held is None and len(said) == 1 and "going on under the plan" in caplog.text
         assert "gradient accumulation" in (r.plan.measured or {}).get("grads_held", "")
+
+
+def test_out_of_memory_with_kept_gradients_no_plan_could_count_says_to_declare_them(monkeypatch):
+    """Gradient accumulation under a plan for a loop that frees its gradients, where no plan with
+    the first plan's chunk placement fits the kept gradients (3x the parameters), and then a
+    forward out of memory (as on the H200: Llama-3.2-1B's shape at 4 x 1024 under a 16 GiB cap,
+    two micro-steps, ``oom_sweep_h200_run32b.md``): the re-plan finds nothing smaller, and the
+    NoPlanFits says why the minimum is high and how to have the first plan count the gradients."""
+    from hf_models import HF_VOCAB, LossOnly, hf_llama
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    model = LossOnly(hf_llama())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(
+        model,
+        backend="protrain",
+        options={
+            "compiler": "eager",
+            "memory_budget": 3 * state_bytes(model),
+            "optimizer": opt,
+        },
+    )
+    (x, _), (x2, _) = random_batches(2, 2, 16, vocab=HF_VOCAB)
+    compiled(x, x).backward()
+    compiled(x2, x2).backward()  # the kept gradients seen: no plan fits them, goes on
+    inject_oom(monkeypatch, "gather", 1)
+    with pytest.raises(NoPlanFits, match="set_grad_accumulation") as info:
+        compiled(x, x)
+    assert "gradient accumulation" in str(info.value)
+    assert "keeps that plan's chunk placement" in str(info.value)
