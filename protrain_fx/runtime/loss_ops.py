@@ -179,12 +179,17 @@ def _mm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     inputs): where ``a`` and ``b`` are bf16 or fp16 on CUDA, by cuBLAS with an fp32 output (no
     rounding of the partial sum to the inputs' dtype); elsewhere by a matmul of the upcast inputs
     (whose products are exact in fp32)."""
+    global _MM_OUT_DTYPE
     if a.dtype == acc.dtype:
         acc.add_(a @ b)
-    elif a.is_cuda and _MM_OUT_DTYPE and acc.dtype == torch.float32:
-        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-    else:
-        acc.add_(a.to(acc.dtype) @ b.to(acc.dtype))
+        return
+    if a.is_cuda and _MM_OUT_DTYPE and acc.dtype == torch.float32:
+        try:
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+            return
+        except (RuntimeError, TypeError, NotImplementedError):  # not for these dtypes here
+            _MM_OUT_DTYPE = False
+    acc.add_(a.to(acc.dtype) @ b.to(acc.dtype))
 
 
 _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
