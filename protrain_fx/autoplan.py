@@ -42,6 +42,7 @@ from protrain_fx.plan.cost_model import LayoutCosts
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import Hardware
 from protrain_fx.plan.search import check_host_floor, search, search_or_without_copies
+from protrain_fx.plan.timeline import output_dropped_peak
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
 from protrain_fx.profiling.frugal import oom_need_bytes, profile_frugal  # noqa: F401  (tests)
 from protrain_fx.profiling.profiler import graph_profile, profile_from_dict, profile_to_dict
@@ -476,9 +477,8 @@ def _prediction(
     predicted = {
         "iter_s": best.time_s,
         "peak_bytes": best.peak_bytes,  # reserved: what the cap bounds
-        # without the returned logits the profiled step (and peak_bytes) held through backward
-        "peak_bytes_output_dropped": best.peak_bytes
-        - int(step.returned_logits_bytes * lc.fragmentation),
+        # for a loop that drops the logits the profiled step (and peak_bytes) held (timeline.py)
+        "peak_bytes_output_dropped": output_dropped_peak(lc, best.knobs, step),
         "peak_allocated_bytes": int((best.peak_bytes - lc.fragmentation_bytes) / lc.fragmentation),
         "allocator": allocator.describe(alloc, (prof.fragmentation, prof.fragmentation_bytes)),
         "host_bytes": best.host_bytes,

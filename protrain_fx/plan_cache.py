@@ -30,7 +30,7 @@ from protrain_fx.runtime import distributed
 log = logging.getLogger("protrain_fx")
 
 # bump when the profile or the cost model changes meaning: old cache entries miss
-COST_MODEL_VERSION = 30  # 22: oversized gradients down in their own dtype, staging priced as held;
+COST_MODEL_VERSION = 31  # 22: oversized gradients down in their own dtype, staging priced as held;
 # 23: compute slowed by the clock under sustained load (Hardware.clock_slowdown)
 # 24: the transfer_copies knob (a cached plan's knobs include it)
 # 25: the CPU step priced per kind (with or without the transfer copy), as measured in steps where
@@ -44,6 +44,8 @@ COST_MODEL_VERSION = 30  # 22: oversized gradients down in their own dtype, stag
 # 29: the clock under sustained load as busy steps on the machine measured it (step_rates.COMPUTE)
 # 30: a resident tied table's dense gradient at the end of backward (StepProfile.tied_row_tables);
 # gradients a loop keeps between steps counted through the step (Hardware.grads_held)
+# 31: a loop that drops the model's output peaks no lower than the end of forward
+# (timeline.output_dropped_peak)
 # a reserved peak measured this far over the prediction, with more reserved but free than the plan
 # budgeted, is the allocator's overhead the next plan budgets as measured (allocator_gap)
 RESERVED_TOLERANCE = 0.02

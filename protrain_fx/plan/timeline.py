@@ -34,6 +34,23 @@ def peaks(lc) -> list[int]:
     return out
 
 
+def output_dropped_peak(lc, knobs, step) -> int:
+    """The peak of ``lc`` under ``knobs`` for a loop that drops the model's output before
+    backward (the logits returned beside the loss, ``step.returned_logits_bytes``, which the
+    profiled step ``step``, and so :func:`peaks`, held through backward): the peak less them, but
+    never under the end of forward, where they exist in any loop beside every saved activation (on
+    the H200 the 1B shape at 8 x 2048 peaked there once backward's head no longer built their
+    gradient whole)."""
+    prof, frag, extra, p = lc.prof, lc.fragmentation, lc.fragmentation_bytes, knobs.n_persist
+    output_bytes = step.returned_logits_bytes
+    peak = lc.peak_bytes(p)
+    casts = int(lc.numel[p] * prof.resident_cast_elem * lc.keep_fraction)
+    held = lc.resident_bytes[p] if lc.hw.grads_held else 0
+    live = lc.activation_bytes + casts + held + output_bytes
+    forward_end = int(math.ceil((lc.static[p] + live) * frag + extra))
+    return min(peak, max(peak - int(output_bytes * frag), forward_end))
+
+
 def memory_timeline(lc, n_persist: int) -> list[list]:
     """``[t_s, bytes, label]`` at every block boundary of the plan ``lc``
     (a :class:`~protrain_fx.plan.cost_model.LayoutCosts`) with ``n_persist`` resident chunks."""

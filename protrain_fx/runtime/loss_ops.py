@@ -193,6 +193,7 @@ def _mm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+SLICE_ALIGN = 128  # columns of a vocabulary slice (see linear_cross_entropy_backward)
 
 
 @custom_op("protrain::linear_cross_entropy_backward", mutates_args=())
@@ -233,7 +234,10 @@ def linear_cross_entropy_backward(
     # rounded once to ``compute_dtype`` as eager's
     scale = grad / total_weight if reduction == "mean" else grad
     g = torch.where(target != ignore_index, scale, 0.0).unsqueeze(1)  # fp32, (n, 1)
-    cols = max(1, chunk_rows * vocab // n)  # as many elements as a chunk of rows
+    # as many elements as a chunk of rows, in a multiple of SLICE_ALIGN columns: a slice's logits
+    # and gradient then have a leading dimension cuBLAS's tensor-core kernels take (on the H200,
+    # 2043-column slices of the 1B shape's 8 x 2048 tokens took 241 ms of backward against 65)
+    cols = max(SLICE_ALIGN, chunk_rows * vocab // n // SLICE_ALIGN * SLICE_ALIGN)
     acc = torch.promote_types(torch.float32, compute_dtype)
     dh = torch.zeros((n, h.shape[1]), dtype=acc, device=hidden.device)
     dw = torch.empty((vocab, h.shape[1]), dtype=compute_dtype, device=hidden.device)
