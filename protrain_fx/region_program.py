@@ -175,23 +175,12 @@ class RegionProgram:
             a.after, b.before = b, a
 
     def __call__(self, *args):
-        self._prefetch_first_gathers()
         if not self.swaps:
             return self.top(*args)
         try:
             return self.top(*args)
         finally:  # the last blocks' copies, before anything can reload them
             swap_pool.region_begins(None)
-
-    def _prefetch_first_gathers(self) -> None:
-        """At the start of a forward, the first chunks that any region gathers (the first region
-        with offloaded chunks, once a forward has recorded them), into free buffers: their copies
-        then run beside the resident regions' forward before them, instead of starting only when
-        the region just before reaches its end (on the H200 the 1B shape's first offloaded copy
-        began 17-21 ms into a forward of about 40, ``oom_sweep_h200_run27.md``)."""
-        first = next((c for c in self.calls if c.fw_keys), None)
-        if first is not None and first is not self.calls[0]:
-            _prefetch_ahead(first.fw_keys)
 
     def static_profile(self, n_blocks: int) -> StaticProfile:
         """The whole graph's static profile, from its variants' (profiling plan only): every block

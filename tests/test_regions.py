@@ -156,44 +156,6 @@ def test_the_next_regions_first_chunks_are_prefetched_ahead(monkeypatch, n_buffe
     assert sum(s["ahead_taken_back"] for s in stats) == 0, stats
 
 
-def test_a_forward_prefetches_the_first_offloaded_region_at_its_start(monkeypatch):
-    """With resident regions first, the first region that gathers has its first chunk prefetched
-    (into a free buffer) when the forward starts, before the first region's code is queued: its
-    copy runs beside the resident regions' forward. Exact under poisoned buffers, every gather
-    finds its chunk prefetched, no buffer reserved ahead is taken back."""
-    from protrain_fx import region_program
-
-    monkeypatch.setenv("PROTRAIN_DEBUG_POISON", "1")
-    events = []
-    real_ahead, real_forward = region_program._prefetch_ahead, region_program.RegionCall.forward
-
-    def ahead(keys):
-        events.append(("ahead", tuple(keys)))
-        return real_ahead(keys)
-
-    def forward(self, *args):
-        events.append(("enter", self.index))
-        return real_forward(self, *args)
-
-    monkeypatch.setattr(region_program, "_prefetch_ahead", ahead)
-    monkeypatch.setattr(region_program.RegionCall, "forward", forward)
-    base = hf(4)
-    chunk = max(p.numel() * 4 for p in base.lm.model.layers[0].parameters()) + 4096
-    r = compare_with_eager(
-        base,
-        random_batches(4, 2, 16, vocab=512),
-        {"compiler": "eager", "chunk_size": chunk, "n_persist": 3, "n_buffer": 1},
-        give_optimizer=True,
-    )
-    assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS, (r.losses, r.ref_losses)
-    starts = [events[i - 1] for i, e in enumerate(events) if e == ("enter", 0) and i > 0]
-    assert len(starts) >= 3 and all(e[0] == "ahead" and e[1] for e in starts), events[:12]
-    buffers = {id(s.buffers): s.buffers for s in stores_of(r.model) if s.buffers is not None}
-    stats = [b.stats for b in buffers.values()]
-    assert sum(s["unprefetched_gathers"] for s in stats) == 0
-    assert sum(s["ahead_taken_back"] for s in stats) == 0, stats
-
-
 def hf_model(kind: str):
     import transformers
 
