@@ -161,9 +161,16 @@ def linear_cross_entropy(
     wt = weight.to(compute_dtype).t()
     for a, b in _rows(n, chunk_rows):
         x = (hidden[a:b].to(compute_dtype) @ wt).float()
-        picked[a:b] = _picked(torch.log_softmax(x, 1), target[a:b], ignore_index)
-        lse[a:b] = torch.logsumexp(x, 1)
-        del x
+        logp = torch.log_softmax(x, 1)
+        t = target[a:b]
+        picked[a:b] = _picked(logp, t, ignore_index)
+        # each row's log-sum-exp from one of its columns, x - log_softmax(x) (the target's; column
+        # 0 on an ignored row): no pass over the chunk beyond log_softmax's (torch.logsumexp took
+        # 17 ms of the 1B shape's forward at 8 x 2048 on the H200), within the rounding of the
+        # log-probability eager's backward exponentiates
+        col = torch.where(t == ignore_index, 0, t).unsqueeze(1)
+        lse[a:b] = (x.gather(1, col) - logp.gather(1, col)).squeeze(1)
+        del x, logp
     loss, total_weight = _reduce(picked, target, ignore_index, reduction)
     return loss, total_weight, lse
 
