@@ -25,7 +25,7 @@ def small_chunks(monkeypatch):
 # ------------------------------------------------------------------------------------- the ops
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("fused", [False, True, "whole"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_the_chunked_ops_give_eagers_loss_and_gradients(monkeypatch, reduction, fused, dtype):
     """fused=True: the fused op's backward over vocabulary slices (the logits' gradient, 37 x 50,
     larger than a chunk of 8 rows; slices of any width here, not multiples of 128 columns);
@@ -33,8 +33,10 @@ def test_the_chunked_ops_give_eagers_loss_and_gradients(monkeypatch, reduction, 
     monkeypatch.setattr(loss_ops, "SLICE_ALIGN", 1)
     g = torch.Generator().manual_seed(0)
     n, width, vocab = 37, 16, 50  # 37 rows in chunks of 8: a ragged last chunk
-    hidden = torch.randn(n, width, generator=g, requires_grad=True)
-    weight = torch.randn(vocab, width, generator=g, requires_grad=True)
+    # fp64: a model in fp64 (its projection and gradients in fp64, the loss in fp32 as eager's)
+    like = torch.float64 if dtype == torch.float64 else torch.float32
+    hidden = torch.randn(n, width, generator=g, dtype=like).requires_grad_()
+    weight = torch.randn(vocab, width, generator=g, dtype=like).requires_grad_()
     target = torch.randint(0, vocab, (n,), generator=g)
     target[::5] = -100
     ref = F.cross_entropy(
@@ -58,9 +60,11 @@ def test_the_chunked_ops_give_eagers_loss_and_gradients(monkeypatch, reduction, 
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     elif fused == "whole":  # a chunk's logits by a matmul of its rows, which some CPUs' BLAS
         # (AMD EPYC) rounds otherwise than the same rows of the whole matmul, by an ulp
+        # (fp64: an fp64 ulp of a chunk's logits may move their fp32 cast by one)
         torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
         for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+            atol = 1e-6 * b.abs().max().item() if dtype == torch.float64 else 1e-7
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
     else:  # a chunk's logits by a matmul of its rows, which some CPUs' BLAS (AMD EPYC) rounds
         # otherwise than the same rows of the whole matmul, by an ulp; backward over 6 slices of
         # the vocabulary (8 x 50 // 37 = 10 columns each, the last ragged): the hidden states'
@@ -70,7 +74,7 @@ def test_the_chunked_ops_give_eagers_loss_and_gradients(monkeypatch, reduction, 
         torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
         for a, b in zip(got, want):
             big = b.abs().max().item()
-            if dtype == torch.float32:
+            if dtype != torch.bfloat16:  # fp64: the loss's fp32 rounding
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * big)
             else:
                 torch.testing.assert_close(a, b, rtol=8e-3, atol=8e-3 * big)
