@@ -587,7 +587,11 @@ def test_fixed_segments_model_against_the_h200_sweeps():
                 continue
             prof = r["predicted_detail"]["profiled"]
             factor, extra = allocator.fragmentation(off, prof["reserved_ratio"], prof["peak_bytes"])
-            allocated = r["predicted_peak_allocated_gib"] * 2**30
+            # from run 30 on the allocated peak measured (the predicted one keeps the returned
+            # logits through backward: run 34's 1B shape at 8 x 2048 and 16 GiB, 13.68 GiB
+            # predicted, 12.50 measured, its reserved 13.35)
+            key = "peak_allocated_gib" if run >= 30 else "predicted_peak_allocated_gib"
+            allocated = r[key] * 2**30
             measured = r["peak_reserved_gib"] * 2**30
             err = measured / (allocated * factor + extra) - 1
             new_errs.append(err)
