@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from results_io import write_json, write_table
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLANS = {
     "resident": {"chunk_size": 412090368, "n_persist": 14, "n_swap": 0, "n_checkpoint": 18},
@@ -138,8 +140,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
-    with open(args.out + ".json", "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out)
     lines = [
         f"# protrain before and after, side by side ({out['device']}, torch {out['torch']}, "
         f"{out['date']})",
@@ -162,9 +163,7 @@ def main() -> None:
             f"{r.get('peak_reserved_gib', 0):.2f} | {r.get('offloaded', '-')} | "
             f"{(r.get('error') or '')[-200:]} |"
         )
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, lines)
 
 
 if __name__ == "__main__":

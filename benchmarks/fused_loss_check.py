@@ -29,6 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from results_io import write_json, write_table
 
 SHAPES = [  # (name, tokens, width, vocabulary)
     ("llama3.2-1b 4x1024", 4096, 2048, 128256),
@@ -117,8 +118,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
-    with open(args.out + ".json", "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out)
     lines = [
         f"# The fused head and loss against eager ({out['device']}, torch {out['torch']}, "
         f"{out['date']})",
@@ -134,9 +134,7 @@ def main() -> None:
             f"{r['dhidden_rel_to_max']:.1e} | {r['dweight_rel_to_max']:.1e} | "
             f"{r['dweight_bitwise_equal_share']:.3f} |"
         )
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, lines)
 
 
 if __name__ == "__main__":

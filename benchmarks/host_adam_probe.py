@@ -34,6 +34,7 @@ import threading
 import time
 
 import torch
+from results_io import write_json, write_table
 
 G = 1e9
 CHUNK = 24 * 2**20  # parameters per chunk (96 MiB of fp32)
@@ -342,8 +343,7 @@ def main() -> None:
 
 
 def finish(args, res: dict, cores: int) -> None:
-    with open(args.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(args.out, res)
     lines = [
         "# The CPU AdamW kernel on the GPU machine's host: alone and beside a step's traffic",
         "",
@@ -359,9 +359,7 @@ def finish(args, res: dict, cores: int) -> None:
             f"{r.get('median_gparams_s', '-')} | {r.get('median_gb_s', '-')} | "
             f"{r.get('copies_gb_s', '-')} |"
         )
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, lines)
 
 
 if __name__ == "__main__":

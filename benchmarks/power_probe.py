@@ -15,11 +15,11 @@ writes ``OUT.json`` and ``OUT.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+from results_io import write_json, write_table
 
 
 def main() -> None:
@@ -85,8 +85,7 @@ def main() -> None:
         "sustained_over_boost": round(statistics.median(late) / boost, 4),
         "windows": windows,
     }
-    with open(args.out + ".json", "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.out, out)
     lines = [
         f"# Sustained load: dense bf16 products ({out['device']}, torch {out['torch']}, "
         f"power limit {limit_w:.0f} W)",
@@ -101,9 +100,7 @@ def main() -> None:
         f"| {w['t_s']} | {w['gemm_ms']} | {w['tflops']} | {w['sm_mhz']} | {w['watts']} |"
         for w in windows[:: max(1, len(windows) // 20)]
     ]
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines[:3]))
+    write_table(args.out, lines, echo=3)
 
 
 if __name__ == "__main__":

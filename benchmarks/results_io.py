@@ -1,0 +1,21 @@
+"""How the benchmark scripts write their results: ``OUT.json`` (the measurements, for merging and
+for tests that replay them) and ``OUT.md`` (the table committed beside it under
+``benchmarks/results/``), the table echoed to stdout so a device call's output shows it."""
+
+from __future__ import annotations
+
+import json
+
+
+def write_json(out_path: str, out: dict) -> None:
+    """``out`` as ``out_path + ".json"``."""
+    with open(out_path + ".json", "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def write_table(out_path: str, lines: list[str], echo: int | None = None) -> None:
+    """``lines`` as ``out_path + ".md"``, and the first ``echo`` of them (all when None) on
+    stdout."""
+    with open(out_path + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[:echo]))
