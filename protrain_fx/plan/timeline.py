@@ -27,11 +27,16 @@ def peaks(lc) -> list[int]:
     frag, extra, static, rb = lc.fragmentation, lc.fragmentation_bytes, lc.static, lc.resident_bytes
     out = []
     for p in range(len(prof.chunks) + 1):
-        casts = int(lc.numel[p] * prof.resident_cast_elem * lc.keep_fraction)
-        held = rb[p] if lc.hw.grads_held else 0  # the last backward's, kept through this one
-        live = max(saved + casts + held, rb[p] + prof.tail_bytes + lc.table_grad[p])
+        live = max(saved + _beside_saved(lc, p), rb[p] + prof.tail_bytes + lc.table_grad[p])
         out.append(int(math.ceil((static[p] + live) * frag + extra)))
     return out
+
+
+def _beside_saved(lc, p: int) -> int:
+    """What lives beside the saved activations with ``p`` resident chunks: the cast copies of
+    resident parameters, and the last backward's resident gradients where the loop keeps them."""
+    casts = int(lc.numel[p] * lc.prof.resident_cast_elem * lc.keep_fraction)
+    return casts + (lc.resident_bytes[p] if lc.hw.grads_held else 0)
 
 
 def output_dropped_peak(lc, knobs, step) -> int:
@@ -41,12 +46,10 @@ def output_dropped_peak(lc, knobs, step) -> int:
     never under the end of forward, where they exist in any loop beside every saved activation (on
     the H200 the 1B shape at 8 x 2048 peaked there once backward's head no longer built their
     gradient whole)."""
-    prof, frag, extra, p = lc.prof, lc.fragmentation, lc.fragmentation_bytes, knobs.n_persist
+    frag, extra, p = lc.fragmentation, lc.fragmentation_bytes, knobs.n_persist
     output_bytes = step.returned_logits_bytes
     peak = lc.peak_bytes(p)
-    casts = int(lc.numel[p] * prof.resident_cast_elem * lc.keep_fraction)
-    held = lc.resident_bytes[p] if lc.hw.grads_held else 0
-    live = lc.activation_bytes + casts + held + output_bytes
+    live = lc.activation_bytes + _beside_saved(lc, p) + output_bytes
     forward_end = int(math.ceil((lc.static[p] + live) * frag + extra))
     return min(peak, max(peak - int(output_bytes * frag), forward_end))
 

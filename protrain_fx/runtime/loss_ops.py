@@ -184,21 +184,19 @@ def _(hidden, weight, target, ignore_index, reduction, chunk_rows, compute_dtype
 def _mm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with the product accumulated in ``acc``'s dtype (fp32, or fp64 for fp64
     inputs): where ``a`` and ``b`` are bf16 or fp16 on CUDA, by cuBLAS with an fp32 output (no
-    rounding of the partial sum to the inputs' dtype); elsewhere by a matmul of the upcast inputs
-    (whose products are exact in fp32)."""
-    global _MM_OUT_DTYPE
+    rounding of the partial sum to the inputs' dtype; torch 2.11's CUDA build has it, measured on
+    the H200: benchmarks/results/fused_loss_check_h200.md); elsewhere by a matmul of the upcast
+    inputs (whose products are exact in fp32). An error of the matmul (out of memory) is the
+    caller's."""
     if a.dtype == acc.dtype:
         acc.add_(a @ b)
-        return
-    if a.is_cuda and _MM_OUT_DTYPE and acc.dtype == torch.float32:
-        try:
-            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-            return
-        except (RuntimeError, TypeError, NotImplementedError):  # not for these dtypes here
-            _MM_OUT_DTYPE = False
-    acc.add_(a.to(acc.dtype) @ b.to(acc.dtype))
+    elif a.is_cuda and _MM_OUT_DTYPE and acc.dtype == torch.float32:
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        acc.add_(a.to(acc.dtype) @ b.to(acc.dtype))
 
 
+# mm with an output dtype (torch.mm(..., out_dtype=)): an overload in torch 2.11 and 2.13
 _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 SLICE_ALIGN = 128  # columns of a vocabulary slice (see linear_cross_entropy_backward)
 
