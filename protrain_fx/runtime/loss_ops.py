@@ -186,14 +186,20 @@ def _mm_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     inputs): where ``a`` and ``b`` are bf16 or fp16 on CUDA, by cuBLAS with an fp32 output (no
     rounding of the partial sum to the inputs' dtype; torch 2.11's CUDA build has it, measured on
     the H200: benchmarks/results/fused_loss_check_h200.md); elsewhere by a matmul of the upcast
-    inputs (whose products are exact in fp32). An error of the matmul (out of memory) is the
-    caller's."""
+    inputs (whose products are exact in fp32), also where a build has the overload but no kernel
+    for these dtypes (torch's NotImplementedError: known once, not tried again). Any other error
+    of the matmul (out of memory) is the caller's."""
+    global _MM_OUT_DTYPE
     if a.dtype == acc.dtype:
         acc.add_(a @ b)
-    elif a.is_cuda and _MM_OUT_DTYPE and acc.dtype == torch.float32:
-        acc.add_(torch.mm(a, b, out_dtype=torch.float32))
-    else:
-        acc.add_(a.to(acc.dtype) @ b.to(acc.dtype))
+        return
+    if a.is_cuda and _MM_OUT_DTYPE and acc.dtype == torch.float32:
+        try:
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+            return
+        except NotImplementedError:  # no kernel here: the upcast matmul from now on
+            _MM_OUT_DTYPE = False
+    acc.add_(a.to(acc.dtype) @ b.to(acc.dtype))
 
 
 # mm with an output dtype (torch.mm(..., out_dtype=)): an overload in torch 2.11 and 2.13
