@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from results_io import write_json, write_table
+from results_io import cuda_results, title, write_json, write_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLANS = {
@@ -132,18 +132,10 @@ def main() -> None:
                 json.dumps({k: v for k, v in row.items() if k not in ("steps_s", "losses")}),
                 flush=True,
             )
-    import torch
-
-    out = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "rows": rows,
-    }
+    out = cuda_results(rows)
     write_json(args.out, out)
     lines = [
-        f"# protrain before and after, side by side ({out['device']}, torch {out['torch']}, "
-        f"{out['date']})",
+        title("protrain before and after, side by side", out),
         "",
         f"1.42 B GPT, batch {BATCH} x {SEQ}, {CAP_GIB} GiB cap, plans given in full; median "
         "of "

@@ -29,7 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from results_io import write_json, write_table
+from results_io import cuda_results, title, write_json, write_table
 
 SHAPES = [  # (name, tokens, width, vocabulary)
     ("llama3.2-1b 4x1024", 4096, 2048, 128256),
@@ -112,16 +112,10 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del hidden, weight, target, ref, got
         torch.cuda.empty_cache()
-    out = {
-        "device": torch.cuda.get_device_name(dev),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "rows": rows,
-    }
+    out = cuda_results(rows)
     write_json(args.out, out)
     lines = [
-        f"# The fused head and loss against eager ({out['device']}, torch {out['torch']}, "
-        f"{out['date']})",
+        title("The fused head and loss against eager", out),
         "",
         "| shape | peak above inputs GiB eager / fused | fwd+bwd ms eager / fused | loss rel | "
         "d hidden (rel to max) | d weight (rel to max) | d weight bitwise equal |",

@@ -5,6 +5,25 @@ for tests that replay them) and ``OUT.md`` (the table committed beside it under
 from __future__ import annotations
 
 import json
+import time
+
+
+def cuda_results(rows: list[dict]) -> dict:
+    """A run's results: the CUDA device, torch's version and the date beside ``rows``."""
+    import torch
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": rows,
+    }
+
+
+def title(what: str, out: dict) -> str:
+    """The table's first line: ``what``, on the device and torch of ``out`` (:func:`cuda_results`),
+    and its date."""
+    return f"# {what} ({out['device']}, torch {out['torch']}, {out['date']})"
 
 
 def write_json(out_path: str, out: dict) -> None:
