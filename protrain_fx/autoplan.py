@@ -19,7 +19,10 @@ For a new training graph (on a CUDA device, or wherever a ``memory_budget`` is g
 4. returns the options with every knob set, and the prediction (time, peak, timeline) for the plan.
 
 A graph whose parameters already have a chunk store (another graph of the same model, a recompile
-for a new shape) keeps that store's chunk knobs; only the activation knobs are searched for it.
+for a new shape) keeps that store's chunk size. A re-plan (out of memory, gradients kept between
+steps) searches every placement with no more resident chunks than the store has: the ones it drops
+move to the host with their gradients and optimizer state (protrain_fx/runtime/replacement.py,
+where the store allows it); a new shape keeps the placement unless no plan fits beside it.
 ``PROTRAIN_AUTOPLAN=0`` turns this off (knobs not given then mean: everything resident, activations
 kept; a ``memory_budget`` is then an error); ``PROTRAIN_PLAN_CACHE=0`` ignores the plan cache.
 """
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protrain_fx import config, plan_cache, progress
+from protrain_fx.budgets import device_budget, host_freed_bytes, reserve_bytes  # noqa: F401  (tests)
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
 from protrain_fx.graph.build_plan import chunked_params, default_chunk_size
@@ -46,14 +50,14 @@ from protrain_fx.plan.timeline import output_dropped_peak
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
 from protrain_fx.profiling.frugal import oom_need_bytes, profile_frugal  # noqa: F401  (tests)
 from protrain_fx.profiling.profiler import graph_profile, profile_from_dict, profile_to_dict
-from protrain_fx.runtime import chunk_buffers, distributed
+from protrain_fx.runtime import distributed, replacement
 from protrain_fx.runtime.chunk_store import store_of
-from protrain_fx.runtime.param_values import host_value
 
 log = logging.getLogger("protrain_fx")
 # a plan that ran out of memory (or its cache entry's record of one) makes the next search keep its
 # predictions under this share of the failed plan's predicted peak
 FAILED_PEAK_MARGIN = 0.9
+KEPT_PLACEMENT = "chunk placement kept from an earlier graph; activation knobs searched"
 
 
 @dataclass
@@ -64,6 +68,8 @@ class Choice:
     cache_path: str | None = None
     # of earlier plans of this graph that ran out of memory
     failed_peaks: list[int] = field(default_factory=list)
+    # the plan may keep fewer chunks resident than the graph's store does (runtime/replacement.py)
+    offload_resident: bool = False
 
 
 def wanted(opts: Options, params: list, device: torch.device | None) -> bool:
@@ -84,46 +90,6 @@ def wanted(opts: Options, params: list, device: torch.device | None) -> bool:
             )
         return False
     return device.type == "cuda" or opts.memory_budget is not None
-
-
-def reserve_bytes(limit: int) -> int:
-    """Device memory the automatic budget leaves unused: the CUDA context's workspaces (cuBLAS,
-    NCCL), the allocator's rounding and what the user allocates besides the model (the batch,
-    metrics)."""
-    return max(1 << 30, int(0.04 * limit))
-
-
-def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:
-    """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process
-    fraction of the device, or what the driver has free plus this process's allocator cache,
-    whichever is less) less everything already allocated except this graph's parameters, their
-    gradients and optimizer state and their stores' buffers (which the plan places) and the
-    reserve."""
-    if opts.memory_budget is not None:
-        return opts.memory_budget, "memory_budget"
-    free, total, _, _ = memory.current_memory(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
-    limit = int(total * fraction)
-    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    held = [(p, store_of(p)) for p in params if p is not None]
-    stores = {id(s): s for _, s in held if s is not None}
-    # an offloaded parameter (and its gradient) is a device view of host memory: not allocated here
-    resident = [p for p, s in held if s is None or not s.param_is_offloaded(p)]
-    mine = memory.placed_bytes(device, resident, opts.optimizer)
-    others = max(0, allocated - mine - chunk_buffers.held_by(stores.values(), device))
-    usable = min(limit, free + reserved) - others
-    budget = usable - reserve_bytes(limit)
-    return budget, (
-        "device memory this process may use "
-        f"({format_bytes(min(limit, free + reserved))}) less "
-        f"{format_bytes(others)} allocated by others and a "
-        f"{format_bytes(reserve_bytes(limit))} reserve"
-    )
-
-
-def _host_values_bytes(params: list) -> int:
-    """The host values (host_init's) that the plan's store frees as it takes each chunk over."""
-    return sum(v.nbytes for v in (host_value(p) for p in params) if v is not None)
 
 
 def choose(
@@ -164,18 +130,35 @@ def choose(
             else None,
         )
     param_entries, groups = chunked_params(graph_inputs, regions)
+    # resident chunks the plan may move to the host: at most this many stay (runtime/replacement.py)
+    max_persist, offload_first = None, False
     if existing:
         store = next(iter(existing.values()))
         # this graph may hold fewer chunks than the store; in regions, each region's store keeps
         # its first chunks resident
         n_own = pack(param_entries, store.layout.chunk_size, groups).n_chunks
-        resident = sum(s.n_persist for s in existing.values())
+        resident = min(sum(s.n_persist for s in existing.values()), n_own)
+        peers = regional.siblings(root) if root is not None else []
+        if (
+            fixed["n_persist"] is None
+            and len(peers) <= 1  # not one of several blocks compiled alike (regional compilation)
+            and replacement.may_offload(live, opts.optimizer)
+        ):
+            max_persist = resident
+            # a re-plan (out of memory, kept gradients) searches every placement up to the kept
+            # one; a new shape keeps it unless nothing fits beside it
+            offload_first = bool(failed_peaks or grads_held)
         fixed.update(
             chunk_size=store.layout.chunk_size,
-            n_persist=min(resident, n_own),
+            n_persist=None if offload_first else resident,
             transfer_copies=store.transfer_copies,
         )
-        notes.append("chunk placement kept from an earlier graph; activation knobs searched")
+        notes.append(
+            "chunk size kept from an earlier graph; resident chunks may move to the host (with "
+            "their gradients and optimizer state), the other knobs searched"
+            if offload_first
+            else KEPT_PLACEMENT
+        )
     all_resident = opts.optimizer is None and fixed["n_persist"] is None  # offloading needs it
     if all_resident:
         notes.append(
@@ -205,7 +188,7 @@ def choose(
     raw = plan_cache.read(path)
     cached, failed, refused, at_step, gap = distributed.broadcast_object(
         plan_cache.usable(
-            raw, budget, memory.pinnable_host(device, _host_values_bytes(live), n_peers)
+            raw, budget, memory.pinnable_host(device, host_freed_bytes(live), n_peers)
         )
         + (plan_cache.steps_at_opt_step(raw), plan_cache.allocator_gap(raw))
     )
@@ -242,7 +225,7 @@ def choose(
         floor_args = (  # rank 0's numbers: every rank refuses or none does (no hang)
             sum(n for _, n in param_entries),
             budget,
-            memory.pinnable_host(device, _host_values_bytes(live), n_peers),
+            memory.pinnable_host(device, host_freed_bytes(live), n_peers),
             distributed.world().size if distributed.world().sharded else 1,
         )
         check_host_floor(*distributed.broadcast_object(floor_args))
@@ -259,7 +242,7 @@ def choose(
     if kept is not None:
         step, static = profile_from_dict(kept)
         transfer_elem, compile_s, graph_name = kept["transfer_elem"], 0.0, kept["graph"]
-        host_freed = _host_values_bytes(live)
+        host_freed = host_freed_bytes(live)
         notes.append(f"profile from the profile cache ({profile_path}): no profiling compile")
         prog.line(f"profile from the profile cache ({profile_path}): no profiling")
     else:
@@ -375,15 +358,18 @@ def choose(
                 evaluated=sum(r.evaluated for r in results),
                 seconds=sum(r.seconds for r in results),
             )
-        res, why = search_or_without_copies(
-            profiles,
-            hw,
-            budget,
-            host_budget,
-            fixed["transfer_copies"] is None,
-            n_persist=fixed["n_persist"],
-            **knobs_given,
-        )
+        given = dict(knobs_given, max_n_persist=max_persist)
+        args = (profiles, hw, budget, host_budget, fixed["transfer_copies"] is None)
+        try:
+            res, why = search_or_without_copies(*args, n_persist=fixed["n_persist"], **given)
+        except NoPlanFits:
+            if max_persist is None or offload_first:
+                raise
+            res, why = search_or_without_copies(*args, **given)
+            notes[notes.index(KEPT_PLACEMENT)] = (
+                "chunk size kept from an earlier graph; no plan with its chunk placement fits, so "
+                "resident chunks move to the host (with their gradients and optimizer state)"
+            )
         notes.extend([why] if why else [])
         return res
 
@@ -456,7 +442,9 @@ def choose(
         predicted["search_s"],
         knobs,
     )
-    return Choice(dataclasses.replace(opts, **knobs), predicted, notes, path, failed)
+    return Choice(
+        dataclasses.replace(opts, **knobs), predicted, notes, path, failed, max_persist is not None
+    )
 
 
 def _prediction(

@@ -47,7 +47,7 @@ from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
 from protrain_fx.profiling import static
 from protrain_fx.report.dump import GraphDump
-from protrain_fx.runtime import distributed, loss_ops, ops, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
+from protrain_fx.runtime import distributed, loss_ops, ops, replacement, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
 from protrain_fx.runtime.binding import on_error, runtime_guard
 from protrain_fx.runtime.optimizer_lookup import find_optimizer
 from protrain_fx.runtime.param_values import placement_snapshot
@@ -485,6 +485,10 @@ def _compile(
     if choice is None:
         placement.check_host_memory(plan, opts, params, device)
     plan.n_buffer_searched = choice is not None and searched_n_buffer
+    if choice is not None and choice.offload_resident:  # a re-plan that keeps fewer resident
+        replacement.offload_beyond(
+            plan.layout, graph_inputs, params, opts.n_persist, opts.optimizer
+        )
     register_plan(plan, live, options)
     how = "in regions, " if split is not None else ""
     with prog.phase("compile", f"compiling the plan ({how}aot_autograd, passes, {opts.compiler})"):

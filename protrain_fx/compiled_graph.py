@@ -21,7 +21,7 @@ from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
 from protrain_fx.profiling.step_meter import StepMeter
-from protrain_fx.runtime import distributed, step_redo
+from protrain_fx.runtime import distributed, replacement, step_redo
 from protrain_fx.runtime.binding import GraphBinding
 from protrain_fx.runtime.chunk_store import store_of
 
@@ -36,8 +36,9 @@ class ProtrainGraph:
     A forward that runs out of memory under an automatic plan has changed nothing yet (runtime_guard
     has reset the buffers): the plan is marked failed in the plan cache (never served again), the
     graph is planned anew with its predictions kept under 90% of the failed plan's predicted peak
-    (the chunk placement stays: the optimizer's state lives in it; activation knobs and buffers are
-    searched), and the forward is redone on the same inputs; one line says so.
+    (with no more resident chunks than before: those it offloads move to the host with their
+    gradients and optimizer state, protrain_fx/runtime/replacement.py, where the store allows it,
+    else the placement stays), and the forward is redone on the same inputs; one line says so.
 
     A backward is redone the same way. A training call of a graph whose inputs other than
     parameters need no gradient (a whole model's: token ids, labels, masks) runs as one
@@ -132,6 +133,11 @@ class ProtrainGraph:
         plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
 
     def __call__(self, *args):
+        if self.binding.placement_moved():
+            msg = "protrain: graph %s: resident chunks of its parameters moved to the host "
+            log.warning(msg + "(another graph's re-plan); planning it again", self.plan.graph_name)
+            failed = tuple(self.choice.failed_peaks) if self.choice is not None else ()
+            self._recompile(args, failed, "re-planned: resident chunks moved to the host")
         if self._pending is not None:
             detail, self._pending = self._pending, None
             self._replan(args, detail, "backward")
@@ -273,8 +279,9 @@ class ProtrainGraph:
     def _plan_for_kept_grads(self, args, why: str) -> None:
         """Not out of memory: the loop keeps gradients between steps (``why``), which the plan
         did not count. Re-planned once with them counted through the whole step (nothing marked
-        failed); where no plan with the graph's chunk placement fits that, the plan goes on as it
-        was and its measured side keeps ``why`` for the next run's plan."""
+        failed; resident chunks may move to the host, as in an out-of-memory re-plan); where no
+        plan fits that, the plan goes on as it was and its measured side keeps ``why`` for the next
+        run's plan."""
         self._grads_held = why
         log.warning(
             "protrain: graph %s: %s, which its plan did not count; re-planning once with resident "
@@ -284,13 +291,13 @@ class ProtrainGraph:
         )
         try:
             self._recompile(args, tuple(self.choice.failed_peaks), why)
-        except NoPlanFits as e:  # a re-plan keeps the chunk placement: nothing fits beside it
+        except NoPlanFits as e:  # nothing fits beside the kept gradients
             self._held_unpriced = True
             self.plan.measured = dict(self.plan.measured or {}, grads_held=why)
             if self.choice.cache_path:
                 plan_cache.save_plan(self.choice.cache_path, self.plan)
             log.warning(
-                "protrain: graph %s: no plan with its chunk placement counts them (%s); going on "
+                "protrain: graph %s: no plan counts them (%s); going on "
                 "under the plan as it is (running out of memory is survived; the next run plans "
                 "for them from the start)",
                 self.plan.graph_name,
@@ -332,7 +339,9 @@ class ProtrainGraph:
                 f"re-planned after running out of device memory in the {where} ({detail})",
             )
         except NoPlanFits as e:
-            if not self._grads_held:
+            opt = self._optimizer() if self._optimizer is not None else None
+            params = [r() for r in self._params if r is not None]
+            if not self._grads_held or replacement.may_offload(params, opt):  # the true minimum
                 raise
             raise NoPlanFits(
                 f"{e} -- {self._grads_held}, which the plan chosen at the first step did not "

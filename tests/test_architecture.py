@@ -29,6 +29,7 @@ LAYERS = [
         "orchestration",
         (
             "plan_cache",
+            "budgets",
             "autoplan",
             "placement",
             "pipeline",

@@ -308,3 +308,51 @@ def test_profiled_blocks_give_a_measured_timeline(monkeypatch, tmp_path):
     labels = [t[2] for t in r.plan.measured["timeline"]]
     assert "fwd enter block 0" in labels and "bwd exit block 0" in labels
     assert len(block_timer.RECORDER.marks) <= 4 * 4 * 2  # one step's marks, not five
+
+
+def test_a_new_shape_that_does_not_fit_beside_the_placement_moves_resident_chunks(
+    monkeypatch, caplog
+):
+    """A longer sequence after two steps, which no plan with the first graph's resident chunks fits
+    under the budget: its plan moves resident chunks to the host, with their gradients and Adam
+    state (runtime/replacement.py), instead of failing; training (HF Llama, its ``labels=`` loss)
+    stays eager's through both shapes and back."""
+    import copy
+
+    from hf_models import HF_VOCAB, LossOnly, hf_llama
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    base = LossOnly(hf_llama())
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    data = (
+        random_batches(2, 2, 16, vocab=HF_VOCAB)
+        + random_batches(2, 2, 64, vocab=HF_VOCAB, seed=1)
+        + random_batches(1, 2, 16, vocab=HF_VOCAB, seed=2)
+    )
+
+    def run(call, opt):
+        losses = []
+        for x, _ in data:
+            loss = call(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    ref_losses = run(ref, make_adamw(ref))
+    opt = make_adamw(mine)
+    budget = 3 * state_bytes(mine)
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options={"compiler": "eager", "memory_budget": budget, "optimizer": opt},
+    )
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        losses = run(compiled, opt)
+    assert "moved to the host, with their gradients and optimizer state" in caplog.text
+    plan = protrain_fx.get_plan(compiled)
+    assert any("no plan with its chunk placement fits" in n for n in plan.notes), plan.notes
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    for p, q in zip(mine.parameters(), ref.parameters()):
+        assert torch.allclose(p.detach(), q.detach(), rtol=0, atol=1e-5)

@@ -874,24 +874,36 @@ def test_hf_llama_whose_profiling_runs_out_of_memory_is_left_as_it_was_and_its_s
 
 
 @pytest.mark.parametrize(
-    "micro_steps,states,declared", [(1, 3, False), (2, 12, False), (2, 3, False), (2, 12, True)]
+    "micro_steps,states,declared,movable",
+    [
+        (1, 3, False, True),
+        (2, 12, False, True),
+        (2, 3, False, True),
+        (2, 3, False, False),
+        (2, 12, True, True),
+    ],
 )
 def test_a_loop_that_keeps_gradients_between_steps_is_planned_for_them(
-    monkeypatch, caplog, micro_steps, states, declared
+    monkeypatch, caplog, micro_steps, states, declared, movable
 ):
     """Gradient accumulation keeps the resident gradients from one backward into the next forward
     and backward, which a plan for a loop that frees them (``zero_grad(set_to_none=True)`` after
     every step) does not count: with two micro-steps the second forward sees them and re-plans once
     with them counted through the whole step (a line and a note say so; nothing is marked failed).
-    Where no plan with the graph's chunk placement fits that (a budget of 3x the parameters here)
-    the plan goes on as it was and says so, and its measured side keeps why, for the next run.
+    Where they fit only with fewer resident chunks (a budget of 3x the parameters here), the
+    re-plan moves resident chunks to the host with their gradients (runtime/replacement.py); where
+    the store cannot move (``movable=False``: a model compiled block by block, several ranks) the
+    plan goes on as it was and says so, and its measured side keeps why, for the next run.
     Training is eager's either way; with one micro-step nothing is re-planned, and with the
     micro-steps declared (``set_grad_accumulation``) the first plan counts them."""
     from hf_models import HF_VOCAB, LossOnly, hf_llama
 
+    from protrain_fx.runtime import replacement
     from protrain_fx.testing import compare_with_eager
 
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    if not movable:
+        monkeypatch.setattr(replacement, "may_offload", lambda *a: False)
     model = LossOnly(hf_llama())
     if declared:  # the copy compare_with_eager trains gets its own optimizer: declared there
         real = protrain_fx.testing.make_adamw
@@ -922,20 +934,30 @@ def test_a_loop_that_keeps_gradients_between_steps_is_planned_for_them(
         assert held and "gradient accumulation" in held and len(said) == 1, said
         assert any("keeps gradients between steps" in n for n in r.plan.notes), r.plan.notes
         assert r.plan.n_persist > 0  # resident gradients were there to be kept
+    elif movable:
+        assert held and len(said) == 1 and "moved to the host" in caplog.text, caplog.text
+        assert "going on under the plan" not in caplog.text
+        assert any("resident chunks may move to the host" in n for n in r.plan.notes)
     else:
         assert held is None and len(said) == 1 and "going on under the plan" in caplog.text
+        assert "moved to the host" not in caplog.text
         assert "gradient accumulation" in (r.plan.measured or {}).get("grads_held", "")
 
 
 def test_out_of_memory_with_kept_gradients_no_plan_could_count_says_to_declare_them(monkeypatch):
-    """Gradient accumulation under a plan for a loop that frees its gradients, where no plan with
-    the first plan's chunk placement fits the kept gradients (3x the parameters), and then a
-    forward out of memory (as on the H200: Llama-3.2-1B's shape at 4 x 1024 under a 16 GiB cap,
-    two micro-steps, ``oom_sweep_h200_run32b.md``): the re-plan finds nothing smaller, and the
-    NoPlanFits says why the minimum is high and how to have the first plan count the gradients."""
+    """Gradient accumulation under a plan for a loop that frees its gradients, where the store
+    cannot move resident chunks to the host (a model compiled block by block, several ranks:
+    simulated), no plan with the first plan's chunk placement fits the kept gradients (3x the
+    parameters), and then a forward out of memory (as on the H200 before resident chunks could
+    move: Llama-3.2-1B's shape at 4 x 1024 under a 16 GiB cap, two micro-steps,
+    ``oom_sweep_h200_run32b.md``): the re-plan finds nothing smaller, and the NoPlanFits says why
+    the minimum is high and how to have the first plan count the gradients."""
     from hf_models import HF_VOCAB, LossOnly, hf_llama
 
+    from protrain_fx.runtime import replacement
+
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    monkeypatch.setattr(replacement, "may_offload", lambda *a: False)
     model = LossOnly(hf_llama())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(
@@ -955,3 +977,64 @@ def test_out_of_memory_with_kept_gradients_no_plan_could_count_says_to_declare_t
         compiled(x, x)
     assert "gradient accumulation" in str(info.value)
     assert "keeps that plan's chunk placement" in str(info.value)
+
+
+def test_a_replan_moves_resident_chunks_with_their_optimizer_state_and_training_stays_eager(
+    monkeypatch, caplog
+):
+    """Out of device memory after two optimizer steps, under an automatic plan that keeps chunks
+    resident: the re-plan (under 90% of the failed plan's peak) moves resident chunks to the host
+    with their Adam moments and step counts (runtime/replacement.py), the evaluation graph compiled
+    before is planned again for the new placement at its next call, and the run, its evaluation
+    losses and the optimizer's state dict are eager's (HF Llama: tied embeddings, GQA, its own
+    ``labels=`` loss; clipping; evaluation under ``no_grad`` every step)."""
+    import copy
+
+    from hf_models import HF_VOCAB, LossOnly, hf_llama
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    base = LossOnly(hf_llama())
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    data = random_batches(4, 2, 16, vocab=HF_VOCAB)
+    held_out = random_batches(1, 2, 16, vocab=HF_VOCAB, seed=7)[0][0]
+
+    def run(model, call, opt, batches):
+        losses, evals = [], []
+        for x, _ in batches:
+            loss = call(x, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            with torch.no_grad():
+                evals.append(call(held_out, held_out).item())
+        return losses, evals
+
+    ref_opt = make_adamw(ref)
+    ref_losses, ref_evals = run(ref, ref, ref_opt, data)
+    opt = make_adamw(mine)
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options=dict(OPTS, optimizer=opt, memory_budget=3 * state_bytes(mine)),
+    )
+    losses, evals = run(mine, compiled, opt, data[:2])
+    first = protrain_fx.get_plan(compiled)
+    assert 0 < first.n_persist < len(first.chunks), (first.n_persist, len(first.chunks))
+    calls = inject_oom(monkeypatch, "gather", 1)
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        more, more_evals = run(mine, compiled, opt, data[2:])
+    assert calls["raised"] == 1
+    assert "moved to the host, with their gradients and optimizer state" in caplog.text
+    assert "planning it again" in caplog.text, caplog.text
+    plan = protrain_fx.get_plan(compiled)
+    assert plan.n_persist < first.n_persist
+    assert rel(losses + more, ref_losses) <= 1e-5 and rel(evals + more_evals, ref_evals) <= 1e-5
+    assert compare(mine.state_dict(), ref.state_dict()) <= 1e-5
+    mine_sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert mine_sd["state"].keys() == ref_sd["state"].keys()
+    for k, s in ref_sd["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            got = mine_sd["state"][k][name].detach().cpu().double()
+            assert torch.allclose(got, s[name].double(), rtol=1e-5, atol=1e-9), (k, name)

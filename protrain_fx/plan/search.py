@@ -69,11 +69,13 @@ def search(
     n_swap: int | None = None,
     n_checkpoint: int | None = None,
     min_n_buffer: int = 1,
+    max_n_persist: int | None = None,
 ) -> SearchResult:
     """The fastest plan that fits; the profiles are one per candidate chunk size (one if the size is
-    given). The cyclic garbage collector is paused meanwhile: the search makes many small
-    short-lived objects, and a full collection over everything torch has loaded, when one falls
-    inside it, costs more than the search."""
+    given); ``max_n_persist``: at most that many resident chunks (a re-plan that may move resident
+    chunks to the host, never back). The cyclic garbage collector is paused meanwhile: the search
+    makes many small short-lived objects, and a full collection over everything torch has loaded,
+    when one falls inside it, costs more than the search."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -87,6 +89,7 @@ def search(
             n_swap=n_swap,
             n_checkpoint=n_checkpoint,
             min_n_buffer=min_n_buffer,
+            max_n_persist=max_n_persist,
         )
     finally:
         if enabled:
@@ -104,8 +107,16 @@ def _search(
     n_swap,
     n_checkpoint,
     min_n_buffer,
+    max_n_persist,
 ) -> SearchResult:
     t0 = time.perf_counter()
+
+    def persists(prof):  # the n_persist to try: given, or every one up to the bound
+        if n_persist is not None:
+            return [n_persist]
+        top = len(prof.chunks) if max_n_persist is None else min(max_n_persist, len(prof.chunks))
+        return range(top + 1)
+
     best: Prediction | None = None
     best_key = None
     evaluated = 0
@@ -147,7 +158,7 @@ def _search(
             # no n_persist of it fits (if no plan does, the error pass below prices it anyway)
             continue
         lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-        for p in [n_persist] if n_persist is not None else range(len(prof.chunks) + 1):
+        for p in persists(prof):
             peak = lc.peak_bytes(p)
             if peak > device_budget:
                 continue
@@ -166,7 +177,7 @@ def _search(
         min_peak, min_host, host_ok_peak = None, None, None
         for _, _, prof, nb, s, k, arrays in layouts:
             lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-            for p in [n_persist] if n_persist is not None else range(len(prof.chunks) + 1):
+            for p in persists(prof):
                 peak = lc.peak_bytes(p)
                 min_peak = peak if min_peak is None else min(min_peak, peak)
                 host = lc.host_bytes(p)

@@ -107,6 +107,14 @@ class GraphBinding:
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self._eager_graph = eager_graph
         self._said = False
+        # each store's placement when the graph was bound (runtime/replacement.py moves it)
+        self._versions = [(weakref.ref(s), s.placement_version) for s in stores.values()]
+
+    def placement_moved(self) -> bool:
+        """Whether resident chunks of a store this graph's code was compiled for have moved to the
+        host since (another graph's re-plan): the code reads them as resident, so the graph must be
+        planned again before its next call."""
+        return any((s := r()) is not None and s.placement_version != v for r, v in self._versions)
 
     def __call__(self, compiled, args):
         params = [args[i] for i in self.positions]
@@ -166,6 +174,7 @@ class GraphBinding:
             transfer_copies=template.transfer_copies,
         )
         store.ensure_buffers(template.n_buffer)
+        store.template = weakref.ref(template)
         opt = self._optimizer() if self._optimizer is not None else None
         if store.offloaded_chunks and opt is not None:
             hybrid_optim.attach(opt, store)

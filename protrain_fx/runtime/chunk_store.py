@@ -70,9 +70,8 @@ def get_store(store_id: int) -> "ChunkStore":
     try:
         return _STORES[store_id]
     except KeyError:
-        raise ProtrainError(
-            f"protrain chunk store {store_id} no longer exists (its model was freed)"
-        ) from None
+        msg = f"protrain chunk store {store_id} no longer exists (its model was freed)"
+        raise ProtrainError(msg) from None
 
 
 def store_of(param: torch.Tensor) -> "ChunkStore | None":
@@ -85,8 +84,7 @@ def bound_chunk(anchor: torch.Tensor) -> tuple["ChunkStore", int]:
     store = _PARAM_STORE.get(anchor)
     if store is None:
         raise ProtrainError(
-            "protrain internal error: a compiled graph was called with a parameter "
-            "that belongs "
+            "protrain internal error: a compiled graph was called with a parameter that belongs "
             "to no chunk store (the graph's binding check did not run)"
         )
     return store, store.entry(anchor).chunk
@@ -149,6 +147,8 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         self.layout = layout
         self.n_chunks = layout.n_chunks
         self.n_persist = min(n_persist, self.n_chunks)
+        self.placement_version = 0  # counts moves of resident chunks to the host (replacement.py)
+        self.template = None  # the store this one was made like, for other parameters (binding.py)
         elem = first.element_size()
         # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to
         # a multiple
@@ -208,20 +208,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         WORKER.attach(self)
         weakref.finalize(params_in_order[0], _forget_store, self.id)
 
-        # device buffers hold a whole chunk of the layout's size (a larger, oversized one if the
-        # store offloads one): stores of one chunk size share them (one store per region of a
-        # model compiled in regions, protrain_fx/graph/regions.py)
-        big = max((self._chunk_numel[c] for c in self.offloaded_chunks), default=0)
-        big = max(big, self.chunk_capacity) if big else 0
-        self.buffers = chunk_buffers(self.device, self.param_dtype, big) if big else None
-        # gradients are packed into device buffers of that size too, except a chunk larger than
-        # the layout's size (one parameter: a large vocabulary's embedding or head), whose
-        # gradient goes to the host as it is (chunk_grads.grad_ready): no buffer of its size
-        packed = [
-            self._chunk_numel[c] for c in self.offloaded_chunks if not self.grad_goes_as_is(c)
-        ]
-        gbig = max(max(packed), self.chunk_capacity) if packed else 0
-        self.grad_buffers = grad_buffers(self.device, self.master_dtype, gbig) if gbig else None
+        self.make_buffers()
         self.streams = streams_of(self.device)
         self._staging: GradStaging | None = None
         self._oversized: dict[tuple, GradStaging] = {}  # (numel, dtype) -> its staging
@@ -249,18 +236,36 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         of the same chunk size) host-to-device copies and hits."""
         return {**self._stats, **(self.buffers.stats if self.buffers is not None else {})}
 
+    def make_buffers(self) -> None:
+        """The device buffers the offloaded chunks need (again after chunks were offloaded:
+        protrain_fx/runtime/replacement.py)."""
+        # device buffers hold a whole chunk of the layout's size (a larger, oversized one if the
+        # store offloads one): stores of one chunk size share them (one store per region of a
+        # model compiled in regions, protrain_fx/graph/regions.py)
+        big = max((self._chunk_numel[c] for c in self.offloaded_chunks), default=0)
+        big = max(big, self.chunk_capacity) if big else 0
+        self.buffers = chunk_buffers(self.device, self.param_dtype, big) if big else None
+        # gradients are packed into device buffers of that size too, except a chunk larger than
+        # the layout's size (one parameter: a large vocabulary's embedding or head), whose
+        # gradient goes to the host as it is (chunk_grads.grad_ready): no buffer of its size
+        packed = [
+            self._chunk_numel[c] for c in self.offloaded_chunks if not self.grad_goes_as_is(c)
+        ]
+        gbig = max(max(packed), self.chunk_capacity) if packed else 0
+        self.grad_buffers = grad_buffers(self.device, self.master_dtype, gbig) if gbig else None
+
     # ------------------------------------------------------------------------------------ layout
     def chunk_numel(self, chunk: int) -> int:
         return self._chunk_numel[chunk]
 
-    def _take_values(self, params_in_order: list, host_values: dict) -> None:
-        """Fill the chunks, one at a time, from ``host_values`` (id(param) -> its value on the host,
-        for parameters built under host_init or handed back by dissolve_store) or else the parameter
-        itself. Each value is dropped from ``host_values`` once its chunk holds it, so the old
-        copies are freed while the new ones are made: the host holds the values and the store
-        together only one chunk at a time."""
+    def _take_values(self, params_in_order: list, host_values: dict, chunks=None) -> None:
+        """Fill the chunks (``chunks``, or all), one at a time, from ``host_values`` (id(param) ->
+        its value on the host, for parameters built under host_init or handed back by
+        dissolve_store) or else the parameter itself. Each value is dropped from ``host_values``
+        once its chunk holds it, so the old copies are freed while the new ones are made: the host
+        holds the values and the store together only one chunk at a time."""
         pin = self.is_cuda
-        for c in range(self.n_chunks):
+        for c in range(self.n_chunks) if chunks is None else chunks:
             members = [params_in_order[i] for i in self._chunk_entries[c]]
             if c < self.n_persist:  # resident: the parameter is the device tensor
                 for p in members:
@@ -501,12 +506,15 @@ def _forget_store(store_id: int) -> None:
     store._staging, store._oversized, store.optimizer = None, {}, None
     if store.buffers is not None:
         store.buffers.forget_store(store_id)
-    live = set()
-    for s in list(_STORES.values()):
-        if s.buffers is not None:
-            live.add((s.device, s.param_dtype, s.buffers.numel))
-        if s.grad_buffers is not None:
-            live.add((s.device, s.master_dtype, s.grad_buffers.numel))
-    release_unused(live)
+    release_unused_buffers()
     if not _STORES:
         release_pieces()
+
+
+def release_unused_buffers() -> None:
+    """Free the device chunk and gradient buffers of sizes no live store uses any more."""
+    live = set()
+    for s in _STORES.values():
+        for b, dtype in ((s.buffers, s.param_dtype), (s.grad_buffers, s.master_dtype)):
+            live |= {(s.device, dtype, b.numel)} if b is not None else set()
+    release_unused(live)

@@ -175,11 +175,11 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         return {id(p): gi for gi, g in enumerate(self.opt.param_groups) for p in g["params"]}
 
     def add_store(self, store: ChunkStore) -> None:
-        if store in self.stores:
-            return
+        """Step ``store``'s offloaded chunks; again after more of its chunks were offloaded
+        (protrain_fx/runtime/replacement.py): the optimizer's state for them is taken over."""
         dtype = store.master_dtype  # Adam's moments have the parameter's dtype, as in torch
         amsgrad = any(g.get("amsgrad") for g in self.opt.param_groups)
-        for c in store.offloaded_chunks:
+        for c in (c for c in store.offloaded_chunks if (store.id, c) not in self.states):
             # this rank's shard with several ranks; pinned at its exact size (torch 2.11 would
             # round a chunk up to a power of two), or on the device for a chunk sharded there
             def buf():
@@ -189,7 +189,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
             # once the first backward has shown how many each backward brings
             st = ChunkOptState(store, c, buf(), buf(), buf() if amsgrad else None, [], {})
             self.states[(store.id, c)] = st
-        self.stores.append(store)
+        self.stores += [] if store in self.stores else [store]
         store.optimizer = self
         self._members_sig = None
         self._refresh_members()

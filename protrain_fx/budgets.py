@@ -1,0 +1,70 @@
+"""What a plan may use: the device budget of an automatic plan (``memory_budget``, or what this
+process may use less a reserve) and the host memory its store frees as it takes the parameters over.
+protrain_fx/autoplan.py plans under them; the host side's limit is
+:func:`protrain_fx.machine.memory.pinnable_host`.
+
+A re-plan of a graph whose parameters already have a store (runtime/replacement.py) counts what
+that store holds on the host as its own: the new plan's host bytes include every offloaded chunk,
+those already offloaded too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protrain_fx.machine import memory
+from protrain_fx.options import Options, format_bytes
+from protrain_fx.runtime import chunk_buffers
+from protrain_fx.runtime.chunk_store import store_of
+from protrain_fx.runtime.param_values import host_value
+
+
+def reserve_bytes(limit: int) -> int:
+    """Device memory the automatic budget leaves unused: the CUDA context's workspaces (cuBLAS,
+    NCCL), the allocator's rounding and what the user allocates besides the model (the batch,
+    metrics)."""
+    return max(1 << 30, int(0.04 * limit))
+
+
+def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:
+    """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process
+    fraction of the device, or what the driver has free plus this process's allocator cache,
+    whichever is less) less everything already allocated except this graph's parameters, their
+    gradients and optimizer state and their stores' buffers (which the plan places) and the
+    reserve."""
+    if opts.memory_budget is not None:
+        return opts.memory_budget, "memory_budget"
+    free, total, _, _ = memory.current_memory(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+    limit = int(total * fraction)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    held = [(p, store_of(p)) for p in params if p is not None]
+    stores = {id(s): s for _, s in held if s is not None}
+    # an offloaded parameter (and its gradient) is a device view of host memory: not allocated here
+    resident = [p for p, s in held if s is None or not s.param_is_offloaded(p)]
+    mine = memory.placed_bytes(device, resident, opts.optimizer)
+    others = max(0, allocated - mine - chunk_buffers.held_by(stores.values(), device))
+    usable = min(limit, free + reserved) - others
+    budget = usable - reserve_bytes(limit)
+    return budget, (
+        "device memory this process may use "
+        f"({format_bytes(min(limit, free + reserved))}) less "
+        f"{format_bytes(others)} allocated by others and a "
+        f"{format_bytes(reserve_bytes(limit))} reserve"
+    )
+
+
+def host_freed_bytes(params: list) -> int:
+    """Host bytes that the plan of a graph with parameters ``params`` counts as its own: the host
+    values (host_init's) its store frees as it takes each chunk over, and what the stores they
+    already have hold on the host (masters, transfer copies, gradient accumulators, Adam moments),
+    which a re-plan's host bytes include."""
+    held = sum(v.nbytes for v in (host_value(p) for p in params) if v is not None)
+    stores = {id(s): s for s in (store_of(p) for p in params) if s is not None}
+    for s in stores.values():
+        held += s.host_bytes
+        h = s.optimizer
+        for (sid, _), st in h.states.items() if h is not None else ():
+            moments = (st.exp_avg, st.exp_avg_sq, st.max_exp_avg_sq) if sid == s.id else ()
+            held += sum(t.nbytes for t in moments if t is not None and not t.is_cuda)
+    return held
