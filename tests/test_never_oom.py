@@ -979,10 +979,12 @@ def test_out_of_memory_with_kept_gradients_no_plan_could_count_says_to_declare_t
     assert "keeps that plan's chunk placement" in str(info.value)
 
 
+@pytest.mark.parametrize("where", ["gather", "grad_ready"])
 def test_a_replan_moves_resident_chunks_with_their_optimizer_state_and_training_stays_eager(
-    monkeypatch, caplog
+    monkeypatch, caplog, where
 ):
-    """Out of device memory after two optimizer steps, under an automatic plan that keeps chunks
+    """Out of device memory after two optimizer steps, in a forward (``gather``) or a backward
+    (``grad_ready``: redone inside ``loss.backward()``), under an automatic plan that keeps chunks
     resident: the re-plan (under 90% of the failed plan's peak) moves resident chunks to the host
     with their Adam moments and step counts (runtime/replacement.py), the evaluation graph compiled
     before is planned again for the new placement at its next call, and the run, its evaluation
@@ -1022,7 +1024,7 @@ def test_a_replan_moves_resident_chunks_with_their_optimizer_state_and_training_
     losses, evals = run(mine, compiled, opt, data[:2])
     first = protrain_fx.get_plan(compiled)
     assert 0 < first.n_persist < len(first.chunks), (first.n_persist, len(first.chunks))
-    calls = inject_oom(monkeypatch, "gather", 1)
+    calls = inject_oom(monkeypatch, where, 1)
     with caplog.at_level("WARNING", logger="protrain_fx"):
         more, more_evals = run(mine, compiled, opt, data[2:])
     assert calls["raised"] == 1
