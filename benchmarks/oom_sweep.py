@@ -256,10 +256,14 @@ def run_row(row: dict, steps: int) -> dict:
     out["clip"] = clip or None
     # SWEEP_MICRO: micro-steps per optimizer step (the batch again, the loss divided: the same
     # gradient), gradients accumulated as a loop does; SWEEP_KEEP_OUTPUT: the loop keeps the model's
-    # output (its logits) through backward, as ``out = model(...); out.loss.backward()`` does
+    # output (its logits) through backward, as ``out = model(...); out.loss.backward()`` does;
+    # SWEEP_DECLARE: the micro-steps are declared (protrain_fx.set_grad_accumulation) before the
+    # first step, so the first plan counts the kept gradients (undeclared, a re-plan does)
     micro = int(os.environ.get("SWEEP_MICRO") or 1)
     keep_output = bool(os.environ.get("SWEEP_KEEP_OUTPUT"))
+    declare = bool(os.environ.get("SWEEP_DECLARE"))
     out["micro_steps"], out["keep_output"] = micro, keep_output
+    out["micro_steps_declared"] = declare and micro > 1
     hybrid = None
     if row["system"] == "protrain":
         import protrain_fx
@@ -273,6 +277,8 @@ def run_row(row: dict, steps: int) -> dict:
         if "protrain" not in torch._dynamo.list_backends(exclude_tags=()):
             torch._dynamo.register_backend(protrain_fx.backend.protrain_backend, name="protrain")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if declare and micro > 1:
+            protrain_fx.set_grad_accumulation(opt, micro)
         # SWEEP_OPTIONS (JSON, from a --variant): more protrain options, e.g. a forced
         # device_steps share for an A/B against the automatic plan
         extra = json.loads(os.environ.get("SWEEP_OPTIONS") or "{}")
