@@ -431,3 +431,43 @@ def test_returned_logits_no_longer_raise_the_smallest_budget(monkeypatch):
     torch._dynamo.reset()
     eager_loss = smallest_budget()
     assert fused <= eager_loss - tokens * vocab * 4, (fused, eager_loss)
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: reaches ``_mm_into``'s cuBLAS branch without a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_the_fp32_output_matmul_falls_back_only_where_the_build_has_no_kernel(monkeypatch):
+    """``loss_ops._mm_into`` (the fused loss's hidden-state gradient, summed in fp32): where the
+    fp32-output matmul has no kernel for the inputs (torch's NotImplementedError) it takes the
+    upcast matmul, now and from then on, with the same sum; any other error of the matmul (out of
+    memory) is raised as it is and the kernel is kept."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 16, generator=g).to(torch.bfloat16)
+    b = torch.randn(16, 4, generator=g).to(torch.bfloat16)
+    want = a.float() @ b.float()
+    real_mm, tried = torch.mm, []
+
+    def mm(x, y, *args, out_dtype=None, **kw):
+        if out_dtype is not None:
+            tried.append(out_dtype)
+            raise failure[0]
+        return real_mm(x, y, *args, **kw)
+
+    monkeypatch.setattr(loss_ops, "_MM_OUT_DTYPE", True)
+    monkeypatch.setattr(torch, "mm", mm)
+    failure = [torch.OutOfMemoryError("CUDA out of memory (injected)")]
+    acc = torch.zeros(8, 4)
+    with pytest.raises(torch.OutOfMemoryError):
+        loss_ops._mm_into(acc, a.as_subclass(_OnCuda), b)
+    assert loss_ops._MM_OUT_DTYPE is True and tried == [torch.float32]
+    failure[0] = NotImplementedError("no kernel for these dtypes (injected)")
+    loss_ops._mm_into(acc, a.as_subclass(_OnCuda), b)
+    assert loss_ops._MM_OUT_DTYPE is False and len(tried) == 2
+    assert torch.equal(acc.as_subclass(torch.Tensor), want)
+    loss_ops._mm_into(acc, a.as_subclass(_OnCuda), b)  # not tried again
+    assert len(tried) == 2 and torch.equal(acc.as_subclass(torch.Tensor), 2 * want)
