@@ -324,23 +324,13 @@ def test_a_new_shape_that_does_not_fit_beside_the_placement_moves_resident_chunk
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
     base = LossOnly(hf_llama())
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
-    data = (
-        random_batches(2, 2, 16, vocab=HF_VOCAB)
+    data = [  # the token ids are the labels too
+        (x, x)
+        for x, _ in random_batches(2, 2, 16, vocab=HF_VOCAB)
         + random_batches(2, 2, 64, vocab=HF_VOCAB, seed=1)
         + random_batches(1, 2, 16, vocab=HF_VOCAB, seed=2)
-    )
-
-    def run(call, opt):
-        losses = []
-        for x, _ in data:
-            loss = call(x, x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
-
-    ref_losses = run(ref, make_adamw(ref))
+    ]
+    ref_losses = train_steps(ref, ref, data, opt=make_adamw(ref))
     opt = make_adamw(mine)
     budget = 3 * state_bytes(mine)
     compiled = torch.compile(
@@ -349,7 +339,7 @@ def test_a_new_shape_that_does_not_fit_beside_the_placement_moves_resident_chunk
         options={"compiler": "eager", "memory_budget": budget, "optimizer": opt},
     )
     with caplog.at_level("WARNING", logger="protrain_fx"):
-        losses = run(compiled, opt)
+        losses = train_steps(mine, compiled, data, opt=opt)
     assert "moved to the host, with their gradients and optimizer state" in caplog.text
     plan = protrain_fx.get_plan(compiled)
     assert any("no plan with its chunk placement fits" in n for n in plan.notes), plan.notes

@@ -89,17 +89,20 @@ def compare(sd, ref_sd):
     return max((sd[k].detach().cpu() - ref_sd[k]).abs().max().item() for k in ref_sd)
 
 
+def compiled_under(model, opt, budget, **extra):
+    """``model`` compiled by protrain under ``budget`` with ``opt`` and the options ``extra``."""
+    options = dict(OPTS, optimizer=opt, memory_budget=budget, **extra)
+    return torch.compile(model, backend="protrain", options=options)
+
+
 def compiled_gpt(budget, **extra):
-    """Every chunk offloaded (on the CPU a resident chunk is never cheaper, so the plan would fill
-    the budget with resident chunks, and a re-plan may only change activation knobs): the budget is
-    the activations'."""
+    """Every chunk offloaded, given (on the CPU a resident chunk is never cheaper, so the plan would
+    fill the budget with resident chunks; with n_persist given a re-plan changes activation knobs
+    only): the budget is the activations'."""
     extra = {"n_persist": 0, **extra}
     model = gpt()
     opt = make_adamw(model)
-    compiled = torch.compile(
-        model, backend="protrain", options=dict(OPTS, optimizer=opt, memory_budget=budget, **extra)
-    )
-    return model, opt, compiled
+    return model, opt, compiled_under(model, opt, budget, **extra)
 
 
 def rel(a, b):
@@ -696,11 +699,7 @@ def test_hf_llama_backward_oom_is_redone_and_matches_eager(monkeypatch):
     ref_opt = make_adamw(ref)
     ref_losses, _ = train(ref, ref, ref_opt, data)
     opt = make_adamw(mine)
-    compiled = torch.compile(
-        mine,
-        backend="protrain",
-        options=dict(OPTS, optimizer=opt, memory_budget=3 * state_bytes(mine), n_persist=0),
-    )
+    compiled = compiled_under(mine, opt, 3 * state_bytes(mine), n_persist=0)
     losses, _ = train(mine, compiled, opt, data[:1])
     calls = inject_oom(monkeypatch, "grad_ready", 2)
     more, redone = train(mine, compiled, opt, data[1:])
@@ -1016,11 +1015,7 @@ def test_a_replan_moves_resident_chunks_with_their_optimizer_state_and_training_
     ref_opt = make_adamw(ref)
     ref_losses, ref_evals = run(ref, ref, ref_opt, data)
     opt = make_adamw(mine)
-    compiled = torch.compile(
-        mine,
-        backend="protrain",
-        options=dict(OPTS, optimizer=opt, memory_budget=3 * state_bytes(mine)),
-    )
+    compiled = compiled_under(mine, opt, 3 * state_bytes(mine))
     losses, evals = run(mine, compiled, opt, data[:2])
     first = protrain_fx.get_plan(compiled)
     assert 0 < first.n_persist < len(first.chunks), (first.n_persist, len(first.chunks))
