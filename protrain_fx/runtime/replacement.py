@@ -30,7 +30,7 @@ import torch
 
 from protrain_fx.errors import ProtrainError
 from protrain_fx.options import format_bytes
-from protrain_fx.runtime import hybrid_optim
+from protrain_fx.runtime import device_steps, hybrid_optim
 from protrain_fx.runtime.chunk_store import live_stores, release_unused_buffers, store_of
 from protrain_fx.runtime.worker import WORKER
 
@@ -117,6 +117,7 @@ def offload_resident(store, n_persist: int, optimizer=None) -> tuple[int, int]:
         hybrid_optim.attach(optimizer, store)
     elif h is not None:
         h.add_store(store)  # the moments of the new offloaded chunks; opt.state taken over
+    device_steps.assign(store, store.device_step_share)  # its share over the offloaded chunks now
     if store.is_cuda:
         torch.cuda.empty_cache()  # the device tensors they held
     return len(moved), sum(store.layout.used_bytes(c) for c in moved)
