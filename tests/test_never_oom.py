@@ -18,7 +18,7 @@ from protrain_fx.backend import StepOutOfMemory
 from protrain_fx.errors import NoPlanFits
 from protrain_fx.machine import allocator
 from protrain_fx.runtime.chunk_store import ChunkStore
-from protrain_fx.testing import make_adamw, random_batches
+from protrain_fx.testing import make_adamw, random_batches, train_steps
 
 OPTS = {"compiler": "eager"}
 
@@ -1035,3 +1035,55 @@ def test_a_replan_moves_resident_chunks_with_their_optimizer_state_and_training_
         for name in ("exp_avg", "exp_avg_sq", "step"):
             got = mine_sd["state"][k][name].detach().cpu().double()
             assert torch.allclose(got, s[name].double(), rtol=1e-5, atol=1e-9), (k, name)
+
+
+def test_a_move_to_the_host_that_fails_half_way_leaves_values_and_gradients_as_they_were(
+    monkeypatch,
+):
+    """Host memory runs out while the kept-gradients re-plan moves resident chunks to the host (the
+    second chunk's pinned master cannot be allocated): the error reaches the loop, every parameter
+    and held gradient is what it was, the chunks stay resident, and the loop's redo of the batch
+    trains on exactly like eager (HF Llama, two undeclared micro-steps)."""
+    import copy
+
+    from hf_models import HF_VOCAB, LossOnly, hf_llama
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    base = LossOnly(hf_llama())
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    data = [(x, x) for x, _ in random_batches(4, 2, 16, vocab=HF_VOCAB)]
+    ref_losses = train_steps(ref, ref, data, opt=make_adamw(ref), micro_steps=2)
+    opt = make_adamw(mine)
+    compiled = compiled_under(mine, opt, 3 * state_bytes(mine))
+    (x, _), losses = data[0], []
+    loss = compiled(x, x)
+    (loss / 2).backward()
+    losses.append(loss.item())
+    before = {n: (p.detach().clone(), p.grad.clone()) for n, p in mine.named_parameters()}
+    resident = protrain_fx.get_plan(compiled).n_persist
+    real, calls = ChunkStore.state_empty, {"n": 0}
+
+    def pin_fails(self, chunk, dtype):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("could not pin host memory (injected)")
+        return real(self, chunk, dtype)
+
+    monkeypatch.setattr(ChunkStore, "state_empty", pin_fails)
+    x2 = data[1][0]
+    with pytest.raises(Exception, match="could not pin host memory"):
+        compiled(x2, x2)
+    assert calls["n"] == 2
+    for n, p in mine.named_parameters():
+        assert torch.equal(p.detach(), before[n][0]) and torch.equal(p.grad, before[n][1]), n
+    assert protrain_fx.get_plan(compiled).n_persist == resident
+    monkeypatch.setattr(ChunkStore, "state_empty", real)
+    # the loop redoes the second micro-step, then trains on
+    loss = compiled(x2, x2)
+    (loss / 2).backward()
+    losses.append(loss.item())
+    opt.step()
+    opt.zero_grad()
+    losses += train_steps(mine, compiled, data[2:], opt=opt, micro_steps=2)
+    assert rel(losses, ref_losses) <= 1e-5
+    assert compare(mine.state_dict(), ref.state_dict()) <= 1e-5

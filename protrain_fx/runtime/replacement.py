@@ -105,10 +105,14 @@ def offload_resident(store, n_persist: int, optimizer=None) -> tuple[int, int]:
         torch.cuda.current_stream(store.device).synchronize()
     moved = range(n_persist, old)
     store.n_persist = n_persist
-    # values: each chunk's new master (pinned on CUDA) takes them, the parameters become views
-    store._take_values(store.params, {}, moved)
-    for c in moved:  # held gradients into the accumulators, .grad their views
-        store.fold_foreign_grads(c)
+    try:
+        # values: each chunk's new master (pinned on CUDA) takes them, the parameters become views
+        store._take_values(store.params, {}, moved)
+        for c in moved:  # held gradients into the accumulators, .grad their views
+            store.fold_foreign_grads(c)
+    except BaseException:  # host memory ran out half way (pinning): everything back as it was
+        _put_back(store, moved, old)
+        raise
     store.make_buffers()  # sized for the offloaded chunks now; sizes no store uses are freed
     release_unused_buffers()
     store.placement_version += 1
@@ -121,3 +125,22 @@ def offload_resident(store, n_persist: int, optimizer=None) -> tuple[int, int]:
     if store.is_cuda:
         torch.cuda.empty_cache()  # the device tensors they held
     return len(moved), sum(store.layout.used_bytes(c) for c in moved)
+
+
+def _put_back(store, moved: range, old: int) -> None:
+    """Undo a move that failed half way: the chunks that got a master give their values (and the
+    gradients folded into their accumulators) back to device tensors, and stay resident."""
+    for c in moved:
+        for i in store.chunk_entry_indices(c):
+            p, alias = store.param(i), store._grad_alias.pop(i, None)
+            plain = store._grad_plain.pop(i, None)
+            if p is None:
+                continue
+            if c in store.master:  # its value is a view of the master: a device copy again
+                p.data = p.data.to(store.device, copy=True)
+            if alias is not None and p.grad is alias:
+                p.grad = plain.to(store.device, copy=True)
+            store._synced.pop(i, None)
+        for table in (store.master, store.transfer, store.grad):
+            table.pop(c, None)
+    store.n_persist = old
