@@ -1087,3 +1087,37 @@ def test_a_move_to_the_host_that_fails_half_way_leaves_values_and_gradients_as_t
     losses += train_steps(mine, compiled, data[2:], opt=opt, micro_steps=2)
     assert rel(losses, ref_losses) <= 1e-5
     assert compare(mine.state_dict(), ref.state_dict()) <= 1e-5
+
+
+def test_chunks_moved_with_gradients_held_learn_their_count_from_a_whole_cycle(monkeypatch):
+    """The chunks the kept-gradients re-plan moves to the host got the first micro-step's gradient
+    folded in, not handed over: that cycle's count of gradients (one) is not a cycle's (two). Were
+    it learned, the next cycle would step them inside backward after one micro-step and take the
+    step back at the second (within rounding, not bit for bit). They learn from the next whole
+    cycle instead: nothing is taken back, and training is eager's bit for bit (HF Llama with its
+    attention frozen, two undeclared micro-steps, no clipping, so steps run inside backward)."""
+    import copy
+
+    from hf_models import HF_VOCAB, LossOnly, hf_llama
+
+    from protrain_fx.runtime.hybrid_optim import handle_of
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    base = LossOnly(hf_llama())
+    for name, p in base.named_parameters():
+        p.requires_grad_("self_attn" not in name)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    data = [(x, x) for x, _ in random_batches(8, 2, 16, vocab=HF_VOCAB)]
+
+    def adamw(model):
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    ref_losses = train_steps(ref, ref, data, opt=adamw(ref), micro_steps=2)
+    opt = adamw(mine)
+    compiled = compiled_under(mine, opt, 3 * state_bytes(mine))
+    losses = train_steps(mine, compiled, data, opt=opt, micro_steps=2)
+    assert handle_of(opt).timers.in_backward_steps > 0  # the overlap is on
+    assert handle_of(opt).timers.undone_steps == 0
+    assert losses == ref_losses
+    for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name

@@ -59,6 +59,9 @@ class ChunkOptState:
     per_backward: int | None = None
     in_backward: int = 0
     provisional: Provisional | None = None
+    # offloaded in the middle of a cycle, its gradient so far folded in (runtime/replacement.py):
+    # the arrivals of this cycle are not a cycle's, so opt.step() learns nothing from them
+    partial: bool = False
 
 
 class ChunkAdam:

@@ -397,10 +397,10 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         for p, g in self._hidden:
             p.grad = g
         self._hidden = []
-        for st in self.states.values():
-            if st.arrivals:
+        for st in self.states.values():  # a partial cycle's count teaches nothing (ChunkOptState)
+            if st.arrivals and not st.partial:
                 st.learned = st.arrivals
-            st.arrivals = 0
+            st.arrivals, st.partial = 0, False
         self.cycles += 1
         self._observe_cpu_rate()
 

@@ -118,9 +118,11 @@ def offload_resident(store, n_persist: int, optimizer=None) -> tuple[int, int]:
     store.placement_version += 1
     h = store.live_optimizer()
     if h is None and optimizer is not None:
-        hybrid_optim.attach(optimizer, store)
+        h = hybrid_optim.attach(optimizer, store)
     elif h is not None:
         h.add_store(store)  # the moments of the new offloaded chunks; opt.state taken over
+    for c in moved if h is not None else ():  # this cycle's count of gradients is not a cycle's
+        h.states[(store.id, c)].partial = True
     device_steps.assign(store, store.device_step_share)  # its share over the offloaded chunks now
     if store.is_cuda:
         torch.cuda.empty_cache()  # the device tensors they held
