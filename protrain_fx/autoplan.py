@@ -130,6 +130,8 @@ def choose(
             else None,
         )
     param_entries, groups = chunked_params(graph_inputs, regions)
+    peers = regional.siblings(root) if root is not None else []
+    n_peers = max(1, len(peers))
     # resident chunks the plan may move to the host: at most this many stay (runtime/replacement.py)
     max_persist, offload_first = None, False
     if existing:
@@ -138,10 +140,9 @@ def choose(
         # its first chunks resident
         n_own = pack(param_entries, store.layout.chunk_size, groups).n_chunks
         resident = min(sum(s.n_persist for s in existing.values()), n_own)
-        peers = regional.siblings(root) if root is not None else []
         if (
             fixed["n_persist"] is None
-            and len(peers) <= 1  # not one of several blocks compiled alike (regional compilation)
+            and n_peers == 1  # not one of several blocks compiled alike (regional compilation)
             and replacement.may_offload(live, opts.optimizer)
         ):
             max_persist = resident
@@ -166,8 +167,6 @@ def choose(
             "options={'optimizer': opt} to let the plan offload chunks)"
         )
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
-    peers = regional.siblings(root) if root is not None else []
-    n_peers = max(1, len(peers))
     placed = params + [p for m in peers if m is not root for p in m.parameters()]
     budget, budget_why = device_budget(opts, device, placed)
     if n_peers > 1:

@@ -28,7 +28,14 @@ import weakref
 import torch
 
 from protrain_fx.errors import ProtrainError
-from protrain_fx.runtime import chunk_buffers, chunk_grads, device_steps, hybrid_optim, swap_pool
+from protrain_fx.runtime import (
+    chunk_buffers,
+    chunk_grads,
+    device_steps,
+    hybrid_optim,
+    replacement,
+    swap_pool,
+)
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
 
 log = logging.getLogger("protrain_fx")
@@ -109,11 +116,14 @@ class GraphBinding:
         self._said = False
         # each store's placement when the graph was bound (runtime/replacement.py moves it)
         self._versions = [(weakref.ref(s), s.placement_version) for s in stores.values()]
+        self._moves = replacement.moves
 
     def placement_moved(self) -> bool:
         """Whether resident chunks of a store this graph's code was compiled for have moved to the
         host since (another graph's re-plan): the code reads them as resident, so the graph must be
         planned again before its next call."""
+        if replacement.moves == self._moves:  # none in this process since (every call: one compare)
+            return False
         return any((s := r()) is not None and s.placement_version != v for r, v in self._versions)
 
     def __call__(self, compiled, args):

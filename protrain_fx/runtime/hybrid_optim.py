@@ -175,19 +175,19 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         return {id(p): gi for gi, g in enumerate(self.opt.param_groups) for p in g["params"]}
 
     def add_store(self, store: ChunkStore) -> None:
-        """Step ``store``'s offloaded chunks; again after more of its chunks were offloaded
-        (protrain_fx/runtime/replacement.py): the optimizer's state for them is taken over."""
+        """Step ``store``'s offloaded chunks; again after more were offloaded (replacement.py)."""
+        new = [c for c in store.offloaded_chunks if (store.id, c) not in self.states]
+        if store in self.stores and not new:  # bound again by another compile: nothing to add
+            return
         dtype = store.master_dtype  # Adam's moments have the parameter's dtype, as in torch
         amsgrad = any(g.get("amsgrad") for g in self.opt.param_groups)
-        for c in (c for c in store.offloaded_chunks if (store.id, c) not in self.states):
+        for c in new:
             # this rank's shard with several ranks; pinned at its exact size (torch 2.11 would
-            # round a chunk up to a power of two), or on the device for a chunk sharded there
-            def buf():
-                return store.state_empty(c, dtype).zero_()
-
-            # arrivals per step: learned at the first opt.step(), or, with the micro-steps declared,
-            # once the first backward has shown how many each backward brings
-            st = ChunkOptState(store, c, buf(), buf(), buf() if amsgrad else None, [], {})
+            # round a chunk up to a power of two), or on the device for a chunk sharded there.
+            # Arrivals per step: learned at the first opt.step(), or, with the micro-steps
+            # declared, once the first backward has shown how many each backward brings
+            m = [store.state_empty(c, dtype).zero_() for _ in range(3 if amsgrad else 2)] + [None]
+            st = ChunkOptState(store, c, m[0], m[1], m[2], [], {})
             self.states[(store.id, c)] = st
         self.stores += [] if store in self.stores else [store]
         store.optimizer = self

@@ -35,6 +35,8 @@ from protrain_fx.runtime.chunk_store import live_stores, release_unused_buffers,
 from protrain_fx.runtime.worker import WORKER
 
 log = logging.getLogger("protrain_fx")
+# moves made in this process: a graph's per-call check (binding.py) compares one number first
+moves = 0
 
 
 def may_offload(params: list, optimizer) -> bool:
@@ -116,6 +118,8 @@ def offload_resident(store, n_persist: int, optimizer=None) -> tuple[int, int]:
     store.make_buffers()  # sized for the offloaded chunks now; sizes no store uses are freed
     release_unused_buffers()
     store.placement_version += 1
+    global moves
+    moves += 1
     h = store.live_optimizer()
     if h is None and optimizer is not None:
         h = hybrid_optim.attach(optimizer, store)
