@@ -152,6 +152,7 @@ def choose(
         fixed.update(
             chunk_size=store.layout.chunk_size,
             n_persist=None if offload_first else resident,
+            n_shard=store.n_shard,
             transfer_copies=store.transfer_copies,
         )
         notes.append(
@@ -203,7 +204,7 @@ def choose(
         knobs = cached["knobs"]
         predicted = dict(cached["predicted"], from_cache=True)
         return Choice(
-            dataclasses.replace(opts, **{k: knobs[k] for k in KNOBS}),
+            dataclasses.replace(opts, **{k: knobs.get(k, 0) for k in KNOBS}),
             predicted,
             notes + [f"plan from the plan cache ({path}); no profiling"],
             path,
@@ -339,6 +340,8 @@ def choose(
     knobs_given = dict(
         n_buffer=fixed["n_buffer"], n_swap=fixed["n_swap"], n_checkpoint=fixed["n_checkpoint"]
     )
+    if w.sharded:  # chunks sharded on the devices: given, or searched (plan/ranks_cost.py)
+        knobs_given["n_shard"] = fixed["n_shard"]
     if fixed["transfer_copies"] is False:  # given: priced as given
         profiles = [dataclasses.replace(p, transfer_copies=False) for p in profiles]
     prog.line(f"searching the plans under a budget of {format_bytes(budget)}")
@@ -474,7 +477,7 @@ def _prediction(
         "breakdown": best.breakdown,
         "cpu_optim_rate": hw.cpu_step_rate_note(best.knobs.transfer_copies),
         "cpu_steps_at_opt_step": hw.steps_at_opt_step,
-        "timeline": lc.timeline(best.knobs.n_persist),
+        "timeline": lc.timeline(best.knobs.n_persist, best.knobs.n_shard),
         "profile_compile_s": compile_s,
         "profile_s": step.seconds,
         "search_s": res.seconds,

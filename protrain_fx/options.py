@@ -129,8 +129,9 @@ class Options:
     memory_budget: int | None = None
     chunk_size: int | None = None
     n_persist: int | None = None
-    # data parallel, by hand: of the chunks after the first n_persist, how many keep their shards
-    # of master, gradient and moments on the devices instead of the host (runtime/chunk_store.py)
+    # data parallel: of the chunks after the first n_persist, how many keep their shards of master,
+    # gradient and moments on the devices instead of the host (runtime/chunk_store.py); None: as
+    # the automatic plan chooses (plan/ranks_cost.py; 0 without one)
     n_shard: int | None = None
     n_buffer: int | None = None
     n_swap: int | None = None
@@ -219,16 +220,6 @@ class Options:
                     f"transfer_copies: expected True or False (or None for automatic), got {v!r}"
                 )
             kw["transfer_copies"] = v
-        if kw.get("n_shard"):
-            missing = [k for k in ("n_persist", "n_swap", "n_checkpoint") if k not in kw]
-            if missing or "memory_budget" in kw:
-                raise OptionsError(
-                    "n_shard places chunks by hand and the automatic plan does not price chunks "
-                    "sharded on the devices yet: give n_persist, n_swap and n_checkpoint with it "
-                    f"and no memory_budget (missing: {', '.join(missing) or 'none'}"
-                    + ("; memory_budget given" if "memory_budget" in kw else "")
-                    + ")"
-                )
         compiler = raw.get("compiler", "inductor")
         if compiler not in COMPILERS:
             raise OptionsError(f"compiler: expected one of {list(COMPILERS)}, got {compiler!r}")

@@ -166,8 +166,7 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
         states = sum(store.host_numel(c) for c in home) * elem * (2 + ADAM_STATES)
         plan.notes.append(
             f"n_shard={store.n_shard}: {format_bytes(states)} of master, gradient and moment "
-            f"shards on this device (1/{store.world.size} of {len(home)} chunks), given by hand: "
-            "not in the predicted peak"
+            f"shards on this device (1/{store.world.size} of {len(home)} chunks)"
         )
     # with several ranks resident chunks are replicated: average their gradients across ranks
     distributed.average_resident_grads(

@@ -65,9 +65,12 @@ CASES = [
         2,
     ),
     # the automatic plan on both ranks, under 3x the fp32 parameter bytes (40,736 parameters): some
-    # chunks must be offloaded
+    # chunks must be offloaded; it prices chunks sharded on the devices and may choose some
     ("gpt", {"compiler": "eager", "memory_budget": 3 * 4 * 40_736}, None, 1),
+    # the same with one chunk sharded on the devices given: the rest searched around it
+    ("gpt", {"compiler": "eager", "memory_budget": 3 * 4 * 40_736, "n_shard": 1}, None, 1),
 ]
+AUTOMATIC = 2  # the last cases: automatic plans
 
 
 def _rank_main(rank: int, init_file: str, out_dir: str, world: int, cases: list) -> None:
@@ -173,7 +176,7 @@ def trained():
 
 # the cases with chunks sharded on the devices, over three ranks: chunk element counts padded to
 # a multiple of 3, shards of a third
-SHARDED_CASES = [c for c in CASES if c[1].get("n_shard")]
+SHARDED_CASES = [c for c in CASES[:-AUTOMATIC] if c[1].get("n_shard")]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +194,7 @@ def eager_reference(kind: str, clip=None, world: int = WORLD):
     return model, losses
 
 
-@pytest.mark.parametrize("case", range(len(CASES) - 1))
+@pytest.mark.parametrize("case", range(len(CASES) - AUTOMATIC))
 def test_two_ranks_train_like_eager_on_the_whole_batch(trained, case):
     check_case(CASES[case], trained[case], WORLD)
 
@@ -240,15 +243,22 @@ def check_like_eager(ranks, kind, clip=None, world: int = WORLD):
     assert moved > 10 * PARAM_ABS  # the steps did move the parameters
 
 
-def test_two_ranks_share_one_automatic_plan(trained):
+@pytest.mark.parametrize("case", [-2, -1])
+def test_two_ranks_share_one_automatic_plan(trained, case):
     """The automatic plan profiles on both ranks (collectives included) and runs rank 0's choice
-    on both."""
-    ranks = trained[-1]
+    on both: its resident, sharded and offloaded chunks as it priced them (a given n_shard kept)."""
+    ranks, options = trained[case], CASES[case][1]
     assert ranks[0]["n_persist"] == ranks[1]["n_persist"] < ranks[0]["n_chunks"]
     # the collectives were measured and priced, and both ranks hold rank 0's prediction
     for r in ranks:
         assert r["predicted"]["world_size"] == WORLD and r["predicted"]["collective_gb_s"] > 0
         assert r["predicted"] == ranks[0]["predicted"]
+        # the plan runs the knobs it priced: its chunks sharded on the devices keep their shards
+        # there, and the predicted peak counts them
+        assert r["n_shard"] == r["sharded_chunks"] == r["home_on_device"]
+        assert r["host_bytes"] == r["host_tensor_bytes"]
+    if "n_shard" in options:
+        assert ranks[0]["n_shard"] == options["n_shard"]
     check_like_eager(ranks, "gpt")
 
 

@@ -92,22 +92,13 @@ def test_chunk_options_parse():
     assert (o.n_persist, o.n_buffer, o.n_swap, o.n_checkpoint) == (3, 2, 1, 2)
 
 
-@pytest.mark.parametrize(
-    "given, missing",
-    [
-        ({}, "n_persist, n_swap, n_checkpoint"),
-        ({"n_persist": 1, "n_swap": 0}, "n_checkpoint"),
-        ({"n_persist": 1, "n_swap": 0, "n_checkpoint": 0, "memory_budget": "1GiB"}, "none"),
-    ],
-)
-def test_n_shard_is_placed_by_hand(given, missing):
-    """n_shard is a hand knob the automatic plan does not price: the other placement and activation
-    knobs come with it, and no budget."""
-    with pytest.raises(OptionsError, match=f"missing: {missing}"):
-        Options.from_dict({"n_shard": 1, **given})
+def test_n_shard_is_a_knob_like_the_others():
+    """n_shard may be given alone (the automatic plan searches the rest: plan/ranks_cost.py prices
+    chunks sharded on the devices) or with the other knobs; unset, the automatic plan chooses it."""
+    assert Options.from_dict({"n_shard": 1, "memory_budget": "1GiB"}).n_shard == 1
     o = Options.from_dict({"n_shard": 2, "n_persist": 1, "n_swap": 0, "n_checkpoint": 1})
     assert (o.n_shard, o.n_persist) == (2, 1)
-    assert Options.from_dict({"n_shard": 0}).n_shard == 0  # none sharded: nothing to give
+    assert Options.from_dict({}).n_shard is None
 
 
 def test_env_dump_dir(monkeypatch, tmp_path):

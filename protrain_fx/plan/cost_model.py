@@ -15,9 +15,9 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   down, at the duplex rate when both run. Swap adds what physics forces: the swapped bytes' copy
   down and up beyond the compute that can hide it (everything between block 0's forward and block
   0's backward), measured to hold on the H200.
-* Data parallel (replicated resident chunks): the part of their gradients' all-reduces that the
-  backward of earlier chunks cannot hide, and the compute the overlapped part slows down
-  (:data:`COLLECTIVE_CONTENTION`).
+* Several ranks (ranks_cost.py): what of the replicated resident chunks' all-reduces backward
+  cannot hide, the compute the rest slows (:data:`COLLECTIVE_CONTENTION`); chunks sharded on the
+  devices (``n_shard``) gather and reduce-scatter serially and step their shards at ``opt.step()``.
 * ``T_cpu_done``: when the host worker's last CPU Adam step ends, a two-stage pipeline: each
   offloaded chunk's step (its parameters at the rate earlier steps on this machine measured inside
   backward, machine/step_rates.py; before any, a prior from the triad and the alone rate:
@@ -70,6 +70,7 @@ from protrain_fx.plan.profiles import (
     Knobs,
     Prediction,
 )
+from protrain_fx.plan.ranks_cost import ShardedChunks, allreduce_terms
 from protrain_fx.plan.swap_cost import swap_stall_s
 from protrain_fx.plan.timeline import memory_timeline, peaks
 
@@ -170,13 +171,8 @@ class _ProfileArrays:
         self.swap_window_s = self.compute_s - (blocks[0].fwd_s + blocks[0].bwd_s if blocks else 0.0)
         # by block: prefix sums of what each policy keeps on the device, of the swappable bytes, of
         # recompute
-        self.keep, self.inp, self.swap_res, self.swappable, self.recompute = (
-            [0],
-            [0],
-            [0],
-            [0],
-            [0.0],
-        )
+        self.keep, self.inp, self.swap_res, self.swappable = [0], [0], [0], [0]
+        self.recompute = [0.0]
         for blk in blocks:
             self.keep.append(self.keep[-1] + blk.keep_bytes)
             self.inp.append(self.inp[-1] + blk.input_bytes)
@@ -230,7 +226,7 @@ class _ProfileArrays:
         )
 
     def lower_bound_s(
-        self, n_swap: int, n_checkpoint: int, device_budget: int | None = None
+        self, n_swap: int, n_checkpoint: int, device_budget: int | None = None, shards=False
     ) -> float:
         """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): forward's and backward's
         compute, the recompute of its checkpointed blocks, the swap copy it cannot hide even with no
@@ -240,19 +236,15 @@ class _ProfileArrays:
         the larger of two lines in ``R``, least at an end or where they cross (a real ``R`` between
         chunk boundaries only lowers it). With a ``device_budget``, ``R`` goes no higher than what
         fits next to the layout's activations: resident parameters and their two moments,
-        activations and transient, times the allocator factor, are part of every peak."""
+        activations and transient, times the allocator factor, are part of every peak. With
+        ``shards`` (chunks may be sharded on the devices) no parameter needs the CPU."""
         prof, hw = self.prof, self.hw
         nbytes = self.swappable[n_swap]
         copy = nbytes / hw.d2h_bytes_per_s + nbytes / hw.h2d_bytes_per_s
         exposed = max(0.0, copy - self.swap_window_s) if nbytes else 0.0
         fwd = self.fwd_res[-1] + prof.nonblock_fwd_s
-        bwd = (
-            self.compute_s
-            - fwd
-            + self.recompute[n_swap + n_checkpoint]
-            - self.recompute[n_swap]
-            + exposed
-        )
+        recompute = self.recompute[n_swap + n_checkpoint] - self.recompute[n_swap]
+        bwd = self.compute_s - fwd + recompute + exposed
         total = self.numel[-1]
         if not total:
             return fwd + bwd
@@ -260,8 +252,8 @@ class _ProfileArrays:
         cast, pack, me = self.cast_per_param, self.pack_per_param, prof.master_elem
         ckpt = n_checkpoint / n_blocks if n_blocks else 0.0
         # per offloaded parameter
-        cpu = hw.cpu_s_per_param(prof.transfer_copies)
-        if hw.device_steps or hw.device_step_share:  # the CPU and the link, each at its best
+        cpu = 0.0 if shards else hw.cpu_s_per_param(prof.transfer_copies)
+        if cpu and (hw.device_steps or hw.device_step_share):  # the CPU and the link, each at best
             cpu = 1 / (1 / cpu + 1 / device_step_link_s(hw))
         # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side
         a0, a1 = fwd + bwd + total * pack, cast * (2 + ckpt) - pack + 1 / hw.gpu_adam_params_per_s
@@ -306,12 +298,13 @@ class LayoutCosts:
         self.oversized_staging, self.swap_window_s = A.oversized_staging, A.swap_window_s
         first_rc, end_rc = n_swap, n_swap + n_checkpoint
         # ---- backward terms per chunk (its compute plus the recompute of its checkpointed blocks)
-        bwd_res, bwd_off = [0.0], [0.0]
+        bwd_res, bwd_off, bwd_chunk = [0.0], [0.0], []
         for c, ch in enumerate(chunks):
             b = ch.bwd_s
             for i in ch.blocks:
                 if first_rc <= i < end_rc:
                     b += blocks[i].recompute_cost_s / A.block_chunks[i]
+            bwd_chunk.append(b)
             bwd_res.append(bwd_res[-1] + b)
             bwd_off.append(bwd_off[-1] + max(b, A.comm[c]) + A.serial[c])
         self.bwd_res, self.bwd_off = bwd_res, bwd_off
@@ -335,21 +328,13 @@ class LayoutCosts:
         self._device_steps, self._peaks = A.device_steps, None
         self.device_step_scratch = A.device_step_scratch
         self.static = A.static_bytes()  # states and buffers of each n_persist
-        # ---- data parallel: resident chunks' all-reduces, one per chunk as soon as its backward is
-        # done, back to back on the link while backward goes on with the chunks before it. With
-        # resident chunks
-        # 0..n_persist-1 (backward reaches chunk 0 last) the last one finishes max_k(A_k - B_k)
-        # after the end of backward (A_k: all-reduce time of chunks 0..k, B_k: backward time of
-        # chunks before k); prefix maxima price every n_persist in O(1)
-        self.allreduce_exposed = [0.0] * (len(chunks) + 1)
-        self.allreduce_s = [0.0] * (len(chunks) + 1)  # all of it, of chunks [0, n_persist)
-        if hw.world_size > 1:
-            reduce_s = worst = 0.0
-            for c, ch in enumerate(chunks):
-                reduce_s += hw.collective_s(ch.numel * prof.master_elem, passes=2)
-                worst = max(worst, reduce_s - bwd_res[c])
-                self.allreduce_exposed[c + 1] = worst
-                self.allreduce_s[c + 1] = reduce_s
+        # ---- several ranks: the resident chunks' all-reduces, chunks sharded on the devices
+        self.allreduce_exposed, self.allreduce_s = allreduce_terms(prof, hw, bwd_res)
+        self.sharded = (
+            ShardedChunks(prof, hw, n_buffer, [ch.fwd_s for ch in chunks], bwd_chunk)
+            if hw.world_size > 1
+            else None
+        )
         # ---- swap and memory that do not depend on n_persist
         self.swap_fraction = n_swap / n_blocks if n_blocks else 0.0
         self.swapped_bytes = A.swappable[n_swap]
@@ -371,17 +356,24 @@ class LayoutCosts:
         self.swap_stall_s = swap_stall_s(prof, hw, n_swap, n_checkpoint) if n_swap else 0.0
 
     # ------------------------------------------------------------------------------ per n_persist
-    def peak_bytes(self, n_persist: int) -> int:
-        """The predicted peak (timeline.peaks: computed for every n_persist at once)."""
+    def peak_bytes(self, n_persist: int, n_shard: int = 0) -> int:
+        """The predicted peak (timeline.peaks: computed for every n_persist at once); chunks
+        sharded on the devices are not resident there and add their shards' states."""
         if self._peaks is None:
             self._peaks = peaks(self)
-        return self._peaks[n_persist]
+        return self._peaks[n_persist] + self.shard_bytes(n_persist, n_shard)
 
-    def host_bytes(self, n_persist: int) -> int:
-        """Pinned host bytes of one rank (its shards)."""
-        prof = self.prof
-        offloaded = (self.numel[-1] - self.numel[n_persist]) // self.hw.world_size
-        packed = self.grad_numel[n_persist]
+    def shard_bytes(self, n_persist: int, n_shard: int) -> int:
+        """What ``n_shard`` chunks sharded on the devices keep there, scaled for the allocator."""
+        if not n_shard:
+            return 0
+        return int(math.ceil(self.sharded.states(n_persist, n_shard) * self.fragmentation))
+
+    def host_bytes(self, n_persist: int, n_shard: int = 0) -> int:
+        """Pinned host bytes of one rank (its shards; none of the chunks sharded on the devices)."""
+        prof, first = self.prof, n_persist + n_shard  # the first chunk on the host
+        offloaded = (self.numel[-1] - self.numel[first]) // self.hw.world_size
+        packed = self.grad_numel[first]
         # fp32 master, gradient accumulator and two moments, the transfer copy; the staging of
         # packed gradients (master dtype, runtime/chunk_grads.py) and of oversized ones (their own
         # dtype); the swap pool
@@ -391,7 +383,7 @@ class LayoutCosts:
         return (
             offloaded * per_param
             + (STAGING * packed * prof.master_elem if packed else 0)
-            + self.oversized_staging[n_persist]
+            + self.oversized_staging[first]
             + self.swapped_total(n_persist)
         )
 
@@ -415,23 +407,26 @@ class LayoutCosts:
         (protrain_fx/plan/device_step_cost.py) when chunks from ``n_persist`` on are offloaded."""
         return self._device_steps()[n_persist]
 
-    def time_s(self, n_persist: int, detail: bool = False):
+    def time_s(self, n_persist: int, detail: bool = False, n_shard: int = 0):
         n = len(self.prof.chunks)
-        prof, hw = self.prof, self.hw
+        prof, hw, first = self.prof, self.hw, n_persist + n_shard  # the first chunk on the host
+        sh = self.sharded if n_shard else None
         t_fwd = (
             self.fwd_res[n_persist]
-            + (self.fwd_off[n] - self.fwd_off[n_persist])
+            + (sh.fwd_s(n_persist, n_shard) if sh else 0.0)
+            + (self.fwd_off[n] - self.fwd_off[first])
             + prof.nonblock_fwd_s
         )
         swap_exposed = self.swap_exposed_s(n_persist) if self.swapped_bytes else 0.0
         t_bwd = (
             self.bwd_res[n_persist]
-            + (self.bwd_off[n] - self.bwd_off[n_persist])
+            + (sh.bwd_s(n_persist, n_shard) if sh else 0.0)
+            + (self.bwd_off[n] - self.bwd_off[first])
             + prof.nonblock_bwd_s
             + swap_exposed
         )
         resident = self.numel[n_persist]
-        offloaded = self.numel[n] - resident
+        offloaded = self.numel[n] - self.numel[first]
         # replicated resident chunks: what of their gradients' all-reduce backward cannot hide, and
         # the compute the rest of it slows down
         exposed = self.allreduce_exposed[n_persist]
@@ -440,13 +435,14 @@ class LayoutCosts:
         cast_fwd, cast_bwd = self.cast_s(n_persist)
         t_fwd += cast_fwd
         t_bwd += cast_bwd
-        t_gpu = resident / hw.gpu_adam_params_per_s
+        # the resident chunks' step and the shards' (chunks sharded on the devices) at opt.step()
+        t_gpu = resident / hw.gpu_adam_params_per_s + (sh.step_s(n_persist, n_shard) if sh else 0)
         t_cpu = offloaded * self.cpu_per_param
         # the CPU steps end at cpu_done (they wait for the gradients: before the first arrives and
         # wherever backward is slower than the CPU): first_grad_s is that wait
-        t_first = max(0.0, self.cpu_done[n_persist] - t_cpu) if offloaded else 0.0
+        t_first = max(0.0, self.cpu_done[first] - t_cpu) if offloaded else 0.0
         # some of them may run on the device, streamed, beside the CPU's (device_steps)
-        device_share, device_params, t_cpu = self.device_steps(n_persist)
+        device_share, device_params, t_cpu = self.device_steps(first)
 
         # the device optimizer follows backward and the CPU steps (H200: a 3B plan's step within
         # 1.4% of forward + max(backward, first gradient + CPU optimizer) + device optimizer)
@@ -476,18 +472,16 @@ class LayoutCosts:
     def cast_s(self, n_persist: int) -> tuple[float, float]:
         """Forward's and backward's dtype casts that the profiled step did not run (module
         docstring)."""
-        resident = self.numel[n_persist]
+        resident, pack = self.numel[n_persist], self.pack_per_param
         cast = resident * self.cast_per_param
-        return cast, cast + cast * self.checkpoint_fraction + (
-            self.numel[-1] - resident
-        ) * self.pack_per_param
+        return cast, cast * (1 + self.checkpoint_fraction) + (self.numel[-1] - resident) * pack
 
-    def timeline(self, n_persist: int) -> list[list]:
+    def timeline(self, n_persist: int, n_shard: int = 0) -> list[list]:
         """Predicted device memory over one step (protrain_fx/plan/timeline.py)."""
-        return memory_timeline(self, n_persist)
+        return memory_timeline(self, n_persist, n_shard)
 
-    def predict(self, n_persist: int) -> Prediction:
-        t, parts = self.time_s(n_persist, detail=True)
+    def predict(self, n_persist: int, n_shard: int = 0) -> Prediction:
+        t, parts = self.time_s(n_persist, detail=True, n_shard=n_shard)
         parts.update(
             activation_bytes=self.activation_bytes,
             transient_bytes=self.transient_bytes,
@@ -500,10 +494,12 @@ class LayoutCosts:
             self.n_buffer,
             self.n_swap,
             self.n_checkpoint,
-            self.device_steps(n_persist)[0],
+            self.device_steps(n_persist + n_shard)[0],
             self.prof.transfer_copies,
+            n_shard,
         )
-        return Prediction(knobs, t, self.peak_bytes(n_persist), self.host_bytes(n_persist), parts)
+        peak, host = self.peak_bytes(n_persist, n_shard), self.host_bytes(n_persist, n_shard)
+        return Prediction(knobs, t, peak, host, parts)
 
 
 def predict(prof: GraphProfile, hw: Hardware, knobs: Knobs) -> Prediction:
@@ -512,9 +508,13 @@ def predict(prof: GraphProfile, hw: Hardware, knobs: Knobs) -> Prediction:
         raise ValueError(
             f"profile is for chunk size {prof.chunk_size}, knobs ask {knobs.chunk_size}"
         )
-    if not 0 <= knobs.n_persist <= len(prof.chunks):
-        raise ValueError(f"n_persist {knobs.n_persist} outside 0..{len(prof.chunks)}")
+    if not 0 <= knobs.n_persist <= knobs.n_persist + knobs.n_shard <= len(prof.chunks):
+        raise ValueError(
+            f"n_persist {knobs.n_persist} + n_shard {knobs.n_shard} outside 0..{len(prof.chunks)}"
+        )
+    if knobs.n_shard and hw.world_size == 1:
+        raise ValueError("n_shard needs several ranks (with one, those chunks are resident)")
     prof = dataclasses.replace(prof, transfer_copies=knobs.transfer_copies)
     return LayoutCosts(prof, hw, knobs.n_buffer, knobs.n_swap, knobs.n_checkpoint).predict(
-        knobs.n_persist
+        knobs.n_persist, knobs.n_shard
     )

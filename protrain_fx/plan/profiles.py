@@ -334,6 +334,9 @@ class Knobs:
     # offloaded chunks keep a host copy in the transfer dtype (False: uploaded as masters, cast on
     # the device; runtime/chunk_transfers.py)
     transfer_copies: bool = True
+    # with several ranks: of the chunks after the first n_persist, how many are sharded on the
+    # devices (their shards of master, gradient and moments in device memory; plan/ranks_cost.py)
+    n_shard: int = 0
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from protrain_fx.errors import NoPlanFits
 from protrain_fx.options import format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts, _ProfileArrays
 from protrain_fx.plan.profiles import ADAM_STATES, GraphProfile, Hardware, Prediction
+from protrain_fx.plan.ranks_cost import shard_counts
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,15 @@ def plan_key(
     peak: int,
     chunk_size: int = 0,
     n_buffer: int = 0,
+    n_shard: int = 0,
 ) -> tuple:
     """What "better" means: faster; at equal predicted time (the model hides transfers and the CPU
     step behind compute exactly, so ties are common) more resident chunks, then fewer swapped, then
     fewer recomputed blocks (less traffic and work the model may not see), then the smaller peak,
     then the smaller chunks and fewer buffers (so that a full tie does not depend on the order the
-    layouts were tried in)."""
+    layouts were tried in), then fewer chunks sharded on the devices."""
     # times equal to the microsecond tie
-    return (round(time_s, 6), -n_persist, n_swap, n_checkpoint, peak, chunk_size, n_buffer)
+    return (round(time_s, 6), -n_persist, n_swap, n_checkpoint, peak, chunk_size, n_buffer, n_shard)
 
 
 def n_buffer_candidates(n_buffer: int | None, min_n_buffer: int = 1) -> list[int]:
@@ -70,10 +72,13 @@ def search(
     n_checkpoint: int | None = None,
     min_n_buffer: int = 1,
     max_n_persist: int | None = None,
+    n_shard: int | None = None,
 ) -> SearchResult:
     """The fastest plan that fits; the profiles are one per candidate chunk size (one if the size is
     given); ``max_n_persist``: at most that many resident chunks (a re-plan that may move resident
-    chunks to the host, never back). The cyclic garbage collector is paused meanwhile: the search
+    chunks to the host, never back). With several ranks ``n_shard`` chunks after the resident ones
+    are sharded on the devices (plan/ranks_cost.py): given, or every count searched (``None``).
+    The cyclic garbage collector is paused meanwhile: the search
     makes many small short-lived objects, and a full collection over everything torch has loaded,
     when one falls inside it, costs more than the search."""
     enabled = gc.isenabled()
@@ -90,6 +95,7 @@ def search(
             n_checkpoint=n_checkpoint,
             min_n_buffer=min_n_buffer,
             max_n_persist=max_n_persist,
+            n_shard=n_shard,
         )
     finally:
         if enabled:
@@ -108,6 +114,7 @@ def _search(
     n_checkpoint,
     min_n_buffer,
     max_n_persist,
+    n_shard,
 ) -> SearchResult:
     t0 = time.perf_counter()
 
@@ -116,6 +123,13 @@ def _search(
             return [n_persist]
         top = len(prof.chunks) if max_n_persist is None else min(max_n_persist, len(prof.chunks))
         return range(top + 1)
+
+    def plans(prof):  # (n_persist, n_shard) to price
+        for p in persists(prof):
+            for sh in shard_counts(hw, n_shard, len(prof.chunks), p):
+                yield p, sh
+
+    shards = hw.world_size > 1 and n_shard != 0  # chunks may be sharded on the devices
 
     best: Prediction | None = None
     best_key = None
@@ -138,7 +152,7 @@ def _search(
                     if s + k <= n_blocks:
                         layouts.append(
                             (
-                                arrays.lower_bound_s(s, k, device_budget),
+                                arrays.lower_bound_s(s, k, device_budget, shards),
                                 len(layouts),
                                 prof,
                                 nb,
@@ -158,29 +172,29 @@ def _search(
             # no n_persist of it fits (if no plan does, the error pass below prices it anyway)
             continue
         lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-        for p in persists(prof):
-            peak = lc.peak_bytes(p)
+        for p, sh in plans(prof):
+            peak = lc.peak_bytes(p, sh)
             if peak > device_budget:
                 continue
-            if host_budget is not None and lc.host_bytes(p) > host_budget:
+            if host_budget is not None and lc.host_bytes(p, sh) > host_budget:
                 continue
             evaluated += 1
-            t = lc.time_s(p)
+            t = lc.time_s(p, n_shard=sh)
             if best_key is not None and t > best_key[0] + 1e-6:
                 continue  # slower than the best even after rounding: not a tie
-            key = plan_key(t, p, s, k, peak, prof.chunk_size, nb)
+            key = plan_key(t, p, s, k, peak, prof.chunk_size, nb, sh)
             if best_key is None or key < best_key:
-                best_key, best = key, lc.predict(p)
+                best_key, best = key, lc.predict(p, sh)
     if best is None:  # the smallest peak and pinned footprint over every layout, for the error
         # and the smallest peak of the plans whose pinned memory fits the host: the device budget
         # that would do where the host is what is short (more resident chunks, less pinned)
         min_peak, min_host, host_ok_peak = None, None, None
         for _, _, prof, nb, s, k, arrays in layouts:
             lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-            for p in persists(prof):
-                peak = lc.peak_bytes(p)
+            for p, sh in plans(prof):
+                peak = lc.peak_bytes(p, sh)
                 min_peak = peak if min_peak is None else min(min_peak, peak)
-                host = lc.host_bytes(p)
+                host = lc.host_bytes(p, sh)
                 if peak <= device_budget:
                     min_host = host if min_host is None else min(min_host, host)
                 if host_budget is not None and host <= host_budget:
@@ -284,15 +298,18 @@ def brute_force(
             for s in range(len(prof.blocks) + 1):
                 for k in range(len(prof.blocks) - s + 1):
                     for p in range(len(prof.chunks) + 1):
-                        knobs = Knobs(prof.chunk_size, p, nb, s, k, 0.0, prof.transfer_copies)
-                        pred = predict(prof, hw, knobs)
-                        if pred.peak_bytes > device_budget or (
-                            host_budget is not None and pred.host_bytes > host_budget
-                        ):
-                            continue
-                        key = plan_key(pred.time_s, p, s, k, pred.peak_bytes, prof.chunk_size, nb)
-                        if best_key is None or key < best_key:
-                            best, best_key = pred, key
+                        for sh in shard_counts(hw, None, len(prof.chunks), p):
+                            copies = prof.transfer_copies
+                            knobs = Knobs(prof.chunk_size, p, nb, s, k, 0.0, copies, sh)
+                            pred = predict(prof, hw, knobs)
+                            if pred.peak_bytes > device_budget or (
+                                host_budget is not None and pred.host_bytes > host_budget
+                            ):
+                                continue
+                            peak = pred.peak_bytes
+                            key = plan_key(pred.time_s, p, s, k, peak, prof.chunk_size, nb, sh)
+                            if best_key is None or key < best_key:
+                                best, best_key = pred, key
     return best
 
 

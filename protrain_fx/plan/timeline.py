@@ -47,21 +47,22 @@ def output_dropped_peak(lc, knobs, step) -> int:
     the H200 the 1B shape at 8 x 2048 peaked there once backward's head no longer built their
     gradient whole)."""
     frag, extra, p = lc.fragmentation, lc.fragmentation_bytes, knobs.n_persist
-    output_bytes = step.returned_logits_bytes
-    peak = lc.peak_bytes(p)
+    output_bytes, shards = step.returned_logits_bytes, lc.shard_bytes(p, knobs.n_shard)
+    peak = lc.peak_bytes(p, knobs.n_shard)
     live = lc.activation_bytes + _beside_saved(lc, p) + output_bytes
-    forward_end = int(math.ceil((lc.static[p] + live) * frag + extra))
+    forward_end = int(math.ceil((lc.static[p] + live) * frag + extra)) + shards
     return min(peak, max(peak - int(output_bytes * frag), forward_end))
 
 
-def memory_timeline(lc, n_persist: int) -> list[list]:
+def memory_timeline(lc, n_persist: int, n_shard: int = 0) -> list[list]:
     """``[t_s, bytes, label]`` at every block boundary of the plan ``lc``
-    (a :class:`~protrain_fx.plan.cost_model.LayoutCosts`) with ``n_persist`` resident chunks."""
+    (a :class:`~protrain_fx.plan.cost_model.LayoutCosts`) with ``n_persist`` resident chunks and
+    ``n_shard`` sharded on the devices."""
     from protrain_fx.plan.profiles import block_policy
 
     prof, frag, extra = lc.prof, lc.fragmentation, lc.fragmentation_bytes
-    t_total, parts = lc.time_s(n_persist, detail=True)
-    static = lc.static[n_persist]
+    t_total, parts = lc.time_s(n_persist, detail=True, n_shard=n_shard)
+    static = lc.static[n_persist] + (lc.shard_bytes(n_persist, n_shard) / frag if n_shard else 0)
     blocks, n = prof.blocks, len(prof.blocks)
     casts = int(lc.numel[n_persist] * prof.resident_cast_elem * lc.keep_fraction)
     kept = []
