@@ -4,10 +4,12 @@ Llama-3.2-3B-shaped profile, priced with the H200 host's measured rates, at seve
 The profile is built, not profiled: 28 blocks of 100.7 M parameters (the 3B shape's decoder layer)
 at 2-4 ms of compute each, the tied 128256 x 3072 embedding as an oversized chunk of its own, and
 the three chunk sizes the automatic plan profiles (protrain_fx/autoplan.py: the default, 1.5x and
-2x; the default here half a block). The rates are the H200 host's hardware profile recorded in
-``benchmarks/results/oom_sweep_h200_run12.json``, with device steps allowed (one rank, as
-autoplan sets them on a GPU). On the H200 host the search of the real 3B profile took 8.8 s of the
-cold first step (benchmarks/results/first_step_h200_pyprof.md).
+2x; the default here half a block, or ``--chunk-bytes``). The rates are the H200 host's hardware
+profile recorded in ``benchmarks/results/oom_sweep_h200_run30.json``, with device steps allowed
+(one rank, as autoplan sets them on a GPU). ``--ranks N`` prices N data-parallel ranks instead,
+over a bus of ``--bus-gb-s`` (the search then also prices chunks sharded on the devices,
+plan/ranks_cost.py). On the H200 host the search of the real 3B profile took 8.8 s of the cold
+first step (benchmarks/results/first_step_h200_pyprof.md).
 
 To compare two versions of the code in one run, give each a checkout with ``--code NAME=PATH``: each
 runs in a subprocess that imports ``protrain_fx`` from ``PATH``, alternately, ``--repeat`` times.
@@ -31,7 +33,7 @@ BUDGETS_GIB = (16, 24, 40)
 MiB, GiB = 2**20, 2**30
 
 
-def _one_run() -> dict:
+def _one_run(ranks: int = 1, bus_gb_s: float = 150.0, chunk_bytes: int = 0) -> dict:
     """Search once per budget with the protrain_fx on ``sys.path``; the seconds and the plan."""
     import dataclasses
     import time
@@ -40,15 +42,17 @@ def _one_run() -> dict:
     from protrain_fx.plan.profiles import BlockProfile, ChunkProfile, GraphProfile, Hardware
     from protrain_fx.plan.search import search
 
-    with open(os.path.join(HERE, "results", "oom_sweep_h200_run12.json")) as f:
+    with open(os.path.join(HERE, "results", "oom_sweep_h200_run30.json")) as f:
         hw_profile = HardwareProfile.from_dict(json.load(f)["hardware_profile"])
-    hw = dataclasses.replace(Hardware.of(hw_profile), device_steps=True)
+    hw = dataclasses.replace(Hardware.of(hw_profile), device_steps=ranks == 1)
+    if ranks > 1:
+        hw = dataclasses.replace(hw, world_size=ranks, collective_bytes_per_s=bus_gb_s * 1e9)
     n_blocks, block_numel, vocab_numel = 28, 100_700_000, 128_256 * 3072
     blocks = tuple(
         BlockProfile(fwd_s=2e-3, bwd_s=4e-3, keep_bytes=600 * MiB, input_bytes=24 * MiB)
         for _ in range(n_blocks)
     )
-    default = block_numel * 4 // 2
+    default = chunk_bytes or block_numel * 4 // 2
     profiles = []
     for chunk_size in (default, default * 3 // 2, default * 2):
         per_chunk = chunk_size // 4
@@ -83,7 +87,7 @@ def _one_run() -> dict:
         out[str(budget)] = {
             "seconds": seconds,
             "evaluated": result.evaluated,
-            "plan": [k.chunk_size, k.n_persist, k.n_buffer, k.n_swap, k.n_checkpoint],
+            "plan": [k.chunk_size, k.n_persist, k.n_buffer, k.n_swap, k.n_checkpoint, k.n_shard],
             "time_s": result.best.time_s,
             "peak_bytes": result.best.peak_bytes,
         }
@@ -95,18 +99,23 @@ def main() -> None:
     ap.add_argument("--code", action="append", default=[], help="NAME=PATH of a checkout")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=None, help="path stem for .json and .md")
+    ap.add_argument("--ranks", type=int, default=1, help="data-parallel ranks to price")
+    ap.add_argument("--bus-gb-s", type=float, default=150.0, help="their collectives' rate")
+    ap.add_argument("--chunk-bytes", type=int, default=0, help="default chunk size (half a block)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:  # one measurement with the checkout given
         sys.path.insert(0, args.child)
-        print(json.dumps(_one_run()))
+        print(json.dumps(_one_run(args.ranks, args.bus_gb_s, args.chunk_bytes)))
         return
     codes = [c.split("=", 1) for c in args.code] or [["this", os.path.join(HERE, "..")]]
     runs: dict[str, list] = {name: [] for name, _ in codes}
     for _ in range(args.repeat):
         for name, path in codes:  # alternately, so that a busy spell hits both
             proc = subprocess.run(
-                [sys.executable, __file__, "--child", os.path.abspath(path)],
+                [sys.executable, __file__, "--child", os.path.abspath(path)]
+                + ["--ranks", str(args.ranks), "--bus-gb-s", str(args.bus_gb_s)]
+                + ["--chunk-bytes", str(args.chunk_bytes)],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -147,10 +156,15 @@ def main() -> None:
             f"# Plan search time (`{report['command']}`)",
             "",
             f"{report['machine']}, Python {report['python']}; the Llama-3.2-3B-shaped profile "
-            "and H200 host rates of benchmarks/search_time.py; median of the runs.",
+            "and H200 host rates of benchmarks/search_time.py; median of the runs; "
+            + (
+                f"{args.ranks} ranks over {args.bus_gb_s:g} GB/s."
+                if args.ranks > 1
+                else "one rank."
+            ),
             "",
             "| code | commit | budget | search (s) | runs (s) | plans priced | plan (chunk, "
-            "n_persist, n_buffer, n_swap, n_checkpoint) | predicted step (s) |",
+            "n_persist, n_buffer, n_swap, n_checkpoint, n_shard) | predicted step (s) |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:

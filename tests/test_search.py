@@ -498,6 +498,30 @@ def test_the_search_shards_chunks_where_the_cpu_optimizer_bounds_the_step():
     assert search([prof], HW2, budget, n_shard=0).best.knobs.n_shard == 0
 
 
+@SETTINGS
+@given(profs=profiles(), budget_mib=st.integers(100, 12000), bus=st.sampled_from([1e8, 1e10, 1e12]))
+def test_the_lower_bound_holds_with_chunks_sharded_on_the_devices(profs, budget_mib, bus):
+    """The search skips a layout whose bound exceeds the best plan: with several ranks the bound
+    must stay under every plan of the layout that fits, sharded ones included."""
+    from protrain_fx.plan.cost_model import LayoutCosts, _ProfileArrays
+
+    hw, budget = dataclasses.replace(HW2, collective_bytes_per_s=bus), budget_mib * MiB
+    for prof in profs:
+        n_blocks, n = len(prof.blocks), len(prof.chunks)
+        arrays = _ProfileArrays(prof, hw, 1)
+        for n_swap in range(n_blocks + 1):
+            for n_ckpt in range(n_blocks - n_swap + 1):
+                bound = arrays.lower_bound_s(n_swap, n_ckpt, budget, True)
+                lc = LayoutCosts(prof, hw, 1, n_swap, n_ckpt, arrays)
+                times = [
+                    lc.time_s(p, n_shard=sh)
+                    for p in range(n + 1)
+                    for sh in range(n - p + 1)
+                    if lc.peak_bytes(p, sh) <= budget
+                ]
+                assert not times or bound <= min(times) * (1 + 1e-9)
+
+
 def test_swap_waits_block_by_block():
     """Hand-checked: four blocks of 1 ms forward and 2 ms backward, the first two swapping 100 MB
     each at 50 GB/s (2 ms a copy). Forward: block 2 waits for block 0's offload (done at 2 ms),

@@ -70,7 +70,7 @@ from protrain_fx.plan.profiles import (
     Knobs,
     Prediction,
 )
-from protrain_fx.plan.ranks_cost import ShardedChunks, allreduce_terms
+from protrain_fx.plan.ranks_cost import ShardedChunks, allreduce_terms, least_step_bound
 from protrain_fx.plan.swap_cost import swap_stall_s
 from protrain_fx.plan.timeline import memory_timeline, peaks
 
@@ -237,7 +237,8 @@ class _ProfileArrays:
         chunk boundaries only lowers it). With a ``device_budget``, ``R`` goes no higher than what
         fits next to the layout's activations: resident parameters and their two moments,
         activations and transient, times the allocator factor, are part of every peak. With
-        ``shards`` (chunks may be sharded on the devices) no parameter needs the CPU."""
+        ``shards`` (chunks may be sharded on the devices) a parameter may be sharded instead
+        (ranks_cost.least_step_bound)."""
         prof, hw = self.prof, self.hw
         nbytes = self.swappable[n_swap]
         copy = nbytes / hw.d2h_bytes_per_s + nbytes / hw.h2d_bytes_per_s
@@ -252,24 +253,23 @@ class _ProfileArrays:
         cast, pack, me = self.cast_per_param, self.pack_per_param, prof.master_elem
         ckpt = n_checkpoint / n_blocks if n_blocks else 0.0
         # per offloaded parameter
-        cpu = 0.0 if shards else hw.cpu_s_per_param(prof.transfer_copies)
-        if cpu and (hw.device_steps or hw.device_step_share):  # the CPU and the link, each at best
+        cpu = hw.cpu_s_per_param(prof.transfer_copies)
+        if hw.device_steps or hw.device_step_share:  # the CPU and the link, each at its best
             cpu = 1 / (1 / cpu + 1 / device_step_link_s(hw))
-        # a(R) = a0 + a1 R: the device side; b(R) = b0 + b1 R: the CPU optimizer's side
-        a0, a1 = fwd + bwd + total * pack, cast * (2 + ckpt) - pack + 1 / hw.gpu_adam_params_per_s
-        b0, b1 = fwd + total * cpu, cast - cpu + 1 / hw.gpu_adam_params_per_s
-        top = float(total)
+        gpu = 1 / hw.gpu_adam_params_per_s
+        # a = a0 + a1 R: the device side; b = b0 + b1 R: the CPU optimizer's side
+        device = (fwd + bwd + total * pack, cast * (2 + ckpt) - pack + gpu)
+        host = (fwd + total * cpu, cast - cpu + gpu)
+        room = math.inf
         if device_budget is not None:
-            room = (
-                (device_budget - prof.fragmentation_bytes) / prof.fragmentation
-                - self.activation_bytes(n_swap, n_checkpoint)
-                - prof.transient_bytes
-            )
-            top = min(top, max(0.0, room / ((1 + ADAM_STATES) * me)))
-        points = [0.0, top]
-        if a1 != b1:
-            points.append(min(max((b0 - a0) / (a1 - b1), 0.0), top))
-        return min(max(a0 + a1 * r, b0 + b1 * r) for r in points)
+            act = self.activation_bytes(n_swap, n_checkpoint) + prof.transient_bytes
+            room = (device_budget - prof.fragmentation_bytes) / prof.fragmentation - act
+        # a sharded parameter: its gather and reduce-scatter and its device step on the device's
+        # side, no CPU step (ranks_cost.py)
+        n, te = hw.world_size, prof.transfer_elem
+        shard = (hw.collective_s(te + me) + gpu / n, gpu / n - cpu, (2 + ADAM_STATES) * me / n)
+        resident_b = (1 + ADAM_STATES) * me
+        return least_step_bound(device, host, total, room, resident_b, shard if shards else None)
 
 
 class LayoutCosts:

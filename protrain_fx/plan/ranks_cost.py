@@ -18,6 +18,8 @@ Everything here is a prefix sum over the chunks, so each ``(n_persist, n_shard)`
 
 from __future__ import annotations
 
+import math
+
 from protrain_fx.plan.profiles import ADAM_STATES, GraphProfile, Hardware
 
 
@@ -90,3 +92,41 @@ def shard_counts(hw: Hardware, n_shard: int | None, n_chunks: int, n_persist: in
     if n_shard is not None:
         return range(min(n_shard, left), min(n_shard, left) + 1)
     return range(left + 1)
+
+
+def least_step_bound(device, cpu, total: float, room: float, resident_b: float, shard=None):
+    """The least ``max(a, b)`` of two lines over the plans the memory allows (the search's lower
+    bound, cost_model._ProfileArrays.lower_bound_s): ``a = a0 + a1 R (+ sa S)`` the device's side,
+    ``b = b0 + b1 R (+ sb S)`` the CPU optimizer's, with ``R`` resident parameters (``resident_b``
+    bytes of states each) and, given ``shard = (sa, sb, shard_b)``, ``S`` parameters sharded on the
+    devices (``shard_b`` bytes each): ``R, S >= 0``, ``R + S <= total``, ``R resident_b + S
+    shard_b <= room``. A convex piecewise-linear function over a convex polygon: least at a vertex
+    or where ``a = b`` crosses an edge."""
+    (a0, a1), (b0, b1) = device, cpu
+    sa, sb, shard_b = shard if shard is not None else (0.0, 0.0, math.inf)
+    r_top = min(total, room / resident_b) if resident_b else total
+    s_top = min(total, room / shard_b) if shard_b else total
+    corners = [(0.0, 0.0), (max(0.0, r_top), 0.0)]
+    if shard is not None and s_top > 0 and r_top >= 0:
+        # where R + S = total meets the memory line, if inside the first quadrant
+        both = (room - total * shard_b) / (resident_b - shard_b) if resident_b != shard_b else -1
+        if 0 < both < r_top:
+            corners.append((both, total - both))
+        corners.append((0.0, s_top))
+    if r_top < 0:  # not even the activations fit: the bound of no resident parameter at all
+        corners = [(0.0, 0.0)]
+
+    def a(r, s):
+        return a0 + a1 * r + sa * s
+
+    def b(r, s):
+        return b0 + b1 * r + sb * s
+
+    best = min(max(a(r, s), b(r, s)) for r, s in corners)
+    for (r1, s1), (r2, s2) in zip(corners, corners[1:] + corners[:1]):
+        d1, d2 = a(r1, s1) - b(r1, s1), a(r2, s2) - b(r2, s2)
+        if d1 * d2 < 0:  # the lines cross on this edge
+            t = d1 / (d1 - d2)
+            r, s = r1 + t * (r2 - r1), s1 + t * (s2 - s1)
+            best = min(best, max(a(r, s), b(r, s)))
+    return best

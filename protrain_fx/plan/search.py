@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -124,9 +125,36 @@ def _search(
         top = len(prof.chunks) if max_n_persist is None else min(max_n_persist, len(prof.chunks))
         return range(top + 1)
 
-    def plans(prof):  # (n_persist, n_shard) to price
+    def plans(prof, lc=None):
+        """(n_persist, n_shard) to price. With ``lc`` and n_shard searched: beside each n_persist
+        from the most shards that fit (the peak grows with them) down, until even the CPU steps of
+        the chunks left offloaded make a step slower than the best found (fewer shards: more)."""
+        floors = None
         for p in persists(prof):
-            for sh in shard_counts(hw, n_shard, len(prof.chunks), p):
+            counts = shard_counts(hw, n_shard, len(prof.chunks), p)
+            if lc is None or len(counts) == 1:
+                yield from ((p, sh) for sh in counts)
+                continue
+            floors = floors or _Floors(lc)
+            device, cpu = floors.at(p)
+            per_param, total = lc.cpu_per_param, lc.numel[-1]
+            if best_key is not None and device + floors.least_to[-1] > best_key[0] + 1e-6:
+                continue  # no count of shards beside p beats the best
+            lo, hi = counts.start, counts.stop - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if lc.peak_bytes(p, mid) <= device_budget else (lo, mid - 1)
+            for sh in range(lo, counts.start - 1, -1):
+                if (
+                    best_key is not None
+                ):  # fewer shards: a CPU floor higher, a device floor least_to
+                    worst, q = best_key[0] + 1e-6, p + sh
+                    if floors.cpu_known and cpu + (total - lc.numel[q]) * per_param > worst:
+                        break
+                    if device + floors.least_to[q] > worst:
+                        break
+                    if device + floors.by_q[q] > worst:
+                        continue
                 yield p, sh
 
     shards = hw.world_size > 1 and n_shard != 0  # chunks may be sharded on the devices
@@ -172,7 +200,7 @@ def _search(
             # no n_persist of it fits (if no plan does, the error pass below prices it anyway)
             continue
         lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-        for p, sh in plans(prof):
+        for p, sh in plans(prof, lc):
             peak = lc.peak_bytes(p, sh)
             if peak > device_budget:
                 continue
@@ -233,6 +261,39 @@ def _search(
             min_host_bytes=min_host,
         )
     return SearchResult(best, evaluated, time.perf_counter() - t0)
+
+
+class _Floors:
+    """Times no plan of one layout beats, cheaper to get than its price, for ``n_persist``
+    resident chunks and chunks ``q..`` offloaded (those between sharded on the devices): the
+    device's (compute and transfers, the sharded chunks' collectives, casts, swap copies compute
+    waits for, resident all-reduces, the optimizer steps on the device: ``device(p) + by_q[q]``)
+    and the CPU's (forward, then the CPU steps of the offloaded chunks, more as ``q`` falls: not
+    where device steps share that work, which is then not ``offloaded x rate``)."""
+
+    def __init__(self, lc: LayoutCosts):
+        hw, sh, self.lc = lc.hw, lc.sharded, lc
+        self.slow, self.gpu = min(1.0, hw.sustained_slowdown), 1 / hw.gpu_adam_params_per_s
+        self.by_q = [
+            (sh.fwd[q] + sh.bwd[q] - lc.fwd_off[q] - lc.bwd_off[q]) * self.slow
+            + sh.numel[q] * self.gpu
+            for q in range(len(lc.numel))
+        ]
+        self.least_to = list(itertools.accumulate(self.by_q, min))  # over every q' <= q
+        self.cpu_known = not (hw.device_steps or hw.device_step_share)
+
+    def at(self, p: int) -> tuple[float, float]:
+        """The device's floor less ``by_q[q]``, and the CPU's less its offloaded chunks' steps."""
+        lc, hw, sh, n = self.lc, self.lc.hw, self.lc.sharded, len(self.lc.numel) - 1
+        cast_fwd, cast_bwd = lc.cast_s(p)
+        exposed = lc.swap_exposed_s(p) + lc.allreduce_exposed[p]
+        exposed += (lc.allreduce_s[p] - lc.allreduce_exposed[p]) * hw.collective_contention
+        nonblock = lc.prof.nonblock_fwd_s + lc.prof.nonblock_bwd_s
+        compute = lc.fwd_res[p] + lc.bwd_res[p] + lc.fwd_off[n] + lc.bwd_off[n] + nonblock
+        on_device = (compute + cast_fwd + cast_bwd + exposed - sh.fwd[p] - sh.bwd[p]) * self.slow
+        fwd = lc.fwd_res[n] + lc.prof.nonblock_fwd_s + cast_fwd
+        device = on_device + (lc.numel[p] - sh.numel[p]) * self.gpu
+        return device, fwd * self.slow + lc.numel[p] * self.gpu
 
 
 def search_or_without_copies(
