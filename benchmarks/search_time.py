@@ -87,7 +87,8 @@ def _one_run(ranks: int = 1, bus_gb_s: float = 150.0, chunk_bytes: int = 0) -> d
         out[str(budget)] = {
             "seconds": seconds,
             "evaluated": result.evaluated,
-            "plan": [k.chunk_size, k.n_persist, k.n_buffer, k.n_swap, k.n_checkpoint, k.n_shard],
+            "plan": [k.chunk_size, k.n_persist, k.n_buffer, k.n_swap, k.n_checkpoint]
+            + [getattr(k, "n_shard", 0)],
             "time_s": result.best.time_s,
             "peak_bytes": result.best.peak_bytes,
         }

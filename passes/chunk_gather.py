@@ -34,7 +34,10 @@ from protrain_fx.graph.annotation import META_KEY, NodeAnnotation, annotation_of
 from protrain_fx.graph.fx import call, cast_dtype, node_positions
 from protrain_fx.graph.inputs import joint_input_index
 from protrain_fx.plan.plan import Plan
-from protrain_fx.runtime import chunk_store, ops
+from protrain_fx.runtime import chunk_store, distributed, ops
+
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -78,20 +81,24 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         # before the gather makes the anchor a user
         old_users = {ph: list(ph.users) for ph, _, _ in params}
         replaced_casts = []  # erased after every insertion: the insertion point may be one of them
+        where = NodeAnnotation(
+            "forward",
+            ann.region if ann else "non_block",
+            ann.block if ann else None,
+            ann.block_name if ann else None,
+            chunk=chunk,
+        )
         with graph.inserting_before(first_user):
-            flat = call(
-                gm,
-                ops.GATHER,
-                ([], anchor, store.chunk_numel(chunk), store.param_dtype),
-                meta=dict(meta),
-            )
-            flat.meta[META_KEY] = NodeAnnotation(
-                "forward",
-                ann.region if ann else "non_block",
-                ann.block if ann else None,
-                ann.block_name if ann else None,
-                chunk=chunk,
-            )
+            if store.home_on_device(chunk):
+                flat = _all_gathered(gm, store, chunk, anchor, meta, where)
+            else:
+                flat = call(
+                    gm,
+                    ops.GATHER,
+                    ([], anchor, store.chunk_numel(chunk), store.param_dtype),
+                    meta=dict(meta),
+                )
+            flat.meta[META_KEY] = where
             vector_params = [
                 (ph, i)
                 for ph, i, _ in params
@@ -158,3 +165,25 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         ]
     plan.grad_slots = grad_slots
     return gm
+
+
+def _all_gathered(gm, store, chunk: int, anchor, meta: dict, where) -> fx.Node:
+    """A chunk sharded on the devices, gathered by the graph itself: this rank's shard in the
+    transfer dtype (``protrain::shard_values``), a functional all-gather of every rank's and its
+    wait, which Inductor schedules like its other kernels (passes/shard_prefetch.py issues it one
+    chunk ahead). The flat result has the chunk's layout: the ranks' shards in rank order."""
+    shard = call(
+        gm,
+        ops.SHARD_VALUES,
+        (anchor, store.host_numel(chunk), store.param_dtype),
+        meta=dict(meta),
+    )
+    gathered = call(
+        gm,
+        ALL_GATHER,
+        (shard, store.world.size, distributed.group_name()),
+        meta=dict(meta),
+    )
+    for n in (shard, gathered):
+        n.meta[META_KEY] = where
+    return call(gm, WAIT, (gathered,), meta=dict(meta))

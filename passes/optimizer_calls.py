@@ -26,7 +26,10 @@ import torch.fx as fx
 from protrain_fx.graph.annotation import META_KEY, NodeAnnotation
 from protrain_fx.graph.fx import call, node_positions, output_node
 from protrain_fx.plan.plan import Plan
-from protrain_fx.runtime import ops
+from protrain_fx.runtime import chunk_store, distributed, ops
+
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 _UPCASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
@@ -79,7 +82,7 @@ def optimizer_calls(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     )
     first_grad = len(outputs) - n_primals
     pos = node_positions(graph)
-    for _, slots in sorted(plan.grad_slots.items(), key=lambda kv: kv[0]):
+    for (store_id, chunk), slots in sorted(plan.grad_slots.items(), key=lambda kv: kv[0]):
         grads = [
             (first_grad + ordinal, outputs[first_grad + ordinal], ph)
             for ordinal, _, ph in slots
@@ -91,15 +94,40 @@ def optimizer_calls(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             o, g, ph = grads[0]
             grads = [(o, _before_upcast(g, out), ph)]
         last = max((g for _, g, _ in grads), key=pos.__getitem__)
-        with graph.inserting_after(last):
-            node = call(
-                gm,
-                ops.CHUNK_GRAD,
-                ([g for _, g, _ in grads], [ph for _, _, ph in grads], []),
-                meta={"partitioner_tag": "is_backward"} if "partitioner_tag" in last.meta else None,
-            )
-        node.meta[META_KEY] = NodeAnnotation("backward", "non_block")
+        meta = {"partitioner_tag": "is_backward"} if "partitioner_tag" in last.meta else {}
+        store = chunk_store.get_store(store_id)
+        values, params = [g for _, g, _ in grads], [ph for _, _, ph in grads]
+        with graph.inserting_before(last.next):
+            if store.home_on_device(chunk):
+                nodes = _reduce_scattered(gm, store, chunk, values, params, meta)
+            else:
+                nodes = [call(gm, ops.CHUNK_GRAD, (values, params, []), meta=dict(meta))]
+        for node in nodes:
+            node.meta[META_KEY] = NodeAnnotation("backward", "non_block")
         for o, _, _ in grads:
             outputs[o] = None
     out.args = (tuple(outputs),)
     return gm
+
+
+def _reduce_scattered(gm, store, chunk: int, grads, params, meta: dict) -> list:
+    """A chunk sharded on the devices: its gradients packed in the chunk layout
+    (``protrain::pack_grads``), a functional reduce-scatter (sum) and its wait, which Inductor
+    schedules like its other kernels (passes/shard_prefetch.py waits for it as late as the next
+    chunk's), then ``protrain::shard_grad`` adds this rank's shard, divided by the ranks, into the
+    chunk's gradient on the device."""
+    packed = call(
+        gm,
+        ops.PACK_GRADS,
+        (grads, params, store.chunk_numel(chunk), store.master_dtype),
+        meta=dict(meta),
+    )
+    reduced = call(
+        gm,
+        REDUCE_SCATTER,
+        (packed, "sum", store.world.size, distributed.group_name()),
+        meta=dict(meta),
+    )
+    waited = call(gm, WAIT, (reduced,), meta=dict(meta))
+    done = call(gm, ops.SHARD_GRAD, (waited, params, []), meta=dict(meta))
+    return [packed, reduced, waited, done]

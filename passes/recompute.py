@@ -5,6 +5,8 @@
   chunk from forward to backward, keeping every offloaded chunk alive on the device; tagged,
   backward re-gathers each chunk just before its first backward use (chunk_schedule prefetches it).
   A saved view of a chunk buffer would also be wrong: the buffer is reused for other chunks.
+  Likewise a chunk sharded on the devices: ``protrain::shard_values``, the functional all-gather
+  and its wait (the partitioner recomputes collectives only when they are tagged so).
 * Every forward node of the blocks whose policy is "recompute", one ``ac_graph_id`` per block: the
   semantics of ``torch.utils.checkpoint`` per block. The partitioner saves what each block needs
   from outside (its input, which the previous block's region must save: the partitioner stashes a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -25,6 +28,11 @@ from protrain_fx.graph.fx import cast_dtype, is_view_op
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import ops
 
+# a chunk sharded on the devices is gathered by the graph's functional all-gather and its wait
+_GATHERED = (
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+    torch.ops._c10d_functional.wait_tensor.default,
+)
 # Gathers share one id above every block's: the partitioner turns a tagged node into MUST_SAVE when
 # a tagged user has a *larger* id, which must never happen to a gathered view (block ids are
 # 0..n-1).
@@ -62,7 +70,8 @@ def recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     checkpointed = {i for i, b in enumerate(plan.blocks) if b.policy == "recompute"}
     if checkpointed:
         tag_blocks_for_recompute(gm, checkpointed)
-    stack = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is ops.GATHER]
+    gathers = (ops.GATHER, ops.SHARD_VALUES)
+    stack = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in gathers]
     seen = set()
     while stack:
         node = stack.pop()
@@ -75,7 +84,7 @@ def recompute(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             if user.op == "call_function" and (
                 is_view_op(user.target)
                 or cast_dtype(user) is not None
-                or user.target in (ops.VECTORS, operator.getitem)
+                or user.target in (ops.VECTORS, operator.getitem, *_GATHERED)
             ):
                 stack.append(user)
     return gm

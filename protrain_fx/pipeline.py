@@ -36,6 +36,7 @@ from protrain_fx.passes.chunked_loss import chunked_loss
 from protrain_fx.passes.optimizer_calls import optimizer_calls
 from protrain_fx.passes.recompute import recompute
 from protrain_fx.passes.resident_grads import resident_grads
+from protrain_fx.passes.shard_prefetch import shard_prefetch
 from protrain_fx.passes.sparse_embedding_grads import sparse_embedding_grads
 from protrain_fx.passes.swap import swap_offload, swap_reload
 from protrain_fx.passes.user_checkpoints import user_checkpoints
@@ -129,6 +130,7 @@ PASSES: dict[str, PassSpec] = {
             exact_without=False,
             why="resident gradients would not be averaged over the ranks",
         ),
+        _spec("shard_prefetch", shard_prefetch, reads={"world_size"}),
         # chunks_in_use: the most over the graph's stages (forward, then backward), so read and
         # written
         _spec(
@@ -151,8 +153,8 @@ STAGES: dict[str, tuple[str, ...]] = {
         "sparse_embedding_grads",
         "recompute",
     ),
-    "forward": ("swap_offload", "chunk_schedule"),
-    "backward": ("swap_reload", "resident_grads", "chunk_schedule"),
+    "forward": ("swap_offload", "shard_prefetch", "chunk_schedule"),
+    "backward": ("swap_reload", "resident_grads", "shard_prefetch", "chunk_schedule"),
     "inference": ("annotate", "chunk_gather", "chunk_schedule"),
 }
 TRAINING_ORDER = ("dynamo", "joint", "forward", "backward")

@@ -264,10 +264,10 @@ class _ProfileArrays:
         if device_budget is not None:
             act = self.activation_bytes(n_swap, n_checkpoint) + prof.transient_bytes
             room = (device_budget - prof.fragmentation_bytes) / prof.fragmentation - act
-        # a sharded parameter: its gather and reduce-scatter and its device step on the device's
-        # side, no CPU step (ranks_cost.py)
-        n, te = hw.world_size, prof.transfer_elem
-        shard = (hw.collective_s(te + me) + gpu / n, gpu / n - cpu, (2 + ADAM_STATES) * me / n)
+        # a sharded parameter: its device step on the device's side (its collectives may hide
+        # behind compute), no CPU step (ranks_cost.py)
+        n = hw.world_size
+        shard = (gpu / n, gpu / n - cpu, (2 + ADAM_STATES) * me / n)
         resident_b = (1 + ADAM_STATES) * me
         return least_step_bound(device, host, total, room, resident_b, shard if shards else None)
 

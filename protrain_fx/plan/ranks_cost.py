@@ -8,10 +8,11 @@ backward, after the chunk's last gradient, while backward goes on with the chunk
 shard up and all-gathers the rest, backward reduce-scatters the gradient and sends the shard down,
 and the CPU steps it. *Sharded on the devices* (ZeRO-3 on the GPUs): a rank holds 1/N of its fp32
 master, gradient accumulator and moments in device memory, ``(2 + ADAM_STATES) * 4 / N`` bytes per
-parameter instead of a resident chunk's ``(2 + ADAM_STATES) * 4``; each gather casts the shard and
-all-gathers the rest on the compute stream (serial with compute: the copy is not overlapped there,
-runtime/chunk_transfers.py), backward re-gathers it unless it stayed in a buffer and
-reduce-scatters its gradient (serial too), and ``opt.step()`` steps the shard on the device. The
+parameter instead of a resident chunk's ``(2 + ADAM_STATES) * 4``; the graph all-gathers it with a
+functional collective started one chunk ahead (passes/shard_prefetch.py), so the gather overlaps
+the compute before it, backward re-gathers it the same way unless it stayed in a buffer and
+reduce-scatters its gradient beside the next chunk's backward, and ``opt.step()`` steps the shard
+on the device. The
 sharded chunks are the first ``n_shard`` after the resident ones; the search chooses how many.
 Everything here is a prefix sum over the chunks, so each ``(n_persist, n_shard)`` is priced in O(1).
 """
@@ -62,8 +63,8 @@ class ShardedChunks:
             # the last n_buffer chunks forward gathers stay in their buffers for backward
             regather = 0.0 if c >= n - n_buffer else gather
             reduce_scatter = hw.collective_s(ch.numel * me)
-            self.fwd.append(self.fwd[-1] + fwd_s[c] + gather)
-            self.bwd.append(self.bwd[-1] + bwd_s[c] + regather + reduce_scatter)
+            self.fwd.append(self.fwd[-1] + max(fwd_s[c], gather))
+            self.bwd.append(self.bwd[-1] + max(bwd_s[c], regather + reduce_scatter))
             shard = -(-ch.numel // self.world)  # a chunk is padded to a multiple of the ranks
             self.state_bytes.append(self.state_bytes[-1] + shard * me * (2 + ADAM_STATES))
             self.numel.append(self.numel[-1] + shard)

@@ -259,14 +259,18 @@ class ChunkGrads:
         members: list[int],
         rows: torch.Tensor | None = None,
         indices: torch.Tensor | None = None,
+        reduced: torch.Tensor | None = None,
     ) -> None:
         """A backward pass produced the gradients of the chunk's parameters ``members`` (store
-        entries): pack them into a device gradient buffer in the chunk layout and master dtype, copy
-        it to the host and add it to (or, for parameters without a gradient yet, copy it into) the
-        accumulator on the host worker. With ``rows`` the chunk's one parameter is an embedding
-        table whose gradient is ``grads`` (a dense part, or none) plus ``rows[k]`` in its row
-        ``indices[k]`` (passes/sparse_embedding_grads.py): the rows go to the host and are added
-        there (:meth:`_rows_to_host`). While profiling, gradients are dropped (an oversized one's
+        entries), or for a chunk sharded on the devices ``reduced``, this rank's shard of
+        their packed sum over the ranks (reduce-scattered by the graph:
+        passes/optimizer_calls.py): pack them into a device gradient buffer in the chunk
+        layout and master dtype, copy it to the host and add it to (or, for parameters
+        without a gradient yet, copy it into) the accumulator on the host worker. With
+        ``rows`` the chunk's one parameter is an embedding table whose gradient is ``grads``
+        (a dense part, or none) plus ``rows[k]`` in its row ``indices[k]``
+        (passes/sparse_embedding_grads.py): the rows go to the host and are added there
+        (:meth:`_rows_to_host`). While profiling, gradients are dropped (an oversized one's
         dtype noted first: what its staging will hold, profiling/frugal.py)."""
         if self.profiling:
             if grads and self.grad_goes_as_is(chunk):
@@ -284,7 +288,12 @@ class ChunkGrads:
         fresh = [not self.has_grad(i) for i in members]
         all_entries = self._chunk_entries[chunk]
         others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)
-        if grads:
+        if reduced is not None:  # already this rank's shard of the sum: the mean, added in place
+            with torch.no_grad():
+                shard = reduced.detach() / self.world.size
+            parts = [(self.host_slices(i), f) for i, f in zip(members, fresh)]
+            self._accumulate(self.ensure_grad(chunk), shard, parts)
+        elif grads:
             self._dense_to_host(chunk, grads, members, fresh, others_absent)
         if rows is not None:
             self._rows_to_host(chunk, members[0], rows, indices, fresh[0] and not grads)
@@ -300,6 +309,19 @@ class ChunkGrads:
             self.optimizer.after_chunk_grad(self, chunk, members)
         step_redo.handed_over(record)
         _queue_end_of_backward()
+
+    def pack_grads(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> torch.Tensor:
+        """The gradients of the chunk's parameters ``members`` in the chunk layout and master dtype
+        (zeros elsewhere), a new tensor of the padded chunk's size: what a graph reduce-scatters
+        for a chunk sharded on the devices (passes/optimizer_calls.py)."""
+        out = torch.zeros(self._chunk_numel[chunk], dtype=self.master_dtype, device=self.device)
+        with torch.no_grad():
+            views = [
+                out[e.offset : e.offset + e.numel].view(e.shape)
+                for e in (self.entries[i] for i in members)
+            ]
+            torch._foreach_copy_(views, [g.detach() for g in grads])
+        return out
 
     def _dense_to_host(self, chunk, grads, members, fresh, others_absent) -> None:
         n = self._chunk_numel[chunk]

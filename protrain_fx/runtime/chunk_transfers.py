@@ -152,6 +152,13 @@ class ChunkTransfers:
             torch.cuda.synchronize()
         return out
 
+    def shard_values(self, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shard of a chunk sharded on the devices, in ``dtype``: a new tensor the
+        graph all-gathers itself (a functional collective: passes/chunk_gather.py)."""
+        self._ready_for_copy(chunk)
+        with torch.no_grad():
+            return self.transfer[chunk].to(dtype, copy=True)
+
     def reset_after_error(self) -> None:
         """An exception escaped a compiled graph: no chunk buffer stays reserved, no copy stays
         queued."""

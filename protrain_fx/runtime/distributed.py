@@ -48,6 +48,11 @@ def world() -> World:
     return World()
 
 
+def group_name() -> str:
+    """The default process group's name, as functional collectives in a graph name it."""
+    return dist.group.WORLD.group_name
+
+
 def all_gather_into(full: torch.Tensor, shard: torch.Tensor) -> None:
     """``full`` (flat, world size x shard) gets every rank's ``shard``; ``shard`` may be this rank's
     slice of ``full`` (then on the CPU it is copied first: gloo does not gather in place)."""

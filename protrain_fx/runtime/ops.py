@@ -107,6 +107,45 @@ def _(grads, params, tokens, rows=None, indices=None):
     return torch.empty(0, device=params[0].device)
 
 
+# ------------------------------------ chunks sharded on the devices, gathered by the graph itself
+@custom_op("protrain::shard_values", mutates_args=())
+def shard_values(anchor: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    store, chunk = chunk_store.bound_chunk(anchor)
+    return store.shard_values(chunk, dtype)
+
+
+@shard_values.register_fake
+def _(anchor, numel, dtype):
+    return torch.empty(numel, dtype=dtype, device=anchor.device)
+
+
+@custom_op("protrain::pack_grads", mutates_args=())
+def pack_grads(
+    grads: List[torch.Tensor], params: List[torch.Tensor], numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    store, chunk = chunk_store.bound_chunk(params[0])
+    return store.pack_grads(chunk, grads, [store.entry_index(p) for p in params])
+
+
+@pack_grads.register_fake
+def _(grads, params, numel, dtype):
+    return torch.empty(numel, dtype=dtype, device=params[0].device)
+
+
+@custom_op("protrain::shard_grad", mutates_args=())
+def shard_grad(
+    reduced: torch.Tensor, params: List[torch.Tensor], tokens: List[torch.Tensor]
+) -> torch.Tensor:
+    store, chunk = chunk_store.bound_chunk(params[0])
+    store.grad_ready(chunk, [], [store.entry_index(p) for p in params], reduced=reduced)
+    return _token(params[0].device)
+
+
+@shard_grad.register_fake
+def _(reduced, params, tokens):
+    return torch.empty(0, device=params[0].device)
+
+
 @custom_op("protrain::offload", mutates_args=())
 def offload(x: torch.Tensor, tokens: List[torch.Tensor]) -> torch.Tensor:
     return swap_pool.swapper(x.device).offload(x)
@@ -192,16 +231,28 @@ RELOAD_START = torch.ops.protrain.reload_start.default
 RELOAD_TAKE = torch.ops.protrain.reload_take.default
 PREFETCH = torch.ops.protrain.prefetch.default
 CHUNK_GRAD = torch.ops.protrain.chunk_grad.default
+SHARD_VALUES = torch.ops.protrain.shard_values.default
+PACK_GRADS = torch.ops.protrain.pack_grads.default
+SHARD_GRAD = torch.ops.protrain.shard_grad.default
 RESIDENT_GRADS = torch.ops.protrain.resident_grads.default
 RESIDENT_GRADS_WAIT = torch.ops.protrain.resident_grads_wait.default
-GRAD_OPS = (CHUNK_GRAD, RESIDENT_GRADS)
-TOKEN_OPS = (PREFETCH, CHUNK_GRAD, RESIDENT_GRADS, RESIDENT_GRADS_WAIT, RELOAD_START, OFFLOAD_WAIT)
+GRAD_OPS = (CHUNK_GRAD, RESIDENT_GRADS, SHARD_GRAD)
+TOKEN_OPS = (
+    PREFETCH,
+    CHUNK_GRAD,
+    RESIDENT_GRADS,
+    RESIDENT_GRADS_WAIT,
+    RELOAD_START,
+    OFFLOAD_WAIT,
+    SHARD_GRAD,
+)
 ALL_OPS = (GATHER, *TOKEN_OPS)
 # where each op keeps its token list (argument index)
 TOKEN_ARG = {
     GATHER: 0,
     PREFETCH: 0,
     CHUNK_GRAD: 2,
+    SHARD_GRAD: 2,
     RESIDENT_GRADS: 1,
     RESIDENT_GRADS_WAIT: 0,
     RELOAD_START: 1,
@@ -222,7 +273,7 @@ def fake_value(target, args):
         return torch.empty(numel, dtype=dtype, device=anchor.meta["val"].device)
     if target is PREFETCH:
         return torch.empty(0, device=args[1].meta["val"].device)
-    if target is CHUNK_GRAD:
+    if target in (CHUNK_GRAD, SHARD_GRAD):
         return torch.empty(0, device=args[1][0].meta["val"].device)
     if target is OFFLOAD_WAIT:
         return torch.empty(0, device=args[2])
