@@ -79,15 +79,41 @@ def _rank_main(rank: int, init_file: str, out_dir: str, world: int, cases: list)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from protrain_fx import pipeline
+
     try:
         for case, (kind, options, clip, micro) in enumerate(cases):
             torch._dynamo.reset()
-            torch.save(
-                _train_case(rank, world, kind, options, clip, micro),
-                os.path.join(out_dir, f"case{case}_rank{rank}.pt"),
-            )
+            graphs = []  # the collectives and shard ops of each compiled graph, in order
+
+            def record(stage):
+                def probe(gm, plan):
+                    graphs.append((stage, [_short(n) for n in gm.graph.nodes if _short(n)]))
+                    return gm
+
+                return probe
+
+            with (
+                pipeline.probe("forward", record("forward"), "record_forward"),
+                pipeline.probe("backward", record("backward"), "record_backward"),
+            ):
+                result = _train_case(rank, world, kind, options, clip, micro)
+            result["graphs"] = graphs
+            torch.save(result, os.path.join(out_dir, f"case{case}_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _short(node) -> str | None:
+    """A collective or shard op of a graph, by a short name (None for any other node)."""
+    name = str(node.target) if node.op == "call_function" else ""
+    for short in ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor"):
+        if name.startswith("_c10d_functional." + short):
+            return short
+    for short in ("shard_values", "pack_grads", "shard_grad", "gather", "chunk_grad"):
+        if name == f"protrain.{short}.default":
+            return short
+    return None
 
 
 def _train_case(rank: int, world: int, kind: str, options: dict, clip, micro: int) -> dict:
@@ -221,7 +247,26 @@ def check_case(case, ranks, world: int) -> None:
         n_shard = options.get("n_shard", 0)
         assert r["n_shard"] == r["sharded_chunks"] == r["home_on_device"] == n_shard
         assert r["host_bytes"] == r["host_tensor_bytes"]
+        check_sharded_graphs(r["graphs"], n_shard)
     check_like_eager(ranks, kind, clip, world)
+
+
+def check_sharded_graphs(graphs, n_shard: int) -> None:
+    """Chunks sharded on the devices are gathered and reduce-scattered by functional collectives in
+    the graphs (passes/chunk_gather.py, optimizer_calls.py), each all-gather started before the
+    previous one's wait (passes/shard_prefetch.py); offloaded chunks by protrain's own ops."""
+    forward = [ops for stage, ops in graphs if stage == "forward"]
+    backward = [ops for stage, ops in graphs if stage == "backward"]
+    assert forward and backward
+    for ops in forward + backward:
+        gathers = [i for i, op in enumerate(ops) if op == "all_gather_into_tensor"]
+        waits = [i for i, op in enumerate(ops) if op == "wait_tensor"]
+        assert ops.count("shard_values") == len(gathers)
+        if len(gathers) > 1:
+            assert gathers[1] < waits[0]  # the next chunk's all-gather runs beside this chunk
+    assert sum(ops.count("all_gather_into_tensor") for ops in forward) == n_shard
+    assert sum(ops.count("reduce_scatter_tensor") for ops in backward) == n_shard
+    assert sum(ops.count("shard_grad") for ops in backward) == n_shard
 
 
 def check_like_eager(ranks, kind, clip=None, world: int = WORLD):
