@@ -361,7 +361,8 @@ class LayoutCosts:
         sharded on the devices are not resident there and add their shards' states."""
         if self._peaks is None:
             self._peaks = peaks(self)
-        return self._peaks[n_persist] + self.shard_bytes(n_persist, n_shard)
+        peak = self._peaks[n_persist]
+        return peak + self.shard_bytes(n_persist, n_shard) if n_shard else peak
 
     def shard_bytes(self, n_persist: int, n_shard: int) -> int:
         """What ``n_shard`` chunks sharded on the devices keep there, scaled for the allocator."""

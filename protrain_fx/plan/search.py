@@ -200,7 +200,7 @@ def _search(
             # no n_persist of it fits (if no plan does, the error pass below prices it anyway)
             continue
         lc = LayoutCosts(prof, hw, nb, s, k, arrays)
-        for p, sh in plans(prof, lc):
+        for p, sh in plans(prof, lc) if shards else ((p, 0) for p in persists(prof)):
             peak = lc.peak_bytes(p, sh)
             if peak > device_budget:
                 continue
