@@ -221,3 +221,31 @@ def test_a_share_the_user_fixed_is_priced_as_given():
     assert work >= auto.device_steps(0)[2] * (1 - MIN_SAVING)  # memory-bound: no real saving
     n = len(prof.chunks)
     assert arrays.lower_bound_s(0, 0) <= min(forced.time_s(p) for p in range(n + 1)) + 1e-9
+
+
+def test_a_chunk_stepped_on_the_device_pins_its_moments(monkeypatch):
+    """Moments are pageable (only the CPU's step reads them); a chunk stepped on the device streams
+    them with asynchronous copies, so its first step there replaces them by pinned copies with the
+    same values (chunk_adam._pin_moments), and later steps keep those."""
+    import types
+
+    from protrain_fx.runtime import chunk_adam
+
+    made = []
+
+    def host_empty(numel, dtype, pin):
+        t = torch.empty(numel, dtype=dtype)
+        made.append(pin)
+        return t
+
+    monkeypatch.setattr(chunk_adam.pinned, "host_empty", host_empty)
+    st = types.SimpleNamespace(exp_avg=torch.randn(7), exp_avg_sq=torch.rand(7))
+    before = (st.exp_avg.clone(), st.exp_avg_sq.clone(), st.exp_avg, st.exp_avg_sq)
+    chunk_adam._pin_moments(st)
+    assert made == [True, True]
+    assert st.exp_avg is not before[2] and st.exp_avg_sq is not before[3]
+    assert torch.equal(st.exp_avg, before[0]) and torch.equal(st.exp_avg_sq, before[1])
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)  # pinned now: kept
+    kept = st.exp_avg
+    chunk_adam._pin_moments(st)
+    assert st.exp_avg is kept and made == [True, True]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protrain_fx.machine import cpu_adam
+from protrain_fx.machine import cpu_adam, pinned
 from protrain_fx.runtime import device_steps
 from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.runtime.worker import WORKER
@@ -39,6 +39,19 @@ class Provisional:
     entries: list  # the entries it stepped
     whole: bool  # one call over the flat chunk
     param_versions: dict  # entry -> the parameter's version after it
+
+
+def _pin_moments(st) -> None:
+    """A chunk stepped on the compute device streams its moments up and back with asynchronous
+    copies, which need pinned host memory: moments are made pageable (only the CPU's step reads
+    them otherwise, and pinning 8 bytes a parameter took seconds of the first step), so a chunk's
+    are pinned at its first step there."""
+    for name in ("exp_avg", "exp_avg_sq"):
+        t = getattr(st, name)
+        if not t.is_pinned():
+            held = pinned.host_empty(t.numel(), t.dtype, True)
+            held.copy_(t)
+            setattr(st, name, held)
 
 
 @dataclass
@@ -168,6 +181,8 @@ class ChunkAdam:
             steps = [torch.full((), before, dtype=torch.float32, device=p.device)]
             _adam(g, [p], [gr], [m], [v], [], steps, impl=impl)
 
+        if store.is_cuda:
+            _pin_moments(st)
         scratch = device_steps.scratch(
             store.device, store.chunk_capacity, None if transfer is master else transfer.dtype
         )

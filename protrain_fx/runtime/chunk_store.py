@@ -369,12 +369,12 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         """An offloaded chunk whose shards stay in device memory (see the module docstring)."""
         return self.n_persist <= chunk < self.n_persist + self.n_shard
 
-    def state_empty(self, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    def state_empty(self, chunk: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
         """This rank's share of an offloaded chunk (master, gradient, moment), uninitialized: in
-        pinned host memory, or on the device for a chunk sharded there."""
+        host memory, pinned with ``pin`` on CUDA, or on the device for a chunk sharded there."""
         if self.home_on_device(chunk):
             return torch.empty(self.host_numel(chunk), dtype=dtype, device=self.device)
-        return pinned.host_empty(self.host_numel(chunk), dtype, self.is_cuda)
+        return pinned.host_empty(self.host_numel(chunk), dtype, self.is_cuda and pin)
 
     @property
     def offloaded_chunks(self) -> list[int]:

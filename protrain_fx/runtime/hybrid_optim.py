@@ -1,5 +1,4 @@
-"""HybridOptimizer: the user's ``torch.optim.Adam``/``AdamW``, with the offloaded chunks' step on
-the CPU.
+"""HybridOptimizer: the user's ``torch.optim.Adam``/``AdamW``; offloaded chunks stepped on the CPU.
 
 The user's optimizer object stays the one they step, schedule and checkpoint. Resident parameters
 are stepped by it on the device, as always. For the offloaded chunks of the stores attached to it,
@@ -182,11 +181,12 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         dtype = store.master_dtype  # Adam's moments have the parameter's dtype, as in torch
         amsgrad = any(g.get("amsgrad") for g in self.opt.param_groups)
         for c in new:
-            # this rank's shard with several ranks; pinned at its exact size (torch 2.11 would
-            # round a chunk up to a power of two), or on the device for a chunk sharded there.
-            # Arrivals per step: learned at the first opt.step(), or, with the micro-steps
+            # this rank's shard; pageable (only the CPU's step reads them; a chunk stepped on the
+            # device pins its own: chunk_adam._pin_moments), or on the device for a chunk sharded
+            # there. Arrivals per step: learned at the first opt.step(), or, with the micro-steps
             # declared, once the first backward has shown how many each backward brings
-            m = [store.state_empty(c, dtype).zero_() for _ in range(3 if amsgrad else 2)] + [None]
+            m = [store.state_empty(c, dtype, False).zero_() for _ in range(3 if amsgrad else 2)]
+            m += [None]
             st = ChunkOptState(store, c, m[0], m[1], m[2], [], {})
             self.states[(store.id, c)] = st
         self.stores += [] if store in self.stores else [store]
