@@ -1,5 +1,6 @@
-"""shard_prefetch (forward and backward graphs): start each chunk sharded on the devices' all-gather
-one chunk ahead, and wait for each one's gradient reduce-scatter as late as the next chunk's.
+"""shard_prefetch (forward, backward and inference graphs): start each chunk sharded on the devices'
+all-gather one chunk ahead, and wait for each one's gradient reduce-scatter as late as the next
+chunk's.
 
 A chunk sharded on the devices (``n_shard``; docs/design.md, section 9) is gathered by the graph
 itself (passes/chunk_gather.py: ``protrain::shard_values``, a functional all-gather, its wait) and

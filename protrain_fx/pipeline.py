@@ -155,7 +155,7 @@ STAGES: dict[str, tuple[str, ...]] = {
     ),
     "forward": ("swap_offload", "shard_prefetch", "chunk_schedule"),
     "backward": ("swap_reload", "resident_grads", "shard_prefetch", "chunk_schedule"),
-    "inference": ("annotate", "chunk_gather", "chunk_schedule"),
+    "inference": ("annotate", "chunk_gather", "shard_prefetch", "chunk_schedule"),
 }
 TRAINING_ORDER = ("dynamo", "joint", "forward", "backward")
 INFERENCE_ORDER = ("dynamo", "inference")
