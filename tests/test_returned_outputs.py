@@ -141,7 +141,8 @@ def test_a_loop_that_drops_the_output_peaks_no_lower_than_the_end_of_forward():
             peak_bytes=lambda p: held_peak,
         )
 
-    knobs, step = SimpleNamespace(n_persist=0), SimpleNamespace(returned_logits_bytes=40)
+    knobs = SimpleNamespace(n_persist=0, n_shard=0)
+    step = SimpleNamespace(returned_logits_bytes=40)
     # backward's start: static 100 + activations 500 + a 200-byte transient + the logits 40
     assert output_dropped_peak(layout(500, 840), knobs, step) == 800
     # a 30-byte transient, below the logits: the end of forward, 100 + 500 + 40, is the peak

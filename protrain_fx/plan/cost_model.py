@@ -366,9 +366,8 @@ class LayoutCosts:
 
     def shard_bytes(self, n_persist: int, n_shard: int) -> int:
         """What ``n_shard`` chunks sharded on the devices keep there, scaled for the allocator."""
-        if not n_shard:
-            return 0
-        return int(math.ceil(self.sharded.states(n_persist, n_shard) * self.fragmentation))
+        shards = self.sharded.states(n_persist, n_shard) if n_shard else 0
+        return int(math.ceil(shards * self.fragmentation))
 
     def host_bytes(self, n_persist: int, n_shard: int = 0) -> int:
         """Pinned host bytes of one rank (its shards; none of the chunks sharded on the devices)."""

@@ -46,9 +46,15 @@ def output_dropped_peak(lc, knobs, step) -> int:
     never under the end of forward, where they exist in any loop beside every saved activation (on
     the H200 the 1B shape at 8 x 2048 peaked there once backward's head no longer built their
     gradient whole)."""
-    frag, extra, p = lc.fragmentation, lc.fragmentation_bytes, knobs.n_persist
-    output_bytes, shards = step.returned_logits_bytes, lc.shard_bytes(p, knobs.n_shard)
-    peak = lc.peak_bytes(p, knobs.n_shard)
+    frag, extra, p, n_shard = (
+        lc.fragmentation,
+        lc.fragmentation_bytes,
+        knobs.n_persist,
+        knobs.n_shard,
+    )
+    output_bytes = step.returned_logits_bytes
+    shards = lc.shard_bytes(p, n_shard) if n_shard else 0
+    peak = lc.peak_bytes(p, n_shard) if n_shard else lc.peak_bytes(p)
     live = lc.activation_bytes + _beside_saved(lc, p) + output_bytes
     forward_end = int(math.ceil((lc.static[p] + live) * frag + extra)) + shards
     return min(peak, max(peak - int(output_bytes * frag), forward_end))

@@ -86,6 +86,7 @@ def profile_frugal(
         opts,
         chunk_size=default_size,
         n_persist=0,
+        n_shard=0,  # every chunk offloaded, none sharded on the devices (given or not)
         n_buffer=fixed["n_buffer"],
         n_swap=0,
         n_checkpoint=n_profiled,
