@@ -19,8 +19,9 @@ fp32 loss and gradient a chunk of rows at a time:
   and keep the logits for the loss's backward), and the graph returns the hidden states as one more
   output, which the backend hands to :func:`protrain_fx.runtime.loss_ops.reattach_logits`: the
   user gets the logits as eager's, with a gradient function of their own that, if a loss of the
-  user's ever reaches them, raises a ``ProtrainError`` saying what to do (``plan.logits_outputs``
-  lists the outputs it rewrote: the logits' position and the hidden states');
+  user's reaches them, back-propagates as eager's projection would
+  (:class:`~protrain_fx.runtime.loss_ops.LogitsOfChunkedLoss`; ``plan.logits_outputs`` lists the
+  outputs it rewrote: the logits' position, the hidden states' and the head weight's input);
 * otherwise (the logits feed other computations too): ``cross_entropy(logits, ...)`` on the logits
   in their own dtype, so no fp32 copy is made.
 
@@ -171,7 +172,10 @@ def _detach_output(graph: fx.Graph, logits: fx.Node, hidden: fx.Node, weight: fx
     where = len(flat)
     flat.append(hidden)
     out.args = (type(out.args[0])(flat), *out.args[1:])
-    return [(k, where) for k, n in enumerate(flat[:where]) if n is logits]
+    # the weight's position among the graph's inputs, for the logits' own gradient (-1: none)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    w = inputs.index(weight) if weight in inputs else -1
+    return [(k, where, w) for k, n in enumerate(flat[:where]) if n is logits]
 
 
 def _rewrite(graph: fx.Graph, loss: fx.Node, args: dict, plan: Plan) -> str | None:

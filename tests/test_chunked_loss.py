@@ -13,6 +13,7 @@ from hf_models import HF_VOCAB, LossOnly, hf_llama, offloaded
 
 from protrain_fx.plan.plan import get_plan
 from protrain_fx.runtime import loss_ops  # noqa: F401
+from protrain_fx.runtime.chunk_store import store_of
 from protrain_fx.testing import compare_with_eager, random_batches
 
 
@@ -347,28 +348,59 @@ def test_a_model_returning_its_logits_gets_the_fused_loss_and_eagers_logits(monk
     close_to_eager(out.loss, want.loss)
 
 
-def test_a_gradient_through_the_returned_logits_raises_and_training_goes_on():
-    """A loss of the user's on the returned logits (a z-loss, distillation) would need the whole
-    logits in backward, which the rewrite avoided: its backward raises a ProtrainError saying how to
-    turn the rewrite off, before protrain's backward ran; the next steps train like eager's."""
+@pytest.mark.parametrize(
+    "tied, regions, micro",
+    [(True, "1", 1), (False, "1", 2), (True, "0", 2), (False, "0", 1)],
+)
+def test_a_loss_through_the_returned_logits_trains_like_eager(monkeypatch, tied, regions, micro):
+    """A loss of the user's on the returned logits beside the model's own (a z-loss and a
+    distillation term against a fixed teacher's logits) back-propagates through them as eager's
+    projection backward would: into the hidden states and into the head's weight, which is
+    offloaded here (its gradient handed to its chunk beside the compiled graph's own parts: the
+    head's, and a tied embedding's rows); tied or untied, in regions or whole, with gradient
+    accumulation. Losses and parameters within fp32 rounding of eager's; before, such a backward
+    raised a ProtrainError asking for PROTRAIN_DISABLE_PASSES=chunked_loss."""
     import copy
 
-    from protrain_fx.errors import ProtrainError
-
-    base = hf_llama()
+    monkeypatch.setenv("PROTRAIN_REGIONS", regions)
+    base = hf_llama(tie_word_embeddings=tied)
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     compiled, opt = offloaded(mine)
-    batches = random_batches(3, 2, 16, vocab=HF_VOCAB)
-    x = batches[0][0]
-    out = compiled(input_ids=x, labels=x)
-    with pytest.raises(ProtrainError, match="PROTRAIN_DISABLE_PASSES=chunked_loss"):
-        (out.loss + 1e-4 * out.logits.float().pow(2).mean()).backward()
-    del out
-    opt.zero_grad()
-    for want, got in _hf_steps(ref, compiled, ref_opt, opt, batches):
-        close_to_eager(got.loss, want.loss)
+    head = mine.lm_head.weight
+    batches = random_batches(3, 2 * micro, 16, vocab=HF_VOCAB)
+    teacher = torch.randn(2 * micro, 16, HF_VOCAB, generator=torch.Generator().manual_seed(5))
+    for x, _ in batches:
+        losses = []
+        for m, o in ((ref, ref_opt), (compiled, opt)):
+            total = 0.0
+            for xm, tm in zip(x.chunk(micro), teacher.chunk(micro)):
+                out = m(input_ids=xm, labels=xm)
+                z = out.logits.float().logsumexp(-1).pow(2).mean()
+                kd = F.kl_div(out.logits.log_softmax(-1), tm.softmax(-1), reduction="batchmean")
+                loss = (out.loss + 1e-2 * z + 0.5 * kd) / micro
+                loss.backward()
+                total += loss.item()
+            o.step()
+            o.zero_grad()
+            losses.append(total)
+        close_to_eager(torch.tensor(losses[1]), torch.tensor(losses[0]))
+    store = store_of(head)
+    assert store is not None and store.param_is_offloaded(head)  # the weight is offloaded here
     params_close_to_eager(mine, ref, base)
+
+
+def test_a_gradient_through_the_returned_logits_of_an_unknown_weight_raises():
+    """Where the head's weight is not known (or with several ranks, whose shards of it a rank
+    cannot read), a gradient reaching the returned logits raises a ProtrainError saying how to turn
+    the rewrite off."""
+    from protrain_fx.errors import ProtrainError
+    from protrain_fx.runtime.loss_ops import LogitsOfChunkedLoss
+
+    hidden = torch.randn(2, 3, 4, requires_grad=True)
+    logits = LogitsOfChunkedLoss.apply(hidden, None, torch.randn(2, 3, 5))
+    with pytest.raises(ProtrainError, match="PROTRAIN_DISABLE_PASSES=chunked_loss"):
+        logits.sum().backward()
 
 
 def test_no_tensor_of_the_logits_size_in_backward_when_the_logits_are_returned(monkeypatch):

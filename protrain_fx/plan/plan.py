@@ -105,9 +105,10 @@ class Plan:
     saved_names: list[str] = field(default_factory=list, repr=False)
     swapped: dict[str, int] = field(default_factory=dict, repr=False)
     # set by chunked_loss: graph outputs it made logits without a gradient path, and the extra
-    # output it added for each (the hidden states): [(logits position, hidden position)]; the
-    # backend gives them their gradient function (runtime/loss_ops.py: reattach_logits)
-    logits_outputs: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    # output it added for each (the hidden states): [(logits position, hidden position, the head
+    # weight's input position or -1)]; the backend gives them their gradient function
+    # (runtime/loss_ops.py: reattach_logits)
+    logits_outputs: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
     # set by chunk_schedule: the most gathered chunks alive at once in any of the graph's stages
     chunks_in_use: int = 0
     # passes/block_marks.py wraps blocks in timing marks (PROTRAIN_PROFILE_BLOCKS=1)

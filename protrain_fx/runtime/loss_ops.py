@@ -305,49 +305,86 @@ linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 # ------------------------------------------------------------------ logits returned beside the loss
 class LogitsOfChunkedLoss(torch.autograd.Function):
-    """The logits a graph with the fused head and loss returns: eager's values, a gradient function
-    that hangs off the hidden states (so they require grad where eager's do), and no backward.
-    Eager would back-propagate a loss of the user's through them into the head's weight and the
-    model; the compiled graph computed its loss from the hidden states and did not keep them."""
+    """The logits a graph with the fused head and loss returns: eager's values, and the gradient
+    eager's ``linear`` would give for them. The compiled graph computed its loss from the hidden
+    states and kept no path through the logits; a loss of the user's that reaches them (a
+    distillation term, a z-loss) back-propagates here as eager's projection backward would, in the
+    logits' dtype: into the hidden states ``g @ w`` (cast back to theirs; it flows into the
+    compiled backward through the graph's hidden-states output) and into the head's weight
+    ``g^T @ h``. A resident weight gets that through autograd (cast to its dtype, as autocast's
+    cast's backward does); an offloaded one is handed to its chunk here, as the compiled graph
+    hands its own gradients over (``protrain::chunk_grad``: the host adds it, upcast, into the
+    chunk's gradient; autograd would add it to ``.grad`` only at the end of backward, after
+    protrain's hand-overs, which protrain cannot order). The sum with the loss's own part is
+    eager's within rounding (eager adds the two logits' gradients first). With several ranks (a
+    rank holds only its shard of the head's weight, whose gradient is averaged over the ranks) or
+    a weight not known, such a gradient raises a ``ProtrainError`` saying what to do."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight, logits: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden)
+        ctx.weight, ctx.dtype = weight, logits.dtype
         return logits.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        raise ProtrainError(
-            "a gradient reached the logits of a model whose loss protrain computes from the hidden "
-            "states a chunk of tokens at a time (passes/chunked_loss.py, so that the logits need "
-            "not exist whole in backward): the compiled graph keeps no gradient path through the "
-            "logits it returns. To back-propagate through them too, turn the rewrite off with "
-            "PROTRAIN_DISABLE_PASSES=chunked_loss (the loss is then computed from the whole logits)"
-        )
+        from protrain_fx.runtime import distributed
+        from protrain_fx.runtime.chunk_store import store_of
+
+        (hidden,) = ctx.saved_tensors
+        weight = ctx.weight
+        if not isinstance(weight, torch.Tensor) or distributed.world().sharded:
+            raise ProtrainError(
+                "a gradient reached the logits of a model whose loss protrain computes from the "
+                "hidden states a chunk of tokens at a time (passes/chunked_loss.py, so that the "
+                "logits need not exist whole in backward), and protrain cannot back-propagate "
+                "through them here (with several ranks a rank holds only its shard of the head's "
+                "weight, whose gradient is averaged over the ranks). To back-propagate through "
+                "the logits, turn the rewrite off with PROTRAIN_DISABLE_PASSES=chunked_loss (the "
+                "loss is then computed from the whole logits)"
+            )
+        g = grad.to(ctx.dtype)
+        w = weight.detach().to(ctx.dtype)
+        dh = (g @ w).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        if not weight.requires_grad:
+            return dh, None, None
+        h = hidden.detach().to(ctx.dtype)
+        dw = g.reshape(-1, g.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+        store = store_of(weight)
+        if store is None or not store.param_is_offloaded(weight):
+            return dh, dw.to(weight.dtype), None
+        entry = store.entry_index(weight)
+        store.grad_ready(store.entries[entry].chunk, [dw], [entry])
+        return dh, None, None
 
 
 def is_returned_logits(t: torch.Tensor) -> bool:
-    """Whether ``t`` is logits :func:`reattach_logits` returned (no gradient may reach them)."""
+    """Whether ``t`` is logits :func:`reattach_logits` returned."""
     return isinstance(t.grad_fn, LogitsOfChunkedLoss._backward_cls)
 
 
-def reattach_logits(fn, pairs: list[tuple[int, int]]):
-    """``fn`` (a compiled graph, called as it is) whose outputs at ``pairs``' first positions are
+def reattach_logits(fn, outputs: list[tuple[int, int, int]]):
+    """``fn`` (a compiled graph, called as it is) whose outputs at ``outputs``' first positions are
     logits without a gradient path and whose last outputs are the hidden states they came from
-    (``pairs``' second positions, passes/chunked_loss.py): called, it returns the graph's outputs
-    without those extras, each such logits tensor through :class:`LogitsOfChunkedLoss`."""
-    extra = len({h for _, h in pairs})
+    (``outputs``' second positions; the third: the head weight's input position, or -1,
+    passes/chunked_loss.py): called, it returns the graph's outputs without those extras, each
+    such logits tensor through :class:`LogitsOfChunkedLoss`."""
+    extra = len({h for _, h, _ in outputs})
 
-    def fix(outs):
+    def fix(outs, weights):
         got = list(outs)
-        for k, h in pairs:
+        for (k, h, _), weight in zip(outputs, weights):
             hidden = got[h]
             if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-                got[k] = LogitsOfChunkedLoss.apply(hidden, got[k])
+                got[k] = LogitsOfChunkedLoss.apply(hidden, weight, got[k])
         del got[len(got) - extra :]
         return type(outs)(got) if isinstance(outs, tuple) else got
 
     def run(*args):
-        return fix(fn(*args))
+        # boxed (one list of the inputs, which the call may clear: read it first) or not
+        inputs = args[0] if len(args) == 1 and isinstance(args[0], list) else args
+        weights = [inputs[w] if 0 <= w < len(inputs) else None for _, _, w in outputs]
+        return fix(fn(*args), weights)
 
     # called as ``fn`` is: aot_autograd's forward carries its inner function's ``_boxed_call``
     if hasattr(fn, "_boxed_call"):
