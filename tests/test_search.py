@@ -395,18 +395,22 @@ def test_data_parallel_resident_all_reduce_overlaps_backward():
         assert one.peak_bytes == two.peak_bytes == math.ceil((states + grads) * 1.10)
 
 
-def test_data_parallel_terms():
-    """Two ranks: a rank steps and keeps half of the offloaded states, and pays the collectives: an
-    all-gather per offloaded chunk gathered, a reduce-scatter per offloaded gradient, an all-reduce
-    of the resident gradients."""
+def _two_chunks() -> tuple[int, GraphProfile]:
+    """Two blocks, a chunk of 50 M parameters each, with little backward compute."""
     blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
     ch = 50 * 10**6
-    # backward compute under the traffic
-    prof = GraphProfile(
+    return ch, GraphProfile(
         chunk_size=256 * MiB,
         blocks=(blk, blk),
         chunks=(ChunkProfile(ch, 0.010, 0.001, (0,)), ChunkProfile(ch, 0.010, 0.001, (1,))),
     )
+
+
+def test_data_parallel_terms():
+    """Two ranks: a rank steps and keeps half of the offloaded states, and pays the collectives: an
+    all-gather per offloaded chunk gathered, a reduce-scatter per offloaded gradient, an all-reduce
+    of the resident gradients."""
+    ch, prof = _two_chunks()  # backward compute under the traffic
     # chunk 1 offloaded, one buffer (still prefetched: a gather
     knobs = Knobs(prof.chunk_size, 1, 1, 0, 0)
     # copies its chunk out, so the buffer is free for the next chunk at once)
@@ -435,13 +439,7 @@ def test_chunks_sharded_on_the_devices_terms():
     backward re-gathers it unless it stayed in a buffer and reduce-scatters its gradient beside
     backward's compute; its shard is stepped on the device at opt.step(), nothing of it is on the
     host or on the CPU, and the device holds half of its fp32 master, gradient and moments."""
-    blk = BlockProfile(fwd_s=0.010, bwd_s=0.020, keep_bytes=100 * MiB, input_bytes=10 * MiB)
-    ch = 50 * 10**6
-    prof = GraphProfile(
-        chunk_size=256 * MiB,
-        blocks=(blk, blk),
-        chunks=(ChunkProfile(ch, 0.010, 0.001, (0,)), ChunkProfile(ch, 0.010, 0.001, (1,))),
-    )
+    ch, prof = _two_chunks()
     for n_buffer, bus in ((0, 100e9), (1, 100e9), (0, 2e9)):
         hw = dataclasses.replace(HW2, collective_bytes_per_s=bus)
         off = predict(prof, hw, Knobs(prof.chunk_size, 1, n_buffer, 0, 0))
