@@ -36,9 +36,6 @@ from protrain_fx.graph.inputs import joint_input_index
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import chunk_store, distributed, ops
 
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-
 
 def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Replace offloaded parameter placeholders by views of gathered chunks (see module
@@ -180,10 +177,10 @@ def _all_gathered(gm, store, chunk: int, anchor, meta: dict, where) -> fx.Node:
     )
     gathered = call(
         gm,
-        ALL_GATHER,
+        ops.ALL_GATHER,
         (shard, store.world.size, distributed.group_name()),
         meta=dict(meta),
     )
     for n in (shard, gathered):
         n.meta[META_KEY] = where
-    return call(gm, WAIT, (gathered,), meta=dict(meta))
+    return call(gm, ops.WAIT_TENSOR, (gathered,), meta=dict(meta))

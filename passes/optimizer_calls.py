@@ -28,9 +28,6 @@ from protrain_fx.graph.fx import call, node_positions, output_node
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import chunk_store, distributed, ops
 
-REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-
 _UPCASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
@@ -124,10 +121,10 @@ def _reduce_scattered(gm, store, chunk: int, grads, params, meta: dict) -> list:
     )
     reduced = call(
         gm,
-        REDUCE_SCATTER,
+        ops.REDUCE_SCATTER,
         (packed, "sum", store.world.size, distributed.group_name()),
         meta=dict(meta),
     )
-    waited = call(gm, WAIT, (reduced,), meta=dict(meta))
+    waited = call(gm, ops.WAIT_TENSOR, (reduced,), meta=dict(meta))
     done = call(gm, ops.SHARD_GRAD, (waited, params, []), meta=dict(meta))
     return [packed, reduced, waited, done]

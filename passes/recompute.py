@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -29,10 +28,7 @@ from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import ops
 
 # a chunk sharded on the devices is gathered by the graph's functional all-gather and its wait
-_GATHERED = (
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
-    torch.ops._c10d_functional.wait_tensor.default,
-)
+_GATHERED = (ops.ALL_GATHER, ops.WAIT_TENSOR)
 # Gathers share one id above every block's: the partitioner turns a tagged node into MUST_SAVE when
 # a tagged user has a *larger* id, which must never happen to a gathered view (block ids are
 # 0..n-1).

@@ -17,19 +17,14 @@ ones cover. Nothing moves with one rank (no such chunks).
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import ops
 
-ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-
 
 def _wait_of(node: fx.Node) -> fx.Node | None:
-    return next((u for u in node.users if u.target is WAIT), None)
+    return next((u for u in node.users if u.target is ops.WAIT_TENSOR), None)
 
 
 def shard_prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
@@ -38,7 +33,9 @@ def shard_prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     if plan.world_size <= 1:
         return gm
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    gathers = [n for n in nodes if n.target is ALL_GATHER and n.args[0].target is ops.SHARD_VALUES]
+    gathers = [
+        n for n in nodes if n.target is ops.ALL_GATHER and n.args[0].target is ops.SHARD_VALUES
+    ]
     waits = [_wait_of(g) for g in gathers]
     for i in range(1, len(gathers)):
         if waits[i - 1] is None:
@@ -47,7 +44,7 @@ def shard_prefetch(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         waits[i - 1].prepend(gathers[i])
     packs = [n for n in nodes if n.target is ops.PACK_GRADS]
     for i, pack in enumerate(packs[:-1]):
-        reduce = next((u for u in pack.users if u.target is REDUCE_SCATTER), None)
+        reduce = next((u for u in pack.users if u.target is ops.REDUCE_SCATTER), None)
         wait = _wait_of(reduce) if reduce is not None else None
         done = [u for u in wait.users if u.target is ops.SHARD_GRAD] if wait is not None else []
         if wait is None or len(done) != 1 or len(wait.users) != 1:

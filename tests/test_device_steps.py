@@ -226,7 +226,7 @@ def test_a_share_the_user_fixed_is_priced_as_given():
 def test_a_chunk_stepped_on_the_device_pins_its_moments(monkeypatch):
     """Moments are pageable (only the CPU's step reads them); a chunk stepped on the device streams
     them with asynchronous copies, so its first step there replaces them by pinned copies with the
-    same values (chunk_adam._pin_moments), and later steps keep those."""
+    same values (chunk_adam._pin_moments), and later steps keep those without asking again."""
     import types
 
     from protrain_fx.runtime import chunk_adam
@@ -239,13 +239,19 @@ def test_a_chunk_stepped_on_the_device_pins_its_moments(monkeypatch):
         return t
 
     monkeypatch.setattr(chunk_adam.pinned, "host_empty", host_empty)
-    st = types.SimpleNamespace(exp_avg=torch.randn(7), exp_avg_sq=torch.rand(7))
+    st = types.SimpleNamespace(
+        exp_avg=torch.randn(7), exp_avg_sq=torch.rand(7), moments_pinned=False
+    )
     before = (st.exp_avg.clone(), st.exp_avg_sq.clone(), st.exp_avg, st.exp_avg_sq)
     chunk_adam._pin_moments(st)
     assert made == [True, True]
     assert st.exp_avg is not before[2] and st.exp_avg_sq is not before[3]
     assert torch.equal(st.exp_avg, before[0]) and torch.equal(st.exp_avg_sq, before[1])
-    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)  # pinned now: kept
     kept = st.exp_avg
-    chunk_adam._pin_moments(st)
-    assert st.exp_avg is kept and made == [True, True]
+    chunk_adam._pin_moments(st)  # pinned already: kept, and not asked again
+    assert st.moments_pinned and st.exp_avg is kept and made == [True, True]
+    # moments found pinned (a checkpoint's, say) are kept as they are
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    other = types.SimpleNamespace(exp_avg=kept, exp_avg_sq=kept, moments_pinned=False)
+    chunk_adam._pin_moments(other)
+    assert other.exp_avg is kept and other.moments_pinned and made == [True, True]

@@ -79,9 +79,9 @@ def search(
     given); ``max_n_persist``: at most that many resident chunks (a re-plan that may move resident
     chunks to the host, never back). With several ranks ``n_shard`` chunks after the resident ones
     are sharded on the devices (plan/ranks_cost.py): given, or every count searched (``None``).
-    The cyclic garbage collector is paused meanwhile: the search
-    makes many small short-lived objects, and a full collection over everything torch has loaded,
-    when one falls inside it, costs more than the search."""
+    The cyclic garbage collector is paused meanwhile: the search makes many small short-lived
+    objects, and a full collection over everything torch has loaded, when one falls inside it,
+    costs more than the search."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -144,10 +144,9 @@ def _search(
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if lc.peak_bytes(p, mid) <= device_budget else (lo, mid - 1)
+            # fewer shards from here on: the CPU's floor only grows, the device's is least_to's
             for sh in range(lo, counts.start - 1, -1):
-                if (
-                    best_key is not None
-                ):  # fewer shards: a CPU floor higher, a device floor least_to
+                if best_key is not None:
                     worst, q = best_key[0] + 1e-6, p + sh
                     if floors.cpu_known and cpu + (total - lc.numel[q]) * per_param > worst:
                         break

@@ -45,13 +45,17 @@ def _pin_moments(st) -> None:
     """A chunk stepped on the compute device streams its moments up and back with asynchronous
     copies, which need pinned host memory: moments are made pageable (only the CPU's step reads
     them otherwise, and pinning 8 bytes a parameter took seconds of the first step), so a chunk's
-    are pinned at its first step there."""
+    are pinned at its first step there (once: asking CUDA whether memory is pinned is a driver
+    call)."""
+    if st.moments_pinned:
+        return
     for name in ("exp_avg", "exp_avg_sq"):
         t = getattr(st, name)
         if not t.is_pinned():
             held = pinned.host_empty(t.numel(), t.dtype, True)
             held.copy_(t)
             setattr(st, name, held)
+    st.moments_pinned = True
 
 
 @dataclass
@@ -71,6 +75,7 @@ class ChunkOptState:
     # seen in the first backward that reached it, and in the backward running now
     per_backward: int | None = None
     in_backward: int = 0
+    moments_pinned: bool = False  # by _pin_moments (pageable until a device step needs them)
     provisional: Provisional | None = None
     # offloaded in the middle of a cycle, its gradient so far folded in (runtime/replacement.py):
     # the arrivals of this cycle are not a cycle's, so opt.step() learns nothing from them

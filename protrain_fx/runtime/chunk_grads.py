@@ -315,13 +315,18 @@ class ChunkGrads:
         (zeros elsewhere), a new tensor of the padded chunk's size: what a graph reduce-scatters
         for a chunk sharded on the devices (passes/optimizer_calls.py)."""
         out = torch.zeros(self._chunk_numel[chunk], dtype=self.master_dtype, device=self.device)
+        self._pack_into(out, grads, members)
+        return out
+
+    def _pack_into(self, buf: torch.Tensor, grads: list[torch.Tensor], members: list[int]) -> None:
+        """Copy the gradients of the store entries ``members`` into their places in the flat
+        chunk-layout ``buf``."""
         with torch.no_grad():
             views = [
-                out[e.offset : e.offset + e.numel].view(e.shape)
+                buf[e.offset : e.offset + e.numel].view(e.shape)
                 for e in (self.entries[i] for i in members)
             ]
             torch._foreach_copy_(views, [g.detach() for g in grads])
-        return out
 
     def _dense_to_host(self, chunk, grads, members, fresh, others_absent) -> None:
         n = self._chunk_numel[chunk]
@@ -337,11 +342,7 @@ class ChunkGrads:
             if not as_is and len(members) < len(all_entries):
                 buf.zero_()  # parameters without a gradient here contribute zeros, not stale values
             if not as_is:
-                views = [
-                    buf[e.offset : e.offset + e.numel].view(e.shape)
-                    for e in (self.entries[i] for i in members)
-                ]
-                torch._foreach_copy_(views, [g.detach() for g in grads])
+                self._pack_into(buf, grads, members)
             if self.world.sharded:
                 shard = torch.empty(self.host_numel(chunk), dtype=buf.dtype, device=buf.device)
                 distributed.reduce_scatter_mean(shard, buf, self.world.size)

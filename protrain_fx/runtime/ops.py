@@ -236,6 +236,11 @@ PACK_GRADS = torch.ops.protrain.pack_grads.default
 SHARD_GRAD = torch.ops.protrain.shard_grad.default
 RESIDENT_GRADS = torch.ops.protrain.resident_grads.default
 RESIDENT_GRADS_WAIT = torch.ops.protrain.resident_grads_wait.default
+# the functional collectives a graph runs for chunks sharded on the devices (passes/chunk_gather.py,
+# optimizer_calls.py, shard_prefetch.py)
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 GRAD_OPS = (CHUNK_GRAD, RESIDENT_GRADS, SHARD_GRAD)
 TOKEN_OPS = (
     PREFETCH,
