@@ -22,6 +22,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="then train this many steps under the budget NoPlanFits named (its peaks recorded)",
+    )
     args = ap.parse_args()
     import torch
 
@@ -50,6 +56,8 @@ def main() -> None:
         row["min_device_gib"] = round(cause.min_device_bytes / 2**30, 2)
         row["message"] = str(cause)[:600]
     row["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.train_steps and "min_device_bytes" in row:
+        row["at_min"] = train_at(model, opt, x, row["min_device_bytes"], args.train_steps)
     row["device"] = torch.cuda.get_device_name(0)
     row["torch"] = torch.__version__
     with open(args.out + ".json", "w") as f:
@@ -64,7 +72,39 @@ def main() -> None:
             f"| {args.layers} | {row.get('min_device_gib')} | {row.get('min_device_bytes')} |\n\n"
             f"{row.get('message', row.get('error'))}\n"
         )
+        if "at_min" in row:
+            f.write(f"\nTrained at that budget: `{json.dumps(row['at_min'])}`\n")
     print(json.dumps(row))
+
+
+def train_at(model, opt, x, budget: int, steps: int) -> dict:
+    """Train ``steps`` steps under the budget NoPlanFits named: that the number is one a plan
+    really trains in (losses, the device's reserved and allocated peaks against it)."""
+    import torch
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend="protrain", options={"optimizer": opt, "memory_budget": budget}
+    )
+    out = {"budget_bytes": budget, "losses": [], "step_peak_reserved_bytes": []}
+    try:
+        for _ in range(steps):
+            torch.cuda.reset_peak_memory_stats()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = compiled(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out["losses"].append(loss.item())
+            out["step_peak_reserved_bytes"].append(torch.cuda.max_memory_reserved())
+        out["finite"] = all(v == v and abs(v) != float("inf") for v in out["losses"])
+        # steps after the first (which binds, profiles nothing, and moves parameters to the host)
+        later = out["step_peak_reserved_bytes"][1:] or out["step_peak_reserved_bytes"]
+        out["peak_reserved_over_budget"] = round(max(later) / budget - 1, 4)
+    except Exception as e:  # reported in the row, not raised: the budget search's number stays
+        out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    return out
 
 
 if __name__ == "__main__":

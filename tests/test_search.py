@@ -126,6 +126,14 @@ def test_one_byte_budget_names_the_smallest_budget_that_works(profs):
         search(profs, HW, 1)
     need = e.value.min_device_bytes
     assert need > 1
+    # the message says what that peak is made of: its parts add up to it
+    listed = str(e.value).split("holds at its peak: ")[1]
+    units = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+    total = 0.0
+    for part in listed.split("; "):
+        *_, number, unit = part.split(" ")
+        total += float(number) * units[unit]
+    assert abs(total - need) <= 0.01 * need + 2**10 * len(listed.split("; "))
     assert search(profs, HW, need).best.peak_bytes == need  # exactly that budget is enough
     with pytest.raises(NoPlanFits):
         search(profs, HW, need - 1)

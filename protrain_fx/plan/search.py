@@ -27,6 +27,7 @@ from protrain_fx.options import format_bytes
 from protrain_fx.plan.cost_model import LayoutCosts, _ProfileArrays
 from protrain_fx.plan.profiles import ADAM_STATES, GraphProfile, Hardware, Prediction
 from protrain_fx.plan.ranks_cost import shard_counts
+from protrain_fx.plan.timeline import peak_parts
 
 
 @dataclass(frozen=True)
@@ -215,12 +216,13 @@ def _search(
     if best is None:  # the smallest peak and pinned footprint over every layout, for the error
         # and the smallest peak of the plans whose pinned memory fits the host: the device budget
         # that would do where the host is what is short (more resident chunks, less pinned)
-        min_peak, min_host, host_ok_peak = None, None, None
+        min_peak, min_host, host_ok_peak, smallest = None, None, None, None
         for _, _, prof, nb, s, k, arrays in layouts:
             lc = LayoutCosts(prof, hw, nb, s, k, arrays)
             for p, sh in plans(prof):
                 peak = lc.peak_bytes(p, sh)
-                min_peak = peak if min_peak is None else min(min_peak, peak)
+                if min_peak is None or peak < min_peak:
+                    min_peak, smallest = peak, (lc, p, sh)
                 host = lc.host_bytes(p, sh)
                 if peak <= device_budget:
                     min_host = host if min_host is None else min(min_host, host)
@@ -239,7 +241,7 @@ def _search(
                 f"offloaded, activations swapped or recomputed as far as the knobs allow) needs "
                 f"{format_bytes(min_peak)} on the device; the smallest budget that would work is "
                 f"{min_peak} bytes "
-                f"({format_bytes(min_peak)})",
+                f"({format_bytes(min_peak)}); {_smallest_parts(*smallest)}",
                 min_device_bytes=min_peak,
                 min_host_bytes=min_host,
             )
@@ -260,6 +262,21 @@ def _search(
             min_host_bytes=min_host,
         )
     return SearchResult(best, evaluated, time.perf_counter() - t0)
+
+
+def _smallest_parts(lc: LayoutCosts, n_persist: int, n_shard: int) -> str:
+    """What the smallest plan's peak is made of, largest part first."""
+    parts = peak_parts(lc, n_persist)
+    if n_shard:
+        parts["chunks sharded on the devices"] = lc.shard_bytes(n_persist, n_shard)
+    knobs = (
+        f"n_buffer={lc.n_buffer}, n_swap={lc.n_swap}, n_checkpoint={lc.n_checkpoint}, "
+        f"chunk size {format_bytes(lc.prof.chunk_size)}"
+    )
+    listed = "; ".join(
+        f"{name} {format_bytes(v)}" for name, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v
+    )
+    return f"that plan ({knobs}) holds at its peak: {listed}"
 
 
 class _Floors:

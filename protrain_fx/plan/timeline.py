@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from protrain_fx.plan.profiles import ADAM_STATES, GRAD_BUFFERS
+
 
 def peaks(lc) -> list[int]:
     """The peak of every n_persist of the layout ``lc`` (a
@@ -30,6 +32,30 @@ def peaks(lc) -> list[int]:
         live = max(saved + _beside_saved(lc, p), rb[p] + prof.tail_bytes + lc.table_grad[p])
         out.append(int(math.ceil((static[p] + live) * frag + extra)))
     return out
+
+
+def peak_parts(lc, p: int) -> dict[str, int]:
+    """What :func:`peaks` adds up for ``p`` resident chunks, by part (bytes before the allocator's
+    scaling, which ``allocator`` is): for an error that names the smallest budget and says what it
+    is made of."""
+    prof, te, me = lc.prof, lc.prof.transfer_elem, lc.prof.master_elem
+    buffers = lc.n_buffer * lc.buffer_numel[p] * te + GRAD_BUFFERS * lc.grad_numel[p] * me
+    states = lc.resident_bytes[p] * (1 + ADAM_STATES)
+    parts = {"resident states": states, "chunk and gradient buffers": buffers}
+    parts["other buffers"] = lc.static[p] - states - buffers
+    forward_end = lc.activation_bytes + lc.transient_bytes + _beside_saved(lc, p)
+    backward_end = lc.resident_bytes[p] + prof.tail_bytes + lc.table_grad[p]
+    if forward_end >= backward_end:
+        parts["saved activations"] = lc.activation_bytes + _beside_saved(lc, p)
+        parts["backward's largest working set (logits, loss)"] = lc.transient_bytes
+    else:
+        parts["resident gradients"] = lc.resident_bytes[p]
+        parts["held at backward's end (embedding and head gradients)"] = (
+            prof.tail_bytes + lc.table_grad[p]
+        )
+    total = sum(parts.values())
+    parts["allocator"] = int(math.ceil(total * lc.fragmentation + lc.fragmentation_bytes)) - total
+    return parts
 
 
 def _beside_saved(lc, p: int) -> int:
