@@ -952,6 +952,38 @@ def test_20_4_gradient_clipping_offloaded(how):
     p.check()
 
 
+@pytest.mark.parametrize("unscale", [True, False], ids=["unscale_and_clip", "scaler_step_only"])
+def test_20_4_grad_scaler_skipped_steps_offloaded(unscale):
+    """``torch.amp.GradScaler`` as mixed-precision loops use it: scaled backward, ``unscale_`` and
+    clipping, ``scaler.step`` (which skips ``opt.step()`` when a gradient is not finite) and
+    ``update``. Two steps overflow on purpose: their optimizer steps are skipped in eager, so they
+    must be in protrain (an offloaded chunk's step taken beside backward is taken back), the
+    scale halves, and training goes on as eager's."""
+    overflow = {2, 4}
+
+    def habit(call, module, opts, data):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        trace = []
+        for k, (x, y) in enumerate(data):
+            loss = call(x, y)
+            scaler.scale(loss * (1e36 if k in overflow else 1.0)).backward()
+            if unscale:
+                scaler.unscale_(opts[0])
+                clip_through_module(module)
+            scaler.step(opts[0])
+            scaler.update()
+            opts[0].zero_grad()
+            trace += [loss.item(), scaler.get_scale()]
+        return trace
+
+    base = gpt()
+    p = parity(base, offload(base), habit=habit, data=gpt_data(6))
+    assert set(placements(p.compiled)) == {"host"}
+    scales = p.ref_trace[1::2]
+    assert scales[2] < scales[1] and scales[4] < scales[3], scales  # the overflows were skipped
+    p.check()
+
+
 def test_20_4_norm_logged_with_an_infinite_max_norm_keeps_the_overlap():
     """Hugging Face's Trainer calls clip_grad_norm_(params, inf) every step to log the norm: torch
     multiplies the gradients by exactly 1, which writes nothing; the CPU steps inside backward are
