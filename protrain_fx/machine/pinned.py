@@ -115,12 +115,21 @@ def _host_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def registered_host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized pinned host tensor of exactly ``numel`` elements: anonymous memory
-    page-locked with ``cudaHostRegister``. For chunk-sized blocks where torch's pinned allocator
-    cannot be made exact-size (:func:`exact_pinned_blocks`; torch 2.11 has no such setting): it
-    would pin a 1025 MiB chunk as 2 GiB. The tensor owns the memory (through the buffer it was made
-    from): freed, unregistered and unmapped with its last view."""
+# fault a block's pages in with torch's CPU threads (a parallel ``zero_``) before registering it:
+# registration faults them in one thread otherwise (benchmarks/pinning_probe.py measures both)
+PREFAULT = True
+
+
+def registered_host_empty(
+    numel: int, dtype: torch.dtype, prefault: bool | None = None
+) -> torch.Tensor:
+    """A pinned host tensor of exactly ``numel`` elements (zeros where ``prefault``, else
+    uninitialized): anonymous memory page-locked with ``cudaHostRegister``. For chunk-sized blocks
+    where torch's pinned allocator cannot be made exact-size (:func:`exact_pinned_blocks`; torch
+    2.11 has no such setting): it would pin a 1025 MiB chunk as 2 GiB. The tensor owns the memory
+    (through the buffer it was made from): freed, unregistered and unmapped with its last view.
+    ``prefault`` (default :data:`PREFAULT`) touches its pages with every intra-op thread first, so
+    that the registration finds them present."""
     if not numel:
         return torch.empty(0, dtype=dtype)
     nbytes = numel * dtype.itemsize
@@ -132,6 +141,8 @@ def registered_host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
             mem.madvise(mmap.MADV_HUGEPAGE)
     out = torch.frombuffer(mem, dtype=dtype, count=numel)
     mem.address = out.data_ptr()
+    if PREFAULT if prefault is None else prefault:
+        out.view(torch.uint8).zero_()
     _host_register(mem.address, nbytes)
     mem.registered = True
     return out
