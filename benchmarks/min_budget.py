@@ -28,6 +28,12 @@ def main() -> None:
         default=0,
         help="then train this many steps under the budget NoPlanFits named (its peaks recorded)",
     )
+    ap.add_argument(
+        "--memory-history",
+        action="store_true",
+        help="with --train-steps: record the allocator's history of the second and third steps "
+        "(summarized by oom_sweep.summarize_snapshot)",
+    )
     args = ap.parse_args()
     import torch
 
@@ -57,7 +63,9 @@ def main() -> None:
         row["message"] = str(cause)[:600]
     row["seconds"] = round(time.perf_counter() - t0, 1)
     if args.train_steps and "min_device_bytes" in row:
-        row["at_min"] = train_at(model, opt, x, row["min_device_bytes"], args.train_steps)
+        row["at_min"] = train_at(
+            model, opt, x, row["min_device_bytes"], args.train_steps, args.memory_history
+        )
     row["device"] = torch.cuda.get_device_name(0)
     row["torch"] = torch.__version__
     with open(args.out + ".json", "w") as f:
@@ -73,11 +81,12 @@ def main() -> None:
             f"{row.get('message', row.get('error'))}\n"
         )
         if "at_min" in row:
-            f.write(f"\nTrained at that budget: `{json.dumps(row['at_min'])}`\n")
+            short = {k: v for k, v in row["at_min"].items() if k != "memory_history"}
+            f.write(f"\nTrained at that budget: `{json.dumps(short)}`\n")
     print(json.dumps(row))
 
 
-def train_at(model, opt, x, budget: int, steps: int) -> dict:
+def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> dict:
     """Train ``steps`` steps under the budget NoPlanFits named: that the number is one a plan
     really trains in (losses, the device's reserved and allocated peaks against it)."""
     import torch
@@ -87,9 +96,16 @@ def train_at(model, opt, x, budget: int, steps: int) -> dict:
     compiled = torch.compile(
         model, backend="protrain", options={"optimizer": opt, "memory_budget": budget}
     )
-    out = {"budget_bytes": budget, "losses": [], "step_peak_reserved_bytes": []}
+    out = {
+        "budget_bytes": budget,
+        "losses": [],
+        "step_peak_reserved_bytes": [],
+        "step_peak_allocated_bytes": [],
+    }
     try:
-        for _ in range(steps):
+        for i in range(steps):
+            if history and i == 1:
+                torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
             torch.cuda.reset_peak_memory_stats()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = compiled(input_ids=x, labels=x).loss
@@ -98,6 +114,12 @@ def train_at(model, opt, x, budget: int, steps: int) -> dict:
             opt.zero_grad()
             out["losses"].append(loss.item())
             out["step_peak_reserved_bytes"].append(torch.cuda.max_memory_reserved())
+            out["step_peak_allocated_bytes"].append(torch.cuda.max_memory_allocated())
+            if history and i == 2:
+                from oom_sweep import summarize_snapshot
+
+                out["memory_history"] = summarize_snapshot(torch.cuda.memory._snapshot())
+                torch.cuda.memory._record_memory_history(enabled=None)
         out["finite"] = all(v == v and abs(v) != float("inf") for v in out["losses"])
         # steps after the first (which binds, profiles nothing, and moves parameters to the host)
         later = out["step_peak_reserved_bytes"][1:] or out["step_peak_reserved_bytes"]
