@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import statistics
 import time
 
@@ -44,19 +43,11 @@ def main() -> None:
 
     torch.cuda.init()
 
-    def touch_only(numel):
-        mem = mmap.mmap(-1, numel * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            mem.madvise(mmap.MADV_HUGEPAGE)
-        t = torch.frombuffer(mem, dtype=torch.float32, count=numel)
-        t.view(torch.uint8).zero_()
-        return t
-
     cases = {
         "register": lambda n: pinned.registered_host_empty(n, torch.float32, prefault=False),
         "prefault+register": lambda n: pinned.registered_host_empty(n, torch.float32, True),
         "torch pin_memory": lambda n: torch.empty(n, dtype=torch.float32, pin_memory=True),
-        "prefault only": touch_only,
+        "prefault only": lambda n: pinned.anonymous_host_empty(n, torch.float32, True)[0],
     }
     rows = []
     for mib in [int(x) for x in args.block_mib.split(",")]:

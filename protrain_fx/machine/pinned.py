@@ -132,8 +132,19 @@ def registered_host_empty(
     that the registration finds them present."""
     if not numel:
         return torch.empty(0, dtype=dtype)
-    nbytes = numel * dtype.itemsize
-    mem = _RegisteredHostMemory(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out, mem = anonymous_host_empty(numel, dtype, PREFAULT if prefault is None else prefault)
+    _host_register(mem.address, numel * dtype.itemsize)
+    mem.registered = True
+    return out
+
+
+def anonymous_host_empty(numel: int, dtype: torch.dtype, prefault: bool):
+    """``(tensor, memory)``: ``numel`` elements of anonymous host memory on 2 MiB pages, not yet
+    registered (:func:`registered_host_empty` registers it); its pages faulted in by a parallel
+    ``zero_`` where ``prefault``."""
+    mem = _RegisteredHostMemory(
+        -1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
     # 2 MiB pages: the registration faults them in faster (on the
     if hasattr(mmap, "MADV_HUGEPAGE"):
         # 2-core dev VM a first touch took 1.1-1.4 s per 2 GiB with them, 2.0-2.8 s without)
@@ -141,11 +152,9 @@ def registered_host_empty(
             mem.madvise(mmap.MADV_HUGEPAGE)
     out = torch.frombuffer(mem, dtype=dtype, count=numel)
     mem.address = out.data_ptr()
-    if PREFAULT if prefault is None else prefault:
+    if prefault:
         out.view(torch.uint8).zero_()
-    _host_register(mem.address, nbytes)
-    mem.registered = True
-    return out
+    return out, mem
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

@@ -21,10 +21,10 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
 * ``T_cpu_done``: when the host worker's last CPU Adam step ends, a two-stage pipeline: each
   offloaded chunk's step (its parameters at the rate earlier steps on this machine measured inside
   backward, machine/step_rates.py; before any, a prior from the triad and the alone rate:
-  ``Hardware._in_step``) starts
-  once its gradient is on the host (after the backward of the code after the blocks, ``head_bwd_s``,
-  of the chunks backward reaches before it and of its own, and its copy down) and the step before
-  it is done; all after backward where the loop clips (``Hardware.steps_at_opt_step``).
+  ``Hardware._in_step``) starts once its gradient is on the host (after the backward of the code
+  after the blocks, ``head_bwd_s``, of the chunks backward reaches before it and of its own, and its
+  copy down) and the step before it is done; all after backward where the loop clips
+  (``Hardware.steps_at_opt_step``).
   ``T_gpu_optim``: resident parameters over the device Adam rate, at ``opt.step()``: after
   ``backward()``, which returns once the host worker's CPU steps are done: it follows both.
 * The clock under sustained load: blocks are profiled at the boost clock; a plan that keeps the
@@ -84,10 +84,7 @@ class _ProfileArrays:
         n = len(chunks)
         me, te = prof.master_elem, prof.transfer_elem
         # a block spread over several chunks recomputes once, split
-        self.block_chunks = [0] * len(blocks)
-        for ch in chunks:
-            for b in ch.blocks:
-                self.block_chunks[b] += 1
+        self.block_chunks = [sum(b in ch.blocks for ch in chunks) for b in range(len(blocks))]
         self.fwd_res, self.fwd_off, self.comm, self.down_s = [0.0], [0.0], [], []
         # a chunk larger than the layout's size (one parameter) sends its gradient down on the
         # compute stream, not beside it (runtime/chunk_grads.py, grad_goes_as_is): the copy adds to
@@ -98,9 +95,8 @@ class _ProfileArrays:
         ue = prof.upload_elem  # te, or me without host transfer copies
         for c, ch in enumerate(chunks):
             h2d = ch.numel * ue * shard / hw.h2d_bytes_per_s + hw.collective_s(ch.numel * te)
-            f = ch.fwd_s
-            self.fwd_res.append(self.fwd_res[-1] + f)
-            self.fwd_off.append(self.fwd_off[-1] + max(f, h2d))
+            self.fwd_res.append(self.fwd_res[-1] + ch.fwd_s)
+            self.fwd_off.append(self.fwd_off[-1] + max(ch.fwd_s, h2d))
             # the last n_buffer chunks stay in their buffers
             up = 0 if c >= n - n_buffer else ch.numel * ue
             # its gradient's copy to the host (and reduce-scatter): what the CPU step waits for;
@@ -189,19 +185,23 @@ class _ProfileArrays:
             )
         return self._device_step_table
 
+    def static_parts(self, p: int) -> dict[str, int]:
+        """The model states and buffers with ``p`` resident chunks, by part (timeline.py adds the
+        rest): resident parameters and their moments, chunk and gradient buffers, the rest."""
+        te, me = self.prof.transfer_elem, self.prof.master_elem
+        scratch = self.device_step_scratch if self.device_steps()[p][0] else 0
+        return {
+            "resident states": self.resident_bytes[p] * (1 + ADAM_STATES),
+            "chunk and gradient buffers": self.n_buffer * self.buffer_numel[p] * te
+            + GRAD_BUFFERS * self.grad_numel[p] * me,
+            "other buffers (device steps' scratch, upload staging)": scratch
+            + (self.prof.upload_staging_bytes if p < len(self.numel) - 1 else 0),
+        }
+
     def static_bytes(self) -> list[int]:
-        """The model states and buffers of every n_persist: resident parameters and their moments,
-        the chunk and gradient buffers, the device steps' scratch (timeline.py adds the rest)."""
+        """:meth:`static_parts` summed, for every n_persist."""
         if self._static is None:
-            te, me, steps = self.prof.transfer_elem, self.prof.master_elem, self.device_steps()
-            self._static = [
-                self.resident_bytes[p] * (1 + ADAM_STATES)
-                + self.n_buffer * self.buffer_numel[p] * te
-                + GRAD_BUFFERS * self.grad_numel[p] * me
-                + (self.device_step_scratch if steps[p][0] else 0)
-                + (self.prof.upload_staging_bytes if p < len(self.numel) - 1 else 0)
-                for p in range(len(self.numel))
-            ]
+            self._static = [sum(self.static_parts(p).values()) for p in range(len(self.numel))]
         return self._static
 
     def activation_bytes(self, n_swap: int, n_checkpoint: int) -> int:
@@ -327,7 +327,7 @@ class LayoutCosts:
         # ---- steps on the device (protrain_fx/runtime/device_steps.py), per n_persist; the scratch
         self._device_steps, self._peaks = A.device_steps, None
         self.device_step_scratch = A.device_step_scratch
-        self.static = A.static_bytes()  # states and buffers of each n_persist
+        self.static, self.static_parts = A.static_bytes(), A.static_parts  # of each n_persist
         # ---- several ranks: the resident chunks' all-reduces, chunks sharded on the devices
         self.allreduce_exposed, self.allreduce_s = allreduce_terms(prof, hw, bwd_res)
         self.sharded = (

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 
-from protrain_fx.plan.profiles import ADAM_STATES, GRAD_BUFFERS
-
 
 def peaks(lc) -> list[int]:
     """The peak of every n_persist of the layout ``lc`` (a
@@ -28,7 +26,7 @@ def peaks(lc) -> list[int]:
     prof, saved = lc.prof, lc.activation_bytes + lc.transient_bytes
     frag, extra, static, rb = lc.fragmentation, lc.fragmentation_bytes, lc.static, lc.resident_bytes
     out = []
-    for p in range(len(prof.chunks) + 1):
+    for p in range(len(prof.chunks) + 1):  # the search's hot path: peak_parts says it by part
         live = max(saved + _beside_saved(lc, p), rb[p] + prof.tail_bytes + lc.table_grad[p])
         out.append(int(math.ceil((static[p] + live) * frag + extra)))
     return out
@@ -37,22 +35,18 @@ def peaks(lc) -> list[int]:
 def peak_parts(lc, p: int) -> dict[str, int]:
     """What :func:`peaks` adds up for ``p`` resident chunks, by part (bytes before the allocator's
     scaling, which ``allocator`` is): for an error that names the smallest budget and says what it
-    is made of."""
-    prof, te, me = lc.prof, lc.prof.transfer_elem, lc.prof.master_elem
-    buffers = lc.n_buffer * lc.buffer_numel[p] * te + GRAD_BUFFERS * lc.grad_numel[p] * me
-    states = lc.resident_bytes[p] * (1 + ADAM_STATES)
-    parts = {"resident states": states, "chunk and gradient buffers": buffers}
-    parts["other buffers"] = lc.static[p] - states - buffers
-    forward_end = lc.activation_bytes + lc.transient_bytes + _beside_saved(lc, p)
-    backward_end = lc.resident_bytes[p] + prof.tail_bytes + lc.table_grad[p]
-    if forward_end >= backward_end:
-        parts["saved activations"] = lc.activation_bytes + _beside_saved(lc, p)
-        parts["backward's largest working set (logits, loss)"] = lc.transient_bytes
-    else:
-        parts["resident gradients"] = lc.resident_bytes[p]
-        parts["held at backward's end (embedding and head gradients)"] = (
-            prof.tail_bytes + lc.table_grad[p]
-        )
+    is made of (tests/test_search.py checks that the parts add up to the peak)."""
+    start = {
+        "saved activations": lc.activation_bytes + _beside_saved(lc, p),
+        "backward's largest working set (logits, loss)": lc.transient_bytes,
+    }
+    end = {
+        "resident gradients": lc.resident_bytes[p],
+        "held at backward's end (embedding and head gradients)": lc.prof.tail_bytes
+        + lc.table_grad[p],
+    }
+    ends = start if sum(start.values()) >= sum(end.values()) else end
+    parts = {**lc.static_parts(p), **ends}
     total = sum(parts.values())
     parts["allocator"] = int(math.ceil(total * lc.fragmentation + lc.fragmentation_bytes)) - total
     return parts
