@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from hf_exactness import LLAMA_3B, build
@@ -92,6 +93,10 @@ def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> d
     import torch
     import torch._dynamo
 
+    from protrain_fx.machine import allocator
+
+    if os.environ.get("SWEEP_TRIM_AT"):  # as oom_sweep.py: an A/B of allocator.TRIM_AT
+        allocator.TRIM_AT = float(os.environ["SWEEP_TRIM_AT"])
     torch._dynamo.reset()
     compiled = torch.compile(
         model, backend="protrain", options={"optimizer": opt, "memory_budget": budget}
@@ -120,6 +125,8 @@ def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> d
 
                 out["memory_history"] = summarize_snapshot(torch.cuda.memory._snapshot())
                 torch.cuda.memory._record_memory_history(enabled=None)
+        out["trims"] = allocator.TRIMS
+        out["trim_at"] = allocator.TRIM_AT
         out["finite"] = all(v == v and abs(v) != float("inf") for v in out["losses"])
         # steps after the first (which binds, profiles nothing, and moves parameters to the host)
         later = out["step_peak_reserved_bytes"][1:] or out["step_peak_reserved_bytes"]

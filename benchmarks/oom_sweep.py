@@ -268,7 +268,12 @@ def run_row(row: dict, steps: int) -> dict:
     if row["system"] == "protrain":
         import protrain_fx
         import protrain_fx.backend
+        from protrain_fx.machine import allocator
 
+        # SWEEP_TRIM_AT: when step boundaries give the allocator's free pages back (an A/B of
+        # allocator.TRIM_AT; PROTRAIN_TRIM_HOLES=0: never)
+        if os.environ.get("SWEEP_TRIM_AT"):
+            allocator.TRIM_AT = float(os.environ["SWEEP_TRIM_AT"])
         model = build(spec, row["seq"], host=True)
         torch.cuda.reset_peak_memory_stats(dev)  # the GPU init is not part of the row
         torch.cuda.set_per_process_memory_fraction(
@@ -410,6 +415,7 @@ def run_row(row: dict, steps: int) -> dict:
         out["first_step_peak_allocated_gib"], out["steady_peak_allocated_gib"]
     )
     if row["system"] == "protrain":
+        out["trims"] = allocator.TRIMS  # step boundaries that gave free pages back
         plan = protrain_fx.get_plan(compiled)
         d = plan.to_dict()
         pred = plan.predicted or {}
@@ -450,6 +456,11 @@ def _timers(hybrid) -> tuple[float, float, float, int, int]:
         return (0.0, 0.0, 0.0, 0, 0)
     t = hybrid.timers
     return (t.worker_step_s, t.step_wait_s, t.kernel_s, t.kernel_params, t.device_step_params)
+
+
+def _trims(row: dict) -> str:
+    """The retries column's note of the step boundaries that gave free pages back."""
+    return f" ({row['trims']} trims)" if row.get("trims") else ""
 
 
 def summarize_snapshot(snap: dict, top: int = 25) -> dict:
@@ -727,7 +738,7 @@ def table(out: dict) -> str:
         lines.append(
             f"| {r['id']} | {r.get('outcome', '-')} | {'-' if rel is None else f'{rel:.1e}'} | "
             f"{pe('predicted_peak_reserved_gib', 'peak_reserved_gib', 'peak_err', '{:.2f}')} | "
-            f"{alloc_s} | {r.get('alloc_retries', '-')} | "
+            f"{alloc_s} | {r.get('alloc_retries', '-')}{_trims(r)} | "
             f"{pe('predicted_step_s', 'measured_step_s', 'time_err', '{:.3f}')} | "
             f"{r.get('tokens_per_s') and round(r['tokens_per_s']) or '-'} | "
             f"{r.get('first_step_s', '-')} ({r.get('inductor_cache', '-')}) | {host_s} | "

@@ -18,6 +18,7 @@ import torch._guards
 from protrain_fx import _compat, autoplan, plan_cache
 from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
 from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.machine import allocator
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
 from protrain_fx.profiling.step_meter import StepMeter
@@ -129,6 +130,7 @@ class ProtrainGraph:
                 lambda p, outcome=None: plan_cache.save_plan(path, p, outcome),
                 self._optimizer,
             ).wrap(compiled)
+            compiled = allocator.trimmed(compiled, plan, device)
         self.compiled = compiled
         plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
 

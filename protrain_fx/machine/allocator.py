@@ -23,16 +23,28 @@ and reverted: the 3B shape at 16 GiB stayed at 15.00 GiB reserved, but with 53 r
 against 5 and a slower step, and the 1B shape, whose allocated peak reaches its budget, ran out of
 memory in its backward (benchmarks/results/oom_sweep_h200_run23.md). The holes are budgeted
 instead: once measured, through ``measured_gap``.
+
+What a plan does not budget, it gives back: holes grow reserved memory step after step (the 8-layer
+3B shape at its smallest budget, 4.57 GiB: 4.89 GB reserved in its first step, then 5.40, 5.58,
+5.88 GB, with the allocated peak 3.99 GB in each, `benchmarks/results/min_budget_h200_run4.md`),
+while the first step, from an empty cache, held. So :func:`trimmed` wraps an automatic plan's
+compiled graph: at the start of a training call (a step boundary, where only the states and buffers
+are allocated), where the allocator holds more than the plan's predicted reserved peak, its free
+pages are given back (``torch.cuda.empty_cache``), and the step starts as the first did. Said once
+in the log; counted in :data:`TRIMS`; stopped for the graph where a trim gives back little (the
+excess is someone else's tensors, not holes).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from protrain_fx import config
+from protrain_fx.options import format_bytes
 
 log = logging.getLogger("protrain_fx")
 
@@ -62,6 +74,17 @@ ASYNC_FRAGMENTATION = 1.05  # cudaMallocAsync: the driver's pool, no fixed segme
 # of 16-80 GiB (benchmarks/results/oom_sweep_h200_runs4to21.md), near 1 GiB, the size of the bf16
 # logits of a 128k vocabulary at 4 x 1024 tokens, in most: 1.02x allocated under-budgets tight caps
 MEASURED_GAP_MARGIN = 1.10
+# a step boundary gives free pages back where reserved memory is over this share of the plan's
+# predicted reserved peak
+TRIM_AT = 1.0
+# a trim that gives back less than this share of the predicted peak stops trimming for the graph
+TRIM_MIN_SHARE = 0.01
+# a plan predicted to peak at this share of its budget or more (the smallest budget a model trains
+# in) gives free pages back at every step boundary after its first: each step starts as the first
+# did (the 8-layer 3B shape at its smallest budget: reserved within +1.45% of the budget over eight
+# steps, against +25% trimmed only after an overrun, benchmarks/results/min_budget_h200_run5.md)
+TIGHT = 0.99
+TRIMS = 0  # step boundaries at which this process gave free pages back (:func:`trimmed`)
 
 
 @dataclass(frozen=True)
@@ -183,3 +206,90 @@ def describe(state: AllocatorState, budgeted: tuple[float, int] | None = None) -
         )
         return f"expandable segments ({how}; {how_much})"
     return f"fixed segments (expandable_segments off as PYTORCH_CUDA_ALLOC_CONF says; {how_much})"
+
+
+def trimmed(compiled, plan, device: torch.device):
+    """``compiled`` that, at each training call of an automatic plan on CUDA, gives the allocator's
+    free pages back where it holds more than the plan's predicted reserved peak (module docstring);
+    ``compiled`` itself elsewhere."""
+    if device is None or device.type != "cuda" or plan.inference:
+        return compiled
+    if not config.settings().trim_holes:
+        return compiled
+    trimmer = _Trimmer(plan, device)
+
+    @functools.wraps(compiled)
+    def run(*args):
+        if trimmer.on and torch.is_grad_enabled():
+            trimmer.at_step_boundary()
+        return compiled(*args)
+
+    return run
+
+
+class _Trimmer:
+    """One graph's trims. Pages stay mapped until a trim, so the reserved memory at a boundary
+    after a trimmed step is that step's reserved peak: where it is back near what the trim gave
+    back, the holes form within a step and trimming only costs time (the 1B shape at 4 x 1024
+    under 16 GiB: 15.16 GiB reserved in every step, trimmed or not, +10% step time over 18 trims,
+    `benchmarks/results/oom_sweep_h200_run38.md`); trimming stops there, as it does where a trim
+    gives little back (the excess is the user's tensors). A plan at its budget (:data:`TIGHT`)
+    trims at every step boundary: there one step's growth is already over the budget."""
+
+    def __init__(self, plan, device: torch.device):
+        self.plan, self.device = plan, device
+        self.on, self.said = True, False
+        self.trimmed_from: int | None = None  # reserved bytes before the last step's trim
+        self.calls = 0
+
+    def at_step_boundary(self) -> None:
+        global TRIMS
+        self.calls += 1
+        predicted = self.plan.predicted or {}
+        peak = predicted.get("peak_bytes")
+        if not peak:
+            return
+        if peak >= TIGHT * predicted.get("budget_bytes", float("inf")):
+            if self.calls > 1:  # the first call binds and places: nothing to give back yet
+                torch.cuda.empty_cache()
+                TRIMS += 1
+            return
+        now = torch.cuda.memory_reserved(self.device)
+        if self.trimmed_from is not None:
+            if now > self.trimmed_from - TRIM_MIN_SHARE * peak:
+                return self._stop(
+                    f"the step after a trim reserved {format_bytes(now)} again (the holes form "
+                    "within a step)"
+                )
+            self.trimmed_from = None
+        if now <= peak * TRIM_AT:
+            return
+        torch.cuda.empty_cache()
+        freed = now - torch.cuda.memory_reserved(self.device)
+        TRIMS += 1
+        if freed < TRIM_MIN_SHARE * peak:
+            return self._stop(
+                f"{format_bytes(now)} reserved, and giving free pages back freed "
+                f"{format_bytes(freed)} (not the allocator's holes)"
+            )
+        self.trimmed_from = now
+        if not self.said:
+            self.said = True
+            log.info(
+                "protrain: graph %s: the allocator held %s at a step boundary, over the plan's "
+                "predicted peak of %s (holes kept mapped between steps); gave %s of free pages "
+                "back, as it will at the next step boundaries that need it",
+                self.plan.graph_name,
+                format_bytes(now),
+                format_bytes(peak),
+                format_bytes(freed),
+            )
+
+    def _stop(self, why: str) -> None:
+        self.on = False
+        log.info(
+            "protrain: graph %s: %s; no longer giving free pages back at step boundaries "
+            "(PROTRAIN_TRIM_HOLES)",
+            self.plan.graph_name,
+            why,
+        )
