@@ -30,9 +30,11 @@ What a plan does not budget, it gives back: holes grow reserved memory step afte
 while the first step, from an empty cache, held. So :func:`trimmed` wraps an automatic plan's
 compiled graph: at the start of a training call (a step boundary, where only the states and buffers
 are allocated), where the allocator holds more than the plan's predicted reserved peak, its free
-pages are given back (``torch.cuda.empty_cache``), and the step starts as the first did. Said once
-in the log; counted in :data:`TRIMS`; stopped for the graph where a trim gives back little (the
-excess is someone else's tensors, not holes).
+pages are given back (``torch.cuda.empty_cache``), and the step starts as the first did; a plan
+predicted at its budget (:data:`TIGHT`) does so at every boundary, since there one step's growth is
+already over the budget. Said once in the log; counted in :data:`TRIMS`; stopped for the graph where
+the step after a trim reserves as much again (its holes form within a step: trims would only cost
+time) or a trim gives back little (the excess is someone else's tensors, not holes).
 """
 
 from __future__ import annotations
@@ -253,6 +255,7 @@ class _Trimmer:
             if self.calls > 1:  # the first call binds and places: nothing to give back yet
                 torch.cuda.empty_cache()
                 TRIMS += 1
+                self._say("its plan is predicted at its budget", peak)
             return
         now = torch.cuda.memory_reserved(self.device)
         if self.trimmed_from is not None:
@@ -273,16 +276,18 @@ class _Trimmer:
                 f"{format_bytes(freed)} (not the allocator's holes)"
             )
         self.trimmed_from = now
+        self._say(f"the allocator held {format_bytes(now)}, over the plan's predicted peak", peak)
+
+    def _say(self, why: str, peak: int) -> None:
         if not self.said:
             self.said = True
             log.info(
-                "protrain: graph %s: the allocator held %s at a step boundary, over the plan's "
-                "predicted peak of %s (holes kept mapped between steps); gave %s of free pages "
-                "back, as it will at the next step boundaries that need it",
+                "protrain: graph %s: %s (%s): giving the allocator's free pages back at step "
+                "boundaries, so that holes it keeps mapped between steps do not grow its reserved "
+                "memory (PROTRAIN_TRIM_HOLES=0: never)",
                 self.plan.graph_name,
-                format_bytes(now),
+                why,
                 format_bytes(peak),
-                format_bytes(freed),
             )
 
     def _stop(self, why: str) -> None:
