@@ -189,10 +189,17 @@ def test_current_memory_is_live_and_sane():
                 int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
             )
         assert host_total <= mem_total
-    big = torch.ones(256 << 20, dtype=torch.uint8)  # 256 MiB touched: live numbers see it
-    after = current_memory("cpu")[2]
-    del big
-    assert after < host_available + (64 << 20)
+    # 512 MiB touched: live numbers see most of it go. Other processes (a second test worker)
+    # allocate and free meanwhile, so one of a few tries must see it
+    seen = []
+    for _ in range(5):
+        before = current_memory("cpu")[2]
+        big = torch.ones(512 << 20, dtype=torch.uint8)
+        seen.append(before - current_memory("cpu")[2])
+        del big
+        if seen[-1] > 256 << 20:
+            break
+    assert seen[-1] > 256 << 20, seen
 
 
 def test_stated_host_memory_replaces_a_ballooned_total(monkeypatch):
