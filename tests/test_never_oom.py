@@ -470,12 +470,19 @@ def test_free_pages_over_the_predicted_peak_are_given_back_at_step_boundaries(mo
         trims.append(reserved[0])
         reserved[0] = after[0]
 
+    allocated = [gib]
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
-    plan = SimpleNamespace(predicted={"peak_bytes": 8 * gib}, inference=False, graph_name="0/0")
+    timeline = [[0.0, gib, "step start"], [1.0, 8 * gib, "head"]]
+    predicted = {"peak_bytes": 8 * gib, "timeline": timeline}
+    plan = SimpleNamespace(predicted=predicted, inference=False, graph_name="0/0")
     cuda = torch.device("cuda")
     run = allocator.trimmed(lambda x: x + 1, plan, cuda)
     with caplog.at_level("INFO", logger="protrain_fx"):
+        allocated[0] = 3 * gib  # more than the plan holds at its start: in the middle of a step
+        assert run(1) == 2 and trims == []
+        allocated[0] = gib
         assert run(1) == 2 and trims == [10 * gib]
         assert (
             "the allocator held 10.00 GiB, over the plan's predicted peak (8.00 GiB)" in caplog.text
@@ -502,7 +509,7 @@ def test_free_pages_over_the_predicted_peak_are_given_back_at_step_boundaries(mo
         assert trims == [10 * gib, 9 * gib, 9 * gib]
         assert "(not the allocator's holes)" in caplog.text
     # a plan at its budget starts every step after the first from what is allocated
-    at_budget = {"peak_bytes": 8 * gib, "budget_bytes": 8 * gib}
+    at_budget = {**predicted, "budget_bytes": 8 * gib}
     run = allocator.trimmed(
         lambda x: x + 1, SimpleNamespace(**{**plan.__dict__, "predicted": at_budget}), cuda
     )

@@ -86,6 +86,8 @@ TRIM_MIN_SHARE = 0.01
 # did (the 8-layer 3B shape at its smallest budget: reserved within +1.45% of the budget over eight
 # steps, against +25% trimmed only after an overrun, benchmarks/results/min_budget_h200_run5.md)
 TIGHT = 0.99
+# a call is a step boundary where at most the plan's start plus this share of its peak is allocated
+BOUNDARY_SLACK = 0.05
 TRIMS = 0  # step boundaries at which this process gave free pages back (:func:`trimmed`)
 
 
@@ -235,8 +237,9 @@ class _Trimmer:
     back, the holes form within a step and trimming only costs time (the 1B shape at 4 x 1024
     under 16 GiB: 15.16 GiB reserved in every step, trimmed or not, +10% step time over 18 trims,
     `benchmarks/results/oom_sweep_h200_run38.md`); trimming stops there, as it does where a trim
-    gives little back (the excess is the user's tensors). A plan at its budget (:data:`TIGHT`)
-    trims at every step boundary: there one step's growth is already over the budget."""
+    gives little back (the excess is the user's tensors). A call is a step boundary only where no
+    more is allocated than the plan's timeline has at its start. A plan at its budget
+    (:data:`TIGHT`) trims at every step boundary: there one step's growth is already over it."""
 
     def __init__(self, plan, device: torch.device):
         self.plan, self.device = plan, device
@@ -248,8 +251,14 @@ class _Trimmer:
         global TRIMS
         self.calls += 1
         predicted = self.plan.predicted or {}
-        peak = predicted.get("peak_bytes")
-        if not peak:
+        peak, timeline = predicted.get("peak_bytes"), predicted.get("timeline")
+        if not peak or not timeline:
+            return
+        # a boundary of the whole step only where nothing but what the plan holds at its start is
+        # allocated: not a call of one block of the user's regional compilation, or of one graph
+        # of several (a graph break), whose other graphs' tensors are live (trimming there would
+        # synchronize the device in the middle of a step)
+        if torch.cuda.memory_allocated(self.device) > timeline[0][1] + BOUNDARY_SLACK * peak:
             return
         if peak >= TIGHT * predicted.get("budget_bytes", float("inf")):
             if self.calls > 1:  # the first call binds and places: nothing to give back yet
