@@ -93,6 +93,7 @@ def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> d
     import torch
     import torch._dynamo
 
+    import protrain_fx
     from protrain_fx.machine import allocator
 
     if os.environ.get("SWEEP_TRIM_AT"):  # as oom_sweep.py: an A/B of allocator.TRIM_AT
@@ -106,12 +107,15 @@ def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> d
         "losses": [],
         "step_peak_reserved_bytes": [],
         "step_peak_allocated_bytes": [],
+        # allocated at each step's start, against the plan's timeline start (allocator.trimmed)
+        "step_start_allocated_bytes": [],
     }
     try:
         for i in range(steps):
             if history and i == 1:
                 torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
             torch.cuda.reset_peak_memory_stats()
+            out["step_start_allocated_bytes"].append(torch.cuda.memory_allocated())
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = compiled(input_ids=x, labels=x).loss
             loss.backward()
@@ -126,6 +130,9 @@ def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> d
                 out["memory_history"] = summarize_snapshot(torch.cuda.memory._snapshot())
                 torch.cuda.memory._record_memory_history(enabled=None)
         out["trims"] = allocator.TRIMS
+        predicted = protrain_fx.get_plan(compiled).predicted or {}
+        out["plan_start_bytes"] = (predicted.get("timeline") or [[0, None]])[0][1]
+        out["plan_peak_bytes"] = predicted.get("peak_bytes")
         out["trim_at"] = allocator.TRIM_AT
         out["finite"] = all(v == v and abs(v) != float("inf") for v in out["losses"])
         # steps after the first (which binds, profiles nothing, and moves parameters to the host)
