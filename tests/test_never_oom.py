@@ -476,7 +476,7 @@ def test_free_pages_over_the_predicted_peak_are_given_back_at_step_boundaries(mo
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     timeline = [[0.0, gib, "step start"], [1.0, 8 * gib, "head"]]
     predicted = {"peak_bytes": 8 * gib, "timeline": timeline}
-    plan = SimpleNamespace(predicted=predicted, inference=False, graph_name="0/0")
+    plan = SimpleNamespace(predicted=predicted, inference=False, graph_name="0/0", n_persist=3)
     cuda = torch.device("cuda")
     run = allocator.trimmed(lambda x: x + 1, plan, cuda)
     with caplog.at_level("INFO", logger="protrain_fx"):
@@ -508,15 +508,18 @@ def test_free_pages_over_the_predicted_peak_are_given_back_at_step_boundaries(mo
         run(1)
         assert trims == [10 * gib, 9 * gib, 9 * gib]
         assert "(not the allocator's holes)" in caplog.text
-    # a plan at its budget starts every step after the first from what is allocated
+    # the smallest plan (nothing resident) at its budget starts every step after the first from
+    # what is allocated; a plan that filled its budget with resident chunks does not
     at_budget = {**predicted, "budget_bytes": 8 * gib}
-    run = allocator.trimmed(
-        lambda x: x + 1, SimpleNamespace(**{**plan.__dict__, "predicted": at_budget}), cuda
-    )
-    reserved[0] = 2 * gib
-    for _ in range(3):
-        run(1)
-    assert len(trims) == 5
+    for n_persist, more in ((3, 0), (0, 2)):
+        smallest = SimpleNamespace(
+            **{**plan.__dict__, "predicted": at_budget, "n_persist": n_persist}
+        )
+        run = allocator.trimmed(lambda x: x + 1, smallest, cuda)
+        reserved[0], before = 2 * gib, len(trims)
+        for _ in range(3):
+            run(1)
+        assert len(trims) == before + more
     # not where there is no caching allocator, not for an inference plan, not when switched off
     assert allocator.trimmed(len, plan, torch.device("cpu")) is len
     inference = SimpleNamespace(**{**plan.__dict__, "inference": True})

@@ -30,11 +30,12 @@ What a plan does not budget, it gives back: holes grow reserved memory step afte
 while the first step, from an empty cache, held. So :func:`trimmed` wraps an automatic plan's
 compiled graph: at the start of a training call (a step boundary, where only the states and buffers
 are allocated), where the allocator holds more than the plan's predicted reserved peak, its free
-pages are given back (``torch.cuda.empty_cache``), and the step starts as the first did; a plan
-predicted at its budget (:data:`TIGHT`) does so at every boundary, since there one step's growth is
-already over the budget. Said once in the log; counted in :data:`TRIMS`; stopped for the graph where
-the step after a trim reserves as much again (its holes form within a step: trims would only cost
-time) or a trim gives back little (the excess is someone else's tensors, not holes).
+pages are given back (``torch.cuda.empty_cache``), and the step starts as the first did; the
+smallest plan (every chunk offloaded, predicted at its budget: :data:`TIGHT`) does so at every
+boundary, since there one step's growth is already over the budget. Said once in the log;
+counted in :data:`TRIMS`; stopped for the graph where the step after a trim reserves as much again
+(its holes form within a step: trims would only cost time) or a trim gives back little (the excess
+is someone else's tensors, not holes).
 """
 
 from __future__ import annotations
@@ -81,10 +82,13 @@ MEASURED_GAP_MARGIN = 1.10
 TRIM_AT = 1.0
 # a trim that gives back less than this share of the predicted peak stops trimming for the graph
 TRIM_MIN_SHARE = 0.01
-# a plan predicted to peak at this share of its budget or more (the smallest budget a model trains
-# in) gives free pages back at every step boundary after its first: each step starts as the first
-# did (the 8-layer 3B shape at its smallest budget: reserved within +1.45% of the budget over eight
-# steps, against +25% trimmed only after an overrun, benchmarks/results/min_budget_h200_run5.md)
+# a plan with every chunk offloaded predicted to peak at this share of its budget or more (the
+# smallest budget a model trains in) gives free pages back at every step boundary after its first:
+# each step starts as the first did (the 8-layer 3B shape at its smallest budget: reserved within
+# +1.45% of the budget over eight steps, against +25% trimmed only after an overrun,
+# benchmarks/results/min_budget_h200_run5.md). Not a plan that filled its budget with resident
+# chunks (most automatic plans peak within 1% of their budget): a trim at every boundary cost the
+# 1B shape's 0.17 s steps 10% (oom_sweep_h200_run38.md)
 TIGHT = 0.99
 # a call is a step boundary where at most the plan's start plus this share of its peak is allocated
 BOUNDARY_SLACK = 0.05
@@ -238,8 +242,8 @@ class _Trimmer:
     under 16 GiB: 15.16 GiB reserved in every step, trimmed or not, +10% step time over 18 trims,
     `benchmarks/results/oom_sweep_h200_run38.md`); trimming stops there, as it does where a trim
     gives little back (the excess is the user's tensors). A call is a step boundary only where no
-    more is allocated than the plan's timeline has at its start. A plan at its budget
-    (:data:`TIGHT`) trims at every step boundary: there one step's growth is already over it."""
+    more is allocated than the plan's timeline has at its start. A plan at its budget with nothing
+    resident (:data:`TIGHT`) trims at every step boundary: one step's growth is over the budget."""
 
     def __init__(self, plan, device: torch.device):
         self.plan, self.device = plan, device
@@ -260,7 +264,8 @@ class _Trimmer:
         # synchronize the device in the middle of a step)
         if torch.cuda.memory_allocated(self.device) > timeline[0][1] + BOUNDARY_SLACK * peak:
             return
-        if peak >= TIGHT * predicted.get("budget_bytes", float("inf")):
+        tight = peak >= TIGHT * predicted.get("budget_bytes", float("inf"))
+        if tight and self.plan.n_persist == 0:
             if self.calls > 1:  # the first call binds and places: nothing to give back yet
                 torch.cuda.empty_cache()
                 TRIMS += 1
