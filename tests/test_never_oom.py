@@ -476,7 +476,14 @@ def test_free_pages_over_the_predicted_peak_are_given_back_at_step_boundaries(mo
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     timeline = [[0.0, gib, "step start"], [1.0, 8 * gib, "head"]]
     predicted = {"peak_bytes": 8 * gib, "timeline": timeline}
-    plan = SimpleNamespace(predicted=predicted, inference=False, graph_name="0/0", n_persist=3)
+    plan = SimpleNamespace(
+        predicted=predicted,
+        inference=False,
+        graph_name="0/0",
+        n_persist=3,
+        trims=0,
+        trims_stopped="",
+    )
     cuda = torch.device("cuda")
     run = allocator.trimmed(lambda x: x + 1, plan, cuda)
     with caplog.at_level("INFO", logger="protrain_fx"):
@@ -500,6 +507,7 @@ def test_free_pages_over_the_predicted_peak_are_given_back_at_step_boundaries(mo
         run(1)
         assert trims == [10 * gib, 9 * gib]
         assert "the holes form within a step" in caplog.text
+        assert plan.trims == 2 and "the holes form within a step" in plan.trims_stopped
         # the user's tensors hold the excess: a trim frees little, and trimming stops
         reserved[0], after[0] = 9 * gib, int(8.95 * gib)
         run = allocator.trimmed(lambda x: x + 1, plan, cuda)
@@ -697,6 +705,9 @@ def test_plan_summary_reports_reserved_and_allocated_peaks():
     assert pred["peak_allocated_bytes"] < pred["peak_bytes"] <= pred["budget_bytes"]
     text = plan.summary()
     assert "peak memory reserved: predicted" in text and "peak memory allocated: predicted" in text
+    assert "free pages given back" not in text  # the CPU has no caching allocator to trim
+    plan.trims, plan.trims_stopped = 3, "the step after a trim reserved 9.00 GiB again"
+    assert "free pages given back at 3 step boundaries; stopped: the step after" in plan.summary()
 
 
 # ------------------------------------------------------------------ regional compilation

@@ -269,6 +269,7 @@ class _Trimmer:
             if self.calls > 1:  # the first call binds and places: nothing to give back yet
                 torch.cuda.empty_cache()
                 TRIMS += 1
+                self.plan.trims += 1
                 self._say("its plan is predicted at its budget", peak)
             return
         now = torch.cuda.memory_reserved(self.device)
@@ -284,6 +285,7 @@ class _Trimmer:
         torch.cuda.empty_cache()
         freed = now - torch.cuda.memory_reserved(self.device)
         TRIMS += 1
+        self.plan.trims += 1
         if freed < TRIM_MIN_SHARE * peak:
             return self._stop(
                 f"{format_bytes(now)} reserved, and giving free pages back freed "
@@ -306,6 +308,7 @@ class _Trimmer:
 
     def _stop(self, why: str) -> None:
         self.on = False
+        self.plan.trims_stopped = why
         log.info(
             "protrain: graph %s: %s; no longer giving free pages back at step boundaries "
             "(PROTRAIN_TRIM_HOLES)",

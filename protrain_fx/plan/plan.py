@@ -121,6 +121,10 @@ class Plan:
     # set at partition when profiling: what the profiler reads of the partitioned graphs
     # (profiler.StaticProfile)
     static_profile: Any = field(default=None, repr=False)
+    # set by machine/allocator.trimmed: step boundaries that gave the allocator's free pages back,
+    # and why it stopped doing so ("" while it goes on)
+    trims: int = 0
+    trims_stopped: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -228,6 +232,11 @@ class Plan:
                     if (self.predicted or {}).get("allocator")
                     else ""
                 )
+            )
+        if self.trims or self.trims_stopped:
+            lines.append(
+                f"  the allocator's free pages given back at {self.trims} step boundaries"
+                + (f"; stopped: {self.trims_stopped}" if self.trims_stopped else "")
             )
         m = self.measured or {}
         if "host_bytes" in m:
