@@ -189,17 +189,19 @@ def test_current_memory_is_live_and_sane():
                 int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
             )
         assert host_total <= mem_total
-    # 512 MiB touched: live numbers see most of it go. Other processes (a second test worker)
-    # allocate and free meanwhile, so one of a few tries must see it
+    # 1 GiB touched: live numbers see some of it go. MemAvailable is the kernel's estimate (the
+    # page cache it would reclaim counts in part: on the CI VM 512 MiB touched lowered it by 94-212
+    # MiB), and other processes (a second test worker) allocate and free meanwhile, so one of a few
+    # tries must see a drop of 64 MiB
     seen = []
     for _ in range(5):
         before = current_memory("cpu")[2]
-        big = torch.ones(512 << 20, dtype=torch.uint8)
+        big = torch.ones(1 << 30, dtype=torch.uint8)
         seen.append(before - current_memory("cpu")[2])
         del big
-        if seen[-1] > 256 << 20:
+        if seen[-1] > 64 << 20:
             break
-    assert seen[-1] > 256 << 20, seen
+    assert seen[-1] > 64 << 20, seen
 
 
 def test_stated_host_memory_replaces_a_ballooned_total(monkeypatch):
