@@ -129,8 +129,9 @@ def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> d
 
                 out["memory_history"] = summarize_snapshot(torch.cuda.memory._snapshot())
                 torch.cuda.memory._record_memory_history(enabled=None)
-        out["trims"] = allocator.TRIMS
-        predicted = protrain_fx.get_plan(compiled).predicted or {}
+        plan = protrain_fx.get_plan(compiled)
+        out["trims"] = plan.trims
+        predicted = plan.predicted or {}
         out["plan_start_bytes"] = (predicted.get("timeline") or [[0, None]])[0][1]
         out["plan_peak_bytes"] = predicted.get("peak_bytes")
         out["trim_at"] = allocator.TRIM_AT

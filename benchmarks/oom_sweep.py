@@ -415,8 +415,8 @@ def run_row(row: dict, steps: int) -> dict:
         out["first_step_peak_allocated_gib"], out["steady_peak_allocated_gib"]
     )
     if row["system"] == "protrain":
-        out["trims"] = allocator.TRIMS  # step boundaries that gave free pages back
         plan = protrain_fx.get_plan(compiled)
+        out["trims"] = plan.trims  # step boundaries that gave free pages back
         d = plan.to_dict()
         pred = plan.predicted or {}
         from protrain_fx.plan_cache import KNOBS  # the knobs a plan records

@@ -33,9 +33,9 @@ are allocated), where the allocator holds more than the plan's predicted reserve
 pages are given back (``torch.cuda.empty_cache``), and the step starts as the first did; the
 smallest plan (every chunk offloaded, predicted at its budget: :data:`TIGHT`) does so at every
 boundary, since there one step's growth is already over the budget. Said once in the log;
-counted in :data:`TRIMS`; stopped for the graph where the step after a trim reserves as much again
-(its holes form within a step: trims would only cost time) or a trim gives back little (the excess
-is someone else's tensors, not holes).
+counted in the plan (``Plan.trims``); stopped for the graph where the step after a trim reserves
+as much again (its holes form within a step: trims would only cost time) or a trim gives back
+little (the excess is someone else's tensors, not holes).
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ TRIM_MIN_SHARE = 0.01
 TIGHT = 0.99
 # a call is a step boundary where at most the plan's start plus this share of its peak is allocated
 BOUNDARY_SLACK = 0.05
-TRIMS = 0  # step boundaries at which this process gave free pages back (:func:`trimmed`)
 
 
 @dataclass(frozen=True)
@@ -252,7 +251,6 @@ class _Trimmer:
         self.calls = 0
 
     def at_step_boundary(self) -> None:
-        global TRIMS
         self.calls += 1
         predicted = self.plan.predicted or {}
         peak, timeline = predicted.get("peak_bytes"), predicted.get("timeline")
@@ -268,7 +266,6 @@ class _Trimmer:
         if tight and self.plan.n_persist == 0:
             if self.calls > 1:  # the first call binds and places: nothing to give back yet
                 torch.cuda.empty_cache()
-                TRIMS += 1
                 self.plan.trims += 1
                 self._say("its plan is predicted at its budget", peak)
             return
@@ -284,7 +281,6 @@ class _Trimmer:
             return
         torch.cuda.empty_cache()
         freed = now - torch.cuda.memory_reserved(self.device)
-        TRIMS += 1
         self.plan.trims += 1
         if freed < TRIM_MIN_SHARE * peak:
             return self._stop(
