@@ -37,9 +37,102 @@ def inductor_decompositions() -> dict:
 def min_cut_partition(
     joint: fx.GraphModule, joint_inputs, **kwargs
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """aot_autograd's min-cut partition, with recomputed ops that draw no random numbers kept out
+    of its RNG functionalization (:func:`unseeded_while`)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+    with unseeded_while(joint) as restore:
+        fw, bw = min_cut_rematerialization_partition(
+            joint, joint_inputs, compiler="inductor", **kwargs
+        )
+        restore(fw)
+        restore(bw)
+    return fw, bw
+
+
+class _Unseeded:
+    """An ATen op as the partitioner sees it while it must not treat the op as random: calls and
+    attributes go to the op, but it has no ``tags`` (the partitioner looks for
+    ``nondeterministic_seeded`` there)."""
+
+    __slots__ = ("op", "__name__", "__qualname__")
+
+    def __init__(self, op):
+        self.op = op
+        self.__name__ = self.__qualname__ = "unseeded_" + op.__name__.replace(".", "_")
+
+    def __call__(self, *args, **kwargs):
+        return self.op(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name == "tags":
+            raise AttributeError(name)
+        return getattr(self.op, name)
+
+    def __eq__(self, other):
+        return self.op == (other.op if isinstance(other, _Unseeded) else other)
+
+    def __hash__(self):
+        return hash(self.op)
+
+    def __repr__(self):
+        return repr(self.op)
+
+
+def _draws_no_random_numbers(node: fx.Node) -> bool:
+    """A ``nondeterministic_seeded`` attention kernel called with ``dropout_p`` 0 (what SDPA calls
+    in training without dropout): the flash, memory-efficient, cuDNN and CPU kernels read the
+    generator only when ``dropout_p > 0``. (A dropout of probability 0 still draws on CUDA.)"""
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    if "dropout_p" in node.kwargs:
+        value = node.kwargs["dropout_p"]
+    elif i < len(node.args):
+        value = node.args[i]
+    else:
+        value = op._schema.arguments[i].default_value
+    return isinstance(value, (int, float)) and value == 0
+
+
+@contextlib.contextmanager
+def unseeded_while(joint: fx.GraphModule):
+    """While partitioning ``joint``: its random-looking ops that draw nothing (:func:
+    `_draws_no_random_numbers`) are :class:`_Unseeded`; yields ``restore(gm)``, which puts the
+    ops back in a graph the partition made, and restores the joint on exit.
+
+    Why: a block recomputed in backward (the recompute pass) whose attention is SDPA got its kernel
+    wrapped in RNG-state functionalization by the partitioner (the op is tagged
+    ``nondeterministic_seeded`` whatever its ``dropout_p``): on CUDA in
+    ``graphsafe_run_with_rng_state``, a higher-order op Inductor's FX graph cache refuses
+    ("Can't cache HigherOrderOperator"), so every recomputed block's code was compiled again in
+    every run, and each forward saved an RNG state for backward. Such a call draws no random
+    numbers (the kernels read the generator only when ``dropout_p > 0``), so recomputing it without
+    the state gives the same values."""
+
+    def restore(gm: fx.GraphModule) -> None:
+        changed = False
+        for node in gm.graph.nodes:
+            if isinstance(node.target, _Unseeded):
+                node.target = node.target.op
+                changed = True
+        if changed:
+            gm.recompile()
+
+    swapped = [n for n in joint.graph.nodes if _draws_no_random_numbers(n)]
+    for node in swapped:
+        node.target = _Unseeded(node.target)
+    try:
+        yield restore
+    finally:
+        if swapped:
+            restore(joint)
 
 
 def inductor_joint_passes(joint: fx.GraphModule) -> fx.GraphModule:
