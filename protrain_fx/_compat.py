@@ -386,3 +386,92 @@ def gradient_handle(t: torch.Tensor):
 
         return get_gradient_edge(t)
     return t
+
+
+# ----------------------------------------------------------- AOTAutograd's cache (code_cache.py)
+_CACHE_ATTRS = (
+    "_fx_graph_cache_key",
+    "_fx_graph_cache_debug_lines",
+    "guards_expr",
+    "_time_taken_ns",
+)
+
+
+def aot_cache_supported() -> bool:
+    """Whether this torch serves aot_autograd's cache to a custom compiler the way
+    protrain_fx/code_cache.py needs: a ``SerializableAOTDispatchCompiler`` and a loaded entry's
+    forward and backward reachable (``_load_and_post_compile``) to put protrain's run-time guards
+    around them."""
+    try:
+        from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa
+        from torch._inductor.output_code import OutputCode  # noqa: F401
+    except ImportError:
+        return False
+    load = getattr(GenericAOTAutogradResult, "_load_and_post_compile", None)
+    if not callable(load):
+        return False
+    import inspect
+
+    # (self, args, fx_config) -> (forward, backward or None, needs_autograd), as on 2.13
+    return list(inspect.signature(load).parameters) == ["self", "args", "fx_config"]
+
+
+def aot_cache_enabled() -> bool:
+    """torch's own switches: the local AOTAutograd cache (and with it Inductor's FX graph cache)."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import should_use_local_autograd_cache
+    except ImportError:
+        return False
+    return bool(should_use_local_autograd_cache())
+
+
+def serializable_compiler(fn):
+    """``fn`` (a forward compiler returning Inductor's compiled graph, perhaps wrapped) marked as
+    one whose output aot_autograd may cache."""
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    from torch._inductor.output_code import OutputCode
+
+    return SerializableAOTDispatchCompiler(OutputCode, fn)
+
+
+def keep_cache_attrs(wrapper, fn):
+    """What aot_autograd reads off a compiled graph to save its cache entry (Inductor's FX graph
+    key, guards, time), copied onto a wrapper of it."""
+    for name in _CACHE_ATTRS:
+        if hasattr(fn, name):
+            setattr(wrapper, name, getattr(fn, name))
+    return wrapper
+
+
+@contextlib.contextmanager
+def aot_cache_served(tag: str, wrap):
+    """Within: aot_autograd's cache key carries ``tag`` (in ``cache_key_tag``, after the user's),
+    and the forward and backward of an entry served from it go through ``wrap(stage, fn)``
+    (stage "forward", "backward" or "inference"), as a compile's would through protrain's
+    compilers."""
+    from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult
+
+    cfg = torch.compiler.config
+    user_tag = getattr(cfg, "cache_key_tag", "") or ""
+    real = GenericAOTAutogradResult._load_and_post_compile
+
+    def load(self, args, fx_config):
+        fw, bw, needs_autograd = real(self, args, fx_config)  # checked: aot_cache_supported
+        if bw is not None:
+            return wrap("forward", fw), wrap("backward", bw), needs_autograd
+        return wrap("inference", fw), bw, needs_autograd
+
+    GenericAOTAutogradResult._load_and_post_compile = load
+    try:
+        with cfg.patch(cache_key_tag=f"{user_tag}|{tag}"):
+            yield
+    finally:
+        GenericAOTAutogradResult._load_and_post_compile = real
+
+
+def aot_cache_off():
+    """aot_autograd's cache neither read nor written (Inductor's FX graph cache still is)."""
+    from torch._functorch import config
+
+    return config.patch(enable_autograd_cache=False)

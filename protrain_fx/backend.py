@@ -14,9 +14,11 @@ automatic plan (autoplan.py: a copy of the graph compiled by this same pipeline 
 plan, one profiled step, a search); the graph compiled with them is wrapped in a StepMeter (measured
 time and peak). protrain_fx/pipeline.py is the one place that says which passes run on which stage,
 in order, and what each reads and writes; after a stage's passes the runtime allocates what they
-require (device chunk buffers, protrain_fx/placement.py). This module wires aot_autograd and decides
-no policy. With ``options={"compiler": "eager"}`` the rewritten graphs run as they are, without
-decompositions or Inductor: bit-exact against eager PyTorch, for debugging and fast property tests.
+require (device chunk buffers, protrain_fx/placement.py). A graph compiled before (an earlier run)
+is served from aot_autograd's cache with a replay of what its compile did (code_cache.py). This
+module wires aot_autograd and decides no policy. With ``options={"compiler": "eager"}`` the
+rewritten graphs run as they are, without decompositions or Inductor: bit-exact against eager
+PyTorch, for debugging and fast property tests.
 """
 
 from __future__ import annotations
@@ -33,14 +35,23 @@ import torch
 import torch._guards
 import torch.fx as fx
 
-from protrain_fx import _compat, autoplan, config, pipeline, placement, progress, region_program
+from protrain_fx import (
+    _compat,
+    autoplan,
+    code_cache,
+    config,
+    pipeline,
+    placement,
+    progress,
+    region_program,
+)
 from protrain_fx.compiled_graph import ProtrainGraph, StepOutOfMemory  # noqa: F401 (re-exported)
 from protrain_fx.errors import OptionsError, ProtrainError, release_frames
 from protrain_fx.graph import regions
-from protrain_fx.graph.blocks import detect_blocks
+from protrain_fx.graph.blocks import detect_blocks, refuse_untraced_checkpointing
 from protrain_fx.graph.build_plan import make_plan
-from protrain_fx.graph.fx import copy_graph_module, saved_names
-from protrain_fx.graph.inputs import capture_graph_inputs, has_symbolic_shape
+from protrain_fx.graph.fx import copy_graph_module, saved_activation_bytes, saved_names
+from protrain_fx.graph.inputs import capture_graph_inputs, has_symbolic_shape, traced_root
 from protrain_fx.machine import allocator
 from protrain_fx.options import Options, forget_optimizer
 from protrain_fx.placement import autocast_dtypes, bind_chunks
@@ -83,6 +94,13 @@ class GraphCompiler:
         # read now: aot_autograd's callbacks run with autocast off
         self.autocast = autocast_dtypes()
         self.progress = progress.current()
+        # what this compile did beyond its code, for protrain_fx/code_cache.py: the stages
+        # compiled, the saved bytes the estimate counted, whether it gathers, the passes' notes
+        self.stages: list[str] = []
+        self.activation_bytes = 0
+        self.gathers = False
+        self.pass_notes: list[str] = []
+        self.on_complete = None  # called once the graph's last stage is compiled (code_cache)
 
     @property
     def params(self) -> list:
@@ -106,10 +124,9 @@ class GraphCompiler:
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         if self.use_inductor:
             joint = _compat.inductor_joint_passes(joint)
-        bind_chunks(
-            self.plan, self.bound_options(), self.params, self.root, joint, True, self.autocast
-        )
-        joint = pipeline.run_stage("joint", joint, self.plan, self.dump)
+        self.activation_bytes = saved_activation_bytes(joint)
+        self.bind(True)
+        joint = self._run_stage("joint", joint)
         self.dump.stage("joint", joint)
         if self.plan.profiling:
             saved = static.saved_bytes_by_block(
@@ -137,15 +154,39 @@ class GraphCompiler:
     def inference(self, gm: fx.GraphModule, example_inputs: Sequence):
         return self._compile("inference", "inference", gm, example_inputs)
 
+    def bind(self, training: bool) -> None:
+        """The graph's parameters bound to chunk stores (placement.bind_chunks)."""
+        bind_chunks(
+            self.plan,
+            self.bound_options(),
+            self.params,
+            self.root,
+            self.activation_bytes,
+            training,
+            self.autocast,
+        )
+
+    def _run_stage(self, stage: str, gm: fx.GraphModule) -> fx.GraphModule:
+        before = len(self.plan.notes)
+        gm = pipeline.run_stage(stage, gm, self.plan, self.dump)
+        self.pass_notes += self.plan.notes[before:]
+        self.stages.append(stage)
+        return gm
+
+    def guard(self, stage: str, compiled):
+        """A compiled graph of ``stage`` as it runs: protrain's state reset when it raises, and a
+        backward's out-of-memory error handed to the graph's ProtrainGraph."""
+        compiled = runtime_guard(compiled)
+        return _backward_oom_guard(compiled, self.plan) if stage == "backward" else compiled
+
     def _compile(self, stage: str, dump_name: str, gm: fx.GraphModule, example_inputs: Sequence):
         if stage == "inference":
             if self.use_inductor:
                 gm = _compat.inductor_joint_passes(gm)  # as compile_fx does for inference graphs
-            bind_chunks(
-                self.plan, self.bound_options(), self.params, self.root, gm, False, self.autocast
-            )
-        gm = pipeline.run_stage(stage, gm, self.plan, self.dump)
+            self.bind(False)
+        gm = self._run_stage(stage, gm)
         # what the passes require, allocated by the runtime
+        self.gathers = self.gathers or placement.gathers_chunks(gm)
         placement.allocate_buffers(self.plan, gm)
         self.dump.stage(dump_name, gm)
         self.dump.write_plan()
@@ -156,10 +197,12 @@ class GraphCompiler:
             if stage == "backward"
             else contextlib.nullcontext()
         ):
-            compiled = runtime_guard(self._final_compile(stage, gm, example_inputs))
+            compiled = self.guard(stage, self._final_compile(stage, gm, example_inputs))
         if stage != "forward":
             prog.ready()
-        return _backward_oom_guard(compiled, self.plan) if stage == "backward" else compiled
+            if self.on_complete is not None:
+                self.on_complete()
+        return compiled
 
     def _final_compile(self, stage: str, gm: fx.GraphModule, example_inputs: Sequence):
         if not self.use_inductor:
@@ -204,68 +247,6 @@ def _backward_oom_guard(fn, plan: Plan):
     return on_error(fn, torch.OutOfMemoryError, handle)
 
 
-def _traced_root(graph_inputs):
-    """The module dynamo is tracing (the root of the parameters' sources), for state_dict hooks."""
-    import re
-
-    for gi in graph_inputs:
-        if gi.is_param and gi.source:
-            m = re.match(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*", gi.source)
-            if m:
-                return _compat.traced_root_object(m.group(0))
-    return None
-
-
-def _refuse_untraced_checkpointing(root, live) -> None:
-    """Refuse a model whose own checkpointed layers ran outside every compiled graph.
-
-    Hugging Face's gradient checkpointing from transformers 5.25 on checkpoints each decoder layer's
-    ``forward``, and dynamo cannot trace some layers inside that checkpoint (a graph break in the
-    higher-order op): it skips the loop over the layers, which then run eagerly. Their parameters
-    reach no protrain graph, so no plan places or offloads them, and the budget would not hold. A
-    graph whose traced module holds such layers (checkpointing on, in training, none of their
-    parameters in this graph or in an earlier graph's chunks; earlier graphs run first) says so;
-    only when none of the checkpointed layers reached a graph (some that did not may be unused).
-    """
-    if not isinstance(root, torch.nn.Module) or not torch.is_grad_enabled():
-        return
-    from protrain_fx.runtime.chunk_store import store_of
-
-    in_graph = {id(p) for p in live}
-    # the checkpointed layers themselves (HF also flags the model that holds them): those with no
-    # flagged module below them
-    flagged = [
-        (name, m)
-        for name, m in root.named_modules()
-        if getattr(m, "gradient_checkpointing", False) is True and m.training
-    ]
-    layers = [
-        (name, m)
-        for name, m in flagged
-        if not any(
-            o is not m and other.startswith(f"{name}." if name else "") for other, o in flagged
-        )
-        and any(True for _ in m.parameters())
-    ]
-    hidden = [
-        name
-        for name, m in layers
-        if not any(id(p) in in_graph or store_of(p) is not None for p in m.parameters())
-    ]
-    if len(hidden) < len(layers):  # some of them are in graphs: the rest may just be unused
-        hidden = []
-    if hidden:
-        raise ProtrainError(
-            f"the model checkpoints its own layers ({len(hidden)} of them, e.g. "
-            f"{hidden[0]!r}: Hugging Face gradient checkpointing) and torch.compile could not "
-            f"trace them: they ran eagerly, outside every graph, so protrain cannot place or "
-            f"offload their parameters and its memory budget would not hold. protrain's "
-            f"per-block plan (keep, swap or recompute each block to fit the budget) replaces "
-            f"that checkpointing: call model.gradient_checkpointing_disable() before the first "
-            f"step (torch.compile skips the code it could not trace for the rest of the process)"
-        )
-
-
 def _graph_name() -> str:
     cid = _compat.current_compile_id()
     return "?" if cid is None else f"{cid[0]}/{cid[1]}"
@@ -287,18 +268,22 @@ def _compile_plan(
         for gi, p in zip(graph_inputs, params)
         if p is not None
     ]
-    root = _traced_root(graph_inputs)
+    root = traced_root(graph_inputs)
     compiler = GraphCompiler(
         plan, opts, dump, len(example_inputs), _compat.num_outputs(gm), bound, root
     )
-    compiled = aot_autograd(
-        fw_compiler=compiler.forward,
-        bw_compiler=compiler.backward,
-        inference_compiler=compiler.inference,
-        partition_fn=compiler.partition,
-        decompositions=_compat.inductor_decompositions() if compiler.use_inductor else {},
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+
+    def run(fw_compiler):
+        return aot_autograd(
+            fw_compiler=fw_compiler,
+            bw_compiler=compiler.backward,
+            inference_compiler=compiler.inference,
+            partition_fn=compiler.partition,
+            decompositions=_compat.inductor_decompositions() if compiler.use_inductor else {},
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    compiled = code_cache.compile_graph(compiler, gm, example_inputs, run)
     if plan.logits_outputs:  # passes/chunked_loss.py returned logits without a gradient path
         compiled = loss_ops.reattach_logits(compiled, plan.logits_outputs)
     return compiled
@@ -328,7 +313,7 @@ def protrain_backend(
         if found is not None:
             opts = dataclasses.replace(opts, optimizer=found)
             del found
-    _refuse_untraced_checkpointing(_traced_root(graph_inputs), live)
+    refuse_untraced_checkpointing(traced_root(graph_inputs), live)
     progress.begin(_graph_name())
     # as dynamo traced it: what a call with other parameters runs
     eager_graph = copy_graph_module(gm)
@@ -357,7 +342,7 @@ def protrain_backend(
         opts.optimizer,
         example_inputs,
         lambda *a, **k: _compile(*a, **k),  # looked up at each call (tests patch it)
-        _traced_root(graph_inputs),
+        traced_root(graph_inputs),
     )
     graph.install(compiled, plan, device, choice, opts)
     progress.end()
@@ -395,7 +380,7 @@ def _compile_graph(gm, example_inputs, graph_inputs, params, plan: Plan, opts: O
         dataclasses.replace(opts, dump_dir=regions_dir),
         plan,
         _compile_plan,
-        _traced_root(graph_inputs),
+        traced_root(graph_inputs),
     )
     dump.write_plan()
     return program
@@ -438,7 +423,7 @@ def _compile(
     graph_name: str | None = None,
     grads_held: str | None = None,
 ):
-    root = _traced_root(graph_inputs)
+    root = traced_root(graph_inputs)
     structure = detect_blocks(gm, root)
     split = _split(gm, structure, graph_inputs)
     live = [p for p in params if p is not None]

@@ -44,6 +44,8 @@ VARIABLES = {
     "blocks (protrain_fx/graph/shorten.py)",
     "PROTRAIN_REGIONS": "0: compile a training graph whole instead of one region per block, each "
     "distinct block compiled once (protrain_fx/graph/regions.py)",
+    "PROTRAIN_COMPILE_CACHE": "0: compile every graph's code again in every run instead of "
+    "serving it from aot_autograd's cache with what its compile did (protrain_fx/code_cache.py)",
     "PROTRAIN_TRIM_HOLES": "0: never give the CUDA allocator's free pages back at a step boundary "
     "where it holds more than the plan's predicted peak (protrain_fx/machine/allocator.py)",
     "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default "
@@ -134,6 +136,7 @@ class Settings:
     profile_blocks: bool
     profile_whole: bool
     regions: bool
+    compile_cache: bool
     trim_holes: bool
     profile_spin_s: float | None
     debug_sync: str  # "", "1", "offload" or "reload"
@@ -174,6 +177,7 @@ def settings() -> Settings:
         profile_blocks=_flag("PROTRAIN_PROFILE_BLOCKS", False),
         profile_whole=_flag("PROTRAIN_PROFILE_WHOLE", False),
         regions=_flag("PROTRAIN_REGIONS", True),
+        compile_cache=_flag("PROTRAIN_COMPILE_CACHE", True),
         trim_holes=_flag("PROTRAIN_TRIM_HOLES", True),
         profile_spin_s=_float("PROTRAIN_PROFILE_SPIN_S"),
         debug_sync=_choice("PROTRAIN_DEBUG_SYNC", ("", "0", "1", "offload", "reload")).replace(

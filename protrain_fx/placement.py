@@ -15,7 +15,6 @@ import torch.fx as fx
 
 from protrain_fx import _compat
 from protrain_fx.errors import NoPlanFits
-from protrain_fx.graph.fx import saved_activation_bytes
 from protrain_fx.machine import memory
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.layout import pack
@@ -77,22 +76,23 @@ def bind_chunks(
     options: Options,
     params: list[tuple[int, str, torch.nn.Parameter]],
     root,
-    graph: fx.GraphModule,
+    activation_bytes: int,
     training: bool,
     autocast: dict[str, torch.dtype],
 ) -> None:
     """Create or reuse the stores of ``params`` and record the binding in ``plan`` (see module
-    docstring)."""
+    docstring). ``activation_bytes``: what the graph saves for backward
+    (:func:`protrain_fx.graph.fx.saved_activation_bytes` of its joint graph), for the estimate."""
     if not params:
         return
     with _compat.real_tensor_mode():
-        _bind(plan, options, params, root, graph, training, autocast)
+        _bind(plan, options, params, root, activation_bytes, training, autocast)
 
 
-def _bind(plan, options, params, root, graph, training, autocast) -> None:
+def _bind(plan, options, params, root, activation_bytes, training, autocast) -> None:
     new = [(idx, fqn, p) for idx, fqn, p in params if store_of(p) is None]
     if new:
-        _new_store(plan, options, new, root, graph, training, autocast)
+        _new_store(plan, options, new, root, activation_bytes, training, autocast)
     stores = []
     for idx, fqn, p in params:
         store = store_of(p)
@@ -118,7 +118,7 @@ def _bind(plan, options, params, root, graph, training, autocast) -> None:
     _describe(plan, stores, params, options)
 
 
-def _new_store(plan, options, new, root, graph, training, autocast) -> None:
+def _new_store(plan, options, new, root, activation_bytes, training, autocast) -> None:
     fqns = [(fqn, p) for _, fqn, p in new]
     device, master = fqns[0][1].device, fqns[0][1].dtype
     sizes = [(fqn, p.numel() * p.element_size()) for fqn, p in fqns]
@@ -127,7 +127,7 @@ def _new_store(plan, options, new, root, graph, training, autocast) -> None:
     chunk_bytes = [layout.used_bytes(c) for c in range(layout.n_chunks)]
     n_buffer = options.n_buffer if options.n_buffer is not None else 2
     elem, t_elem = master.itemsize, param_dtype.itemsize
-    activations = saved_activation_bytes(graph) if training else 0
+    activations = activation_bytes if training else 0
     # n_persist: given, or chosen by the automatic plan (protrain_fx/autoplan.py, which sets the
     # option), else every chunk resident
     n_persist = (
@@ -235,12 +235,18 @@ def _describe(plan: Plan, stores: list[ChunkStore], params, options: Options) ->
         )
 
 
-def allocate_buffers(plan: Plan, gm: fx.GraphModule) -> None:
-    """After a graph's passes: the device chunk buffers its prefetches fill (``plan.n_buffer`` per
-    chunk store it reads), allocated by the runtime, never by a pass."""
+def gathers_chunks(gm: fx.GraphModule) -> bool:
+    """Whether a graph after its passes gathers offloaded chunks (and so needs chunk buffers)."""
     from protrain_fx.runtime import ops
 
-    if not any(n.op == "call_function" and n.target is ops.GATHER for n in gm.graph.nodes):
+    return any(n.op == "call_function" and n.target is ops.GATHER for n in gm.graph.nodes)
+
+
+def allocate_buffers(plan: Plan, gm: fx.GraphModule | None) -> None:
+    """After a graph's passes: the device chunk buffers its prefetches fill (``plan.n_buffer`` per
+    chunk store it reads), allocated by the runtime, never by a pass. ``gm`` None: the graph is
+    known to gather (its code came from the cache, protrain_fx/code_cache.py)."""
+    if gm is not None and not gathers_chunks(gm):
         return
     with _compat.real_tensor_mode():  # compile callbacks run under aot_autograd's fake mode
         for store_id in sorted({sid for sid, _ in plan.input_entry.values()}):

@@ -25,6 +25,13 @@ def no_plan_cache(monkeypatch):
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
 
 
+@pytest.fixture(autouse=True)
+def no_compile_cache(monkeypatch):
+    """Every graph's code is compiled, its passes run (tests/test_code_cache.py checks the cache of
+    compiled codes itself)."""
+    monkeypatch.setenv("PROTRAIN_COMPILE_CACHE", "0")
+
+
 @pytest.fixture
 def whole_graph(monkeypatch):
     """The graph compiled whole (``PROTRAIN_REGIONS=0``), not in regions: for tests that read one

@@ -33,6 +33,7 @@ LAYERS = [
             "autoplan",
             "placement",
             "pipeline",
+            "code_cache",
             "region_program",
             "backend",
             "compiled_graph",

@@ -1224,7 +1224,7 @@ def test_20_8_checkpointed_layers_outside_every_graph_are_refused_only_when_none
     """The refusal looks at the checkpointed layers themselves (a flagged module with no flagged
     module below it, the root included): none of them in a graph or a store -> refused; some in
     one -> the others may be unused, no refusal; checkpointing off or no grad -> nothing to say."""
-    from protrain_fx.backend import _refuse_untraced_checkpointing
+    from protrain_fx.graph.blocks import refuse_untraced_checkpointing
 
     class Layer(torch.nn.Linear):
         gradient_checkpointing = True
@@ -1234,13 +1234,13 @@ def test_20_8_checkpointed_layers_outside_every_graph_are_refused_only_when_none
     head = list(model[2].parameters())
     for root in (model, model[0]):
         with pytest.raises(protrain_fx.ProtrainError, match="gradient_checkpointing_disable"):
-            _refuse_untraced_checkpointing(root, head)
-    _refuse_untraced_checkpointing(model, list(model[0].parameters()))  # layer 1 may be unused
-    _refuse_untraced_checkpointing(model[0], list(model[0].parameters()))
+            refuse_untraced_checkpointing(root, head)
+    refuse_untraced_checkpointing(model, list(model[0].parameters()))  # layer 1 may be unused
+    refuse_untraced_checkpointing(model[0], list(model[0].parameters()))
     with torch.no_grad():
-        _refuse_untraced_checkpointing(model, head)
+        refuse_untraced_checkpointing(model, head)
     model[0].gradient_checkpointing = model[1].gradient_checkpointing = False
-    _refuse_untraced_checkpointing(model, head)  # the model's flag alone: no layer to refuse
+    refuse_untraced_checkpointing(model, head)  # the model's flag alone: no layer to refuse
 
 
 @pytest.mark.parametrize("plan", ["memory_budget", "n_persist_0"])

@@ -10,6 +10,10 @@ else (embeddings, stems, heads, final norms, the loss) is a non-block region.
 Dynamo records the module path of every forward node in ``meta["nn_module_stack"]``; AOTAutograd
 copies it to the joint graph's forward nodes and puts the forward module's stack on backward nodes
 as ``meta["fwd_nn_module_stack"]``.
+
+The model's own per-layer checkpointing (Hugging Face's gradient checkpointing) can hide its layers
+from dynamo altogether: :func:`refuse_untraced_checkpointing` says so instead of planning without
+them.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
+from protrain_fx.errors import ProtrainError
 from protrain_fx.graph.inputs import module_path
+from protrain_fx.runtime.chunk_store import store_of
 
 
 @dataclass(frozen=True)
@@ -147,3 +154,51 @@ def _detect(gm: fx.GraphModule) -> BlockStructure:
         for i, name in enumerate(names)
     ]
     return BlockStructure(container, blocks)
+
+
+def refuse_untraced_checkpointing(root, live) -> None:
+    """Refuse a model whose own checkpointed layers ran outside every compiled graph.
+
+    Hugging Face's gradient checkpointing from transformers 5.25 on checkpoints each decoder layer's
+    ``forward``, and dynamo cannot trace some layers inside that checkpoint (a graph break in the
+    higher-order op): it skips the loop over the layers, which then run eagerly. Their parameters
+    reach no protrain graph, so no plan places or offloads them, and the budget would not hold. A
+    graph whose traced module holds such layers (checkpointing on, in training, none of their
+    parameters in this graph or in an earlier graph's chunks; earlier graphs run first) says so;
+    only when none of the checkpointed layers reached a graph (some that did not may be unused).
+    """
+    if not isinstance(root, torch.nn.Module) or not torch.is_grad_enabled():
+        return
+    in_graph = {id(p) for p in live}
+    # the checkpointed layers themselves (HF also flags the model that holds them): those with no
+    # flagged module below them
+    flagged = [
+        (name, m)
+        for name, m in root.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True and m.training
+    ]
+    layers = [
+        (name, m)
+        for name, m in flagged
+        if not any(
+            o is not m and other.startswith(f"{name}." if name else "") for other, o in flagged
+        )
+        and any(True for _ in m.parameters())
+    ]
+    hidden = [
+        name
+        for name, m in layers
+        if not any(id(p) in in_graph or store_of(p) is not None for p in m.parameters())
+    ]
+    if len(hidden) < len(layers):  # some of them are in graphs: the rest may just be unused
+        hidden = []
+    if hidden:
+        raise ProtrainError(
+            f"the model checkpoints its own layers ({len(hidden)} of them, e.g. "
+            f"{hidden[0]!r}: Hugging Face gradient checkpointing) and torch.compile could not "
+            f"trace them: they ran eagerly, outside every graph, so protrain cannot place or "
+            f"offload their parameters and its memory budget would not hold. protrain's "
+            f"per-block plan (keep, swap or recompute each block to fit the budget) replaces "
+            f"that checkpointing: call model.gradient_checkpointing_disable() before the first "
+            f"step (torch.compile skips the code it could not trace for the rest of the process)"
+        )

@@ -3,7 +3,7 @@ input.
 
 Dynamo deletes ``node.meta["grapharg"]`` once the backend returns, so :func:`capture_graph_inputs`
 must run on entry to the backend. Placeholders come in first-use order, which is the order chunks
-are packed in.
+are packed in. :func:`traced_root` finds the module dynamo traced from the parameters' sources.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from protrain_fx import _compat
 
 # "L['self']", "L['args'][0]", "G['model']": the root of a dynamo source name.
 _ROOT_RE = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")
@@ -123,3 +125,13 @@ def joint_input_index(node: fx.Node, position: int) -> int | None:
         idx = getattr(desc, "idx", None)
         return idx if type(desc).__name__ == "PlainAOTInput" else None
     return position if node.name.startswith("primals") else None
+
+
+def traced_root(graph_inputs):
+    """The module dynamo is tracing (the root of the parameters' sources), for state_dict hooks."""
+    for gi in graph_inputs:
+        if gi.is_param and gi.source:
+            m = re.match(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*", gi.source)
+            if m:
+                return _compat.traced_root_object(m.group(0))
+    return None

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from protrain_fx import _compat
 from protrain_fx.errors import ProtrainError
 from protrain_fx.runtime import (
     chunk_buffers,
@@ -66,7 +67,8 @@ def on_error(fn, catch, handle):
             return call(lambda: fn(*args))
 
     run.__wrapped__ = fn
-    return run
+    # what aot_autograd reads off a compiled graph to save its cache entry (code_cache.py)
+    return _compat.keep_cache_attrs(run, fn)
 
 
 def runtime_guard(fn):
@@ -196,15 +198,19 @@ class GraphBinding:
             hook_owners_of(root, [p for _, p in named])
 
 
-def placement_signature(params: list) -> tuple | None:
+def placement_signature(params: list, unplaced: bool = False) -> tuple | None:
     """How ``params`` sit in chunks, relative to one another: per offloaded parameter (group,
     offset, transfer dtype, chunk size), where group numbers the distinct (store, chunk) pairs in
-    order of first appearance, and None per resident one; None when a parameter is in no store."""
+    order of first appearance, and None per resident one; None when a parameter is in no store
+    (with ``unplaced``: "unplaced" for that parameter)."""
     groups: dict[tuple[int, int], int] = {}
     out = []
     for p in params:
         s = store_of(p)
         if s is None:
+            if unplaced:
+                out.append("unplaced")
+                continue
             return None
         e = s.entry(p)
         # the graph reads a resident parameter itself: any chunk will do
