@@ -14,6 +14,10 @@ uncapped.
     python benchmarks/first_step.py --models llama3.2-3b,gpt-1.42b \\
         --out benchmarks/results/first_step_h200
 
+``--device cpu`` runs the same comparison on the CPU (fp32, protrain under ``--budget-mib`` of
+``memory_budget`` instead of a cap), for the small models (``llama-small``: an 8-layer HF Llama of
+width 256).
+
 writes ``OUT.json`` and ``OUT.md``; ``--only MODEL:SYSTEM:CACHE`` runs some rows, ``--merge`` adds
 rows to an existing ``OUT.json``. ``--run`` (internal) is one process.
 """
@@ -51,6 +55,10 @@ MODELS = {
     # the suite's 1.42 B GPT (benchmarks/suite/scenarios.py GPT_1_4B, read in the child), batch
     # 4 x 1024
     "gpt-1.42b": dict(kind="gpt", vocab=50304, batch=4, seq=1024),
+    # for --device cpu: an 8-layer Hugging Face Llama (tied 4096 vocabulary, GQA), batch 2 x 128
+    "llama-small": dict(
+        hidden=256, layers=8, heads=4, kv=2, ffn=688, vocab=4096, batch=2, seq=128, kind="hf_llama"
+    ),
 }
 # protrain: compiled in regions, each distinct block once (protrain_fx/graph/regions.py);
 # protrain-whole: the graph compiled whole (PROTRAIN_REGIONS=0; profiled on a short copy with three
@@ -64,11 +72,11 @@ CACHES = {
 }
 
 
-def build(spec: dict):
+def build(spec: dict, device: str):
     import torch
 
     if spec["kind"] == "hf_llama":
-        model = build_hf_llama(spec)  # seed 0, on the device
+        model = build_hf_llama(spec, device)  # seed 0, on the device
 
         def loss_of(m, x):
             return m(input_ids=x, labels=x).loss
@@ -80,7 +88,7 @@ def build(spec: dict):
 
     assert GPT_1_4B["vocab_size"] == spec["vocab"]
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = build_own("gpt", **GPT_1_4B)
 
     def loss_of(m, x):
@@ -149,7 +157,13 @@ def _profile_top(prof, n: int = 40) -> dict:
 
 
 def run_one(
-    model_name: str, system: str, steps: int, cap_gib: float, py_profile: bool = False
+    model_name: str,
+    system: str,
+    steps: int,
+    cap_gib: float,
+    py_profile: bool = False,
+    device: str = "cuda",
+    budget_mib: float = 16.0,
 ) -> dict:
     import cProfile
 
@@ -159,8 +173,9 @@ def run_one(
 
     t_imported = time.perf_counter()
     spec = MODELS[model_name]
-    dev = torch.device("cuda")
-    if system.startswith("protrain") and cap_gib:
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if system.startswith("protrain") and cap_gib and cuda:
         torch.cuda.set_per_process_memory_fraction(
             cap_gib * 2**30 / torch.cuda.get_device_properties(dev).total_memory
         )
@@ -170,15 +185,18 @@ def run_one(
     t0 = time.perf_counter()
     if prof is not None:
         prof.enable()
-    model, loss_of = build(spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model, loss_of = build(spec, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     build_s = time.perf_counter() - t0
     if system.startswith("protrain"):
         import protrain_fx.backend
 
         if "protrain" not in torch._dynamo.list_backends(exclude_tags=()):
             torch._dynamo.register_backend(protrain_fx.backend.protrain_backend, name="protrain")
-        compiled = torch.compile(model, backend="protrain", options={"optimizer": opt})
+        options = {"optimizer": opt}
+        if not cuda:  # on the CPU the budget is the option (no device memory to cap)
+            options["memory_budget"] = int(budget_mib * 2**20)
+        compiled = torch.compile(model, backend="protrain", options=options)
     else:
         compiled = torch.compile(model)
     g = torch.Generator().manual_seed(1)
@@ -190,13 +208,14 @@ def run_one(
     for x in data:
         ts = time.perf_counter()
         x = x.to(dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             loss = loss_of(compiled, x)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - ts)
         if first is None:
             first = time.perf_counter() - t0
@@ -208,13 +227,16 @@ def run_one(
     row = {
         "model": model_name,
         "system": system,
-        "cap_gib": cap_gib if system.startswith("protrain") else None,
+        "cap_gib": cap_gib if system.startswith("protrain") and cuda else None,
+        "budget_mib": budget_mib if system.startswith("protrain") and not cuda else None,
         "import_s": round(t_imported - T_START, 2),
         "build_s": round(build_s, 2),
         "first_step_s": round(first, 2),
         "tokens_per_s": round(tokens * len(steady) / sum(steady), 1),
         "losses": losses,
-        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / 2**30, 2),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / 2**30, 2)
+        if cuda
+        else None,
         "progress": lines.lines,
     }
     if prof is not None:  # seconds under the profiler: about 1.3x the plain run's
@@ -256,6 +278,10 @@ def child(model_name: str, system: str, cache: str, dirs: dict, args) -> dict:
         str(args.steps),
         "--cap-gib",
         str(args.cap_gib),
+        "--device",
+        args.device,
+        "--budget-mib",
+        str(args.budget_mib),
     ] + (["--py-profile"] if args.py_profile else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -287,6 +313,10 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this run's rows (shown in the table)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "first_step_h200"))
     ap.add_argument("--run", nargs=2, metavar=("MODEL", "SYSTEM"))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument(
+        "--budget-mib", type=float, default=16.0, help="protrain's memory_budget on the CPU"
+    )
     ap.add_argument(
         "--py-profile",
         action="store_true",
@@ -296,7 +326,15 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.run:
-        row = run_one(args.run[0], args.run[1], args.steps, args.cap_gib, args.py_profile)
+        row = run_one(
+            args.run[0],
+            args.run[1],
+            args.steps,
+            args.cap_gib,
+            args.py_profile,
+            args.device,
+            args.budget_mib,
+        )
         print("RESULT " + json.dumps(row), flush=True)
         return
     work = tempfile.mkdtemp(prefix="first_step_")
@@ -306,7 +344,7 @@ def main() -> None:
             sys.executable,
             "-c",
             "import torch; from protrain_fx.machine import measure; "
-            "measure.hardware_profile(torch.device('cuda'))",
+            f"measure.hardware_profile(torch.device('{args.device}'))",
         ],
         env=dict(os.environ, PROTRAIN_CACHE_DIR=hardware),
         check=True,
@@ -379,7 +417,11 @@ def _write(out: str, rows: list, args) -> None:
         import torch
 
         meta["torch"] = torch.__version__
-        meta["device"] = torch.cuda.get_device_name(0)
+        meta["device"] = (
+            torch.cuda.get_device_name(0)
+            if args.device == "cuda"
+            else f"CPU ({os.cpu_count()} cores)"
+        )
     except Exception:
         pass
     with open(out + ".json", "w") as f:
@@ -388,7 +430,12 @@ def _write(out: str, rows: list, args) -> None:
         f"# Time to the first step (`{meta['command']}`)",
         "",
         f"{meta.get('device', '?')}, torch {meta.get('torch', '?')}; protrain under a "
-        f"{args.cap_gib:g} GiB cap, torch.compile uncapped; seconds from before the model is built "
+        + (
+            f"{args.cap_gib:g} GiB cap"
+            if args.device == "cuda"
+            else f"memory_budget of {args.budget_mib:g} MiB (fp32)"
+        )
+        + ", torch.compile uncapped; seconds from before the model is built "
         "to the end of the first step; tokens/s over the steps after the third.",
         "",
         "| model | system | caches | first step (s) | protrain's phases | tokens/s "

@@ -85,7 +85,7 @@ SCENARIOS = {
 BF16_REL = 2**-6  # losses of two bf16 runs that differ by rounding: a few bf16 ulps of the loss
 
 
-def build(sc: dict):
+def build(sc: dict, device: str = "cuda"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -101,7 +101,7 @@ def build(sc: dict):
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(cfg)
     return model
 

@@ -28,7 +28,8 @@ VARIABLES = {
     "PROTRAIN_AUTOPLAN": "0: no automatic plan (knobs not given mean everything resident, "
     "activations kept)",
     "PROTRAIN_PLAN_CACHE": "0: never read or write the plan cache",
-    "PROTRAIN_CACHE_DIR": "where the hardware profile, plan cache and CPU Adam kernel are kept",
+    "PROTRAIN_CACHE_DIR": "where the hardware profile, plan cache, CPU Adam kernel and compiled "
+    "codes' sidecars are kept",
     "PROTRAIN_REFRESH_HARDWARE": "1: measure the hardware again instead of reading its cached "
     "profile",
     "PROTRAIN_HOST_MEMORY": "host memory protrain may plan with (e.g. 100GiB), instead of what the "

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from protrain_fx import _compat, progress
+from protrain_fx import _compat, code_cache, progress
 from protrain_fx.errors import ProtrainError
 from protrain_fx.graph import regions
 from protrain_fx.graph.build_plan import make_plan
@@ -213,8 +213,11 @@ class RegionProgram:
         )
 
     def describe(self) -> str:
+        served = sum(code_cache.SERVED_NOTE in v.plan.notes for v in self.variants)
         return (
-            f"compiled in {len(self.calls)} regions with {len(self.variants)} distinct codes: "
+            f"compiled in {len(self.calls)} regions with {len(self.variants)} distinct codes"
+            + (f" ({served} served from aot_autograd's cache)" if served else "")
+            + ": "
             + "; ".join(f"{v.description} x{len(v.regions)}" for v in self.variants)
         )
 

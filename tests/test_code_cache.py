@@ -101,6 +101,9 @@ def test_a_second_compile_is_served_every_code_and_trains_bit_for_bit_like_the_f
     assert not [s for s in passes if s != "dynamo"], passes  # no joint, forward or backward passes
     assert same(first, second), (first["losses"], second["losses"])
     assert code_cache.SERVED_NOTE in second["plan"].notes
+    if regions == "1":
+        said = next(n for n in second["plan"].notes if n.startswith("compiled in"))
+        assert f"({codes} served from aot_autograd's cache)" in said, said
     # the served graph's stores are attached to the optimizer (it steps their offloaded chunks)
     handles = [hybrid_optim.handle_of(r["opt"]) for r in (first, second)]
     assert handles[1] is not None and len(handles[1].states) == len(handles[0].states) > 0
