@@ -17,7 +17,9 @@ forward and backward get the guards. The sidecar's key covers the dynamo graph, 
 everything protrain's passes read beyond them (the options, the plan's decision, where parameters
 already in stores sit, the autocast dtypes, the environment, a digest of protrain's source); it goes
 into aot_autograd's key as a tag, so an entry is never served for another plan. A hit without its
-sidecar (deleted) is compiled again with the cache off. Not used for the profiling plan, for dumps,
+sidecar (deleted) is compiled again with the cache off. The profiling plan's codes are served too,
+with the static profile their partitions gave (saved bytes per block and policy, recomputed shares,
+block signatures): a run under another budget profiles without compiling again. Not used for dumps,
 with several ranks or with the eager compiler; ``PROTRAIN_COMPILE_CACHE=0`` turns it off.
 """
 
@@ -34,12 +36,13 @@ import torch
 
 from protrain_fx import _compat, _version, config, placement
 from protrain_fx.machine import profile
+from protrain_fx.profiling import static
 from protrain_fx.runtime.binding import placement_signature
 from protrain_fx.runtime.chunk_store import store_of
 
 log = logging.getLogger(__name__)
 
-SIDECAR_VERSION = 1
+SIDECAR_VERSION = 2
 SERVED_NOTE = "code served from aot_autograd's cache (protrain_fx/code_cache.py)"
 
 
@@ -54,6 +57,8 @@ class Sidecar:
     swapped: dict[str, int]
     chunks_in_use: int
     notes: list[str]  # the notes its passes wrote
+    # the profiling plan's: what its partitions say per block (profiling/static.py), as a dict
+    static_profile: dict | None = None
 
     @classmethod
     def of(cls, compiler) -> Sidecar:
@@ -66,6 +71,7 @@ class Sidecar:
             dict(plan.swapped),
             int(plan.chunks_in_use),
             list(compiler.pass_notes),
+            dataclasses.asdict(plan.static_profile) if plan.static_profile is not None else None,
         )
 
 
@@ -100,6 +106,8 @@ def _replay(compiler, sidecar: Sidecar) -> None:
     plan.swapped = {k: int(v) for k, v in sidecar.swapped.items()}
     plan.chunks_in_use = max(plan.chunks_in_use, sidecar.chunks_in_use)
     plan.notes.extend(sidecar.notes)
+    if sidecar.static_profile is not None:
+        plan.static_profile = _static_profile(sidecar.static_profile)
     plan.notes.append(SERVED_NOTE)
     if sidecar.gathers:
         placement.allocate_buffers(plan, None)
@@ -112,7 +120,6 @@ def eligible(compiler) -> bool:
     plan, opts = compiler.plan, compiler.options
     return (
         compiler.use_inductor
-        and not plan.profiling
         and plan.world_size == 1
         and opts.dump_dir is None
         and config.settings().compile_cache
@@ -148,15 +155,28 @@ def _key(compiler, gm, example_inputs) -> str | None:
         torch.__version__,
         gm.code,
         repr([_describe_input(x) for x in example_inputs]),
-        repr(compiler.options),
+        # the budget decides the plan before the compile, not the code: the profiling plan's code
+        # serves every budget
+        repr(dataclasses.replace(compiler.options, memory_budget=None)),
         repr(decision),
         repr(placed),
         repr(stores),
         repr(plan.block_structure),
         repr(sorted((k, str(v)) for k, v in compiler.autocast.items())),
-        repr(config.settings()),
+        repr(dataclasses.replace(config.settings(), memory_budget=None)),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _static_profile(d: dict) -> static.StaticProfile:
+    def tuples(x):  # the signatures are nested tuples, which JSON made lists
+        return tuple(tuples(y) for y in x) if isinstance(x, list) else x
+
+    return static.StaticProfile(
+        static.SavedBytes(**d["saved"]),
+        list(d["recomputed_share"]),
+        [tuples(sig) for sig in d["signatures"]],
+    )
 
 
 def _describe_input(x) -> tuple:

@@ -230,3 +230,34 @@ def test_an_evaluation_graph_is_served_too(code_cache_on):
     assert aot1.get("autograd_cache_hit", 0) == aot0["autograd_cache_saved"]
     assert "autograd_cache_miss" not in aot1
     assert evals0 == evals1 and losses0 == losses1
+
+
+def test_the_profiling_plan_is_served_with_its_static_profile_under_another_budget(
+    monkeypatch, code_cache_on
+):
+    """Two runs of an automatic plan under two budgets (no plan cache): the second run's profiling
+    plan (every chunk offloaded, every block recomputed: the same code whatever the budget) is
+    served, with the static profile its partitions gave the first run."""
+    from protrain_fx import region_program
+
+    profiles = []
+    real = region_program.RegionProgram.static_profile
+
+    def recording(self, n_blocks):
+        out = real(self, n_blocks)
+        profiles.append(out)
+        return out
+
+    monkeypatch.setattr(region_program.RegionProgram, "static_profile", recording)
+    base = base_model()
+    data = random_batches(1, 2, 16, vocab=512)
+    states = sum(p.numel() * 4 for p in base.parameters())
+    runs = [
+        run(base, data, {"compiler": "inductor", "memory_budget": k * states, "n_persist": 0})
+        for k in (3, 4)
+    ]
+    assert len(profiles) == 2 and profiles[0] == profiles[1], profiles
+    assert profiles[0].signatures and profiles[0].saved.recompute
+    # pre, a block, post of the profiling plan: compiled by the first run, served to the second
+    assert runs[0]["hits"] == 0 and runs[1]["hits"] >= 3
+    assert max(abs(a - b) for a, b in zip(runs[0]["losses"], runs[1]["losses"])) <= 1e-5
