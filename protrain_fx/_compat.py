@@ -399,22 +399,24 @@ _CACHE_ATTRS = (
 
 def aot_cache_supported() -> bool:
     """Whether this torch serves aot_autograd's cache to a custom compiler the way
-    protrain_fx/code_cache.py needs: a ``SerializableAOTDispatchCompiler`` and a loaded entry's
-    forward and backward reachable (``_load_and_post_compile``) to put protrain's run-time guards
-    around them."""
+    protrain_fx/code_cache.py needs: a ``SerializableAOTDispatchCompiler``, and a loaded entry
+    whose ``wrap_post_compile(args, aot_config, fx_config)`` calls its forward's and backward's
+    ``post_compile`` (torch 2.11 and 2.13), where protrain's run-time guards go around them."""
     try:
         from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult
         from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa
         from torch._inductor.output_code import OutputCode  # noqa: F401
     except ImportError:
         return False
-    load = getattr(GenericAOTAutogradResult, "_load_and_post_compile", None)
-    if not callable(load):
+    wrap = getattr(GenericAOTAutogradResult, "wrap_post_compile", None)
+    if not callable(wrap):
         return False
     import inspect
 
-    # (self, args, fx_config) -> (forward, backward or None, needs_autograd), as on 2.13
-    return list(inspect.signature(load).parameters) == ["self", "args", "fx_config"]
+    params = list(inspect.signature(wrap).parameters)
+    return params == ["self", "args", "aot_config", "fx_config"] and "post_compile" in (
+        inspect.getsource(wrap) + inspect.getsource(GenericAOTAutogradResult)
+    )
 
 
 def aot_cache_enabled() -> bool:
@@ -447,27 +449,45 @@ def keep_cache_attrs(wrapper, fn):
 @contextlib.contextmanager
 def aot_cache_served(tag: str, wrap):
     """Within: aot_autograd's cache key carries ``tag`` (in ``cache_key_tag``, after the user's),
-    and the forward and backward of an entry served from it go through ``wrap(stage, fn)``
-    (stage "forward", "backward" or "inference"), as a compile's would through protrain's
-    compilers."""
+    and the forward and backward of an entry served from it go through ``wrap(stage, fn)`` (stage
+    "forward" or "backward"; an inference graph's is its "forward"), as a compile's would through
+    protrain's compilers: while the entry rebuilds its callable (``wrap_post_compile``), its
+    forward's and backward's ``post_compile`` return the wrapped graphs."""
     from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult
 
     cfg = torch.compiler.config
     user_tag = getattr(cfg, "cache_key_tag", "") or ""
-    real = GenericAOTAutogradResult._load_and_post_compile
+    real = GenericAOTAutogradResult.wrap_post_compile
 
-    def load(self, args, fx_config):
-        fw, bw, needs_autograd = real(self, args, fx_config)  # checked: aot_cache_supported
-        if bw is not None:
-            return wrap("forward", fw), wrap("backward", bw), needs_autograd
-        return wrap("inference", fw), bw, needs_autograd
+    def rebuild(self, args, aot_config, fx_config):
+        patched = []
+        for stage, loadable in (("forward", self.compiled_fw), ("backward", self.compiled_bw)):
+            if loadable is None:
+                continue
+            cls = type(loadable)
+            inner, own = cls.post_compile, "post_compile" in vars(cls)
 
-    GenericAOTAutogradResult._load_and_post_compile = load
+            def post_compile(obj, result, config, _inner=inner, _stage=stage, _target=loadable):
+                out = _inner(obj, result, config)
+                return wrap(_stage, out) if obj is _target else out
+
+            cls.post_compile = post_compile
+            patched.append((cls, inner, own))
+        try:
+            return real(self, args, aot_config, fx_config)
+        finally:
+            for cls, inner, own in reversed(patched):
+                if own:
+                    cls.post_compile = inner
+                else:  # inherited: drop the patch
+                    del cls.post_compile
+
+    GenericAOTAutogradResult.wrap_post_compile = rebuild
     try:
         with cfg.patch(cache_key_tag=f"{user_tag}|{tag}"):
             yield
     finally:
-        GenericAOTAutogradResult._load_and_post_compile = real
+        GenericAOTAutogradResult.wrap_post_compile = real
 
 
 def aot_cache_off():
