@@ -397,6 +397,7 @@ _CACHE_ATTRS = (
 )
 
 
+@functools.lru_cache(maxsize=None)
 def aot_cache_supported() -> bool:
     """Whether this torch serves aot_autograd's cache to a custom compiler the way
     protrain_fx/code_cache.py needs: a ``SerializableAOTDispatchCompiler``, and a loaded entry
