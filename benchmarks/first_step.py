@@ -107,6 +107,44 @@ class _Lines(logging.Handler):
         print(record.getMessage(), file=sys.stderr, flush=True)
 
 
+class _CacheMessages(logging.Handler):
+    """What torch's caches said about this process's graphs (aot_autograd's cache bypassed or
+    missed, Inductor's FX graph cache bypassed): why a warm run compiled a code again (run 41's GPT
+    compiled its 4 codes again where the 3B shape's were served)."""
+
+    LOGGERS = ("torch._functorch._aot_autograd.autograd_cache", "torch._inductor.codecache")
+    WORDS = ("bypass", "fail", "error")  # a miss is counted, not kept
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            logger.addHandler(self)
+            if logger.getEffectiveLevel() > logging.INFO:
+                logger.setLevel(logging.INFO)
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if any(w in msg.lower() for w in self.WORDS) and len(self.lines) < 40:
+            self.lines.append(msg[:600])
+
+    def report(self) -> dict:
+        """torch's cache counters (aot_autograd's and Inductor's) and the messages kept."""
+        from torch._dynamo.utils import counters
+
+        keep = ("autograd_cache", "fxgraph_cache")
+        return {
+            "counters": {
+                f"{group}.{k}": v
+                for group in ("aot_autograd", "inductor")
+                for k, v in counters[group].items()
+                if any(w in k for w in keep)
+            },
+            "messages": self.lines,
+        }
+
+
 def _profile_top(prof, n: int = 40) -> dict:
     """The ``n`` functions with the most cumulative and the most own time in a cProfile run, as
     ``[seconds, calls, "file:line(function)"]`` rows: where the first step's seconds went."""
@@ -182,6 +220,7 @@ def run_one(
     lines = _Lines()
     logging.getLogger("protrain_fx").addHandler(lines)
     logging.getLogger("protrain_fx").setLevel(logging.INFO)
+    torch_cache = _CacheMessages()
     t0 = time.perf_counter()
     if prof is not None:
         prof.enable()
@@ -238,6 +277,7 @@ def run_one(
         if cuda
         else None,
         "progress": lines.lines,
+        "torch_caches": torch_cache.report(),
     }
     if prof is not None:  # seconds under the profiler: about 1.3x the plain run's
         row["py_profile"] = _profile_top(prof)
@@ -404,6 +444,16 @@ def _loss_diff(rows, row) -> float | None:
     return max(abs(a - b) / abs(b) for a, b in zip(row["losses"][:n], ref["losses"][:n]))
 
 
+def _aot_cache_counts(row) -> str:
+    """aot_autograd's cache hits, misses and bypasses in a row's process (blank before run 42)."""
+    counts = (row.get("torch_caches") or {}).get("counters")
+    if counts is None:
+        return ""
+    return " / ".join(
+        str(counts.get(f"aot_autograd.autograd_cache_{k}", 0)) for k in ("hit", "miss", "bypass")
+    )
+
+
 def _write(out: str, rows: list, args) -> None:
     for r in rows:
         r["loss_rel_vs_torch_compile"] = _loss_diff(rows, r)
@@ -439,14 +489,15 @@ def _write(out: str, rows: list, args) -> None:
         "to the end of the first step; tokens/s over the steps after the third.",
         "",
         "| model | system | caches | first step (s) | protrain's phases | tokens/s "
-        "| peak reserved (GiB) | loss rel. vs torch.compile | plan |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| peak reserved (GiB) | loss rel. vs torch.compile | aot_autograd's cache: hit / miss / "
+        "bypass | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("error"):
             lines.append(
                 f"| {r['model']} | {r['system']} | {r.get('cache')} "
-                f"| error: {r['error'][-200:]!r} | | | | | |"
+                f"| error: {r['error'][-200:]!r} | | | | | | |"
             )
             continue
         phases = (
@@ -457,7 +508,7 @@ def _write(out: str, rows: list, args) -> None:
             f"| {r['model']} | {r['system']}{' (' + r['label'] + ')' if r.get('label') else ''} "
             f"| {r['cache']} | {r['first_step_s']} | {phases} | "
             f"{r['tokens_per_s']} | {r['peak_reserved_gib']} | "
-            f"{'' if rel is None else f'{rel:.2e}'} | "
+            f"{'' if rel is None else f'{rel:.2e}'} | {_aot_cache_counts(r)} | "
             + (
                 ", ".join(f"{k} {v}" for k, v in r["plan"].items() if k != "chunk_size")
                 if r.get("plan")
