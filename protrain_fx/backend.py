@@ -460,6 +460,8 @@ def _compile(
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
     plan = make_plan(name, graph_inputs, structure, opts, split)
+    if choice is not None:  # what the plan cache keeps (plan_cache._knobs_of)
+        plan.decided_knobs = {k: getattr(opts, k) for k in autoplan.KNOBS}
     if swap_note:
         plan.notes.append(swap_note)
     plan.inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in live))

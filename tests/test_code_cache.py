@@ -261,3 +261,34 @@ def test_the_profiling_plan_is_served_with_its_static_profile_under_another_budg
     # pre, a block, post of the profiling plan: compiled by the first run, served to the second
     assert runs[0]["hits"] == 0 and runs[1]["hits"] >= 3
     assert max(abs(a - b) for a, b in zip(runs[0]["losses"], runs[1]["losses"])) <= 1e-5
+
+
+def test_a_plan_from_the_plan_cache_is_served_the_codes_of_the_run_that_cached_it(
+    monkeypatch, code_cache_on
+):
+    """The automatic plan of a model whose chunks all stay resident: the search may pick n_buffer
+    1, which the placement runs as 0 (no chunk to gather). The plan cache keeps the knobs as
+    decided, so a second run compiles from the options the first compiled from and is served its
+    codes (run 41: the 1.42 B GPT's warm run compiled its 4 codes again, its cached plan saying
+    n_buffer 0)."""
+    import json
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    base = base_model()
+    # past the step meter's first save (StepMeter.SAVE_AT), which rewrites the cached entry
+    data = random_batches(6, 2, 16, vocab=512)
+    states = sum(p.numel() * 4 for p in base.parameters())
+    options = {"compiler": "inductor", "memory_budget": 8 * states}
+    first = run(base, data, options)
+    assert all(c.placement == "device" for c in first["plan"].chunks)
+    decided = first["plan"].decided_knobs
+    (entry,) = [json.load(open(p)) for p in (code_cache_on / "plans").glob("*.json")]
+    assert entry["measured"] and entry["knobs"] == decided, (entry["knobs"], decided)
+    second = run(base, data, options)
+    assert second["plan"].predicted["from_cache"]
+    # every code of the plan served (the first run also saved its profiling plan's codes)
+    said = next(n for n in second["plan"].notes if n.startswith("compiled in"))
+    codes = int(said.split(" distinct codes")[0].rsplit(" ", 1)[-1])
+    assert second["hits"] == codes > 0 and second["saved"] == 0, said
+    assert f"({codes} served from aot_autograd's cache)" in said, said
+    assert same(first, second), (first["losses"], second["losses"])

@@ -86,6 +86,10 @@ class Plan:
     # index)
     input_entry: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
     param_dtype: Any = None  # transfer dtype of offloaded chunks
+    # the automatic plan's knobs as decided (searched or from the plan cache), before the
+    # placement's normalization (n_buffer 0 where no chunk is offloaded...): what the plan cache
+    # keeps, so that a later run compiles from the same options (and its code cache's keys match)
+    decided_knobs: dict[str, Any] | None = field(default=None, repr=False)
     # n_buffer came from the options (too small is an error, not raised)
     n_buffer_given: bool = False
     # n_buffer came from the plan search (too small: raised, like unset)
