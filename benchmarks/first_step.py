@@ -7,9 +7,9 @@ Each process builds the model on the device (random init, seed 0), makes a fused
 and trains ``--steps`` steps on fixed random tokens under bf16 autocast; it reports the seconds from
 before the model is built to the end of the first step (``first_step_s``), protrain's progress
 breakdown (its ``ready after`` line: tracing, profiling compile, profiling, search, compile,
-backward compile), the steady tokens/s of the steps after the third, and the losses (protrain's
-against torch.compile's: same init and data). protrain runs under ``--cap-gib``; torch.compile
-uncapped.
+backward compile), the steady tokens/s at the median step after the third, and the losses
+(protrain's against torch.compile's: same init and data). protrain runs under ``--cap-gib``;
+torch.compile uncapped.
 
     python benchmarks/first_step.py --models llama3.2-3b,gpt-1.42b \\
         --out benchmarks/results/first_step_h200
@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -271,7 +272,10 @@ def run_one(
         "import_s": round(t_imported - T_START, 2),
         "build_s": round(build_s, 2),
         "first_step_s": round(first, 2),
-        "tokens_per_s": round(tokens * len(steady) / sum(steady), 1),
+        # the median step: one slow step (the host's page cache, a late compile) moves the mean
+        # of a few steps by percents (run 41: processes of one plan 7-15% apart)
+        "tokens_per_s": round(tokens / statistics.median(steady), 1),
+        "step_s": [round(t, 4) for t in times],
         "losses": losses,
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / 2**30, 2)
         if cuda
@@ -344,7 +348,7 @@ def child(model_name: str, system: str, cache: str, dirs: dict, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama3.2-3b,gpt-1.42b")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--cap-gib", type=float, default=24.0)
     ap.add_argument(
         "--only", default="", help="MODEL:SYSTEM:CACHE,... (a warm row needs its cold row first)"
@@ -486,7 +490,7 @@ def _write(out: str, rows: list, args) -> None:
             else f"memory_budget of {args.budget_mib:g} MiB (fp32)"
         )
         + ", torch.compile uncapped; seconds from before the model is built "
-        "to the end of the first step; tokens/s over the steps after the third.",
+        "to the end of the first step; tokens/s at the median step after the third.",
         "",
         "| model | system | caches | first step (s) | protrain's phases | tokens/s "
         "| peak reserved (GiB) | loss rel. vs torch.compile | aot_autograd's cache: hit / miss / "
