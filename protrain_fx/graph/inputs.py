@@ -131,7 +131,7 @@ def traced_root(graph_inputs):
     """The module dynamo is tracing (the root of the parameters' sources), for state_dict hooks."""
     for gi in graph_inputs:
         if gi.is_param and gi.source:
-            m = re.match(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*", gi.source)
+            m = _ROOT_RE.match(gi.source)
             if m:
                 return _compat.traced_root_object(m.group(0))
     return None
