@@ -40,14 +40,16 @@ PROTRAIN_OPTIONS: dict = {}
 # (benchmarks/suite/admission.py; GiB = bytes * params / 2**30)
 # Host bytes per *offloaded* parameter (model states only; admission adds HOST_OVERHEAD_GIB per
 # process):
-#   protrain: fp32 master + 2 Adam moments + fp32 gradient accumulator + bf16 transfer copy = 18
+#   protrain: fp32 master + 2 Adam moments + fp32 gradient accumulator = 16 (+ a bf16 transfer copy,
+#   2, which the automatic plan drops where the host needs it: transfer_copies=False; so 16 is its
+#   lower bound, the one predicted_failure may use)
 #   FSDP2 CPUOffloadPolicy: fp32 sharded parameter + fp32 gradient + 2 moments = 16
 #   ZeRO-2 + offload_optimizer: fp32 master + 2 moments + fp32 gradient partition = 16
 #   ZeRO-3 + offload_param + offload_optimizer: the same + the bf16 parameter partition = 18
 # torchao CPUOffloadOptimizer: fp32 host copy of the parameter + pinned fp32 gradient + 2 moments =
 # 16
 HOST_BYTES_PER_PARAM = {
-    "protrain": 18,
+    "protrain": 16,
     "fsdp2_offload": 16,
     "ds_zero2_offload": 16,
     "ds_zero3_offload": 18,
