@@ -108,3 +108,36 @@ def test_lines_are_on_stderr_by_default_and_a_level_quiets_them():
         out[mode] = proc.stderr
     assert "compiling the plan" in out["default"] and "ready after" in out["default"]
     assert "protrain [" not in out["quiet"], out["quiet"][-2000:]
+
+
+@pytest.mark.parametrize("regions", [True, False])
+def test_the_first_step_says_how_long_its_parts_ran(caplog, monkeypatch, regions):
+    """After the ready line the first step still loads kernels, allocates buffers and runs the
+    first CPU optimizer steps: its forward, its backward and the first opt.step() of an automatic
+    plan each say how long they took (first_step.py), once; a graph compiled whole says its
+    backward included its compile; the second step says nothing."""
+    monkeypatch.setenv("PROTRAIN_REGIONS", "1" if regions else "0")
+    torch.manual_seed(0)
+    model = build("gpt", n_layer=2, n_embd=32, n_head=2, block_size=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"optimizer": opt, "compiler": "eager", "memory_budget": "1GB"}
+    compiled = torch.compile(model, backend="protrain", options=options)
+    said = []
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        for x, y in random_batches(2, 2, 16):
+            (compiled(x, y) / 2).backward()  # the backward starts below the graph's output
+            opt.step()
+            opt.zero_grad()
+            said.append(len(caplog.records))
+    lines = [r.getMessage() for r in caplog.records if r.name == "protrain_fx.progress"]
+    firsts = [line for line in lines if "] graph 0/0: first " in line]
+    assert [line.split(": first ")[1].split(" ")[0] for line in firsts] == [
+        "forward",
+        "backward",
+        "opt.step()",
+    ], lines
+    assert all(line.startswith("protrain [") for line in firsts), firsts
+    assert ("(its compile included)" in firsts[1]) == (not regions), firsts
+    ready = next(i for i, line in enumerate(lines) if "ready after" in line)
+    assert (lines.index(firsts[0]) > ready) == regions, lines
+    assert said[1] == said[0], "the second step said something"

@@ -12,7 +12,8 @@ It also records when the user's optimizer stepped the offloaded chunks at ``opt.
 inside backward (a loop that clips gradients): the plan was priced otherwise, the next is not; and,
 once, how much slower than profiled forward and backward ran where the plan keeps the device busy
 (``machine.step_rates.compute_slowdown``: the clock under sustained load, for later plans on the
-machine).
+machine). Its first call says how long the first step's parts ran (first_step.py: the one place
+protrain synchronizes the device in a training step, once, where progress lines are shown).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import time
 
 import torch
 
+from protrain_fx import progress
 from protrain_fx.machine import pinned, step_rates
+from protrain_fx.profiling import first_step
 from protrain_fx.runtime import block_timer, hybrid_optim
 
 SKIP = 2  # calls before measuring
@@ -43,13 +46,19 @@ class StepMeter:
         self.free_flags: list = []  # (flag, loss) pairs whose copies are done
         self.nonfinite = False
         self.compute_observed = False
+        # the first step's lines (first_step.py), said once where progress lines are shown
+        self.first = first_step.watch(progress.current(), device, optimizer)
 
     def wrap(self, compiled):
         @functools.wraps(compiled)
         def run(*args):
             self.tick()
+            started = time.perf_counter()
             out = compiled(*args)
             self._watch_loss(out)
+            if self.first is not None:
+                first, self.first = self.first, None
+                first.call_ran(out, started)
             return out
 
         return run
