@@ -141,3 +141,36 @@ def test_the_first_step_says_how_long_its_parts_ran(caplog, monkeypatch, regions
     ready = next(i for i, line in enumerate(lines) if "ready after" in line)
     assert (lines.index(firsts[0]) > ready) == regions, lines
     assert said[1] == said[0], "the second step said something"
+
+
+def test_first_step_lines_of_two_graphs_sharing_one_optimizer(caplog):
+    """A graph break gives two graphs, each with its own first-step lines and its own hook on the
+    one optimizer: both say theirs, and the hooks go without disturbing the optimizer's own loop
+    over them (removing one from inside that loop raised 'OrderedDict mutated during
+    iteration')."""
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.a(x))
+            torch._dynamo.graph_break()
+            return self.b(h).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Broken()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"optimizer": opt, "compiler": "eager", "memory_budget": "1GB"}
+    compiled = torch.compile(model, backend="protrain", options=options)
+    with caplog.at_level(logging.INFO, logger="protrain_fx"):
+        for _ in range(3):
+            compiled(torch.randn(4, 16)).backward()
+            opt.step()
+            opt.zero_grad()
+    lines = [r.getMessage() for r in caplog.records if r.name == "protrain_fx.progress"]
+    steps = [line for line in lines if ": first opt.step() returned" in line]
+    assert len(steps) == 2 and steps[0].split(":")[0] != steps[1].split(":")[0], lines
+    hooks = [getattr(h, "__qualname__", "") for h in opt._optimizer_step_post_hooks.values()]
+    assert not any("FirstStep" in q for q in hooks), hooks  # gone after the next calls

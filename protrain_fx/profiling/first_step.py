@@ -37,6 +37,9 @@ class FirstStep:
         self.backward_start: float | None = None
         self.backward_end: float | None = None
         self.compiles_backward = False
+        self.called = False
+        self.done = False  # every line said (or none left to say)
+        self._hook = None
 
     @staticmethod
     def shown(prog: progress.Progress) -> bool:
@@ -44,12 +47,14 @@ class FirstStep:
 
     def call_ran(self, out, started: float) -> None:
         """The graph's first call returned ``out``; it began at ``started`` (perf_counter)."""
+        self.called = True
         _synchronize(self.device)
         kind = "forward" if torch.is_grad_enabled() else "call, without gradients"
         self.prog.line(f"first {kind} ran in {time.perf_counter() - started:.2f} s")
         outs = out if isinstance(out, (list, tuple)) else [out]
         wanting = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
         if not wanting:
+            self.done = True
             return
         for t in wanting:  # whichever the backward starts from (the loss, or logits)
             t.register_hook(lambda grad: self._backward_started())
@@ -71,25 +76,27 @@ class FirstStep:
         compiled = " (its compile included)" if self.compiles_backward else ""
         self.prog.line(f"first backward ran in {ran:.2f} s{compiled}")
         opt = self.optimizer() if self.optimizer is not None else None
-        if opt is not None:
-            handles = []
-
-            def stepped(o, args, kwargs):
-                for h in handles:
-                    h.remove()
-                self._optimizer_stepped()
-
-            handles.append(opt.register_step_post_hook(stepped))
-            # kept alive by the optimizer's hook until it fires
-            self._keep = handles
+        if opt is not None:  # removed by close(): not from inside torch's loop over the hooks
+            self._hook = opt.register_step_post_hook(lambda o, a, k: self._optimizer_stepped())
+        else:
+            self.done = True
 
     def _optimizer_stepped(self) -> None:
+        if self.done:
+            return
+        self.done = True
         _synchronize(self.device)
         after = time.perf_counter() - self.backward_end
         self.prog.line(
             f"first opt.step() returned {after:.2f} s after that backward (the CPU optimizer's "
             "steps it waited for and the loop's own code in between included)"
         )
+
+    def close(self) -> None:
+        """Remove the optimizer's hook (the graph's next call after the lines were said)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 def watch(prog: progress.Progress, device: torch.device, optimizer=None) -> FirstStep | None:

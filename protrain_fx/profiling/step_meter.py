@@ -53,11 +53,13 @@ class StepMeter:
         @functools.wraps(compiled)
         def run(*args):
             self.tick()
+            first = self.first if self.first is not None and not self.first.called else None
+            if self.first is not None and self.first.done:
+                self.first, _ = None, self.first.close()
             started = time.perf_counter()
             out = compiled(*args)
             self._watch_loss(out)
-            if self.first is not None:
-                first, self.first = self.first, None
+            if first is not None:
                 first.call_ran(out, started)
             return out
 
