@@ -53,13 +53,14 @@ class StepMeter:
         @functools.wraps(compiled)
         def run(*args):
             self.tick()
-            first = self.first if self.first is not None and not self.first.called else None
-            if self.first is not None and self.first.done:
-                self.first, _ = None, self.first.close()
+            first = self.first
+            if first is not None and first.done:  # its lines said: its hook goes
+                first.close()
+                self.first = first = None
             started = time.perf_counter()
             out = compiled(*args)
             self._watch_loss(out)
-            if first is not None:
+            if first is not None and not first.called:
                 first.call_ran(out, started)
             return out
 
