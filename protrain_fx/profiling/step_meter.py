@@ -12,8 +12,8 @@ It also records when the user's optimizer stepped the offloaded chunks at ``opt.
 inside backward (a loop that clips gradients): the plan was priced otherwise, the next is not; and,
 once, how much slower than profiled forward and backward ran where the plan keeps the device busy
 (``machine.step_rates.compute_slowdown``: the clock under sustained load, for later plans on the
-machine). Its first call says how long the first step's parts ran (first_step.py: the one place
-protrain synchronizes the device in a training step, once, where progress lines are shown).
+machine). Its first call says how long the first step's parts ran (first_step.py, which
+synchronizes the device in that step only, and only where progress lines are shown).
 """
 
 from __future__ import annotations
