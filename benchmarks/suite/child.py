@@ -41,6 +41,10 @@ def run_one(system: str, spec: dict) -> dict:
     x = torch.randint(0, vocab, (spec["batch"], spec["seq"]), generator=g).to(spec["device"])
     y = torch.randint(0, vocab, (spec["batch"], spec["seq"]), generator=g).to(spec["device"])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # the process before the model (libraries, the CUDA context): what a plan's host bytes are
+    # measured above
+    with open("/proc/self/statm") as f:
+        host_base_gib = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
     def say(what: str) -> None:
         print(f"[{system}] {what}", file=sys.stderr, flush=True)
@@ -105,6 +109,7 @@ def run_one(system: str, spec: dict) -> dict:
         "warmup_s": warmup_s,
         "turn_wait_s": wait_s,
         "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "host_base_gib": host_base_gib,
     }
     if phases:
         res["phase_ms"] = phases

@@ -55,10 +55,16 @@ def _notes(r: dict) -> str:
         )
     planned_host = (r.get("plan_predicted") or {}).get("host_bytes")
     if planned_host is not None and r.get("host_peak_gib") is not None:
-        bits.append(
+        bit = (
             f"host memory: plan {planned_host / 2**30:.1f} GiB pinned, process peak "
             f"{r['host_peak_gib']:.1f} GiB"
         )
+        base = r.get("host_base_gib")
+        if base is not None and planned_host:
+            above = r["host_peak_gib"] - base
+            err = (above * 2**30 - planned_host) / planned_host
+            bit += f" ({above:.1f} above the {base:.1f} GiB before the build: {err:+.1%})"
+        bits.append(bit)
     for a in r.get("replaced_attempts") or []:
         before = fmt_error(a["error"], 100) if a["error"] else f"{a['tokens_per_s']:,.0f} tokens/s"
         bits.append(f"L{a['layers']} measured again (--rerun-attempt); before: " + before)
