@@ -700,7 +700,7 @@ def table(out: dict) -> str:
         "| row | outcome | loss rel vs compile | reserved peak GiB pred / meas (err) | "
         "allocated peak GiB pred / meas | allocator retries | "
         "step s pred / meas (err) | tokens/s | first step s (Inductor cache) | "
-        "host GiB: plan's buffers / resident after the steps / peak resident | plan | note |",
+        "host GiB: plan's buffers / resident after the steps / peak resident (err) | plan | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
@@ -728,6 +728,9 @@ def table(out: dict) -> str:
             if base is not None and r.get("peak_rss_gib") is not None
             else "-"
         )
+        if host_s != "-" and r.get("predicted_host_gib"):
+            pred = r["predicted_host_gib"]
+            host_s += f" ({(r['peak_rss_gib'] - base - pred) / pred:+.1%})"
         clk = r.get("clocks") or {}
         if not err[0] and "profiling" in clk and "steps" in clk:
             err = [
