@@ -81,6 +81,9 @@ GRID = [
 # run only when --only or --models names them: no torch.compile reference fits (14.8 B parameters
 # need 220 GiB of model states), so their check is finite losses, the host's peak against the plan's
 HOST_SCALE = [("qwen2.5-14b", 4, 1024, (139,))]
+# issue 24's peer beside protrain: FSDP2 with CPUOffloadPolicy and fused CPU AdamW under the same
+# cap, run only when --only names it (its rows are not the automatic plan the counts are about)
+PEERS = [("llama3.2-3b", 4, 1024, 24)]
 # the allocator as the user leaves it (protrain then turns expandable segments on, and says so) and
 # as a user who turns them off has it (PyTorch's fixed segments, which protrain then budgets for)
 ALLOCS = {"default": None, "segments": "expandable_segments:False"}
@@ -111,6 +114,18 @@ def rows_of_grid() -> list[dict]:
                         **({"host_scale": True} if host_scale else {}),
                     )
                 )
+    for model, batch, seq, cap in PEERS:
+        rows.append(
+            dict(
+                id=f"{model}/b{batch}s{seq}/cap{cap}/fsdp2",
+                model=model,
+                batch=batch,
+                seq=seq,
+                system="fsdp2",
+                cap_gib=cap,
+                peer=True,
+            )
+        )
     return rows
 
 
@@ -167,6 +182,27 @@ def build(spec: dict, seq: int, checkpointing: bool = False, host: bool = False)
     if checkpointing:
         model.gradient_checkpointing_enable()
     return model.train()
+
+
+def fsdp2_offload(model):
+    """FSDP2 as the issue measured it: ``fully_shard`` per decoder layer and at the root with
+    ``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and the optimizer on the host),
+    bf16 ``MixedPrecisionPolicy`` with fp32 reduction; one process group of one rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        import peers
+
+        peers._single_process_group_env()
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, offload_policy=policy, mp_policy=mp)
+    fully_shard(model, offload_policy=policy, mp_policy=mp)
+    return model
 
 
 class Clocks(logging.Handler):
@@ -299,6 +335,14 @@ def run_row(row: dict, steps: int) -> dict:
         extra = json.loads(os.environ.get("SWEEP_OPTIONS") or "{}")
         out["options"] = extra
         compiled = torch.compile(model, backend="protrain", options={"optimizer": opt, **extra})
+    elif row["system"] == "fsdp2":
+        model = compiled = fsdp2_offload(build(spec, row["seq"]).cpu())
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)  # the GPU init is not part of the row
+        torch.cuda.set_per_process_memory_fraction(
+            row["cap_gib"] * 2**30 / torch.cuda.get_device_properties(dev).total_memory
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # on the CPU
     else:
         n = sum(p.numel() for p in build_meta(spec, row["seq"]).parameters())
         # fp32 weights, gradients and two moments: 16 B a parameter, plus activations
@@ -635,7 +679,7 @@ def evaluate(rows: list[dict]) -> dict:
     """Each row against its reference, and the counts the issue asks for."""
     refs = {(r["model"], r["batch"], r["seq"]): r for r in rows if r["system"] == "compile"}
     for r in rows:
-        if r["system"] != "protrain" or not r.get("losses"):
+        if r["system"] not in ("protrain", "fsdp2") or not r.get("losses"):
             continue
         r["finite"] = all(x == x and abs(x) != float("inf") for x in r["losses"])
         ref = refs.get((r["model"], r["batch"], r["seq"]))
@@ -842,6 +886,7 @@ def main() -> None:
         and (not only or r["id"] in only)
         and (not models or r["model"] in models)
         and (only or models or not r.get("host_scale"))
+        and (only or not r.get("peer"))
     ]
     if only:
         todo.sort(key=lambda r: only.index(r["id"]))
