@@ -813,6 +813,26 @@ def write(path: str, rows: list[dict], meta: dict) -> None:
         f.write(table(out))
 
 
+def selected(grid: list[dict], have: set, only: list[str], models: list[str]) -> list[dict]:
+    """The rows to run, in order: those ``only`` names (in its order), else those of ``models``
+    (in its order), else the grid; never one ``have`` holds. Issue 25's host-scale rows run when
+    ``only`` or ``models`` names them, the peers' rows only when ``only`` does."""
+    todo = [
+        r
+        for r in grid
+        if r["id"] not in have
+        and (not only or r["id"] in only)
+        and (not models or r["model"] in models)
+        and (only or models or not r.get("host_scale"))
+        and (only or not r.get("peer"))
+    ]
+    if only:
+        todo.sort(key=lambda r: only.index(r["id"]))
+    elif models:
+        todo.sort(key=lambda r: models.index(r["model"]))
+    return todo
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -879,19 +899,7 @@ def main() -> None:
     have = {r["id"] for r in keep}
     only = [x for x in args.only.split(",") if x]  # also the order the rows run in
     models = [x for x in args.models.split(",") if x]  # also the order the rows run in
-    todo = [
-        r
-        for r in grid
-        if r["id"] not in have
-        and (not only or r["id"] in only)
-        and (not models or r["model"] in models)
-        and (only or models or not r.get("host_scale"))
-        and (only or not r.get("peer"))
-    ]
-    if only:
-        todo.sort(key=lambda r: only.index(r["id"]))
-    elif models:
-        todo.sort(key=lambda r: models.index(r["model"]))
+    todo = selected(grid, have, only, models)
     for spec in args.variant:
         name, _, assigns = spec.partition(":")
         # a comma starts the next assignment only before NAME= (a JSON value keeps its commas)

@@ -21,7 +21,17 @@ BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 import run  # noqa: E402
 import timeshare  # noqa: E402
-from suite import admission, failures, machine, merging, resume, scenarios, scheduler, size_search  # noqa: E402  # noqa: E402
+from suite import (  # noqa: E402
+    admission,
+    failures,
+    machine,
+    merging,
+    outputs,
+    resume,
+    scenarios,
+    scheduler,
+    size_search,
+)
 
 H200_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 "
@@ -1012,3 +1022,12 @@ def test_trace_summary_finds_idle_gaps_and_collective_slowdown():
     assert s["copies"]["Memcpy HtoD"] == {"total_ms": 0.005, "count": 1, "bytes": 100}
     assert s["streams"]["20"]["collective_kernels"] == 1
     assert trace_summary.summarize(events[-1:]) == {"error": "no device events in the trace"}
+
+
+def test_host_peak_against_the_plan_above_the_process_before_the_build():
+    """issue 25: a protrain row's host peak is compared with its plan's host bytes above what the
+    process held before the model was built (libraries, the CUDA context)."""
+    row = dict(plan_predicted={"host_bytes": 100 * 2**30}, host_peak_gib=106.0, host_base_gib=2.0)
+    assert "(104.0 above the 2.0 GiB before the build: +4.0%)" in outputs._notes(row)
+    del row["host_base_gib"]  # a row of an older run: the two numbers alone
+    assert outputs._notes(row) == "host memory: plan 100.0 GiB pinned, process peak 106.0 GiB"

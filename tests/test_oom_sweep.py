@@ -174,7 +174,8 @@ def test_clock_windows(monkeypatch):
 
 def test_host_column():
     """The host column: the plan's predicted buffers, then the resident set after the steps and
-    at its peak, each above the baseline; rows without the measurements show a dash."""
+    at its peak, each above the baseline, and the peak's error against the prediction; rows
+    without the measurements show a dash."""
     rows = [
         _row(
             "m/b1s8/cap16/default",
@@ -193,6 +194,21 @@ def test_host_column():
     lines = {x.split(" | ")[0]: x.split(" | ") for x in text.splitlines() if x.startswith("| m/")}
     header = next(x for x in text.splitlines() if x.startswith("| row")).split(" | ")
     col = next(i for i, h in enumerate(header) if h.startswith("host GiB"))
-    assert lines["| m/b1s8/cap16/default"][col] == "40.00 / 40.75 / 46.50"
+    assert lines["| m/b1s8/cap16/default"][col] == "40.00 / 40.75 / 46.50 (+16.2%)"
     assert lines["| m/b1s8/cap16/segments"][col] == "-"
     assert all(len(v) == len(header) for v in lines.values())
+
+
+def test_rows_outside_the_grid_run_only_when_named():
+    """Issue 25's host-scale row and issue 24's FSDP2 row are not part of a plain sweep (whose
+    counts are the automatic plan's), and run when named."""
+    grid = oom_sweep.rows_of_grid()
+    plain = {r["id"] for r in oom_sweep.selected(grid, set(), [], [])}
+    qwen, fsdp = "qwen2.5-14b/b4s1024/cap139/default", "llama3.2-3b/b4s1024/cap24/fsdp2"
+    assert qwen not in plain and fsdp not in plain
+    assert "llama3.2-3b/b4s1024/cap24/default" in plain
+    assert len(plain) == len(grid) - 2
+    named = oom_sweep.selected(grid, set(), [fsdp, qwen], [])
+    assert [r["id"] for r in named] == [fsdp, qwen]
+    assert [r["id"] for r in oom_sweep.selected(grid, set(), [], ["qwen2.5-14b"])] == [qwen]
+    assert not oom_sweep.selected(grid, {qwen}, [qwen], [])
