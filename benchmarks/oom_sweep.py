@@ -10,7 +10,9 @@ cap (``torch.cuda.set_per_process_memory_fraction``), the model built under
 user). A row either trains every step or stops before training with ``NoPlanFits`` (then its message
 names the smallest budget). The reference rows (``compile``) run torch.compile uncapped on the same
 init and data; a model whose states do not fit the device even so runs it with Hugging Face's
-gradient checkpointing (the same arithmetic).
+gradient checkpointing (the same arithmetic). Two rows run only when ``--only`` names them: issue
+25's Qwen2.5-14B shape on the whole device (no reference fits), and issue 24's peer, FSDP2 offload
+(``CPUOffloadPolicy``, fused CPU AdamW) under the 3B shape's 24 GiB cap.
 
 Per row: the losses (against the reference: within bf16 tolerance?), predicted and measured reserved
 peak (the measured one is the process's ``max_memory_reserved``, profiling included), predicted and
