@@ -715,11 +715,15 @@ def evaluate(rows: list[dict]) -> dict:
 
 def table(out: dict) -> str:
     c = out["counts"]
+    asked = sorted(
+        {r.get("steps_asked", STEPS) for r in out["rows"] if r["system"] == "protrain"}
+    ) or [STEPS]
     lines = [
         f"# Never out of memory: Hugging Face models under caps ({out['device']}, torch "
         f"{out['torch']}, {out['date']})",
         "",
-        f"{c['protrain_rows']} protrain rows: {c['trained']} trained {STEPS} steps, "
+        f"{c['protrain_rows']} protrain rows: {c['trained']} trained "
+        f"{' or '.join(map(str, asked))} steps (the steps asked), "
         f"{c['no_plan_fits']} stopped with NoPlanFits, {c['oom']} out of memory, "
         f"{c['error']} other errors or timeouts; {c['non_finite']} with non-finite losses, "
         f"{c['outside_bf16_tolerance']} outside bf16 tolerance of torch.compile "
