@@ -94,40 +94,32 @@ STEPS = 20
 
 
 def rows_of_grid() -> list[dict]:
+    def row(model, batch, seq, system, tail, **more):
+        shape = dict(model=model, batch=batch, seq=seq)
+        return dict(id=f"{model}/b{batch}s{seq}/{tail}", **shape, system=system, **more)
+
     rows = []
     for model, batch, seq, caps in GRID + HOST_SCALE:
-        shape = f"{model}/b{batch}s{seq}"
         host_scale = (model, batch, seq, caps) in HOST_SCALE
         if not host_scale:
-            rows.append(
-                dict(id=f"{shape}/compile", model=model, batch=batch, seq=seq, system="compile")
-            )
+            rows.append(row(model, batch, seq, "compile", "compile"))
         for cap in caps:
             for alloc in ALLOCS if not host_scale else ("default",):
+                more = {"host_scale": True} if host_scale else {}
                 rows.append(
-                    dict(
-                        id=f"{shape}/cap{cap}/{alloc}",
-                        model=model,
-                        batch=batch,
-                        seq=seq,
-                        system="protrain",
+                    row(
+                        model,
+                        batch,
+                        seq,
+                        "protrain",
+                        f"cap{cap}/{alloc}",
                         cap_gib=cap,
                         alloc=alloc,
-                        **({"host_scale": True} if host_scale else {}),
+                        **more,
                     )
                 )
     for model, batch, seq, cap in PEERS:
-        rows.append(
-            dict(
-                id=f"{model}/b{batch}s{seq}/cap{cap}/fsdp2",
-                model=model,
-                batch=batch,
-                seq=seq,
-                system="fsdp2",
-                cap_gib=cap,
-                peer=True,
-            )
-        )
+        rows.append(row(model, batch, seq, "fsdp2", f"cap{cap}/fsdp2", cap_gib=cap, peer=True))
     return rows
 
 
