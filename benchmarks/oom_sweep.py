@@ -733,8 +733,9 @@ def table(out: dict) -> str:
         "predicted: the plan's peak for this loop, which drops the model's output before "
         "backward (`peak_bytes_output_dropped`, which plans report from run 32 on; before, and in "
         "the allocated column, the plan's own peak, which keeps the logits returned beside the "
-        "loss through backward, as a loop that holds the output does). Step "
-        "time: median of steps 4-20, synchronized. Errors: (measured - predicted) / predicted. "
+        "loss through backward, as a loop that holds the output does). Step time: median of "
+        "the steps after the third (4-20 of 20), synchronized. Errors: (measured - predicted) / "
+        "predicted. "
         "Host: the pinned buffers the plan predicts, and the process's resident set after the "
         "steps and at its peak (building the model on the host included), both above its "
         "resident set before the model was built (libraries, the CUDA context).",
