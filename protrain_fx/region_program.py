@@ -311,7 +311,7 @@ def compile_program(
     calls: list[RegionCall] = []
     t0 = time.perf_counter()
     # regions bound to an earlier region's code: how many, in how many seconds, from what host bytes
-    n_bound, bound_s, host_before = 0, 0.0, pinned.held_bytes()[0]
+    n_bound, bound_s, host_before = 0, 0.0, pinned.allocated_bytes()
     graphs = _compat.SeveralGraphs()
     with _compat.eager_backward_compile(), progress.silenced():
         for r, ex in zip(split.regions, examples):
@@ -362,7 +362,7 @@ def compile_program(
     if n_bound:
         said = (
             f"bound {n_bound} regions to chunk stores in {bound_s:.1f} s "
-            f"({format_bytes(max(0, pinned.held_bytes()[0] - host_before))} of host memory)"
+            f"({format_bytes(pinned.allocated_bytes() - host_before)} of host memory)"
         )
         prog.line(said)
         plan.notes.append(said)

@@ -3,6 +3,7 @@
 them."""
 
 import logging
+import re
 import subprocess
 import sys
 
@@ -73,6 +74,38 @@ def test_binding_the_regions_that_reuse_a_code_says_so(caplog, monkeypatch):
     assert len(start) == 1 and len(done) == 1 and start[0] < done[0], lines
     assert "bound 3 regions" in lines[done[0]] and "KiB of host memory" in lines[done[0]], lines
     assert any("regions to chunk stores in" in n for n in protrain_fx.get_plan(compiled).notes)
+
+
+def test_bound_host_memory_is_not_lowered_by_what_others_free(caplog, monkeypatch):
+    """The binding line's host memory is what the binding allocated: another graph's buffers
+    collected meanwhile (here: freed inside the first binding) do not lower it (a CI run of
+    2026-12-05 printed "0 B of host memory" for offloaded stores that way)."""
+    from protrain_fx.machine import pinned
+    from protrain_fx.runtime import binding
+
+    monkeypatch.setenv("PROTRAIN_REGIONS", "1")
+    options = {"compiler": "eager", "n_persist": 0, "n_swap": 0, "n_checkpoint": 0}
+
+    def bound_line() -> str:
+        torch._dynamo.reset()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="protrain_fx"):
+            _train_one_step(options, n_layer=4)
+        said = [r.getMessage() for r in caplog.records if "to chunk stores in" in r.getMessage()]
+        assert len(said) == 1, said
+        return re.sub(r" in [\d.]+ s", "", said[0].split("] ", 1)[1])  # no clock, no time
+
+    alone = bound_line()
+    others = [pinned.host_empty(16 << 20, torch.uint8, pin=False)]  # another graph's 16 MiB
+    bind = binding.GraphBinding.bind
+
+    def bind_while_others_are_freed(self, params):
+        others.clear()
+        return bind(self, params)
+
+    monkeypatch.setattr(binding.GraphBinding, "bind", bind_while_others_are_freed)
+    assert bound_line() == alone and not others
+    assert "bound 3 regions" in alone and "KiB of host memory" in alone, alone
 
 
 def test_an_inference_graph_is_ready_after_its_compile(caplog):

@@ -164,9 +164,9 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return _counted(pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype))
 
 
-# bytes of the host buffers from host_empty alive now, and the most alive at once (process-wide);
-# the worker thread allocates gradient accumulators too
-_HELD = [0, 0]
+# bytes of the host buffers from host_empty alive now, the most alive at once, and all ever
+# allocated (process-wide); the worker thread allocates gradient accumulators too
+_HELD = [0, 0, 0]
 _HELD_LOCK = threading.Lock()
 
 
@@ -176,6 +176,7 @@ def _counted(t: torch.Tensor) -> torch.Tensor:
         with _HELD_LOCK:
             _HELD[0] += nbytes
             _HELD[1] = max(_HELD[1], _HELD[0])
+            _HELD[2] += nbytes
         weakref.finalize(t, _release_held, nbytes)
     return t
 
@@ -191,6 +192,14 @@ def held_bytes() -> tuple[int, int]:
     predicted host bytes."""
     with _HELD_LOCK:
         return _HELD[0], _HELD[1]
+
+
+def allocated_bytes() -> int:
+    """Bytes of host buffers protrain has allocated in this process so far, never lowered by a
+    free: two readings differ by what was allocated in between, whatever other buffers (a collected
+    graph's) were freed meanwhile."""
+    with _HELD_LOCK:
+        return _HELD[2]
 
 
 def reset_held_peak() -> None:
