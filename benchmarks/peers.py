@@ -302,21 +302,31 @@ def compile_ac(spec, x, y):
     return step, _n_params(model), lambda: {"activation_memory_budget": spec["ac_budget"]}
 
 
-def fsdp2_offload(spec, x, y):
-    """FSDP2 ``fully_shard`` per block and at the root with ``CPUOffloadPolicy(pin_memory=True)``,
-    bf16 ``MixedPrecisionPolicy`` (fp32 reduce), fused CPU AdamW (the fastest torch offers:
-    ../shared/ANCHORS.md)."""
+def fsdp2_shard_offloaded(model, blocks):
+    """``fully_shard`` each of ``blocks`` and then ``model`` with
+    ``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and the optimizer on the host) and
+    bf16 ``MixedPrecisionPolicy`` with fp32 reduction, in a process group of one rank unless one
+    exists (torchrun)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     if not dist.is_initialized():  # alone; under torchrun (benchmarks/dp_bench.py) the group exists
         _single_process_group_env()
         dist.init_process_group("nccl", rank=0, world_size=1)
-    model = _build(spec)  # on the CPU: FSDP2 keeps the sharded parameters there
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for blk in model.blocks:
-        fully_shard(blk, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=mp)
-    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=mp)
+    policy = CPUOffloadPolicy(pin_memory=True)
+    for blk in blocks:
+        fully_shard(blk, offload_policy=policy, mp_policy=mp)
+    fully_shard(model, offload_policy=policy, mp_policy=mp)
+    return model
+
+
+def fsdp2_offload(spec, x, y):
+    """FSDP2 ``fully_shard`` per block and at the root with ``CPUOffloadPolicy(pin_memory=True)``,
+    bf16 ``MixedPrecisionPolicy`` (fp32 reduce), fused CPU AdamW (the fastest torch offers:
+    ../shared/ANCHORS.md)."""
+    model = _build(spec)  # on the CPU: FSDP2 keeps the sharded parameters there
+    fsdp2_shard_offloaded(model, model.blocks)
     opt = _adamw(model.parameters())
 
     def step():

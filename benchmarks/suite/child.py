@@ -43,8 +43,10 @@ def run_one(system: str, spec: dict) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # the process before the model (libraries, the CUDA context): what a plan's host bytes are
     # measured above
-    with open("/proc/self/statm") as f:
-        host_base_gib = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    from protrain_fx.machine.pinned import resident_bytes
+
+    rss = resident_bytes()[0]
+    host_base_gib = rss / 2**30 if rss is not None else None
 
     def say(what: str) -> None:
         print(f"[{system}] {what}", file=sys.stderr, flush=True)
