@@ -240,6 +240,54 @@ def test_gradient_clipping_includes_host_gradients():
     assert h.overlap is False and h.timers.in_backward_steps == 0
 
 
+def test_clipping_that_stops_changing_gradients_lets_chunks_step_in_backward_again():
+    """Clipping active for the first steps (norms over max_norm), then a multiply by one (norms
+    under it), then active once more, then not: the offloaded chunks step at opt.step() while the
+    clipping changes gradients, inside backward again after FIRST_CALM calm steps, and after the
+    second real clip only after twice as many. Every step is eager's bit for bit until the second
+    clip catches steps taken inside backward; their take-back restores the values within rounding,
+    so eager's within 1e-4 from then on (the CPU fp32 tolerance of the other take-backs)."""
+    from protrain_fx.runtime import overlap
+
+    # max_norm per step: 0.05 clips these gradients, 1e9 multiplies them by one
+    calm = overlap.FIRST_CALM
+    clips = [0.05] * 2 + [1e9] * (calm + 1) + [0.05] + [1e9] * (2 * calm + 2)
+    model = gpt()
+    mine, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt, ref_opt = make_adamw(mine, lr=3e-3), make_adamw(ref, lr=3e-3)
+    compiled = torch.compile(
+        mine, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt}
+    )
+    in_backward, undone, diffs = [], [], []
+    for (x, y), max_norm in zip(random_batches(len(clips), 2, 16), clips):
+        losses = []
+        for m, o, params in ((compiled, opt, mine.parameters), (ref, ref_opt, ref.parameters)):
+            loss = m(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params(), max_norm)
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=LOSS_REL)
+        ref_sd = ref.state_dict()
+        diffs.append(max((v - ref_sd[k]).abs().max().item() for k, v in mine.state_dict().items()))
+        h = hybrid_optim.handle_of(opt)
+        in_backward.append(h.timers.in_backward_steps)
+        undone.append(h.timers.undone_steps)
+    new = [b - a for a, b in zip([0] + in_backward, in_backward)]
+    first = 2 + calm  # back after `calm` calm steps
+    second = first + 2 + 2 * calm  # after the clip that caught step first + 1, twice as many
+    # inside backward: steps `first` and `first + 1` (caught by the clip, taken back), then from
+    # `second` on; none while the clipping changed gradients
+    assert [i for i, n in enumerate(new) if n] == [first, first + 1] + list(
+        range(second, len(clips))
+    ), new
+    assert undone[first + 1] > undone[first] and undone[-1] == undone[first + 1], undone
+    assert diffs[: first + 1] == [0.0] * (first + 1) and max(diffs) <= 1e-4, diffs
+    assert h.overlap and h._overlap.returns == 2
+    assert h._overlap.calm_needed == 2 * calm
+
+
 def test_clip_total_norm_matches_eager():
     model = gpt()
     mine, ref = copy.deepcopy(model), copy.deepcopy(model)

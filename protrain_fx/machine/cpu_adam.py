@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -77,6 +78,29 @@ restrict v,
   else if (out)          { ADAM_LOOP(0, 1) }
   else if (l2 != 0.0f)   { ADAM_LOOP(1, 0) }
   else                   { ADAM_LOOP(0, 0) }
+}
+
+/* The step above taken back, in double (hybrid_optim's take-back of a provisional step): the same
+   operations, in the same order, as chunk_adam._adam_inverse's float64 tensors, so the same values;
+   the scalars come computed as Python computes them there. */
+void protrain_adam_inverse(float* restrict p, const float* restrict g, float* restrict m,
+                           float* restrict v, int64_t n, double grad_sign, double step_scale,
+                           double bc2_sqrt, double eps, double decay_divisor, double l2,
+                           double one_minus_beta1, double beta1, double one_minus_beta2,
+                           double beta2, int nthreads) {
+  _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 16384)")
+  for (int64_t i = 0; i < n; i++) {
+    double p1 = p[i], m1 = m[i], v1 = v[i], gr = (double)g[i] * grad_sign;
+    double update = step_scale * m1 / (sqrt(v1) / bc2_sqrt + eps);
+    double p0 = p1 + update;
+    if (decay_divisor != 1.0) p0 = p0 / decay_divisor;
+    if (l2 != 0.0) gr = gr + l2 * p0;
+    double m0 = (m1 - one_minus_beta1 * gr) / beta1;
+    double v0 = (v1 - one_minus_beta2 * gr * gr) / beta2;
+    p[i] = (float)p0;
+    m[i] = (float)m0;
+    v[i] = (float)(v0 < 0.0 ? 0.0 : v0);
+  }
 }
 
 /* STREAM's triad, built and threaded like the step above: the host's bandwidth to compare with. */
@@ -144,6 +168,11 @@ def _build() -> ctypes.CDLL:
     fn = lib.protrain_adam_bf16
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 9 + [ctypes.c_int]
+    inverse_fn = lib.protrain_adam_inverse
+    inverse_fn.restype = None
+    inverse_fn.argtypes = (
+        [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_double] * 10 + [ctypes.c_int]
+    )
     triad_fn = lib.protrain_triad
     triad_fn.restype = None
     triad_fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
@@ -231,5 +260,53 @@ def adam_step(
         -(lr / bias_correction1),
         bias_correction2**0.5,
         eps,
+        torch.get_num_threads(),
+    )
+
+
+def adam_inverse(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: float,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+) -> None:
+    """Take back the Adam/AdamW step number ``step`` on flat, contiguous fp32 CPU tensors, in
+    double, as ``chunk_adam._adam_inverse`` does with float64 tensors (the same values, at the
+    host's memory bandwidth instead of a pass per operation)."""
+    n = param.numel()
+    for t in (param, grad, exp_avg, exp_avg_sq):
+        if (
+            t.dtype != torch.float32
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.numel() != n
+        ):
+            raise ValueError("adam_inverse needs contiguous fp32 CPU tensors of one length")
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    _lib.protrain_adam_inverse(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        n,
+        -1.0 if maximize else 1.0,
+        lr / bc1,
+        math.sqrt(bc2),
+        eps,
+        1 - lr * weight_decay if decoupled and weight_decay != 0 else 1.0,
+        weight_decay if not decoupled else 0.0,
+        1 - beta1,
+        beta1,
+        1 - beta2,
+        beta2,
         torch.get_num_threads(),
     )

@@ -1,4 +1,4 @@
-"""The CPU Adam step of one offloaded chunk, and its exact inverse.
+"""The CPU Adam step of one offloaded chunk, and its inverse.
 
 An offloaded chunk's Adam state (:class:`ChunkOptState`: moments in host memory, a step count per
 parameter) sits beside the chunk's host master copy and gradient accumulator. Stepping the chunk
@@ -9,7 +9,8 @@ writes the bf16 transfer copy), else one call per param group. A step taken insi
 provisional (:class:`Provisional`, protrain_fx/runtime/hybrid_optim.py) and may have to be taken
 back: Adam is then inverted exactly in real arithmetic, in float64, from the moments, the parameter
 and the gradient, which are all still there (the restored values are within float32 rounding of the
-originals). :class:`ChunkAdam` holds these steps as methods of the hybrid optimizer (which inherits
+originals; one pass of cpu_adam's kernel where it applies, the same values as the float64
+tensors). :class:`ChunkAdam` holds these steps as methods of the hybrid optimizer (which inherits
 them).
 """
 
@@ -349,9 +350,29 @@ def _adam_inverse(
     g: dict, t: float, p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor
 ) -> None:
     """Undo the Adam step number ``t`` with hyperparameters ``g`` on (p, m, v), in place, in
-    float64."""
+    float64 (with cpu_adam's kernel where it applies: the same values in one pass)."""
     beta1, beta2 = g["betas"]
     lr, wd, eps = float(g["lr"]), float(g["weight_decay"]), float(g["eps"])
+    flat = all(
+        x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
+        for x in (p, grad, m, v)
+    )
+    if flat and cpu_adam.available():
+        cpu_adam.adam_inverse(
+            p,
+            grad,
+            m,
+            v,
+            t,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=wd,
+            decoupled=g["decoupled_weight_decay"],
+            maximize=g["maximize"],
+        )
+        return
     p1, m1, v1, gr = p.double(), m.double(), v.double(), grad.double()
     if g["maximize"]:
         gr = -gr

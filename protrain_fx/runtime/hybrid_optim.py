@@ -21,8 +21,10 @@ change the result. So such a step is provisional until ``opt.step()`` commits it
   unscaling: the gradient views call back first, protrain_fx/runtime/mapped.py), when another
   backward adds to them (more micro-steps than learned), and when ``opt.zero_grad()`` comes without
   ``opt.step()`` (a skipped step: an exception, a non-finite loss);
-* after clipping or a hyperparameter change between backward and step has been seen once, chunks
-  step at ``opt.step()`` from then on (every step would otherwise be taken back).
+* after a hyperparameter change between backward and step has been seen once, chunks step at
+  ``opt.step()`` from then on (every step would otherwise be taken back); after clipping that
+  changed the gradients, while it goes on: once clipping has been a multiply by one for a few steps
+  (norms under ``max_norm``), chunks step inside backward again (protrain_fx/runtime/overlap.py).
 
 Taking a step back inverts Adam exactly in real arithmetic (in float64: the restored values are
 within float32 rounding of the originals), from the moments, the parameter and the gradient, which
@@ -38,7 +40,6 @@ the state (``opt.state``, the state dicts) in protrain_fx/runtime/optim_state.py
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import types
@@ -49,7 +50,7 @@ import torch
 
 from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import step_rates
-from protrain_fx.runtime import clip, mapped
+from protrain_fx.runtime import clip, overlap
 from protrain_fx.runtime.chunk_adam import (
     ChunkAdam,
     ChunkOptState,
@@ -58,6 +59,7 @@ from protrain_fx.runtime.chunk_adam import (
 )
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
 from protrain_fx.runtime.optim_state import TorchStateView
+from protrain_fx.runtime.overlap import Overlap, OverlapControl
 from protrain_fx.runtime.worker import WORKER
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
@@ -118,7 +120,7 @@ class Timers:
     device_step_queue_s: float = 0.0
 
 
-class HybridOptimizer(ChunkAdam, TorchStateView):
+class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
     def __init__(self, opt: torch.optim.Optimizer):
         if type(opt) not in SUPPORTED:
             raise ProtrainError(
@@ -136,7 +138,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         self.decoupled = isinstance(opt, torch.optim.AdamW)
         self.stores: list[ChunkStore] = []
         self.states: dict[tuple[int, int], ChunkOptState] = {}
-        self.serial_why: str | None = None  # why chunks step at opt.step() for good (overlap)
+        self._overlap = Overlap()  # whether chunks step inside backward (runtime/overlap.py)
         self.cycles = 0
         self.timers = Timers()
         self._rate_from: tuple[float, int] | None = None
@@ -163,7 +165,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
         opt.register_state_dict_post_hook(lambda o, sd: handle_of(o)._state_dict_post(sd))
         opt.register_load_state_dict_pre_hook(lambda o, sd: handle_of(o)._load_state_dict_pre(sd))
         opt.register_load_state_dict_post_hook(lambda o: handle_of(o)._republish())
-        mapped.HostGrad.on_write = _on_grad_write
+        overlap.install()
 
     @property
     def opt(self) -> torch.optim.Optimizer:
@@ -403,17 +405,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
             st.arrivals, st.partial = 0, False
         self.cycles += 1
         self._observe_cpu_rate()
-
-    @property
-    def overlap(self) -> bool:  # in-backward steps: off for good after clipping, a late lr, ...
-        return self.serial_why is None
-
-    def _disable_overlap(self, why: str) -> None:
-        """Chunks step at opt.step() from now on (said once; later plans price it: step_meter)."""
-        if self.overlap:
-            self.serial_why = why
-            msg = "protrain: %s: offloaded chunks step at opt.step(), after backward, from now on"
-            logging.getLogger("protrain_fx").info(msg + " (later plans price it so)", why)
+        self._overlap_cycle_ended()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         WORKER.wait()
@@ -430,24 +422,6 @@ class HybridOptimizer(ChunkAdam, TorchStateView):
             self._zeroing = False
 
     _zeroing = False
-
-    def on_grad_write(self, keys: set) -> None:
-        """Gradients of these (store id, entry) are about to be written by eager code (clipping,
-        unscaling): a provisional step of their chunk is taken back first, and chunks step at
-        opt.step() from now on."""
-        if self._zeroing:
-            return
-        self._disable_overlap(
-            "gradients of offloaded parameters are changed between backward() and opt.step() "
-            "(clipping, unscaling)"
-        )
-        for store_id, i in keys:
-            for st in self.states.values():
-                if st.store.id == store_id:
-                    st = self.states.get((store_id, st.store.entries[i].chunk))
-                    if st is not None and st.provisional is not None:
-                        self._undo(st)
-                    break
 
     # --------------------------------------------------------------------------- clipping (sharded)
     def offloaded_grads(self, params) -> list[torch.Tensor]:
@@ -503,18 +477,3 @@ def _step(opt, prev_step, closure=None):
 
 def _zero_grad(opt, set_to_none: bool = True):
     handle_of(opt).zero_grad(set_to_none)
-
-
-def _on_grad_write(grads) -> None:
-    """mapped.HostGrad's callback: route writes of offloaded gradients to their optimizers."""
-    by_store: dict[int, set] = {}
-    for g in grads:
-        owner = getattr(g, "_protrain_owner", None)
-        if owner is not None:
-            by_store.setdefault(owner[0], set()).add(owner)
-    from protrain_fx.runtime.chunk_store import _STORES
-
-    for store_id, keys in by_store.items():
-        store = _STORES.get(store_id)
-        if store is not None and store.optimizer is not None:
-            store.optimizer.on_grad_write(keys)

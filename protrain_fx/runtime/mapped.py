@@ -18,7 +18,8 @@ dynamo traced had, and a version counter of its own, so protrain's own writes in
 :class:`HostGrad` is the gradient view: ``param.grad`` of an offloaded parameter. It calls back
 before any torch operation that writes it (clipping, unscaling, ``zero_()``), so that an optimizer
 step protrain already applied inside backward can be taken back first
-(protrain_fx/runtime/hybrid_optim.py).
+(protrain_fx/runtime/hybrid_optim.py), and says so of a multiply by exactly one, which changes
+nothing (protrain_fx/runtime/overlap.py).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class HostGrad(torch.Tensor):
     of them in place; results of other functions are plain tensors."""
 
     on_write = None  # set by the chunk store: callable(list of HostGrad about to be written)
+    on_identity = None  # callable(list of HostGrad multiplied by exactly one): runtime/overlap.py
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -91,6 +93,8 @@ class HostGrad(torch.Tensor):
             written = [a for a in tree_flatten(args[0])[0] if isinstance(a, HostGrad)]
             if written and not _identity_scale(func, args):
                 HostGrad.on_write(written)
+            elif written and HostGrad.on_identity is not None:
+                HostGrad.on_identity(written)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
