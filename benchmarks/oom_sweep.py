@@ -356,8 +356,7 @@ def run_row(row: dict, steps: int) -> dict:
             (loss / micro if micro > 1 else loss).backward()
             output = None
         ev[2].record()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip else None
         opt.step()
         opt.zero_grad(set_to_none=True)
         ev[3].record()
@@ -373,6 +372,8 @@ def run_row(row: dict, steps: int) -> dict:
                 "fwd_ms": round(ev[0].elapsed_time(ev[1]), 2),
                 "bwd_ms": round(ev[1].elapsed_time(ev[2]), 2),
                 "step_ms": round(ev[2].elapsed_time(ev[3]), 2),
+                # clipping: the norm before it (under max_norm: a multiply by one)
+                "grad_norm": None if norm is None else round(float(norm), 4),
                 "cpu_adam_in_bwd_ms": round((timers1[0] - timers0[0]) * 1e3, 2),
                 "opt_wait_ms": round((timers1[1] - timers0[1]) * 1e3, 2),
                 # the C kernel alone (the rest of cpu_adam_in_bwd_ms is Python and the GIL)
