@@ -288,6 +288,45 @@ def test_clipping_that_stops_changing_gradients_lets_chunks_step_in_backward_aga
     assert h._overlap.calm_needed == 2 * calm
 
 
+def test_overlap_policy_backs_off_and_a_hyperparameter_change_is_for_good():
+    """runtime/overlap.py alone: each return that a real write ends doubles the calm needed, up to
+    MAX_CALM; a cycle without any identity write, or with a real one, is not calm; a late
+    hyperparameter change keeps the chunks after backward for good, whatever clipping does."""
+    from protrain_fx.runtime.overlap import FIRST_CALM, MAX_CALM, Overlap
+
+    def clip_cycle(ov):  # a step whose clipping changed the gradients
+        news = ov.turn_off("clip", lasting=False)
+        assert not ov.cycle_ended() and not ov.on
+        return news
+
+    def calm_cycles(ov, n):
+        back = []
+        for _ in range(n):
+            ov.identity_write()
+            back.append(ov.cycle_ended())
+        return back
+
+    ov, needed = Overlap(), FIRST_CALM
+    assert clip_cycle(ov)
+    while needed < MAX_CALM:
+        assert calm_cycles(ov, needed) == [False] * (needed - 1) + [True] and ov.on
+        assert clip_cycle(ov)
+        needed = min(MAX_CALM, 2 * needed)
+        assert ov.calm_needed == needed
+    assert calm_cycles(ov, MAX_CALM)[-1] and clip_cycle(ov)
+    assert ov.calm_needed == MAX_CALM
+    # not calm: a cycle with no identity write; one with a real write besides
+    assert calm_cycles(ov, MAX_CALM - 1) == [False] * (MAX_CALM - 1)
+    assert not ov.cycle_ended() and ov.calm == 0
+    ov.identity_write()
+    assert not ov.turn_off("clip", lasting=False)  # already off: not news
+    assert not ov.cycle_ended() and ov.calm == 0
+    # a hyperparameter change while off for clipping: for good
+    assert not ov.turn_off("lr between backward and step", lasting=True)
+    assert ov.lasting and not any(calm_cycles(ov, 2 * MAX_CALM)) and not ov.on
+    assert ov.serial_why == "lr between backward and step"
+
+
 def test_clip_total_norm_matches_eager():
     model = gpt()
     mine, ref = copy.deepcopy(model), copy.deepcopy(model)
