@@ -196,3 +196,25 @@ def test_inverse_matches_the_float64_tensor_inverse(monkeypatch, decoupled, wd, 
     for a, b, orig in zip(with_kernel, with_tensors, before):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, orig, rtol=1e-5, atol=1e-8)
+
+
+def test_grad_scale_is_a_multiply_before_the_step():
+    """``grad_scale`` (a clip's pending multiply, runtime/grad_scale.py): the same values as
+    multiplying the gradient in float32 first, bit for bit, and the gradient left as it was."""
+    torch.manual_seed(0)
+    n = 100_003
+    g = torch.randn(n) * 1e-2
+    g[:3] = torch.tensor([float("inf"), -0.0, 3e-39])  # specials and a subnormal
+    scale = torch.tensor(0.3183, dtype=torch.float32).item()
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True)
+    p = torch.randn(n)
+    states = [[p.clone(), torch.zeros(n), torch.zeros(n)] for _ in range(2)]
+    outs = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
+    g0 = g.clone()
+    cpu_adam.adam_step(
+        *states[0][:1], g, *states[0][1:], outs[0], 1.0, grad_scale=scale, maximize=True, **hp
+    )
+    assert torch.equal(g, g0)
+    cpu_adam.adam_step(*states[1][:1], g * scale, *states[1][1:], outs[1], 1.0, maximize=True, **hp)
+    for a, b in zip(states[0] + outs[:1], states[1] + outs[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

@@ -43,7 +43,7 @@ _SOURCE = r"""
    for maximize; p * (1 - lr*wd) for AdamW, else p * 1; g + p * wd for Adam only), exact where torch
    skips. */
 #define ADAM_BODY(L2)                                                     \
-    float gi = g[i] * grad_sign;                                          \
+    float gi = g[i] * grad_scale * grad_sign;                             \
     float pi = p[i] * decay_factor;                                       \
     if (L2) gi = gi + pi * l2;                                            \
     float mi = fmaf(exp_avg_coef, gi - m[i], m[i]);                       \
@@ -71,7 +71,8 @@ static inline uint16_t to_bf16(float f) {
 
 void protrain_adam_bf16(float* restrict p, const float* restrict g, float* restrict m, float*
 restrict v,
-                        uint16_t* restrict out, int64_t n, float grad_sign, float decay_factor,
+                        uint16_t* restrict out, int64_t n, float grad_scale, float grad_sign,
+                        float decay_factor,
                         float l2, float exp_avg_coef, float beta2, float exp_avg_sq_coef, float
                         neg_step_size, float bc2_sqrt, float eps, int nthreads) {
   if (out && l2 != 0.0f) { ADAM_LOOP(1, 1) }
@@ -167,7 +168,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     fn = lib.protrain_adam_bf16
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 9 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 10 + [ctypes.c_int]
     inverse_fn = lib.protrain_adam_inverse
     inverse_fn.restype = None
     inverse_fn.argtypes = (
@@ -224,10 +225,12 @@ def adam_step(
     weight_decay: float,
     decoupled: bool,
     maximize: bool,
+    grad_scale: float = 1.0,
 ) -> None:
     """One Adam/AdamW step (``step`` is the count after this step, as torch increments before use)
     on flat, contiguous fp32 CPU tensors, writing ``out_bf16`` (same length, bfloat16) when given.
-    """
+    ``grad_scale``: the gradient is multiplied by it (in float32, rounded once, as ``grad.mul_``
+    would) as it is read; ``grad`` itself is not written."""
     tensors = (param, grad, exp_avg, exp_avg_sq)
     n = param.numel()
     for t in tensors:
@@ -251,6 +254,7 @@ def adam_step(
         exp_avg_sq.data_ptr(),
         out_bf16.data_ptr() if out_bf16 is not None else None,
         n,
+        grad_scale,
         -1.0 if maximize else 1.0,
         1 - lr * weight_decay if decoupled and weight_decay != 0 else 1.0,
         0.0 if decoupled else weight_decay,

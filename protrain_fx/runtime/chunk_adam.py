@@ -112,8 +112,16 @@ class ChunkAdam:
             ((gi, idxs),) = by_group.items()
             step = torch.tensor(step_counts.pop(), dtype=torch.float32)
             g = groups[gi]
+            # clipping's multiply, pending (runtime/grad_scale.py): the kernel applies it as it
+            # reads the gradients; the other steps need it applied first
+            scale = store.chunk_grad_scale(st.chunk)
+            if scale != 1.0 and (
+                st.chunk in store.device_step_chunks or not self._one_pass_applies(st, g)
+            ):
+                store.settle_grad_scale(store.chunk_entry_indices(st.chunk))
+                scale = 1.0
             # both write the transfer copy themselves
-            if not (self._device_step(st, step, g) or self._one_pass_step(st, step, g)):
+            if not (self._device_step(st, step, g) or self._one_pass_step(st, step, g, scale)):
                 vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
                 _adam(
                     g,
@@ -132,6 +140,7 @@ class ChunkAdam:
                 self._set_step(st, i, float(step))
             self.timers.whole_chunk_steps += 1
             return True
+        store.settle_grad_scale(store.chunk_entry_indices(st.chunk))
         for gi, idxs in by_group.items():
             params, grads, m, v, vmax, steps = [], [], [], [], [], []
             for i in idxs:
@@ -210,13 +219,10 @@ class ChunkAdam:
         self.timers.device_step_params += master.numel()
         return True
 
-    def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict) -> bool:
-        """The whole-chunk step with protrain_fx/machine/cpu_adam.py's kernel, which also writes the
-        bf16 transfer copy (one pass over the chunk instead of two); it advances ``step``. False
-        where it does not apply."""
+    def _one_pass_applies(self, st: ChunkOptState, g: dict) -> bool:
         store = st.store
         master, transfer = store.master[st.chunk], store.transfer[st.chunk]
-        if (
+        return not (
             st.max_exp_avg_sq is not None
             or g["amsgrad"]
             or master.dtype != torch.float32
@@ -225,8 +231,17 @@ class ChunkAdam:
             and transfer.dtype != torch.bfloat16
             or not cpu_adam.available()
             or _impl(store, g) != "fused"
-        ):
+        )
+
+    def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict, scale: float) -> bool:
+        """The whole-chunk step with protrain_fx/machine/cpu_adam.py's kernel, which also writes the
+        bf16 transfer copy (one pass over the chunk instead of two) and multiplies the gradients by
+        ``scale`` as it reads them (a pending clip, runtime/grad_scale.py); it advances ``step``.
+        False where it does not apply."""
+        if not self._one_pass_applies(st, g):
             return False
+        store = st.store
+        master, transfer = store.master[st.chunk], store.transfer[st.chunk]
         step += 1  # torch counts the step before using it
         beta1, beta2 = g["betas"]
         t0 = time.perf_counter()
@@ -244,6 +259,7 @@ class ChunkAdam:
             weight_decay=float(g["weight_decay"]),
             decoupled=g["decoupled_weight_decay"],
             maximize=g["maximize"],
+            grad_scale=scale,
         )
         self.timers.kernel_s += time.perf_counter() - t0
         self.timers.kernel_params += master.numel()
@@ -256,6 +272,7 @@ class ChunkAdam:
         WORKER.wait_chunk((st.store.id, st.chunk))
         rec, st.provisional = st.provisional, None
         store = st.store
+        store.settle_grad_scale(store.chunk_entry_indices(st.chunk))  # none pending, as a rule
         store.wait_copies(st.chunk)
         master, grad = store.master[st.chunk], store.grad[st.chunk]
         spans = (

@@ -27,7 +27,7 @@ from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
 from protrain_fx.plan.profiles import N_OVERSIZED_STAGING
 from protrain_fx.plan.profiles import STAGING as N_STAGING
-from protrain_fx.runtime import distributed, mapped, step_redo
+from protrain_fx.runtime import distributed, grad_scale, mapped, step_redo
 from protrain_fx.runtime.worker import WORKER
 
 # the staging buffers, as many as the cost model prices: N_STAGING of packed gradients (master
@@ -169,6 +169,7 @@ class ChunkGrads:
             view = mapped.device_view(self.ensure_grad(e.chunk), e.offset, e.shape, self.device)
             g = self._grad_alias[index] = mapped.host_grad(view)
             g._protrain_owner = (self.id, index)
+            grad_scale.install()
             # shares its version counter, read without the subclass's dispatch
             self._grad_plain[index] = view
         return g
@@ -191,6 +192,7 @@ class ChunkGrads:
                 continue
             foreign = p.grad
             WORKER.wait_chunk((self.id, chunk))
+            self.settle_grad_scale([i], drop=True)
             e = self.entries[i]
             with torch.no_grad():
                 self.ensure_grad(chunk)[e.offset : e.offset + e.numel].copy_(
@@ -285,6 +287,12 @@ class ChunkGrads:
             # takes back a step of this chunk not yet committed
             self.optimizer.before_chunk_grad(self, chunk)
         self.fold_foreign_grads(chunk)
+        # a multiply still pending: applied before the gradient is added to, dropped where it is
+        # replaced
+        for i in self._chunk_entries[chunk]:
+            if i in self._grad_scale:
+                WORKER.wait_chunk((self.id, chunk))
+                self.settle_grad_scale([i], drop=not self.has_grad(i))
         fresh = [not self.has_grad(i) for i in members]
         all_entries = self._chunk_entries[chunk]
         others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)

@@ -53,6 +53,7 @@ from protrain_fx.runtime.chunk_buffers import (
 )
 from protrain_fx.runtime.chunk_grads import ChunkGrads, GradStaging
 from protrain_fx.runtime.chunk_transfers import ChunkTransfers, release_pieces
+from protrain_fx.runtime.grad_scale import GradScales
 from protrain_fx.runtime.worker import WORKER
 
 _STORES: dict[int, "ChunkStore"] = {}
@@ -114,7 +115,7 @@ class ParamEntry:
     shape: torch.Size
 
 
-class ChunkStore(ChunkGrads, ChunkTransfers):
+class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
     """Parameter values of one set of parameters, chunked; see the module docstring."""
 
     def __init__(
@@ -188,11 +189,10 @@ class ChunkStore(ChunkGrads, ChunkTransfers):
         self.is_cuda = self.device.type == "cuda"
         self.master: dict[int, torch.Tensor] = {}
         self.transfer: dict[int, torch.Tensor] = {}
-        # host gradient accumulators, from a chunk's first gradient on
-        self.grad: dict[int, torch.Tensor] = {}
-        # entry -> its param.grad (a view of the accumulator)
-        self._grad_alias: dict[int, torch.Tensor] = {}
+        self.grad: dict[int, torch.Tensor] = {}  # host accumulators, from a chunk's first gradient
+        self._grad_alias: dict[int, torch.Tensor] = {}  # entry -> its param.grad (a view of it)
         self._grad_plain: dict[int, torch.Tensor] = {}  # entry -> the same view as a plain tensor
+        self._grad_scale: dict[int, float] = {}  # entry -> a multiply pending (chunk_grads.py)
         # entry -> the parameter's version when protrain last read it
         self._synced: dict[int, int] = {}
         self._has_grad: set[int] = set()  # sharded stores: entries whose gradient is present

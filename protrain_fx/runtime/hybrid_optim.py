@@ -413,6 +413,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
             if st.provisional is not None:
                 self._undo(st)  # no opt.step() came: that step was skipped
             st.arrivals = 0
+            # a clip's multiply still pending (runtime/grad_scale.py) goes with the gradients
+            st.store.settle_grad_scale(st.store.chunk_entry_indices(st.chunk), drop=True)
             if not st.store.aliased:
                 st.store.clear_grads(st.chunk)
         self._zeroing = True

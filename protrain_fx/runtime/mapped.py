@@ -19,7 +19,9 @@ dynamo traced had, and a version counter of its own, so protrain's own writes in
 before any torch operation that writes it (clipping, unscaling, ``zero_()``), so that an optimizer
 step protrain already applied inside backward can be taken back first
 (protrain_fx/runtime/hybrid_optim.py), and says so of a multiply by exactly one, which changes
-nothing (protrain_fx/runtime/overlap.py).
+nothing (protrain_fx/runtime/overlap.py). A multiply by another scalar (clipping) is not run through
+the view: the chunk store keeps the factor pending and applies it before anything reads the
+gradient, or in the CPU optimizer's pass (protrain_fx/runtime/grad_scale.py).
 """
 
 from __future__ import annotations
@@ -83,37 +85,90 @@ class HostGrad(torch.Tensor):
 
     on_write = None  # set by the chunk store: callable(list of HostGrad about to be written)
     on_identity = None  # callable(list of HostGrad multiplied by exactly one): runtime/overlap.py
+    # callable(list of HostGrad, scale) -> bool: their multiply by a scalar kept pending by the
+    # chunk store (True) instead of run through the device views (runtime/chunk_grads.py)
+    defer_scale = None
+    # callable(list of HostGrad, drop: bool): pending factors applied before a function reads the
+    # gradients (dropped before ``zero_``)
+    settle = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if HostGrad.settle is not None and _reads_data(func, args):
+            held = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, HostGrad)]
+            if held:
+                HostGrad.settle(held, getattr(func, "__name__", "") in ("zero_", "_foreach_zero_"))
         if HostGrad.on_write is not None and _writes(func) and args:
             # what an in-place function writes is its first argument (a tensor, or the list of a
             # foreach op)
             written = [a for a in tree_flatten(args[0])[0] if isinstance(a, HostGrad)]
-            if written and not _identity_scale(func, args):
+            scale = _scale(func, args) if written else None
+            if written and scale != 1.0:
                 HostGrad.on_write(written)
+                if scale is not None and HostGrad.defer_scale is not None:
+                    if HostGrad.defer_scale(written, scale):
+                        return _the_others(func, args, kwargs)
             elif written and HostGrad.on_identity is not None:
                 HostGrad.on_identity(written)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-def _identity_scale(func, args) -> bool:
-    """A multiply by exactly one, which changes nothing: ``clip_grad_norm_`` with a norm under
-    ``max_norm`` (Hugging Face's Trainer calls it with ``max_norm=inf`` every step to log the norm).
-    Reading a device scalar synchronizes; the gradients are complete by then anyway."""
+def _scale(func, args) -> float | None:
+    """The factor of a multiply of gradients by one scalar (``mul_``, ``_foreach_mul_``:
+    clipping's ``clip_grad_norm_``, a hand-written scale) as the float32 that multiplies them, else
+    None. Reading a device scalar synchronizes; the gradients are complete by then anyway. A
+    multiply by exactly one changes nothing (``clip_grad_norm_`` with a norm under ``max_norm``;
+    Hugging Face's Trainer calls it with ``max_norm=inf`` every step to log the norm)."""
     if getattr(func, "__name__", "") not in ("mul_", "_foreach_mul_") or len(args) < 2:
-        return False
+        return None
     scale = args[1]
     if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
-        return False
+        return None
     if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1 or isinstance(scale, HostGrad) or scale.is_complex():
-            return False
+        if (
+            scale.numel() != 1
+            or isinstance(scale, HostGrad)
+            or not scale.is_floating_point()
+            or scale.requires_grad
+        ):
+            return None
         with torch._C.DisableTorchFunctionSubclass():
-            return bool(scale == 1)
-    return scale == 1
+            scale = scale.item()
+    return torch.tensor(scale, dtype=torch.float32).item()
+
+
+def _the_others(func, args, kwargs):
+    """Run an in-place multiply on the tensors of its first argument that are not HostGrads (their
+    multiply is pending in their chunk store); returns what the function returns."""
+    first = args[0]
+    if isinstance(first, HostGrad):
+        return first
+    rest = [t for t in first if not isinstance(t, HostGrad)]
+    if rest:
+        with torch._C.DisableTorchFunctionSubclass():
+            func(rest, *args[1:], **kwargs)
+    return list(first)
+
+
+# reading these reads no gradient values
+_METADATA = frozenset(
+    "shape dtype device is_cuda requires_grad grad_fn is_leaf layout ndim _version size dim numel "
+    "stride is_contiguous element_size nelement is_floating_point is_complex __len__".split()
+)
+
+
+def _reads_data(func, args) -> bool:
+    """Whether a torch function may read its HostGrad arguments' values (not a property such as
+    ``.shape`` or ``.device``, nor ``param.grad = g``, which stores the view)."""
+    name = getattr(func, "__name__", "") or ""
+    if name in ("__get__", "__set__"):
+        attr = getattr(getattr(func, "__self__", None), "__name__", "")
+        if attr in _METADATA:
+            return False
+        return not (name == "__set__" and args and not isinstance(args[0], HostGrad))
+    return name not in _METADATA
 
 
 def _writes(func) -> bool:

@@ -10,7 +10,7 @@ Two habits make those steps futile, for good or for a while, and the chunks then
 * gradients written between ``backward()`` and ``opt.step()`` by an actual change (clipping whose
   total norm exceeds ``max_norm``, unscaling by a GradScaler): for as long as it lasts. Clipping is
   often active only early in training (large gradients at initialization) and a multiply by exactly
-  one afterwards, which changes nothing (``mapped._identity_scale``): once the loop's writes have
+  one afterwards, which changes nothing (``mapped._scale``): once the loop's writes have
   been such identities for :data:`FIRST_CALM` consecutive steps, chunks step inside backward again.
   A real write after that takes those provisional steps back (protrain_fx/runtime/chunk_adam.py:
   the values come back within rounding, so that step is eager's within the CPU fp32 tolerance, not

@@ -1,0 +1,140 @@
+"""Clipping's multiply of offloaded gradients kept pending (protrain_fx/runtime/grad_scale.py),
+against eager PyTorch on the CPU, bit for bit: the multiply applied by the CPU kernel's pass (a
+fused AdamW) or before the step, when a gradient is read, added to by another backward, multiplied
+again, zeroed, or when a step is skipped."""
+
+import copy
+
+import pytest
+import torch
+from models import build
+
+from protrain_fx.machine import cpu_adam
+from protrain_fx.runtime import grad_scale, hybrid_optim, mapped
+from protrain_fx.testing import make_adamw, random_batches
+
+
+def gpt():
+    torch.manual_seed(0)
+    return build("gpt", n_layer=2, n_embd=32, n_head=2, block_size=32)
+
+
+def pair(fused):
+    model = gpt()
+    mine, ref = copy.deepcopy(model), copy.deepcopy(model)
+    opt, ref_opt = make_adamw(mine, lr=3e-3, fused=fused), make_adamw(ref, lr=3e-3, fused=fused)
+    compiled = torch.compile(
+        mine, backend="protrain", options={"compiler": "eager", "n_persist": 1, "optimizer": opt}
+    )
+    return (compiled, mine, opt), (ref, ref, ref_opt)
+
+
+def max_diff(a, b):
+    sb = b.state_dict()
+    return max((v - sb[k]).abs().max().item() for k, v in a.state_dict().items())
+
+
+def pending(opt) -> int:
+    return sum(len(s._grad_scale) for s in hybrid_optim.handle_of(opt).stores)
+
+
+def offloaded_grads(model):
+    """The parameters whose ``.grad`` is a view of host memory."""
+    return [p for p in model.parameters() if type(p.grad).__name__ == "HostGrad"]
+
+
+def clipped_run(fused, steps=5):
+    """protrain's model after ``steps`` clipped steps, and how many multiplies were pending at each
+    step's opt.step()."""
+    (m, model, opt), _ = pair(fused)
+    seen = []
+    for x, y in random_batches(steps, 2, 16):
+        m(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        seen.append(pending(opt))
+        opt.step()
+        opt.zero_grad()
+    return model, opt, seen
+
+
+def test_clipping_every_step_matches_eager_bit_for_bit():
+    """Clipping that changes the gradients every step: the multiply is kept pending and applied
+    before torch's step (on the CPU compute device, the user's optimizer's implementation)."""
+    (m, model, opt), (r, ref, ref_opt) = pair(None)
+    seen = []
+    for x, y in random_batches(5, 2, 16):
+        for f, mod, o in ((m, model, opt), (r, ref, ref_opt)):
+            f(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(mod.parameters(), 0.05)
+            if o is opt:
+                seen.append(pending(opt))
+            o.step()
+            o.zero_grad()
+        assert max_diff(model, ref) == 0.0
+    assert all(seen[1:]), seen  # from the second step on (the first learns the arrivals)
+
+
+@pytest.mark.skipif(not cpu_adam.available(), reason="the CPU kernel is not built")
+def test_the_kernel_applies_the_pending_multiply_as_the_multiply_would(monkeypatch):
+    """With a fused AdamW the CPU compute device steps offloaded chunks with cpu_adam's kernel,
+    which takes the pending multiply as it reads the gradients: the same model, bit for bit, as the
+    multiply run through the gradients' views first (deferral off)."""
+    deferred, opt, seen = clipped_run(True)
+    assert all(seen[1:]) and hybrid_optim.handle_of(opt).timers.one_pass_steps > 0
+    monkeypatch.setattr(grad_scale, "install", lambda: None)
+    monkeypatch.setattr(mapped.HostGrad, "defer_scale", None)
+    monkeypatch.setattr(mapped.HostGrad, "settle", None)
+    direct, _, seen = clipped_run(True)
+    assert not any(seen)
+    assert max_diff(deferred, direct) == 0.0
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_reads_and_habits_see_the_multiplied_gradients(foreach):
+    """Between the clip and the step: reading ``.grad`` (a norm, a copy), a second multiply, a
+    hand-written foreach multiply; then another backward adding to the clipped gradients; a skipped
+    step (zero_grad without step, set_to_none=False). Every value as eager's, bit for bit."""
+    (m, model, opt), (r, ref, ref_opt) = pair(None)
+    data = random_batches(6, 2, 16)
+    for k, (x, y) in enumerate(data):
+        for f, mod, o in ((m, model, opt), (r, ref, ref_opt)):
+            f(x, y).backward()
+            torch.nn.utils.clip_grad_norm_(mod.parameters(), 0.05, foreach=foreach)
+            if k == 1 and o is opt:
+                assert pending(opt) > 0
+            if k in (1, 3):  # read between clip and step
+                got = [p.grad.detach().clone() for p in mod.parameters()]
+                if o is opt:
+                    mine_reads = got
+                else:
+                    assert all(torch.equal(a, b) for a, b in zip(mine_reads, got))
+            if k == 2:  # a second multiply, by hand, of every gradient
+                torch._foreach_mul_([p.grad for p in mod.parameters()], 0.7)
+            if k == 4:  # one more backward before the step: adds to the clipped gradients
+                f(*data[0]).backward()
+            if k == 5:  # a skipped step
+                o.zero_grad(set_to_none=False)
+                continue
+            o.step()
+            o.zero_grad()
+        assert max_diff(model, ref) == 0.0, k
+    assert pending(opt) == 0
+
+
+def test_a_gradient_multiplied_alone_and_logged():
+    """``p.grad.mul_(c)`` of one offloaded parameter (a hand-written scale), then every gradient's
+    norm logged, then the step: as eager."""
+    (m, model, opt), (r, ref, ref_opt) = pair(None)
+    for x, y in random_batches(4, 2, 16):
+        m(x, y).backward()
+        r(x, y).backward()
+        ids = {id(q) for q in offloaded_grads(model)}
+        name = next(n for n, p in model.named_parameters() if id(p) in ids)
+        norms = []
+        for mod, o in ((model, opt), (ref, ref_opt)):
+            dict(mod.named_parameters())[name].grad.mul_(0.5)
+            norms.append(torch.stack([p.grad.norm() for p in mod.parameters()]))
+            o.step()
+            o.zero_grad()
+        assert torch.equal(norms[0], norms[1])
+        assert max_diff(model, ref) == 0.0
