@@ -272,7 +272,6 @@ class ChunkAdam:
         WORKER.wait_chunk((st.store.id, st.chunk))
         rec, st.provisional = st.provisional, None
         store = st.store
-        store.settle_grad_scale(store.chunk_entry_indices(st.chunk))  # none pending, as a rule
         store.wait_copies(st.chunk)
         master, grad = store.master[st.chunk], store.grad[st.chunk]
         spans = (
