@@ -210,6 +210,17 @@ def build_error() -> str | None:
     return _build_error
 
 
+def _check_flat(what: str, tensors, n: int) -> None:
+    for t in tensors:
+        if (
+            t.dtype != torch.float32
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.numel() != n
+        ):
+            raise ValueError(f"{what} needs contiguous fp32 CPU tensors of one length")
+
+
 def adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -233,14 +244,7 @@ def adam_step(
     would) as it is read; ``grad`` itself is not written."""
     tensors = (param, grad, exp_avg, exp_avg_sq)
     n = param.numel()
-    for t in tensors:
-        if (
-            t.dtype != torch.float32
-            or t.device.type != "cpu"
-            or not t.is_contiguous()
-            or t.numel() != n
-        ):
-            raise ValueError("adam_step needs contiguous fp32 CPU tensors of one length")
+    _check_flat("adam_step", tensors, n)
     if out_bf16 is not None and (
         out_bf16.dtype != torch.bfloat16 or not out_bf16.is_contiguous() or out_bf16.numel() != n
     ):
@@ -274,27 +278,17 @@ def adam_inverse(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     step: float,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
+    group: dict,
 ) -> None:
-    """Take back the Adam/AdamW step number ``step`` on flat, contiguous fp32 CPU tensors, in
-    double, as ``chunk_adam._adam_inverse`` does with float64 tensors (the same values, at the
-    host's memory bandwidth instead of a pass per operation)."""
+    """Take back the Adam/AdamW step number ``step`` with a param group's hyperparameters
+    (``betas``, ``lr``, ``weight_decay``, ``eps``, ``maximize``, ``decoupled_weight_decay``) on
+    flat, contiguous fp32 CPU tensors, in double, as ``chunk_adam._adam_inverse`` does with float64
+    tensors (the same values, at the host's memory bandwidth instead of a pass per operation)."""
     n = param.numel()
-    for t in (param, grad, exp_avg, exp_avg_sq):
-        if (
-            t.dtype != torch.float32
-            or t.device.type != "cpu"
-            or not t.is_contiguous()
-            or t.numel() != n
-        ):
-            raise ValueError("adam_inverse needs contiguous fp32 CPU tensors of one length")
+    _check_flat("adam_inverse", (param, grad, exp_avg, exp_avg_sq), n)
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, weight_decay = float(group["lr"]), float(group["weight_decay"])
+    decoupled, maximize = group["decoupled_weight_decay"], group["maximize"]
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     _lib.protrain_adam_inverse(
         param.data_ptr(),
@@ -305,7 +299,7 @@ def adam_inverse(
         -1.0 if maximize else 1.0,
         lr / bc1,
         math.sqrt(bc2),
-        eps,
+        float(group["eps"]),
         1 - lr * weight_decay if decoupled and weight_decay != 0 else 1.0,
         weight_decay if not decoupled else 0.0,
         1 - beta1,

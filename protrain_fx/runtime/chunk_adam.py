@@ -374,20 +374,7 @@ def _adam_inverse(
         for x in (p, grad, m, v)
     )
     if flat and cpu_adam.available():
-        cpu_adam.adam_inverse(
-            p,
-            grad,
-            m,
-            v,
-            t,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=wd,
-            decoupled=g["decoupled_weight_decay"],
-            maximize=g["maximize"],
-        )
+        cpu_adam.adam_inverse(p, grad, m, v, t, g)
         return
     p1, m1, v1, gr = p.double(), m.double(), v.double(), grad.double()
     if g["maximize"]:
