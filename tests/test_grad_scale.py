@@ -138,3 +138,32 @@ def test_a_gradient_multiplied_alone_and_logged():
             o.zero_grad()
         assert torch.equal(norms[0], norms[1])
         assert max_diff(model, ref) == 0.0
+
+
+def test_a_tensor_sharing_a_gradient_sees_the_clip():
+    """``g = p.grad.detach()`` (or ``.data``) taken before clipping shares the gradient's memory,
+    as in eager: clipping must reach it, so that gradient's multiply is not kept pending (the
+    others' are); the next gradient, after zero_grad, is free of it again."""
+    (m, model, opt), (r, ref, ref_opt) = pair(None)
+    for k, (x, y) in enumerate(random_batches(4, 2, 16)):
+        held = []
+        for f, mod, o in ((m, model, opt), (r, ref, ref_opt)):
+            f(x, y).backward()
+            ps = list(mod.parameters())
+            if k == 2:  # taken before the clip, read after it
+                shared = [ps[-1].grad.detach(), ps[-2].grad.data]
+            torch.nn.utils.clip_grad_norm_(ps, 0.05)
+            if k == 2:
+                held.append([t.clone() for t in shared])
+            if o is opt:
+                owners = [getattr(p.grad, "_protrain_owner", None) for p in ps[-2:]]
+                assert None not in owners, "the last two parameters are offloaded"
+                stores = {s.id: s for s in hybrid_optim.handle_of(opt).stores}
+                kept = [i in stores[sid]._grad_scale for sid, i in owners]
+                assert pending(opt) > 0
+                assert kept == [k != 2] * 2, (k, kept)
+            o.step()
+            o.zero_grad()
+        if held:
+            assert all(torch.equal(a, b) for a, b in zip(*held))
+        assert max_diff(model, ref) == 0.0

@@ -293,6 +293,8 @@ class ChunkGrads:
             if i in self._grad_scale:
                 WORKER.wait_chunk((self.id, chunk))
                 self.settle_grad_scale([i], drop=not self.has_grad(i))
+            if not self.has_grad(i):  # a new gradient: tensors sharing the old one are eager's
+                self._grad_scale.aliased.discard(i)  # stale ones (runtime/grad_scale.py)
         fresh = [not self.has_grad(i) for i in members]
         all_entries = self._chunk_entries[chunk]
         others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)

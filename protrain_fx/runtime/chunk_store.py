@@ -53,7 +53,7 @@ from protrain_fx.runtime.chunk_buffers import (
 )
 from protrain_fx.runtime.chunk_grads import ChunkGrads, GradStaging
 from protrain_fx.runtime.chunk_transfers import ChunkTransfers, release_pieces
-from protrain_fx.runtime.grad_scale import GradScales
+from protrain_fx.runtime.grad_scale import GradScales, PendingScales
 from protrain_fx.runtime.worker import WORKER
 
 _STORES: dict[int, "ChunkStore"] = {}
@@ -192,7 +192,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         self.grad: dict[int, torch.Tensor] = {}  # host accumulators, from a chunk's first gradient
         self._grad_alias: dict[int, torch.Tensor] = {}  # entry -> its param.grad (a view of it)
         self._grad_plain: dict[int, torch.Tensor] = {}  # entry -> the same view as a plain tensor
-        self._grad_scale: dict[int, float] = {}  # entry -> a multiply pending (chunk_grads.py)
+        self._grad_scale = PendingScales()  # entry -> a multiply pending (grad_scale.py)
         # entry -> the parameter's version when protrain last read it
         self._synced: dict[int, int] = {}
         self._has_grad: set[int] = set()  # sharded stores: entries whose gradient is present

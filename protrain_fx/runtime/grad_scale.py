@@ -29,6 +29,17 @@ from protrain_fx.runtime import mapped
 def install() -> None:
     """Route mapped.HostGrad's multiplies and reads to the stores of the gradients."""
     mapped.HostGrad.defer_scale, mapped.HostGrad.settle = _defer_scale, _settle
+    mapped.HostGrad.on_alias = _aliased
+
+
+class PendingScales(dict):
+    """entry -> its pending float32 factor; ``aliased``: entries whose gradient memory a plain
+    tensor shares (``p.grad.detach()``, ``.data``, a view), until the gradient is replaced: their
+    multiplies are not kept pending, so that such a tensor sees them as eager's would."""
+
+    def __init__(self):
+        super().__init__()
+        self.aliased: set[int] = set()
 
 
 def _owners(grads) -> dict | None:
@@ -47,13 +58,25 @@ def _owners(grads) -> dict | None:
 
 def _defer_scale(grads, scale: float) -> bool:
     """mapped.HostGrad's callback: keep ``mul_(scale)`` of these gradients pending (not for
-    sharded stores, whose gradients are not in ``param.grad``, or non-float32 masters)."""
+    sharded stores, whose gradients are not in ``param.grad``, non-float32 masters, or a gradient
+    a plain tensor shares)."""
     owners = _owners(grads)
-    if not owners or any(s.world.sharded or s.master_dtype != torch.float32 for s in owners):
+    if not owners or any(
+        s.world.sharded
+        or s.master_dtype != torch.float32
+        or not s._grad_scale.aliased.isdisjoint(entries)
+        for s, entries in owners.items()
+    ):
         return False
     for store, entries in owners.items():
         store.scale_grads_later(entries, scale)
     return True
+
+
+def _aliased(grad) -> None:
+    """mapped.HostGrad's callback: a plain tensor now shares this gradient's memory."""
+    for store, entries in (_owners([grad]) or {}).items():
+        store._grad_scale.aliased.update(entries)
 
 
 def _settle(grads, drop: bool) -> None:
@@ -64,7 +87,8 @@ def _settle(grads, drop: bool) -> None:
 
 
 class GradScales:
-    """The pending factors of a chunk store's gradients (``_grad_scale``: entry -> float32)."""
+    """The pending factors of a chunk store's gradients (``_grad_scale``, a
+    :class:`PendingScales`)."""
 
     def scale_grads_later(self, indices: list[int], scale: float) -> None:
         """``param.grad.mul_(scale)`` of these offloaded parameters (clipping), kept as a pending

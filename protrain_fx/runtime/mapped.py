@@ -91,10 +91,14 @@ class HostGrad(torch.Tensor):
     # callable(list of HostGrad, drop: bool): pending factors applied before a function reads the
     # gradients (dropped before ``zero_``)
     settle = None
+    # callable(HostGrad): a function returned a plain tensor over its memory (``detach()``,
+    # ``.data``, a view), which a pending factor would not reach: its multiplies run as they come
+    on_alias = None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        held = ()
         if HostGrad.settle is not None and _reads_data(func, args):
             held = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, HostGrad)]
             if held:
@@ -112,7 +116,23 @@ class HostGrad(torch.Tensor):
             elif written and HostGrad.on_identity is not None:
                 HostGrad.on_identity(written)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if held and HostGrad.on_alias is not None:
+            _note_aliases(out, held)
+        return out
+
+
+def _note_aliases(out, held) -> None:
+    """Tell of each HostGrad among ``held`` whose memory a plain tensor of ``out`` shares."""
+    tensors = [t for t in tree_flatten(out)[0] if type(t) is torch.Tensor]
+    if not tensors:
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        base = {g.untyped_storage().data_ptr(): g for g in held}
+        shared = [base.get(t.untyped_storage().data_ptr()) for t in tensors]
+    for g in shared:
+        if g is not None:
+            HostGrad.on_alias(g)
 
 
 def _scale(func, args) -> float | None:
