@@ -42,17 +42,17 @@ class PendingScales(dict):
         self.aliased: set[int] = set()
 
 
-def _owners(grads) -> dict | None:
-    """store -> entries of these gradient views (None if one is not a live store's)."""
+def owners(grads) -> dict:
+    """Live chunk store -> its entries among these gradient views (views of a store that is gone
+    are left out)."""
     from protrain_fx.runtime.chunk_store import _STORES
 
     out: dict = {}
     for g in grads:
         owner = getattr(g, "_protrain_owner", None)
         store = _STORES.get(owner[0]) if owner is not None else None
-        if store is None:
-            return None
-        out.setdefault(store, []).append(owner[1])
+        if store is not None:
+            out.setdefault(store, []).append(owner[1])
     return out
 
 
@@ -60,28 +60,28 @@ def _defer_scale(grads, scale: float) -> bool:
     """mapped.HostGrad's callback: keep ``mul_(scale)`` of these gradients pending (not for
     sharded stores, whose gradients are not in ``param.grad``, non-float32 masters, or a gradient
     a plain tensor shares)."""
-    owners = _owners(grads)
-    if not owners or any(
+    by_store = owners(grads)
+    if sum(map(len, by_store.values())) != len(grads) or any(
         s.world.sharded
         or s.master_dtype != torch.float32
         or not s._grad_scale.aliased.isdisjoint(entries)
-        for s, entries in owners.items()
+        for s, entries in by_store.items()
     ):
         return False
-    for store, entries in owners.items():
+    for store, entries in by_store.items():
         store.scale_grads_later(entries, scale)
     return True
 
 
 def _aliased(grad) -> None:
     """mapped.HostGrad's callback: a plain tensor now shares this gradient's memory."""
-    for store, entries in (_owners([grad]) or {}).items():
+    for store, entries in owners([grad]).items():
         store._grad_scale.aliased.update(entries)
 
 
 def _settle(grads, drop: bool) -> None:
     """mapped.HostGrad's callback: a function is about to read (or zero: ``drop``) these."""
-    for store, entries in (_owners(grads) or {}).items():
+    for store, entries in owners(grads).items():
         if store._grad_scale:
             store.settle_grad_scale(entries, drop)
 

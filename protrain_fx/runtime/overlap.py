@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 
-from protrain_fx.runtime import mapped
+from protrain_fx.runtime import grad_scale, mapped
 
 log = logging.getLogger("protrain_fx")
 
@@ -170,14 +170,6 @@ def _on_grad_identity(grads) -> None:
 
 
 def _route(grads, method: str) -> None:
-    by_store: dict[int, set] = {}
-    for g in grads:
-        owner = getattr(g, "_protrain_owner", None)
-        if owner is not None:
-            by_store.setdefault(owner[0], set()).add(owner)
-    from protrain_fx.runtime.chunk_store import _STORES
-
-    for store_id, keys in by_store.items():
-        store = _STORES.get(store_id)
-        if store is not None and store.optimizer is not None:
-            getattr(store.optimizer, method)(keys)
+    for store, entries in grad_scale.owners(grads).items():
+        if store.optimizer is not None:
+            getattr(store.optimizer, method)({(store.id, i) for i in entries})
