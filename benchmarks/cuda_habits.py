@@ -6,7 +6,9 @@ copies).
 
 Each case trains a copy of one model eagerly and one through backend="protrain" (Inductor, offloaded
 chunks and a swapped block) with the same habit, and reports the largest loss and parameter
-differences.
+differences. Then, clipping every step, the 2-norms of offloaded gradients that backward computed
+and ``clip_grad_norm_`` is served (protrain_fx/runtime/grad_scale.py), against the norm of each
+gradient's view read over the link: how many equal bit for bit.
 """
 
 from __future__ import annotations
@@ -110,9 +112,22 @@ def hyper_between(m, call, opt, data, i):
     return step(m, call, opt, data, i, set_lr)
 
 
+def clip_after_a_write(m, call, opt, data, i):
+    """A gradient written in place between backward and the clip (an unscale by hand): the norm
+    backward computed no longer holds."""
+
+    def write_then_clip(m, opt):
+        with torch.no_grad():
+            m.blocks[-1].mlp.fc.weight.grad.mul_(1.5)  # in an offloaded chunk
+        return [clip_grad_norm_(m.parameters(), 0.5).item()]
+
+    return step(m, call, opt, data, i, write_then_clip)
+
+
 CASES = {
     "plain": plain,
     "clip": clip,
+    "clip_after_a_write": clip_after_a_write,
     "touch": touch,
     "two_forwards": two_forwards,
     "exception": exception,
@@ -150,6 +165,45 @@ def run_case(name: str, steps: int, regional: bool = False) -> dict:
     }
 
 
+def served_norms(steps: int) -> dict:
+    """Clipping every step: each offloaded gradient's 2-norm as ``clip_grad_norm_`` gets it (from
+    backward, from the second step on) against ``torch.linalg.vector_norm`` of its view with the
+    norms from backward turned off (read over the link)."""
+    from protrain_fx.runtime import hybrid_optim, mapped
+
+    torch._dynamo.reset()
+    mine = model()
+    opt = torch.optim.AdamW(mine.parameters(), lr=LR)
+    call = torch.compile(mine, backend="protrain", options={**OPTIONS, "optimizer": opt})
+    equal = differ = 0
+    for i, (x, y) in enumerate(batches(steps)):
+        call(x, y).backward()
+        for p in mine.parameters():
+            if i and isinstance(p.grad, mapped.HostGrad):
+                got = torch.linalg.vector_norm(p.grad, 2)
+                hook, mapped.HostGrad.cached_norm = mapped.HostGrad.cached_norm, None
+                try:
+                    read = torch.linalg.vector_norm(p.grad, 2)
+                finally:
+                    mapped.HostGrad.cached_norm = hook
+                equal, differ = (
+                    equal + torch.equal(got, read),
+                    differ + (not torch.equal(got, read)),
+                )
+        clip_grad_norm_(mine.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    stores = hybrid_optim.handle_of(opt).stores
+    served = sum(s.stats["grad_norms_served"] for s in stores)
+    return {
+        "case": "norms from backward",
+        "steps": steps,
+        "served": served,
+        "equal": equal,
+        "differ": differ,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -160,6 +214,8 @@ def main() -> None:
         rows.append(run_case(name, args.steps))
         print(json.dumps(rows[-1]), flush=True)
     rows.append(run_case("plain", args.steps, regional=True))
+    print(json.dumps(rows[-1]), flush=True)
+    rows.append(served_norms(args.steps))
     print(json.dumps(rows[-1]), flush=True)
     out = {
         "device": torch.cuda.get_device_name(),

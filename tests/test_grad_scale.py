@@ -167,3 +167,45 @@ def test_a_tensor_sharing_a_gradient_sees_the_clip():
         if held:
             assert all(torch.equal(a, b) for a, b in zip(*held))
         assert max_diff(model, ref) == 0.0
+
+
+def served(opt) -> int:
+    return sum(s.stats["grad_norms_served"] for s in hybrid_optim.handle_of(opt).stores)
+
+
+def test_clipping_norms_come_from_backward_while_the_gradients_are_unchanged(monkeypatch):
+    """Once a loop has clipped, backward computes each offloaded gradient's 2-norm as it leaves
+    the device, and ``clip_grad_norm_`` takes it from there instead of reading host memory; a
+    gradient written between backward and the clip (by hand, through a tensor sharing it, zeroed
+    and accumulated into, multiplied and pending) is read again. Norms and the model as eager's,
+    bit for bit, and the norms served in the steps where nothing wrote the gradients."""
+    monkeypatch.setattr(grad_scale._Norms, "wanted", False)
+    (m, model, opt), (r, ref, ref_opt) = pair(None)
+    data = random_batches(7, 2, 16)
+    counts = []
+    for k, (x, y) in enumerate(data):
+        norms = []
+        for f, mod, o in ((m, model, opt), (r, ref, ref_opt)):
+            f(x, y).backward()
+            ps = list(mod.parameters())
+            if k == 2:  # written by hand, in place
+                ps[-1].grad.add_(0.25)
+            if k == 3:  # written through a tensor that shares it (no version of the view moves)
+                ps[-2].grad.data.mul_(3.0)
+            if k == 4:  # accumulated: a second backward adds to the first
+                f(*data[0]).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(ps, 0.05))
+            # logged again after the clip: its multiply is pending, so read through the view
+            norms.append(torch.nn.utils.clip_grad_norm_(ps, float("inf")))
+            o.step()
+            o.zero_grad(set_to_none=k != 5)
+        counts.append(served(opt))
+        assert torch.equal(norms[0], norms[2]) and torch.equal(norms[1], norms[3]), k
+        assert max_diff(model, ref) == 0.0, k
+    per_step = [b - a for a, b in zip([0] + counts, counts)]
+    assert per_step[0] == 0, per_step  # the first clip only learns that norms are wanted
+    assert per_step[1] >= 6 and per_step[5] >= 6, per_step
+    # k=2, 3: one gradient read again; k=4: none served (not the backward's own values); k=6 comes
+    # after zero_grad(set_to_none=False): accumulated into zeros, read again
+    assert per_step[2] == per_step[1] - 1 and per_step[3] == per_step[1] - 1, per_step
+    assert per_step[4] == 0 and per_step[6] == 0, per_step

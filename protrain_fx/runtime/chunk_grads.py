@@ -283,6 +283,7 @@ class ChunkGrads:
         record = step_redo.first_time((self.id, chunk, tuple(members)))
         if record is None:  # a redone backward: handed over before it ran out
             return
+        self.forget_grad_norms(self._chunk_entries[chunk])
         if self.live_optimizer() is not None:
             # takes back a step of this chunk not yet committed
             self.optimizer.before_chunk_grad(self, chunk)
@@ -366,8 +367,9 @@ class ChunkGrads:
         direct = all(fresh) and others_absent and buf.dtype == acc.dtype
         WORKER.wait_chunk((self.id, chunk)) if not direct else None
         pool = None
-        if direct:  # straight into the accumulator
+        if direct:  # straight into the accumulator (clipping's norms from here: grad_scale.py)
             dst = acc
+            self.note_grad_norms(chunk, buf, members)
         else:
             pool = self._oversized_staging(n, buf.dtype) if as_is else self._packed_staging()
             dst = pool.take()

@@ -223,12 +223,10 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         # the compute stream between copy marks (so block times exclude them) and gradients are
         # dropped
         self.profiling = False
-        self._stats = {
-            "d2h_copies": 0,
-            "d2h_bytes": 0,
-            "resident_all_reduces": 0,
-            "transfer_refreshes": 0,
-        }
+        self._stats = dict.fromkeys(
+            ("d2h_copies", "d2h_bytes", "resident_all_reduces", "transfer_refreshes"), 0
+        )
+        self._stats["grad_norms_served"] = 0  # clipping's norms from backward (grad_scale.py)
 
     @property
     def stats(self) -> dict:

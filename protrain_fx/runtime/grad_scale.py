@@ -1,4 +1,4 @@
-"""Clipping's multiply of offloaded gradients, kept pending instead of run through host memory.
+"""Clipping's two passes over offloaded gradients, its norm and its multiply, kept off the link.
 
 ``clip_grad_norm_`` (or any ``mul_`` by one scalar) multiplies every gradient in place. An
 offloaded parameter's ``.grad`` is a device view of its host accumulator
@@ -15,8 +15,18 @@ the accumulator first (:meth:`GradScales.settle_grad_scale`), and a gradient zer
 drops it. ``g * c`` rounded once in float32 either way, which is what eager's ``mul_`` computes on
 the device: the same values, bit for bit.
 
+The norm before it read every offloaded gradient over the link too (``clip_grad_norm_`` takes
+``torch.linalg.vector_norm`` of each gradient: a HostGrad is not a type torch's foreach norm
+accepts). Once a loop has asked for such a norm, backward computes it for every offloaded gradient
+that arrives whole (the chunk's first gradient since it was zeroed, copied straight into the
+accumulator) from the device gradient buffer it leaves from, with the same function on the same
+values at the same alignment: the value the view would give, bit for bit
+(:meth:`GradScales.note_grad_norms`). It is served while the gradient is unchanged (its view's
+version, no factor pending, no plain tensor sharing its memory) and forgotten when anything adds to,
+multiplies or replaces it.
+
 :class:`GradScales` is inherited by :class:`protrain_fx.runtime.chunk_store.ChunkStore`;
-:func:`install` hands mapped.HostGrad the two callbacks.
+:func:`install` hands mapped.HostGrad its callbacks.
 """
 
 from __future__ import annotations
@@ -29,17 +39,28 @@ from protrain_fx.runtime import mapped
 def install() -> None:
     """Route mapped.HostGrad's multiplies and reads to the stores of the gradients."""
     mapped.HostGrad.defer_scale, mapped.HostGrad.settle = _defer_scale, _settle
-    mapped.HostGrad.on_alias = _aliased
+    mapped.HostGrad.on_alias, mapped.HostGrad.cached_norm = _aliased, _cached_norm
+    mapped.HostGrad.forget_norms = _forget_norms
+
+
+class _Norms:
+    """Whether a loop has asked for the 2-norm of an offloaded gradient (from then on backward
+    computes them as gradients leave the device)."""
+
+    wanted = False
 
 
 class PendingScales(dict):
     """entry -> its pending float32 factor; ``aliased``: entries whose gradient memory a plain
     tensor shares (``p.grad.detach()``, ``.data``, a view), until the gradient is replaced: their
-    multiplies are not kept pending, so that such a tensor sees them as eager's would."""
+    multiplies are not kept pending, so that such a tensor sees them as eager's would; ``norms``:
+    entry -> (its gradient's 2-norm computed in backward, the accumulator, the view's version
+    then)."""
 
     def __init__(self):
         super().__init__()
         self.aliased: set[int] = set()
+        self.norms: dict[int, tuple] = {}
 
 
 def owners(grads) -> dict:
@@ -79,6 +100,27 @@ def _aliased(grad) -> None:
         store._grad_scale.aliased.update(entries)
 
 
+def _cached_norm(args, kwargs):
+    """mapped.HostGrad's callback for ``torch.linalg.vector_norm``: the norm backward computed, for
+    the 2-norm of a whole gradient (as ``clip_grad_norm_`` asks), or None."""
+    grad = args[0] if args else kwargs.get("x")
+    if len(args) > 2 or not isinstance(grad, mapped.HostGrad):
+        return None
+    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    if any(k not in ("x", "ord") for k in kwargs) or isinstance(order, bool) or order != 2:
+        return None
+    _Norms.wanted = True
+    for store, (entry,) in owners([grad]).items():
+        return store.cached_grad_norm(entry, grad)
+    return None
+
+
+def _forget_norms(grads) -> None:
+    """mapped.HostGrad's callback: a function is about to write these gradients."""
+    for store, entries in owners(grads).items():
+        store.forget_grad_norms(entries)
+
+
 def _settle(grads, drop: bool) -> None:
     """mapped.HostGrad's callback: a function is about to read (or zero: ``drop``) these."""
     for store, entries in owners(grads).items():
@@ -97,6 +139,7 @@ class GradScales:
         mapped.HostGrad), or by the CPU kernel's pass over the chunk, which multiplies each gradient
         as it reads it (:meth:`chunk_grad_scale`). ``g * scale`` rounded once either way: eager's
         ``mul_``."""
+        self.forget_grad_norms(indices)
         for i in indices:
             self.settle_grad_scale([i])  # a second multiply rounds after the first, as eager's
             self._grad_scale[i] = scale
@@ -106,6 +149,7 @@ class GradScales:
         """Apply the pending factors of these entries to the accumulator (``drop``: forget them,
         their gradient is about to be zeroed or replaced)."""
         synced = False
+        self.forget_grad_norms(indices)
         for i in indices:
             scale = self._grad_scale.pop(i, None)
             acc = None if scale is None or drop else self.grad.get(self.entries[i].chunk)
@@ -130,3 +174,45 @@ class GradScales:
             return scales.pop()
         self.settle_grad_scale(entries)
         return 1.0
+
+    def note_grad_norms(self, chunk: int, buf: torch.Tensor, members: list[int]) -> None:
+        """Backward: the chunk's device gradient buffer ``buf`` (chunk layout, master dtype) is
+        about to be copied straight into its accumulator, the whole gradient of ``members``. Once a
+        loop has asked for gradient norms, compute each one's 2-norm from it, where the view's
+        memory and the buffer have the same alignment (the reduction's split of the work depends on
+        it): the value ``torch.linalg.vector_norm`` of the view will give, without reading host
+        memory."""
+        acc = self.grad.get(chunk)
+        if not _Norms.wanted or not self.aliased or acc is None:
+            return
+        if acc.data_ptr() % 16 != buf.data_ptr() % 16:
+            return
+        with torch.no_grad():
+            for i in members:
+                e = self.entries[i]
+                if i in self._grad_scale.aliased:
+                    continue
+                self.grad_alias(i)  # the view, whose version tells of writes through it
+                norm = torch.linalg.vector_norm(buf[e.offset : e.offset + e.numel].view(e.shape), 2)
+                self._grad_scale.norms[i] = (norm, acc, self._grad_plain[i]._version)
+
+    def cached_grad_norm(self, i: int, grad: torch.Tensor):
+        """The 2-norm of entry ``i``'s gradient (``grad``, its view) that backward computed, while
+        that gradient is unchanged; else None."""
+        cached = self._grad_scale.norms.get(i)
+        if (
+            cached is None
+            or grad is not self._grad_alias.get(i)
+            or i in self._grad_scale
+            or i in self._grad_scale.aliased
+            or cached[1] is not self.grad.get(self.entries[i].chunk)
+            or cached[2] != self._grad_plain[i]._version
+        ):
+            return None
+        self._stats["grad_norms_served"] += 1
+        return cached[0].clone()
+
+    def forget_grad_norms(self, indices) -> None:
+        """These gradients are about to change (added to, multiplied, replaced, zeroed)."""
+        for i in indices:
+            self._grad_scale.norms.pop(i, None)

@@ -21,7 +21,9 @@ step protrain already applied inside backward can be taken back first
 (protrain_fx/runtime/hybrid_optim.py), and says so of a multiply by exactly one, which changes
 nothing (protrain_fx/runtime/overlap.py). A multiply by another scalar (clipping) is not run through
 the view: the chunk store keeps the factor pending and applies it before anything reads the
-gradient, or in the CPU optimizer's pass (protrain_fx/runtime/grad_scale.py).
+gradient, or in the CPU optimizer's pass; and the 2-norm clipping takes of it first is the one
+backward computed as the gradient left the device, while the gradient is unchanged
+(protrain_fx/runtime/grad_scale.py).
 """
 
 from __future__ import annotations
@@ -94,21 +96,33 @@ class HostGrad(torch.Tensor):
     # callable(HostGrad): a function returned a plain tensor over its memory (``detach()``,
     # ``.data``, a view), which a pending factor would not reach: its multiplies run as they come
     on_alias = None
+    # callable(args, kwargs) -> Tensor | None: ``torch.linalg.vector_norm`` of a gradient as
+    # backward computed it (clipping's norm without reading host memory), or None
+    cached_norm = None
+    forget_norms = None  # callable(list of HostGrad): about to be written, those norms go
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.linalg.vector_norm and HostGrad.cached_norm is not None:
+            out = HostGrad.cached_norm(args, kwargs)
+            if out is not None:
+                return out
         held = ()
         if HostGrad.settle is not None and _reads_data(func, args):
             held = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, HostGrad)]
             if held:
                 HostGrad.settle(held, getattr(func, "__name__", "") in ("zero_", "_foreach_zero_"))
+        if HostGrad.forget_norms is not None and "out" in kwargs:
+            HostGrad.forget_norms([a for a in tree_flatten(kwargs["out"])[0] if type(a) is cls])
         if HostGrad.on_write is not None and _writes(func) and args:
             # what an in-place function writes is its first argument (a tensor, or the list of a
             # foreach op)
             written = [a for a in tree_flatten(args[0])[0] if isinstance(a, HostGrad)]
             scale = _scale(func, args) if written else None
             if written and scale != 1.0:
+                if HostGrad.forget_norms is not None:
+                    HostGrad.forget_norms(written)
                 HostGrad.on_write(written)
                 if scale is not None and HostGrad.defer_scale is not None:
                     if HostGrad.defer_scale(written, scale):
