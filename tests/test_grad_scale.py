@@ -209,3 +209,55 @@ def test_clipping_norms_come_from_backward_while_the_gradients_are_unchanged(mon
     # after zero_grad(set_to_none=False): accumulated into zeros, read again
     assert per_step[2] == per_step[1] - 1 and per_step[3] == per_step[1] - 1, per_step
     assert per_step[4] == 0 and per_step[6] == 0, per_step
+
+
+def test_a_multiply_by_one_leaves_host_memory_alone(monkeypatch):
+    """``clip_grad_norm_`` under ``max_norm`` (or with ``inf``, to log the norm, as Hugging Face's
+    Trainer does) multiplies every gradient by exactly one: nothing changes, so protrain runs no
+    kernel over an offloaded gradient's memory (on a GPU a read and a write of every offloaded
+    gradient over the link), while versions move as eager's do and training stays eager's, bit for
+    bit. From the second step on the norm is backward's too, so clipping touches none of it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Touches(TorchDispatchMode):
+        def __init__(self, ptrs):
+            super().__init__()
+            self.ptrs, self.ops = ptrs, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat = [t for t in torch.utils._pytree.tree_flatten((args, kwargs))[0]]
+            if any(isinstance(t, torch.Tensor) and t.data_ptr() in self.ptrs for t in flat):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(grad_scale._Norms, "wanted", False)
+    (m, model, opt), (r, ref, ref_opt) = pair(None)
+    touched = []
+    for k, (x, y) in enumerate(random_batches(4, 2, 16)):
+        norms = []
+        for f, mod, o in ((m, model, opt), (r, ref, ref_opt)):
+            f(x, y).backward()
+            grads = [p.grad for p in mod.parameters()]
+            before = [g._version for g in grads]
+            if o is opt:
+                ptrs = {g.data_ptr() for g in offloaded_grads(mod) for g in [g.grad]}
+                offloaded = offloaded_grads(mod)
+                with Touches(ptrs) as mode:
+                    norms.append(torch.nn.utils.clip_grad_norm_(mod.parameters(), float("inf")))
+                touched.append(mode.ops)
+            else:
+                norms.append(torch.nn.utils.clip_grad_norm_(mod.parameters(), float("inf")))
+            assert all(g._version > v for g, v in zip(grads, before))
+            o.step()
+            o.zero_grad()
+        assert torch.equal(norms[0], norms[1]), k
+        assert max_diff(model, ref) == 0.0, k
+    assert all(
+        not any(op.endswith("_.default") or "_foreach_mul_" in op for op in ops) for ops in touched
+    ), touched
+    # the first step's norm reads them all; later ones only an embedding's, whose gradient leaves
+    # the device as its lookup's rows (passes/sparse_embedding_grads.py), not whole
+    embeddings = {id(mod.weight) for mod in model.modules() if isinstance(mod, torch.nn.Embedding)}
+    rows = sum(id(p) in embeddings for p in offloaded)
+    assert len(touched[0]) >= len(offloaded) > rows, (touched[0], rows)
+    assert all(len(ops) == rows for ops in touched[1:]), (touched, rows)

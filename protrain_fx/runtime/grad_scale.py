@@ -149,9 +149,10 @@ class GradScales:
         """Apply the pending factors of these entries to the accumulator (``drop``: forget them,
         their gradient is about to be zeroed or replaced)."""
         synced = False
-        self.forget_grad_norms(indices)
         for i in indices:
             scale = self._grad_scale.pop(i, None)
+            if drop or scale is not None:  # the gradient changes: its norm from backward goes
+                self._grad_scale.norms.pop(i, None)
             acc = None if scale is None or drop else self.grad.get(self.entries[i].chunk)
             if acc is None:
                 continue

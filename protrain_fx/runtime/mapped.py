@@ -19,11 +19,11 @@ dynamo traced had, and a version counter of its own, so protrain's own writes in
 before any torch operation that writes it (clipping, unscaling, ``zero_()``), so that an optimizer
 step protrain already applied inside backward can be taken back first
 (protrain_fx/runtime/hybrid_optim.py), and says so of a multiply by exactly one, which changes
-nothing (protrain_fx/runtime/overlap.py). A multiply by another scalar (clipping) is not run through
-the view: the chunk store keeps the factor pending and applies it before anything reads the
-gradient, or in the CPU optimizer's pass; and the 2-norm clipping takes of it first is the one
-backward computed as the gradient left the device, while the gradient is unchanged
-(protrain_fx/runtime/grad_scale.py).
+nothing (protrain_fx/runtime/overlap.py) and is not run at all. A multiply by another scalar
+(clipping) is not run through the view either: the chunk store keeps the factor pending and applies
+it before anything reads the gradient, or in the CPU optimizer's pass; and the 2-norm clipping
+takes of it first is the one backward computed as the gradient left the device, while the gradient
+is unchanged (protrain_fx/runtime/grad_scale.py).
 """
 
 from __future__ import annotations
@@ -113,22 +113,25 @@ class HostGrad(torch.Tensor):
             held = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, HostGrad)]
             if held:
                 HostGrad.settle(held, getattr(func, "__name__", "") in ("zero_", "_foreach_zero_"))
-        if HostGrad.forget_norms is not None and "out" in kwargs:
-            HostGrad.forget_norms([a for a in tree_flatten(kwargs["out"])[0] if type(a) is cls])
-        if HostGrad.on_write is not None and _writes(func) and args:
-            # what an in-place function writes is its first argument (a tensor, or the list of a
-            # foreach op)
+        # what an in-place function writes is its first argument (a tensor, or the list of a
+        # foreach op), or its ``out=``
+        written = []
+        if _writes(func) and args:
             written = [a for a in tree_flatten(args[0])[0] if isinstance(a, HostGrad)]
-            scale = _scale(func, args) if written else None
-            if written and scale != 1.0:
-                if HostGrad.forget_norms is not None:
-                    HostGrad.forget_norms(written)
+        scale = _scale(func, args) if written else None
+        if HostGrad.forget_norms is not None and (written and scale != 1.0 or "out" in kwargs):
+            out = [a for a in tree_flatten(kwargs.get("out"))[0] if isinstance(a, HostGrad)]
+            HostGrad.forget_norms(written + out)
+        if HostGrad.on_write is not None and written:
+            if scale != 1.0:
                 HostGrad.on_write(written)
                 if scale is not None and HostGrad.defer_scale is not None:
                     if HostGrad.defer_scale(written, scale):
                         return _the_others(func, args, kwargs)
-            elif written and HostGrad.on_identity is not None:
-                HostGrad.on_identity(written)
+            else:
+                if HostGrad.on_identity is not None:
+                    HostGrad.on_identity(written)
+                return _unchanged(func, args, kwargs, written)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if held and HostGrad.on_alias is not None:
@@ -171,6 +174,17 @@ def _scale(func, args) -> float | None:
         with torch._C.DisableTorchFunctionSubclass():
             scale = scale.item()
     return torch.tensor(scale, dtype=torch.float32).item()
+
+
+def _unchanged(func, args, kwargs, grads):
+    """A multiply by exactly one (``clip_grad_norm_`` under ``max_norm``, or with ``max_norm=inf``
+    to log the norm): ``x * 1.0`` is ``x`` for every float, so the gradients' host memory is not
+    read and written over the link; their versions move as the write's would. The other tensors
+    of the call are multiplied as usual."""
+    with torch._C.DisableTorchFunctionSubclass():
+        for g in grads:
+            torch.autograd.graph.increment_version(g)
+    return _the_others(func, args, kwargs)
 
 
 def _the_others(func, args, kwargs):
