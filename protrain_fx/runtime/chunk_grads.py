@@ -27,7 +27,7 @@ from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
 from protrain_fx.plan.profiles import N_OVERSIZED_STAGING
 from protrain_fx.plan.profiles import STAGING as N_STAGING
-from protrain_fx.runtime import distributed, grad_scale, mapped, step_redo
+from protrain_fx.runtime import distributed, grad_scale, kept_grads, mapped, step_redo
 from protrain_fx.runtime.worker import WORKER
 
 # the staging buffers, as many as the cost model prices: N_STAGING of packed gradients (master
@@ -193,6 +193,7 @@ class ChunkGrads:
             foreign = p.grad
             WORKER.wait_chunk((self.id, chunk))
             self.settle_grad_scale([i], drop=True)
+            kept_grads.move_out(self, i)
             e = self.entries[i]
             with torch.no_grad():
                 self.ensure_grad(chunk)[e.offset : e.offset + e.numel].copy_(
@@ -294,8 +295,9 @@ class ChunkGrads:
             if i in self._grad_scale:
                 WORKER.wait_chunk((self.id, chunk))
                 self.settle_grad_scale([i], drop=not self.has_grad(i))
-            if not self.has_grad(i):  # a new gradient: tensors sharing the old one are eager's
-                self._grad_scale.aliased.discard(i)  # stale ones (runtime/grad_scale.py)
+            if not self.has_grad(i):  # a new gradient: tensors kept of the old one keep its
+                kept_grads.move_out(self, i)  # values (runtime/kept_grads.py)
+                self._grad_scale.aliased.discard(i)
         fresh = [not self.has_grad(i) for i in members]
         all_entries = self._chunk_entries[chunk]
         others_absent = all(not self.has_grad(i) for i in all_entries if i not in members)

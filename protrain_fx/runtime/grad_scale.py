@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from protrain_fx.runtime import mapped
+from protrain_fx.runtime import kept_grads, mapped
 
 
 def install() -> None:
@@ -61,6 +61,7 @@ class PendingScales(dict):
         super().__init__()
         self.aliased: set[int] = set()
         self.norms: dict[int, tuple] = {}
+        self.plain: dict[int, list] = {}  # entry -> weak references to those tensors (kept_grads)
 
 
 def owners(grads) -> dict:
@@ -94,10 +95,12 @@ def _defer_scale(grads, scale: float) -> bool:
     return True
 
 
-def _aliased(grad) -> None:
-    """mapped.HostGrad's callback: a plain tensor now shares this gradient's memory."""
+def _aliased(grad, tensor) -> None:
+    """mapped.HostGrad's callback: the plain ``tensor`` now shares this gradient's memory."""
     for store, entries in owners([grad]).items():
         store._grad_scale.aliased.update(entries)
+        for entry in entries:
+            kept_grads.note_plain(store, entry, tensor)
 
 
 def _cached_norm(args, kwargs):
@@ -153,7 +156,11 @@ class GradScales:
             scale = self._grad_scale.pop(i, None)
             if drop or scale is not None:  # the gradient changes: its norm from backward goes
                 self._grad_scale.norms.pop(i, None)
-            acc = None if scale is None or drop else self.grad.get(self.entries[i].chunk)
+            # a gradient the loop kept across zero_grad() keeps its multiply (kept_grads.py)
+            keep = scale is not None and drop and kept_grads.held(self, i)
+            acc = (
+                None if scale is None or drop and not keep else self.grad.get(self.entries[i].chunk)
+            )
             if acc is None:
                 continue
             if self.is_cuda and not synced:

@@ -93,7 +93,7 @@ class HostGrad(torch.Tensor):
     # callable(list of HostGrad, drop: bool): pending factors applied before a function reads the
     # gradients (dropped before ``zero_``)
     settle = None
-    # callable(HostGrad): a function returned a plain tensor over its memory (``detach()``,
+    # callable(HostGrad, Tensor): a function returned a plain tensor over its memory (``detach()``,
     # ``.data``, a view), which a pending factor would not reach: its multiplies run as they come
     on_alias = None
     # callable(args, kwargs) -> Tensor | None: ``torch.linalg.vector_norm`` of a gradient as
@@ -147,9 +147,9 @@ def _note_aliases(out, held) -> None:
     with torch._C.DisableTorchFunctionSubclass():
         base = {g.untyped_storage().data_ptr(): g for g in held}
         shared = [base.get(t.untyped_storage().data_ptr()) for t in tensors]
-    for g in shared:
+    for g, t in zip(shared, tensors):
         if g is not None:
-            HostGrad.on_alias(g)
+            HostGrad.on_alias(g, t)
 
 
 def _scale(func, args) -> float | None:
