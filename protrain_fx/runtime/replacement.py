@@ -140,6 +140,7 @@ def _put_back(store, moved: range, old: int) -> None:
         for i in store.chunk_entry_indices(c):
             p, alias = store.param(i), store._grad_alias.pop(i, None)
             plain = store._grad_plain.pop(i, None)
+            store._grad_scale.plain.pop(i, None)  # tensors sharing it keep that memory (kept_grads)
             if p is None:
                 continue
             if c in store.master:  # its value is a view of the master: a device copy again
