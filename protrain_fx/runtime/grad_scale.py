@@ -155,7 +155,7 @@ class GradScales:
         for i in indices:
             scale = self._grad_scale.pop(i, None)
             if drop or scale is not None:  # the gradient changes: its norm from backward goes
-                self._grad_scale.norms.pop(i, None)
+                self.forget_grad_norms([i])
             # a gradient the loop kept across zero_grad() keeps its multiply (kept_grads.py)
             keep = scale is not None and drop and kept_grads.held(self, i)
             acc = (

@@ -54,9 +54,11 @@ def move_out(store, entry: int) -> None:
     of the last one get a copy of its values, and the parameter a new view."""
     kept = held(store, entry)
     store._grad_scale.plain.pop(entry, None)
+    if not kept:  # the usual case, every fresh gradient of every backward: nothing more to look up
+        return
     e = store.entries[entry]
     acc = store.grad.get(e.chunk)
-    if not kept or acc is None:
+    if acc is None:
         return
     WORKER.wait_chunk((store.id, e.chunk))
     store.settle_grad_scale([entry])  # the values the kept tensors would read now
