@@ -5,7 +5,9 @@ copies).
     python benchmarks/cuda_habits.py --out benchmarks/results/cuda_habits_h200.json
 
 Each case trains a copy of one model eagerly and one through backend="protrain" (Inductor, offloaded
-chunks and a swapped block) with the same habit, and reports the largest loss and parameter
+chunks and a swapped block) with the same habit (a clip, a weight read and written between steps,
+two forwards, an exception in backward, the learning rate set between backward and step, last
+step's gradients kept across zero_grad), and reports the largest loss and parameter
 differences. Then, clipping every step, the 2-norms of offloaded gradients that backward computed
 and ``clip_grad_norm_`` is served (protrain_fx/runtime/grad_scale.py), against the norm of each
 gradient's view read over the link: how many equal bit for bit.
@@ -124,6 +126,24 @@ def clip_after_a_write(m, call, opt, data, i):
     return step(m, call, opt, data, i, write_then_clip)
 
 
+def kept(m, call, opt, data, i):
+    """A gradient monitor: the last step's ``p.grad`` list, kept across ``zero_grad()``, against
+    this step's (their dot product and the kept ones' squared norm), as eager gives them: the kept
+    gradients keep last step's values (protrain_fx/runtime/kept_grads.py)."""
+    loss = call(*data[i])
+    loss.backward()
+    now = [p.grad for p in m.parameters()]
+    out = [loss.item()]
+    before = getattr(m, "_kept_grads", None)
+    if before is not None:
+        out.append(sum((a * b).sum() for a, b in zip(before, now)).item())
+        out.append(sum(a.square().sum() for a in before).item())
+    opt.step()
+    opt.zero_grad()
+    m._kept_grads = now
+    return out
+
+
 CASES = {
     "plain": plain,
     "clip": clip,
@@ -132,6 +152,7 @@ CASES = {
     "two_forwards": two_forwards,
     "exception": exception,
     "lr_between_backward_and_step": hyper_between,
+    "kept_across_zero_grad": kept,
 }
 
 
