@@ -332,6 +332,7 @@ def choose(
         and config.settings().device_steps,
         # a share the user fixed is priced as given (one rank, a device that is not the host)
         device_step_share=fixed["device_steps"] if device.type == "cuda" and w.size == 1 else None,
+        grads_added_on_device=not w.sharded and config.settings().device_grad_add,
     )
     if w.sharded:  # the collectives' rate, measured now by every rank together
         hw = dataclasses.replace(

@@ -49,6 +49,9 @@ VARIABLES = {
     "serving it from aot_autograd's cache with what its compile did (protrain_fx/code_cache.py)",
     "PROTRAIN_TRIM_HOLES": "0: never give the CUDA allocator's free pages back at a step boundary "
     "where it holds more than the plan's predicted peak (protrain_fx/machine/allocator.py)",
+    "PROTRAIN_DEVICE_GRAD_ADD": "0: add an offloaded chunk's later gradients (accumulation) into "
+    "its host accumulator on the host worker instead of on the compute device "
+    "(protrain_fx/runtime/grad_add.py)",
     "PROTRAIN_PROFILE_SPIN_S": "seconds of device-side spin ahead of the profiled step (default "
     "0.003)",
     "PROTRAIN_DEBUG_SYNC": "1: synchronize the device around every chunk and swap copy; offload / "
@@ -139,6 +142,7 @@ class Settings:
     regions: bool
     compile_cache: bool
     trim_holes: bool
+    device_grad_add: bool
     profile_spin_s: float | None
     debug_sync: str  # "", "1", "offload" or "reload"
     debug_poison: bool
@@ -180,6 +184,7 @@ def settings() -> Settings:
         regions=_flag("PROTRAIN_REGIONS", True),
         compile_cache=_flag("PROTRAIN_COMPILE_CACHE", True),
         trim_holes=_flag("PROTRAIN_TRIM_HOLES", True),
+        device_grad_add=_flag("PROTRAIN_DEVICE_GRAD_ADD", True),
         profile_spin_s=_float("PROTRAIN_PROFILE_SPIN_S"),
         debug_sync=_choice("PROTRAIN_DEBUG_SYNC", ("", "0", "1", "offload", "reload")).replace(
             "0", ""

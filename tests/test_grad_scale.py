@@ -173,12 +173,18 @@ def served(opt) -> int:
     return sum(s.stats["grad_norms_served"] for s in hybrid_optim.handle_of(opt).stores)
 
 
-def test_clipping_norms_come_from_backward_while_the_gradients_are_unchanged(monkeypatch):
+@pytest.mark.parametrize("device_add", [True, False])
+def test_clipping_norms_come_from_backward_while_the_gradients_are_unchanged(
+    monkeypatch, device_add
+):
     """Once a loop has clipped, backward computes each offloaded gradient's 2-norm as it leaves
     the device, and ``clip_grad_norm_`` takes it from there instead of reading host memory; a
     gradient written between backward and the clip (by hand, through a tensor sharing it, zeroed
     and accumulated into, multiplied and pending) is read again. Norms and the model as eager's,
-    bit for bit, and the norms served in the steps where nothing wrote the gradients."""
+    bit for bit, and the norms served in the steps where nothing wrote the gradients. A gradient
+    accumulated over two backwards is summed on the compute device (grad_add.py) and its norm
+    served too; with ``PROTRAIN_DEVICE_GRAD_ADD=0`` the host worker sums it and it is read."""
+    monkeypatch.setenv("PROTRAIN_DEVICE_GRAD_ADD", "1" if device_add else "0")
     monkeypatch.setattr(grad_scale._Norms, "wanted", False)
     (m, model, opt), (r, ref, ref_opt) = pair(None)
     data = random_batches(7, 2, 16)
@@ -205,10 +211,14 @@ def test_clipping_norms_come_from_backward_while_the_gradients_are_unchanged(mon
     per_step = [b - a for a, b in zip([0] + counts, counts)]
     assert per_step[0] == 0, per_step  # the first clip only learns that norms are wanted
     assert per_step[1] >= 6 and per_step[5] >= 6, per_step
-    # k=2, 3: one gradient read again; k=4: none served (not the backward's own values); k=6 comes
-    # after zero_grad(set_to_none=False): accumulated into zeros, read again
+    # k=2, 3: one gradient read again; k=4: a second backward added to the first; k=6 comes after
+    # zero_grad(set_to_none=False): added to zeros. Summed on the device: all served; on the host
+    # worker: none (read again)
     assert per_step[2] == per_step[1] - 1 and per_step[3] == per_step[1] - 1, per_step
-    assert per_step[4] == 0 and per_step[6] == 0, per_step
+    summed = per_step[1] if device_add else 0
+    assert per_step[4] == summed and per_step[6] == summed, per_step
+    adds = sum(s.stats["grad_adds_on_device"] for s in hybrid_optim.handle_of(opt).stores)
+    assert (adds > 0) == device_add, adds
 
 
 def test_a_multiply_by_one_leaves_host_memory_alone(monkeypatch):

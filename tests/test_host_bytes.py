@@ -1,8 +1,10 @@
 """The automatic plan's host memory against what the runtime allocates (issue 25: host memory
 planned like device memory). After two steps every host buffer exists: the offloaded chunks' fp32
 masters, their transfer copies (when the transfer dtype differs), gradient accumulators and Adam
-moments, the staging of packed gradients (shared by the stores of a model compiled in regions) and
-of oversized ones. Their bytes, each storage counted once, must be the plan's ``host_bytes``."""
+moments, the staging of packed gradients where later ones are summed on the host worker (shared by
+the stores of a model compiled in regions; none where they are summed on the compute device,
+runtime/grad_add.py, the default with one rank) and of oversized ones. Their bytes, each storage
+counted once, must be the plan's ``host_bytes`` (with ``PROTRAIN_DEVICE_GRAD_ADD=0`` too)."""
 
 from __future__ import annotations
 

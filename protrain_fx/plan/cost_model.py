@@ -373,10 +373,10 @@ class LayoutCosts:
         """Pinned host bytes of one rank (its shards; none of the chunks sharded on the devices)."""
         prof, first = self.prof, n_persist + n_shard  # the first chunk on the host
         offloaded = (self.numel[-1] - self.numel[first]) // self.hw.world_size
-        packed = self.grad_numel[first]
+        packed = 0 if self.hw.grads_added_on_device else self.grad_numel[first]
         # fp32 master, gradient accumulator and two moments, the transfer copy; the staging of
-        # packed gradients (master dtype, runtime/chunk_grads.py) and of oversized ones (their own
-        # dtype); the swap pool
+        # packed gradients (master dtype, runtime/chunk_grads.py; none where they are summed on the
+        # device, runtime/grad_add.py) and of oversized ones (their own dtype); the swap pool
         per_param = prof.master_elem * (2 + ADAM_STATES) + (
             prof.upload_elem if prof.upload_elem != prof.master_elem else 0
         )

@@ -197,6 +197,10 @@ class Hardware:
     # accumulation, zero_grad(set_to_none=False)): resident gradients live through the whole step,
     # and an offloaded table's dense gradient, were its chunk resident, is built beside one
     grads_held: bool = False
+    # a later gradient of an offloaded chunk is summed on the compute device
+    # (protrain_fx/runtime/grad_add.py; one rank), so the host staging of packed gradients is not
+    # allocated
+    grads_added_on_device: bool = False
     # offloaded chunks may be stepped on the compute device, streamed over the link, beside the CPU
     # steps (protrain_fx/runtime/device_steps.py; one rank, a compute device that is not the host)
     device_steps: bool = False

@@ -5,7 +5,8 @@ packed into a device gradient buffer in the chunk layout and the master dtype, c
 the copy stream (:meth:`copy_to_host`; a chunk larger than the layout's size, one parameter, goes as
 autograd made it, in its own dtype, copied on the compute stream: :meth:`grad_goes_as_is`):
 straight into the chunk's accumulator while the chunk holds no gradient yet and the dtypes agree,
-else into a host staging buffer (:class:`GradStaging`) that the host worker adds (or copies, for a
+else added to on the device where the whole chunk has a gradient (runtime/grad_add.py), or copied
+into a host staging buffer (:class:`GradStaging`) that the host worker adds (or copies, for a
 parameter whose ``.grad`` is None) into the accumulator, upcasting there (exact). The parameters'
 ``.grad`` then is the accumulator's view on the compute device (:meth:`grad_alias`), exactly as
 eager autograd would have left it; gradients that eager code put in ``.grad`` meanwhile are folded
@@ -27,7 +28,7 @@ from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
 from protrain_fx.plan.profiles import N_OVERSIZED_STAGING
 from protrain_fx.plan.profiles import STAGING as N_STAGING
-from protrain_fx.runtime import distributed, grad_scale, kept_grads, mapped, step_redo
+from protrain_fx.runtime import distributed, grad_add, grad_scale, kept_grads, mapped, step_redo
 from protrain_fx.runtime.worker import WORKER
 
 # the staging buffers, as many as the cost model prices: N_STAGING of packed gradients (master
@@ -369,6 +370,12 @@ class ChunkGrads:
         direct = all(fresh) and others_absent and buf.dtype == acc.dtype
         WORKER.wait_chunk((self.id, chunk)) if not direct else None
         pool = None
+        if not direct and grad_add.wanted(self, as_is, fresh, members, chunk):
+            event = grad_add.add_on_device(self, chunk, buf, acc, members)
+            self.grad_buffers.copied(k, event)
+            if event is not None:
+                WORKER.submit((self.id, chunk), event.synchronize)
+            return
         if direct:  # straight into the accumulator (clipping's norms from here: grad_scale.py)
             dst = acc
             self.note_grad_norms(chunk, buf, members)

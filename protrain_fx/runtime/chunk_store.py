@@ -227,6 +227,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
             ("d2h_copies", "d2h_bytes", "resident_all_reduces", "transfer_refreshes"), 0
         )
         self._stats["grad_norms_served"] = 0  # clipping's norms from backward (grad_scale.py)
+        self._stats["grad_adds_on_device"] = 0  # accumulated gradients (grad_add.py)
 
     @property
     def stats(self) -> dict:

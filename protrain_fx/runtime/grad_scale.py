@@ -55,7 +55,7 @@ class PendingScales(dict):
     tensor shares (``p.grad.detach()``, ``.data``, a view), until the gradient is replaced: their
     multiplies are not kept pending, so that such a tensor sees them as eager's would; ``norms``:
     entry -> (its gradient's 2-norm computed in backward, the accumulator, the view's version
-    then)."""
+    then, the event after which it may be read or None)."""
 
     def __init__(self):
         super().__init__()
@@ -185,7 +185,8 @@ class GradScales:
 
     def note_grad_norms(self, chunk: int, buf: torch.Tensor, members: list[int]) -> None:
         """Backward: the chunk's device gradient buffer ``buf`` (chunk layout, master dtype) is
-        about to be copied straight into its accumulator, the whole gradient of ``members``. Once a
+        about to be copied straight into its accumulator, the whole gradient of ``members`` (a first
+        gradient, or the sum with the last one: grad_add.py). Once a
         loop has asked for gradient norms, compute each one's 2-norm from it, where the view's
         memory and the buffer have the same alignment (the reduction's split of the work depends on
         it): the value ``torch.linalg.vector_norm`` of the view will give, without reading host
@@ -202,7 +203,7 @@ class GradScales:
                     continue
                 self.grad_alias(i)  # the view, whose version tells of writes through it
                 norm = torch.linalg.vector_norm(buf[e.offset : e.offset + e.numel].view(e.shape), 2)
-                self._grad_scale.norms[i] = (norm, acc, self._grad_plain[i]._version)
+                self._grad_scale.norms[i] = (norm, acc, self._grad_plain[i]._version, None)
 
     def cached_grad_norm(self, i: int, grad: torch.Tensor):
         """The 2-norm of entry ``i``'s gradient (``grad``, its view) that backward computed, while
@@ -218,6 +219,8 @@ class GradScales:
         ):
             return None
         self._stats["grad_norms_served"] += 1
+        if cached[3] is not None:  # computed on the copy stream (grad_add.py)
+            torch.cuda.current_stream(cached[0].device).wait_event(cached[3])
         return cached[0].clone()
 
     def forget_grad_norms(self, indices) -> None:
