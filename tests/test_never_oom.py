@@ -250,14 +250,18 @@ def test_redone_backward_with_accumulation_clipping_and_dropout_equals_the_unint
 def test_backward_oom_of_a_graph_fed_activations_says_to_redo_the_batch(monkeypatch):
     """Regional compilation: a block's graph gets the hidden state of the block before, which a
     replay would have to keep; its backward's out-of-memory error says to redo the batch after
-    opt.zero_grad() (nothing applied), and the usual retry loop then trains exactly."""
+    opt.zero_grad() (nothing applied), and the usual retry loop then trains exactly. The budget
+    leaves each block's plan two resident chunks, so that the re-plan has a smaller plan (under
+    one at the smallest plan it raises NoPlanFits: with everything offloaded by hand the first plan
+    was the smallest or not as the machine's measured rates broke a tie between one chunk buffer
+    and two, and the test failed on the CPU where one won)."""
     import test_habits as th
 
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
     data = random_batches(3, 2, 16, vocab=64)
     base = gpt()
     ref, mine = th.copy.deepcopy(base), th.copy.deepcopy(base)
-    ref_opt, opt = make_adamw(ref, lr=1e-2), _regional(mine, 3 * state_bytes(base), n_persist=0)
+    ref_opt, opt = make_adamw(ref, lr=1e-2), _regional(mine, 4 * state_bytes(base))
     ref_losses, _ = train(ref, ref, ref_opt, data)
     losses, _ = train(mine, mine, opt, data[:1])
     inject_oom(monkeypatch, "grad_ready", 2)
