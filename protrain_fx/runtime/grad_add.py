@@ -40,15 +40,12 @@ def add_on_device(store, chunk: int, buf: torch.Tensor, acc: torch.Tensor, membe
     ``n`` elements), computed in ``buf`` and copied down into ``acc``; clipping's norms noted from
     the sum. Returns the event that marks the copy done (None on the CPU, where it is done)."""
     n = buf.numel()
-    store._stats["d2h_copies"] += 1
-    store._stats["d2h_bytes"] += n * buf.element_size()
     store._stats["grad_adds_on_device"] += 1
     with torch.no_grad():
         if not store.is_cuda:
             buf.add_(acc[:n])
             store.note_grad_norms(chunk, buf, members)
-            acc[:n].copy_(buf)
-            return None
+            return store.copy_to_host(buf, acc)
         compute = torch.cuda.current_stream(store.device)
         copies = store.streams.d2h
         ready = torch.cuda.Event()
@@ -66,8 +63,5 @@ def add_on_device(store, chunk: int, buf: torch.Tensor, acc: torch.Tensor, membe
                     norm, host, version, _ = store._grad_scale.norms[i]
                     norm.record_stream(compute)
                     store._grad_scale.norms[i] = (norm, host, version, normed)
-            acc[:n].copy_(buf, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(copies)
-        buf.record_stream(copies)
-    return done
+            # the copy down, as a first gradient's (ordered after the add on this stream)
+            return store.copy_to_host(buf, acc)
