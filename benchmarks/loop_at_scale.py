@@ -96,6 +96,13 @@ def run(model_name: str, system: str, steps: int) -> dict:
     train, evaluation = batches(spec, batch, seq, steps)
     losses, norms, lrs, evals, times = [], [], [], [], []
     phases = []  # per step: ms to the end of the last backward, of the clip, of opt.step()
+    peaks: dict[str, float] = {}  # reserved peak (GiB) per part of the loop
+
+    def peak_of(part: str) -> None:
+        reserved = torch.cuda.max_memory_reserved(dev) / 2**30
+        peaks[part] = round(max(peaks.get(part, 0.0), reserved), 3)
+        torch.cuda.reset_peak_memory_stats(dev)
+
     for i in range(steps):
         ts = time.perf_counter()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
@@ -128,12 +135,14 @@ def run(model_name: str, system: str, steps: int) -> dict:
         phases.append([round(ev[0].elapsed_time(e), 1) for e in ev[1:]])
         if i == 0:
             out["first_step_s"] = round(time.perf_counter() - t0, 2)
+        peak_of("first step" if i == 0 else "training steps")
         if i % 4 == 3:
             model.eval()
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                 ev = evaluation.to(dev)
                 evals.append(compiled(input_ids=ev, labels=ev).loss.item())
             model.train()
+            peak_of("evaluation")
         if i == steps // 2:
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
@@ -146,6 +155,7 @@ def run(model_name: str, system: str, steps: int) -> dict:
             del saved, buf
             w = model.model.layers[-1].mlp.down_proj.weight
             out["printed_weight"] = float(w[0, :8].double().sum())
+            peak_of("checkpoint")
         print(f"step {i}: loss {step_loss:.4f} ({times[-1]:.3f} s)", file=sys.stderr, flush=True)
     out.update(
         losses=losses,
@@ -155,7 +165,8 @@ def run(model_name: str, system: str, steps: int) -> dict:
         step_s=statistics.median(times[3:]),
         # medians over the steps after the third: backward's end, the clip's, opt.step()'s (ms)
         phases_ms=[round(statistics.median(p[k] for p in phases[3:]), 1) for k in range(3)],
-        peak_reserved_gib=torch.cuda.max_memory_reserved(dev) / 2**30,
+        peak_reserved_gib=max(peaks.values()),
+        peaks_reserved_gib=peaks,
     )
     if system == "protrain":
         import protrain_fx
@@ -224,6 +235,13 @@ def compare(mine: dict, ref: dict) -> dict:
     return worst
 
 
+def by_part(peaks: dict | None) -> str:
+    """The reserved peak of each part of the loop, as `<br>first step 22.1, ...`."""
+    if not peaks:
+        return ""
+    return "<br>" + ", ".join(f"{part} {gib:.2f}" for part, gib in peaks.items())
+
+
 def table(rows: list[dict]) -> str:
     head = (
         "| model | system | outcome | losses / norms / eval losses: max rel | checkpoint sum, "
@@ -240,7 +258,8 @@ def table(rows: list[dict]) -> str:
             f"{fmt('losses')} / {fmt('norms')} / {fmt('eval_losses')} | "
             f"{fmt('checkpoint_sum')}, {fmt('printed_weight')} | "
             f"{r.get('predicted_peak_reserved_gib', 0):.2f} / "
-            f"{r.get('peak_reserved_gib', 0):.2f} ({r.get('cap_gib', '-')}) | "
+            f"{r.get('peak_reserved_gib', 0):.2f} ({r.get('cap_gib', '-')})"
+            f"{by_part(r.get('peaks_reserved_gib'))} | "
             f"{r.get('step_s', 0):.3f} | {' / '.join(map(str, r.get('phases_ms', [])))} | "
             f"{r.get('first_step_s', '-')} | "
             f"{'; '.join(r.get('plans', []))} |"
