@@ -77,6 +77,20 @@ def touch(m, call, opt, data, i):
     return out
 
 
+def accumulate(m, call, opt, data, i):
+    """Two micro-steps, then a clip: from the second micro-step on, each offloaded chunk's gradient
+    is added to its accumulator on the device (protrain_fx/runtime/grad_add.py)."""
+    out = []
+    for k in (i, (i + 1) % len(data)):
+        loss = call(*data[k]) / 2
+        loss.backward()
+        out.append(loss.item())
+    out.append(clip_grad_norm_(m.parameters(), 0.5).item())
+    opt.step()
+    opt.zero_grad()
+    return out
+
+
 def two_forwards(m, call, opt, data, i):
     loss = call(*data[i]) + call(*data[(i + 1) % len(data)])
     loss.backward()
@@ -150,6 +164,7 @@ CASES = {
     "clip_after_a_write": clip_after_a_write,
     "touch": touch,
     "two_forwards": two_forwards,
+    "accumulate_and_clip": accumulate,
     "exception": exception,
     "lr_between_backward_and_step": hyper_between,
     "kept_across_zero_grad": kept,
@@ -186,10 +201,11 @@ def run_case(name: str, steps: int, regional: bool = False) -> dict:
     }
 
 
-def served_norms(steps: int) -> dict:
+def served_norms(steps: int, micro: int = 1) -> dict:
     """Clipping every step: each offloaded gradient's 2-norm as ``clip_grad_norm_`` gets it (from
     backward, from the second step on) against ``torch.linalg.vector_norm`` of its view with the
-    norms from backward turned off (read over the link)."""
+    norms from backward turned off (read over the link). With ``micro`` backward passes a step,
+    the norms are those of the sums added on the device."""
     from protrain_fx.runtime import hybrid_optim, mapped
 
     torch._dynamo.reset()
@@ -197,8 +213,10 @@ def served_norms(steps: int) -> dict:
     opt = torch.optim.AdamW(mine.parameters(), lr=LR)
     call = torch.compile(mine, backend="protrain", options={**OPTIONS, "optimizer": opt})
     equal = differ = 0
-    for i, (x, y) in enumerate(batches(steps)):
-        call(x, y).backward()
+    data = batches(steps * micro)
+    for i in range(steps):
+        for x, y in data[i * micro : (i + 1) * micro]:
+            call(x, y).backward()
         for p in mine.parameters():
             if i and isinstance(p.grad, mapped.HostGrad):
                 got = torch.linalg.vector_norm(p.grad, 2)
@@ -217,9 +235,10 @@ def served_norms(steps: int) -> dict:
     stores = hybrid_optim.handle_of(opt).stores
     served = sum(s.stats["grad_norms_served"] for s in stores)
     return {
-        "case": "norms from backward",
+        "case": "norms from backward" + (f" ({micro} micro-steps)" if micro > 1 else ""),
         "steps": steps,
         "served": served,
+        "added_on_device": sum(s.stats.get("grad_adds_on_device", 0) for s in stores),
         "equal": equal,
         "differ": differ,
     }
@@ -237,6 +256,8 @@ def main() -> None:
     rows.append(run_case("plain", args.steps, regional=True))
     print(json.dumps(rows[-1]), flush=True)
     rows.append(served_norms(args.steps))
+    print(json.dumps(rows[-1]), flush=True)
+    rows.append(served_norms(args.steps, micro=2))
     print(json.dumps(rows[-1]), flush=True)
     out = {
         "device": torch.cuda.get_device_name(),
