@@ -44,7 +44,7 @@ from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
 from protrain_fx.options import format_bytes
 from protrain_fx.plan.layout import ALIGN_BYTES, ChunkLayout
-from protrain_fx.runtime import distributed, mapped
+from protrain_fx.runtime import distributed, grad_add, mapped
 from protrain_fx.runtime.chunk_buffers import (
     chunk_buffers,
     grad_buffers,
@@ -226,8 +226,9 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         self._stats = dict.fromkeys(
             ("d2h_copies", "d2h_bytes", "resident_all_reduces", "transfer_refreshes"), 0
         )
-        self._stats["grad_norms_served"] = 0  # clipping's norms from backward (grad_scale.py)
-        self._stats["grad_adds_on_device"] = 0  # accumulated gradients (grad_add.py)
+        self._stats.update(grad_norms_served=0, grad_adds_on_device=0)  # grad_scale/grad_add.py
+        # whether later gradients of a whole chunk are summed on the device, read once, as planned
+        self.device_grad_add = grad_add.enabled()
 
     @property
     def stats(self) -> dict:

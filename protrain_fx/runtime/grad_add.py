@@ -31,8 +31,15 @@ def wanted(store, as_is: bool, fresh: list[bool], members: list[int], chunk: int
         and not any(fresh)
         and len(members) == len(store._chunk_entries[chunk])
         and not store.world.sharded
-        and config.settings().device_grad_add
+        and store.device_grad_add
     )
+
+
+def enabled() -> bool:
+    """``PROTRAIN_DEVICE_GRAD_ADD`` (default on), read when a store is made: the plan priced the
+    host bytes of the same setting (``Hardware.grads_added_on_device``), and the environment is not
+    parsed again for every chunk's gradient."""
+    return config.settings().device_grad_add
 
 
 def add_on_device(store, chunk: int, buf: torch.Tensor, acc: torch.Tensor, members: list[int]):
