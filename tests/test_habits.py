@@ -693,6 +693,31 @@ def test_19_5_distributed_checkpoint_offloaded(tmp_path, load_when):
     assert set(placements(fresh_c)) == {"host"}
 
 
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "torch_save"])
+def test_19_5_hf_save_pretrained_offloaded(tmp_path, safe):
+    """``save_pretrained`` between steps, as HF users checkpoint: parameters that are views of
+    offloaded chunks (one storage for many, a tied embedding) must not look shared to safetensors'
+    checks, the files must hold the trained values (``from_pretrained`` into eager gives eager's
+    weights), and training goes on exactly afterwards."""
+    import transformers
+
+    base = hf_llama()
+    p = parity(base, offload(base), habit=seeded_steps, data=hf_data(2))
+    assert set(placements(p.compiled)) == {"host"}
+    for name, model in (("mine", p.mine), ("ref", p.ref)):
+        model.save_pretrained(tmp_path / name, safe_serialization=safe)
+    files = sorted(os.listdir(tmp_path / "mine"))
+    assert files == sorted(os.listdir(tmp_path / "ref")), files
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "mine")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert sd_diff(loaded.state_dict(), p.ref.state_dict()) <= PARAM_ABS
+    more = hf_data(2, seed=3)
+    ref_losses = seeded_steps(p.ref, p.ref, p.ref_opts, more)
+    losses = seeded_steps(p.compiled, p.mine, p.opts, more)
+    assert rel_err(losses, ref_losses) <= LOSS_REL, (losses, ref_losses)
+    p.check()
+
+
 # ----------------------------------------------------------- 19.6 shapes past dynamo's recompile
 # limit
 def test_19_6_ten_sequence_lengths_offloaded():
