@@ -354,6 +354,24 @@ def dynamo_compile_started_s() -> float | None:
     return None
 
 
+def traced_fakes(tracing, examples: list) -> dict:
+    """Per real tensor of ``examples``, by position: the fake that the fake mode of dynamo's
+    ``tracing`` context traced it as (symbolic sizes included), while that mode remembers it."""
+    mode = getattr(tracing, "fake_mode", None)
+    real = (i for i, x in enumerate(examples) if type(x) is torch.Tensor)
+    return {i: mode.from_tensor(examples[i]) for i in real} if mode is not None else {}
+
+
+def remember_fakes(tracing, examples: list, fakes: dict) -> None:
+    """Make ``tracing``'s fake mode convert ``examples[i]`` to ``fakes[i]`` again (the converter's
+    memo, which a compile's end clears, filled as torch fills it), so that a later compile of the
+    graph sees the symbols dynamo traced it with."""
+    mode = getattr(tracing, "fake_mode", None)
+    remember = getattr(getattr(mode, "fake_tensor_converter", None), "set_tensor_memo", None)
+    for i, fake in fakes.items() if remember is not None else ():
+        remember(examples[i], fake)
+
+
 def allow_non_fake_inputs(mode):
     """``mode`` (a FakeTensorMode) taking real tensors (parameters) beside fake ones for a while."""
     from unittest import mock

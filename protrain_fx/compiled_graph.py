@@ -1,15 +1,16 @@
 """A compiled dynamo graph as protrain runs it (:class:`ProtrainGraph`), and what a CUDA
 out-of-memory error inside one of its calls does: a forward is re-planned and redone; a backward is
-re-planned and redone inside ``loss.backward()`` by replaying the forward (:class:`_RedoableCall`),
-or, where the call cannot be replayed, raises :class:`StepOutOfMemory`. The compile itself is
-protrain_fx/backend.py's, handed in."""
+re-planned and redone inside ``loss.backward()`` by replaying the forward (``RedoableCall``,
+protrain_fx/runtime/step_redo.py), or, where the call cannot be replayed, raises
+:class:`StepOutOfMemory`; a call without gradients (an evaluation) moves resident chunks to the
+host and is redone. The compile itself is protrain_fx/backend.py's, handed in."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
+import re
 import weakref
 
 import torch
@@ -43,9 +44,9 @@ class ProtrainGraph:
 
     A backward is redone the same way. A training call of a graph whose inputs other than
     parameters need no gradient (a whole model's: token ids, labels, masks) runs as one
-    :class:`_RedoableCall`: it keeps the call's inputs, random-number state and autocast state, and
-    its backward runs the compiled backward itself, recording which chunks' gradients it hands over
-    (protrain_fx/runtime/step_redo.py). Out of memory there, the plan is marked failed, the graph is
+    ``step_redo.RedoableCall``: it keeps the call's inputs, random-number state and autocast state,
+    and its backward runs the compiled backward itself, recording which chunks' gradients it hands
+    over. Out of memory there, the plan is marked failed, the graph is
     re-planned, the forward replayed on the same inputs with the same random numbers, and the
     backward run again, handing over only the chunks not handed over before; resident parameters'
     gradients reach ``.grad`` only when a backward completes. The user's ``loss.backward()`` returns
@@ -86,6 +87,10 @@ class ProtrainGraph:
         param_positions = {gi.index for gi, p in zip(graph_inputs, params) if p is not None}
         self._examples = [None if i in param_positions else e for i, e in enumerate(example_inputs)]
         self._tracing = torch._guards.TracingContext.try_get() if self._symbolic else None
+        # and the fakes dynamo traced its other tensor inputs as, which its fake mode forgets after
+        # the compile: converted anew, they got new symbols (a re-planned evaluation graph of an HF
+        # Llama at another batch size failed in Inductor, "expected [s52] to have been codegen-ed")
+        self._fakes = _compat.traced_fakes(self._tracing, self._examples)
         # the user's dict (get_plan finds plans by it) and it over the defaults; their optimizer
         # held weakly
         self._options, self._merged = options, merged
@@ -146,16 +151,27 @@ class ProtrainGraph:
         elif torch.is_grad_enabled() and (held := self._kept_grads(args)) is not None:
             self._plan_for_kept_grads(args, held)
         if self.choice is not None and torch.is_grad_enabled() and self._replayable(args):
-            out = _RedoableCall.apply(self, *args)
+            out = step_redo.RedoableCall.apply(self, *args)
             return list(out) if self._returns_list else out
         return self._forward(args)
 
     def _forward(self, args):
+        # a call without gradients (an evaluation) outside any plan's budget: see _make_room
+        no_plan = self.choice is None and not torch.is_grad_enabled()
+        record = step_redo.CallRecord(args) if no_plan else None
         while True:
             try:
                 out = self.binding(self.compiled, args)
                 break
             except torch.OutOfMemoryError as e:
+                if record is not None and self.replans < self.MAX_REPLANS:
+                    detail = str(e).splitlines()[0]
+                    release_frames(e)
+                    self._make_room(args, detail)
+                    torch.set_rng_state(record.cpu_rng)  # the redone call draws the same numbers
+                    if record.cuda_rng is not None:
+                        torch.cuda.set_rng_state_all(record.cuda_rng)
+                    continue
                 if (
                     self.choice is None
                     or self.replans >= self.MAX_REPLANS
@@ -172,6 +188,37 @@ class ProtrainGraph:
 
     _returns_list = False
 
+    def _make_room(self, args, detail: str) -> None:
+        """A call without gradients ran out of memory (``detail``) beside the resident state of the
+        training plan whose chunks it runs on (no plan budgets an evaluation's batch): resident
+        chunks move to the host with their optimizer state (replacement.make_room: at least twice
+        the failed request, doubling with each retry), this graph is compiled for the new placement,
+        the call is redone on the same inputs (the training graph re-plans at its next call);
+        one line says so. With nothing left to move, a StepOutOfMemory says what to do."""
+        self.replans += 1
+        m = re.search(r"Tried to allocate ([0-9.]+) ([KMG]i)?B", detail)
+        want = int(float(m[1]) * 1024 ** " KMG".index((m[2] or " ")[0])) if m else 0
+        opt = self._optimizer() if self._optimizer is not None else None
+        params = [r() for r in self._params if r is not None]
+        chunks, nbytes = replacement.make_room(params, want * 2**self.replans, opt)
+        if not chunks:
+            raise StepOutOfMemory(
+                f"protrain: out of device memory in graph {self.plan.graph_name}, a call without "
+                f"gradients ({detail}), and no resident chunk of its parameters can move to the "
+                "host to make room. Evaluate on a smaller batch, or give the training plan a "
+                "smaller memory_budget so that it leaves the room"
+            )
+        log.warning(
+            "protrain: out of device memory in graph %s, a call without gradients (%s): %d "
+            "resident chunks (%s) moved to the host with their optimizer state; compiling it for "
+            "that placement and redoing the call on the same inputs",
+            self.plan.graph_name,
+            detail,
+            chunks,
+            format_bytes(nbytes),
+        )
+        self._recompile(args, (), f"compiled again after running out of device memory ({detail})")
+
     def _replayable(self, args) -> bool:
         """Whether a backward of this call can be redone: some parameter needs a gradient and no
         other input does (those are activations of code outside the graph, which a replay would
@@ -185,8 +232,8 @@ class ProtrainGraph:
                 wants = True
         return wants
 
-    def _backward(self, call: "_CallRecord", grads) -> None:
-        """The backward of one :class:`_RedoableCall`: see the class docstring."""
+    def _backward(self, call: "step_redo.CallRecord", grads) -> None:
+        """The backward of one ``step_redo.RedoableCall``: see the class docstring."""
         while True:
             pairs = [(h, g) for h, g in zip(call.outputs, grads) if g is not None and h is not None]
             if not pairs:
@@ -376,6 +423,7 @@ class ProtrainGraph:
         examples = list(args)
         if self._symbolic and self._tracing is not None:
             examples = [a if e is None else e for a, e in zip(args, self._examples)]
+            _compat.remember_fakes(self._tracing, examples, self._fakes)
         # a tracing context of its own otherwise: Inductor records there the strides its forward
         # gives the saved activations, and compiles the backward for them (without one, a
         # re-planned HF Llama's backward asserted a transposed attention tensor it got contiguous)
@@ -401,104 +449,6 @@ class ProtrainGraph:
 
 class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
     """A backward under an automatic plan ran out of device memory (see :class:`ProtrainGraph`)."""
-
-
-class _CallRecord:
-    """What replaying one training call of a graph needs: its inputs, the random-number and
-    autocast state it ran under, where its backward starts (``outputs``: a gradient handle per
-    output that needs a gradient, holding the autograd graph but not the output's memory, which goes
-    with the caller's last reference as in eager: a logits tensor beside the loss is not kept
-    through backward; None for the others), and which chunks' gradients its backward has handed
-    over."""
-
-    def __init__(self, args):
-        self.args = args
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.autocast = [
-            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
-            for t in ("cpu", "cuda")
-            if t == "cpu" or torch.cuda.is_available()
-        ]
-        self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.outputs = None
-        self.handed_over: set = set()
-
-    @contextlib.contextmanager
-    def ambient(self):
-        """The forward's grad mode and autocast state (a backward runs on autograd's thread, which
-        has neither)."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.enable_grad())
-            for t, on, dtype in self.autocast:
-                stack.enter_context(
-                    torch.autocast(t, dtype=dtype, enabled=on, cache_enabled=self.autocast_cache)
-                )
-            yield
-
-    def replay(self, forward):
-        """The forward again, on the same inputs and random numbers; the generators left as they
-        were."""
-        cpu_now = torch.get_rng_state()
-        cuda_now = torch.cuda.get_rng_state_all() if self.cuda_rng is not None else None
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        try:
-            return handles(forward(self.args))
-        finally:
-            torch.set_rng_state(cpu_now)
-            if cuda_now is not None:
-                torch.cuda.set_rng_state_all(cuda_now)
-
-
-class _RedoableCall(torch.autograd.Function):
-    """A training call of a :class:`ProtrainGraph` whose backward can be redone (see there): the
-    compiled code's outputs (and autograd graph) stay inside, the caller gets them detached, and
-    this function's backward runs theirs."""
-
-    @staticmethod
-    def forward(ctx, graph, *args):
-        call = _CallRecord(args)
-        with torch.enable_grad():
-            out = graph._forward(args)
-        call.outputs = handles(out)
-        ctx.graph, ctx.call = graph, call
-        ctx.set_materialize_grads(False)
-        detached = []
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                d = o.detach()
-                if not o.requires_grad:
-                    ctx.mark_non_differentiable(d)
-                detached.append(d)
-            else:
-                detached.append(o)
-        return tuple(detached)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        call, ctx.call = ctx.call, None
-        if call is None:
-            raise ProtrainError(
-                "protrain: a second backward through the same call of a compiled graph "
-                "(retain_graph=True) is not supported under an automatic plan; run the forward "
-                "again"
-            )
-        try:
-            ctx.graph._backward(call, grads)
-        finally:
-            call.outputs = None
-        return (None,) * (1 + len(call.args))
-
-
-def handles(outputs) -> list:
-    """Per output of a compiled call: where a backward can start from it if it needs a gradient
-    (:func:`protrain_fx._compat.gradient_handle`), else None."""
-    return [
-        _compat.gradient_handle(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
-        for o in outputs
-    ]
 
 
 def _after_resident_grads(compiled):

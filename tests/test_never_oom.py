@@ -1210,3 +1210,146 @@ def test_chunks_moved_with_gradients_held_learn_their_count_from_a_whole_cycle(m
     assert losses == ref_losses
     for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
         assert torch.equal(p.detach(), q.detach()), name
+
+
+def _llama_pair(monkeypatch):
+    import copy
+
+    from hf_models import LossOnly, hf_llama
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    base = LossOnly(hf_llama())
+    return copy.deepcopy(base), copy.deepcopy(base)
+
+
+def _clipped_steps(model, call, opt, batches):
+    losses = []
+    for x, _ in batches:
+        loss = call(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _evaluate(call, x):
+    with torch.no_grad():
+        return call(x, x).item()
+
+
+def test_an_evaluation_that_runs_out_of_memory_moves_resident_chunks_and_is_redone(
+    monkeypatch, caplog
+):
+    """An evaluation under ``no_grad`` (no plan budgets its batch) runs out of device memory beside
+    the training plan's resident chunks: resident chunks move to the host with their optimizer
+    state, the evaluation graph is compiled for that placement and the call redone on the same
+    inputs (its loss is eager's), one line says so; the training graph re-plans at its next call,
+    and training, the evaluations and the optimizer's state stay eager's (HF Llama, tied
+    embeddings, its own loss, clipping)."""
+    from hf_models import HF_VOCAB
+
+    ref, mine = _llama_pair(monkeypatch)
+    data = random_batches(4, 2, 16, vocab=HF_VOCAB)
+    held_out = random_batches(1, 4, 16, vocab=HF_VOCAB, seed=7)[0][0]  # twice the batch
+    ref_opt, opt = make_adamw(ref), make_adamw(mine)
+    compiled = compiled_under(mine, opt, 3 * state_bytes(mine))
+    ref_losses = _clipped_steps(ref, ref, ref_opt, data[:2])
+    ref_evals = [_evaluate(ref, held_out)]
+    losses = _clipped_steps(mine, compiled, opt, data[:2])
+    evals = [_evaluate(compiled, held_out)]  # the evaluation graph, compiled and run
+    first = protrain_fx.get_plan(compiled)
+    assert 0 < first.n_persist < len(first.chunks), (first.n_persist, len(first.chunks))
+    calls = inject_oom(monkeypatch, "gather", 1)
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        evals.append(_evaluate(compiled, held_out))
+        assert calls["raised"] == 1
+        said = [r.getMessage() for r in caplog.records if "without gradients" in r.getMessage()]
+        assert len(said) == 1 and "moved to the host" in said[0] and "redoing" in said[0], said
+        ref_evals.append(_evaluate(ref, held_out))
+        losses += _clipped_steps(mine, compiled, opt, data[2:])
+        evals.append(_evaluate(compiled, held_out))
+    assert "planning it again" in caplog.text, caplog.text  # the training graph, for the move
+    ref_losses += _clipped_steps(ref, ref, ref_opt, data[2:])
+    ref_evals.append(_evaluate(ref, held_out))
+    assert protrain_fx.get_plan(compiled).n_persist < first.n_persist
+    assert rel(losses, ref_losses) <= 1e-5 and rel(evals, ref_evals) <= 1e-5, (evals, ref_evals)
+    assert compare(mine.state_dict(), ref.state_dict()) <= 1e-5
+    mine_sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    for k, s in ref_sd["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            got = mine_sd["state"][k][name].detach().cpu().double()
+            assert torch.allclose(got, s[name].double(), rtol=1e-5, atol=1e-9), (k, name)
+
+
+def test_an_evaluation_out_of_memory_with_nothing_resident_says_what_to_do(monkeypatch):
+    """With every chunk already on the host nothing can make room: a StepOutOfMemory (a
+    ``torch.OutOfMemoryError``) says to evaluate on a smaller batch or give training a smaller
+    budget, and the model is untouched: training goes on like eager."""
+    from hf_models import HF_VOCAB
+
+    ref, mine = _llama_pair(monkeypatch)
+    data = random_batches(3, 2, 16, vocab=HF_VOCAB)
+    ref_opt, opt = make_adamw(ref), make_adamw(mine)
+    compiled = compiled_under(mine, opt, 3 * state_bytes(mine), n_persist=0)
+    ref_losses = _clipped_steps(ref, ref, ref_opt, data)
+    losses = _clipped_steps(mine, compiled, opt, data[:1])
+    _evaluate(compiled, data[0][0])
+    inject_oom(monkeypatch, "gather", 1)
+    with pytest.raises(StepOutOfMemory, match="smaller batch"):
+        _evaluate(compiled, data[0][0])
+    losses += _clipped_steps(mine, compiled, opt, data[1:])
+    assert rel(losses, ref_losses) <= 1e-5
+    assert compare(mine.state_dict(), ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("where", ["evaluation", "training"])
+def test_a_dynamic_evaluation_graph_is_compiled_again_for_moved_chunks_under_inductor(
+    monkeypatch, caplog, where
+):
+    """Evaluation in ``model.eval()`` under ``no_grad`` at twice the training batch, the HF model
+    called as users do (``labels=``, its output's loss and logits): dynamo compiles that graph with
+    a symbolic batch size. Resident chunks move to the host, because the evaluation ran out of
+    memory or because the training forward did and was re-planned; the evaluation graph is then
+    compiled again, under Inductor, with the symbols dynamo traced it with (converted anew, its
+    example inputs got new ones and Inductor failed: "expected [s52] to have been codegen-ed"), and
+    the losses and logits stay eager's (HF Llama, tied embeddings, clipping)."""
+    import copy
+
+    from hf_models import HF_VOCAB, hf_llama
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    # head size 16 as the sequence: fakes made anew size both alike (the failure needed that)
+    base = hf_llama(hidden_size=64, intermediate_size=128)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    data = random_batches(4, 2, 16, vocab=HF_VOCAB)
+    held_out = random_batches(1, 4, 16, vocab=HF_VOCAB, seed=7)[0][0]
+    ref_opt, opt = make_adamw(ref), make_adamw(mine)
+    compiled = compiled_under(mine, opt, 3 * state_bytes(mine), compiler="inductor")
+
+    def step(model, call, optimizer, x, oom_in):
+        if oom_in == "training":
+            inject_oom(monkeypatch, "gather", 1)
+        loss = call(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        model.eval()
+        if oom_in == "evaluation":
+            inject_oom(monkeypatch, "gather", 1)
+        with torch.no_grad():
+            out = call(input_ids=held_out, labels=held_out)
+        model.train()
+        return [loss.item(), out.loss.item(), out.logits.double().abs().sum().item()]
+
+    ref_out, out = [], []
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        for i, (x, _) in enumerate(data):
+            out += step(mine, compiled, opt, x, where if i == 2 else None)
+            ref_out += step(ref, ref, ref_opt, x, None)
+    moved = "without gradients" if where == "evaluation" else "in the forward of graph"
+    assert moved in caplog.text and "planning it again" in caplog.text, caplog.text
+    assert rel(out, ref_out) <= 1e-5, (out, ref_out)
+    assert compare(mine.state_dict(), ref.state_dict()) <= 1e-4

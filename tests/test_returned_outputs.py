@@ -1,9 +1,9 @@
 """What a training call under an automatic plan keeps of its outputs: a backward that runs out of
-memory is redone (compiled_graph._RedoableCall), for which the call keeps where its backward starts
-(gradient handles), not the outputs themselves. An output the caller drops is freed then, as in
-eager: Hugging Face's causal LMs return their logits beside the loss, and on the H200 the 1B Llama
-shape's 1 GiB of logits stayed alive to the end of backward (benchmarks/results, run 29), a table's
-worth of memory more than the plan had predicted."""
+memory is redone (runtime/step_redo.py, RedoableCall), for which the call keeps where its backward
+starts (gradient handles), not the outputs themselves. An output the caller drops is freed then, as
+in eager: Hugging Face's causal LMs return their logits beside the loss, and on the H200 the 1B
+Llama shape's 1 GiB of logits stayed alive to the end of backward (benchmarks/results, run 29), a
+table's worth of memory more than the plan had predicted."""
 
 from __future__ import annotations
 

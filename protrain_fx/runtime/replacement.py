@@ -91,6 +91,30 @@ def offload_beyond(layout, graph_inputs: list, params: list, n_persist: int, opt
         )
 
 
+def make_room(params: list, nbytes: int, optimizer=None) -> tuple[int, int]:
+    """Move the last resident chunks of the stores of ``params`` to the host until at least
+    ``nbytes`` of them moved (at least one chunk), for a call without gradients (an evaluation)
+    that ran out of device memory beside the training plan's resident state. Only where
+    :func:`may_offload` allows it with the optimizer protrain already steps for the stores'
+    offloaded chunks (else ``optimizer``, the user's); returns how many chunks moved and their
+    bytes ((0, 0): none could)."""
+    params = [p for p in params if p is not None]
+    stores = list({id(s): s for s in map(store_of, params) if s is not None}.values())
+    live = [h for s in stores if (h := s.live_optimizer()) is not None]
+    optimizer = live[0]._opt._ref() if live else optimizer
+    if not may_offload(params, optimizer):
+        return 0, 0
+    chunks = moved = 0
+    for s in reversed(stores):  # the last chunks of the last store first, as a plan would
+        keep = s.n_persist
+        while keep > 0 and moved < max(nbytes, 1):
+            keep -= 1
+            moved += s.layout.used_bytes(keep)
+        if keep < s.n_persist:
+            chunks += offload_resident(s, keep, optimizer)[0]
+    return chunks, moved
+
+
 def offload_resident(store, n_persist: int, optimizer=None) -> tuple[int, int]:
     """Make chunks ``n_persist .. store.n_persist - 1`` of ``store`` offloaded (see the module
     docstring); ``optimizer``: the user's, which protrain then steps them for. Returns how many

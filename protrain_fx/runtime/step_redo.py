@@ -11,11 +11,20 @@ runs each backward of a step inside :func:`handing_over` with one set for the st
 gradients are handed over only if the set does not hold them yet (:func:`first_time`), and are
 added to it once they are (:func:`handed_over`). Outside such a backward (a fixed plan, a graph run
 by hand) everything is handed over, as always.
+
+A training call whose backward can be redone runs as a :class:`RedoableCall`, which keeps a
+:class:`CallRecord` of its inputs, random-number and autocast state (enough to replay the forward)
+and where its backward starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+
+import torch
+
+from protrain_fx import _compat
+from protrain_fx.errors import ProtrainError
 
 # the set of the backward running now (one at a time: autograd runs a device's backward functions
 # on one thread; a backward inside another, the profiler's in a re-plan, runs with None), and how
@@ -50,3 +59,101 @@ def first_time(key: tuple) -> tuple | None:
 def handed_over(record: tuple) -> None:
     if _current is not None:
         _current.add(record)
+
+
+class CallRecord:
+    """What replaying one training call of a graph needs: its inputs, the random-number and
+    autocast state it ran under, where its backward starts (``outputs``: a gradient handle per
+    output that needs a gradient, holding the autograd graph but not the output's memory, which goes
+    with the caller's last reference as in eager: a logits tensor beside the loss is not kept
+    through backward; None for the others), and which chunks' gradients its backward has handed
+    over."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.autocast = [
+            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+            for t in ("cpu", "cuda")
+            if t == "cpu" or torch.cuda.is_available()
+        ]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.outputs = None
+        self.handed_over: set = set()
+
+    @contextlib.contextmanager
+    def ambient(self):
+        """The forward's grad mode and autocast state (a backward runs on autograd's thread, which
+        has neither)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            for t, on, dtype in self.autocast:
+                stack.enter_context(
+                    torch.autocast(t, dtype=dtype, enabled=on, cache_enabled=self.autocast_cache)
+                )
+            yield
+
+    def replay(self, forward):
+        """The forward again, on the same inputs and random numbers; the generators left as they
+        were."""
+        cpu_now = torch.get_rng_state()
+        cuda_now = torch.cuda.get_rng_state_all() if self.cuda_rng is not None else None
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        try:
+            return handles(forward(self.args))
+        finally:
+            torch.set_rng_state(cpu_now)
+            if cuda_now is not None:
+                torch.cuda.set_rng_state_all(cuda_now)
+
+
+class RedoableCall(torch.autograd.Function):
+    """A training call of a ``ProtrainGraph`` (protrain_fx/compiled_graph.py) whose backward can be
+    redone (see there): the compiled code's outputs (and autograd graph) stay inside, the caller
+    gets them detached, and this function's backward runs theirs."""
+
+    @staticmethod
+    def forward(ctx, graph, *args):
+        call = CallRecord(args)
+        with torch.enable_grad():
+            out = graph._forward(args)
+        call.outputs = handles(out)
+        ctx.graph, ctx.call = graph, call
+        ctx.set_materialize_grads(False)
+        detached = []
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                d = o.detach()
+                if not o.requires_grad:
+                    ctx.mark_non_differentiable(d)
+                detached.append(d)
+            else:
+                detached.append(o)
+        return tuple(detached)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call, ctx.call = ctx.call, None
+        if call is None:
+            raise ProtrainError(
+                "protrain: a second backward through the same call of a compiled graph "
+                "(retain_graph=True) is not supported under an automatic plan; run the forward "
+                "again"
+            )
+        try:
+            ctx.graph._backward(call, grads)
+        finally:
+            call.outputs = None
+        return (None,) * (1 + len(call.args))
+
+
+def handles(outputs) -> list:
+    """Per output of a compiled call: where a backward can start from it if it needs a gradient
+    (:func:`protrain_fx._compat.gradient_handle`), else None."""
+    return [
+        _compat.gradient_handle(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+        for o in outputs
+    ]
