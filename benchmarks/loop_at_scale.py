@@ -96,11 +96,18 @@ def run(model_name: str, system: str, steps: int, checkpoint: bool = True) -> di
     train, evaluation = batches(spec, batch, seq, steps)
     losses, norms, lrs, evals, times = [], [], [], [], []
     phases = []  # per step: ms to the end of the last backward, of the clip, of opt.step()
-    peaks: dict[str, float] = {}  # reserved peak (GiB) per part of the loop
+    # reserved and allocated peaks (GiB) per part of the loop: a reset leaves the reserved peak at
+    # what the allocator keeps cached (an evaluation's segments stay in the next steps' peak), the
+    # allocated one at what is alive, so the allocated peaks say which part needs the memory
+    peaks: dict[str, float] = {}
+    allocated: dict[str, float] = {}
 
     def peak_of(part: str) -> None:
-        reserved = torch.cuda.max_memory_reserved(dev) / 2**30
-        peaks[part] = round(max(peaks.get(part, 0.0), reserved), 3)
+        for table, now in (
+            (peaks, torch.cuda.max_memory_reserved(dev)),
+            (allocated, torch.cuda.max_memory_allocated(dev)),
+        ):
+            table[part] = round(max(table.get(part, 0.0), now / 2**30), 3)
         torch.cuda.reset_peak_memory_stats(dev)
 
     for i in range(steps):
@@ -135,7 +142,13 @@ def run(model_name: str, system: str, steps: int, checkpoint: bool = True) -> di
         phases.append([round(ev[0].elapsed_time(e), 1) for e in ev[1:]])
         if i == 0:
             out["first_step_s"] = round(time.perf_counter() - t0, 2)
-        peak_of("first step" if i == 0 else "training steps")
+        peak_of(
+            "first step"
+            if i == 0
+            else "training steps after an evaluation"
+            if evals
+            else "training steps"
+        )
         if i % 4 == 3:
             model.eval()
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -167,6 +180,7 @@ def run(model_name: str, system: str, steps: int, checkpoint: bool = True) -> di
         phases_ms=[round(statistics.median(p[k] for p in phases[3:]), 1) for k in range(3)],
         peak_reserved_gib=max(peaks.values()),
         peaks_reserved_gib=peaks,
+        peaks_allocated_gib=allocated,
     )
     if system == "protrain":
         import protrain_fx
@@ -249,11 +263,14 @@ def compare(mine: dict, ref: dict) -> dict:
     return worst
 
 
-def by_part(peaks: dict | None) -> str:
-    """The reserved peak of each part of the loop, as `<br>first step 22.1, ...`."""
-    if not peaks:
-        return ""
-    return "<br>" + ", ".join(f"{part} {gib:.2f}" for part, gib in peaks.items())
+def by_part(peaks: dict | None, allocated: dict | None = None) -> str:
+    """The reserved peak of each part of the loop, as `<br>first step 22.1, ...`, and the allocated
+    peaks where the row has them (`<br>allocated: first step 20.3, ...`)."""
+    out = ""
+    for label, table in (("", peaks), ("allocated: ", allocated)):
+        if table:
+            out += "<br>" + label + ", ".join(f"{part} {gib:.2f}" for part, gib in table.items())
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -273,7 +290,7 @@ def table(rows: list[dict]) -> str:
             f"{fmt('checkpoint_sum')}, {fmt('printed_weight')} | "
             f"{r.get('predicted_peak_reserved_gib', 0):.2f} / "
             f"{r.get('peak_reserved_gib', 0):.2f} ({r.get('cap_gib', '-')})"
-            f"{by_part(r.get('peaks_reserved_gib'))} | "
+            f"{by_part(r.get('peaks_reserved_gib'), r.get('peaks_allocated_gib'))} | "
             f"{r.get('step_s', 0):.3f} | {' / '.join(map(str, r.get('phases_ms', [])))} | "
             f"{r.get('first_step_s', '-')} | "
             f"{'; '.join(r.get('plans', []))} |"

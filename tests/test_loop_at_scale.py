@@ -69,3 +69,8 @@ def test_the_table_shows_the_reserved_peak_of_each_part_of_the_loop():
     }
     line = loop_at_scale.table([row]).splitlines()[-1]
     assert "21.76 / 23.09 (24)<br>first step 22.10, training steps 21.90, evaluation 23.09" in line
+    row["peaks_allocated_gib"] = {"first step": 20.3, "training steps": 20.1, "evaluation": 21.5}
+    line = loop_at_scale.table([row]).splitlines()[-1]
+    assert (
+        "evaluation 23.09<br>allocated: first step 20.30, training steps 20.10, evaluation " in line
+    )
