@@ -1090,15 +1090,9 @@ def test_a_replan_moves_resident_chunks_with_their_optimizer_state_and_training_
 
     def run(model, call, opt, batches):
         losses, evals = [], []
-        for x, _ in batches:
-            loss = call(x, x)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            with torch.no_grad():
-                evals.append(call(held_out, held_out).item())
+        for batch in batches:
+            losses += _clipped_steps(model, call, opt, [batch])
+            evals.append(_evaluate(call, held_out))
         return losses, evals
 
     ref_opt = make_adamw(ref)
