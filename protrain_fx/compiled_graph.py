@@ -200,13 +200,18 @@ class ProtrainGraph:
         want = int(float(m[1]) * 1024 ** " KMG".index((m[2] or " ")[0])) if m else 0
         opt = self._optimizer() if self._optimizer is not None else None
         params = [r() for r in self._params if r is not None]
-        chunks, nbytes = replacement.make_room(params, want * 2**self.replans, opt)
+        given = Options.from_dict(self._merged).n_persist is not None  # a placement by hand stays
+        chunks, nbytes = (
+            (0, 0) if given else replacement.make_room(params, want << self.replans, opt)
+        )
         if not chunks:
             raise StepOutOfMemory(
                 f"protrain: out of device memory in graph {self.plan.graph_name}, a call without "
                 f"gradients ({detail}), and no resident chunk of its parameters can move to the "
-                "host to make room. Evaluate on a smaller batch, or give the training plan a "
-                "smaller memory_budget so that it leaves the room"
+                "host to make room ("
+                + ("n_persist is given" if given else "none is resident, or the store forbids it")
+                + "). Evaluate on a smaller batch, or give training a smaller memory_budget so "
+                "that it leaves the room"
             )
         log.warning(
             "protrain: out of device memory in graph %s, a call without gradients (%s): %d "

@@ -1277,22 +1277,25 @@ def test_an_evaluation_that_runs_out_of_memory_moves_resident_chunks_and_is_redo
             assert torch.allclose(got, s[name].double(), rtol=1e-5, atol=1e-9), (k, name)
 
 
-def test_an_evaluation_out_of_memory_with_nothing_resident_says_what_to_do(monkeypatch):
-    """With every chunk already on the host nothing can make room: a StepOutOfMemory (a
-    ``torch.OutOfMemoryError``) says to evaluate on a smaller batch or give training a smaller
-    budget, and the model is untouched: training goes on like eager."""
+@pytest.mark.parametrize("n_persist", [0, 2])
+def test_an_evaluation_out_of_memory_with_no_chunk_to_move_says_what_to_do(monkeypatch, n_persist):
+    """With every chunk already on the host, or the placement given by hand (``n_persist``), nothing
+    moves: a StepOutOfMemory (a ``torch.OutOfMemoryError``) says why and to evaluate on a smaller
+    batch or give training a smaller budget, and the model is untouched: training goes on like
+    eager."""
     from hf_models import HF_VOCAB
 
     ref, mine = _llama_pair(monkeypatch)
     data = random_batches(3, 2, 16, vocab=HF_VOCAB)
     ref_opt, opt = make_adamw(ref), make_adamw(mine)
-    compiled = compiled_under(mine, opt, 3 * state_bytes(mine), n_persist=0)
+    compiled = compiled_under(mine, opt, 3 * state_bytes(mine), n_persist=n_persist)
     ref_losses = _clipped_steps(ref, ref, ref_opt, data)
     losses = _clipped_steps(mine, compiled, opt, data[:1])
     _evaluate(compiled, data[0][0])
     inject_oom(monkeypatch, "gather", 1)
-    with pytest.raises(StepOutOfMemory, match="smaller batch"):
+    with pytest.raises(StepOutOfMemory, match="n_persist is given.*smaller batch"):
         _evaluate(compiled, data[0][0])
+    assert protrain_fx.get_plan(compiled).n_persist == n_persist
     losses += _clipped_steps(mine, compiled, opt, data[1:])
     assert rel(losses, ref_losses) <= 1e-5
     assert compare(mine.state_dict(), ref.state_dict()) <= 1e-5
