@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import re
 import weakref
 
 import torch
@@ -22,6 +21,7 @@ from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.machine import allocator
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
+from protrain_fx.profiling.frugal import oom_request_bytes
 from protrain_fx.profiling.step_meter import StepMeter
 from protrain_fx.runtime import distributed, replacement, step_redo
 from protrain_fx.runtime.binding import GraphBinding
@@ -196,8 +196,7 @@ class ProtrainGraph:
         the call is redone on the same inputs (the training graph re-plans at its next call);
         one line says so. With nothing left to move, a StepOutOfMemory says what to do."""
         self.replans += 1
-        m = re.search(r"Tried to allocate ([0-9.]+) ([KMG]i)?B", detail)
-        want = int(float(m[1]) * 1024 ** " KMG".index((m[2] or " ")[0])) if m else 0
+        want = oom_request_bytes(detail)
         opt = self._optimizer() if self._optimizer is not None else None
         params = [r() for r in self._params if r is not None]
         given = Options.from_dict(self._merged).n_persist is not None  # a placement by hand stays

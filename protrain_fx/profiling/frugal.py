@@ -28,22 +28,22 @@ from protrain_fx.runtime.param_values import dissolve_store
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
+def oom_request_bytes(message: str) -> int:
+    """The request that failed, from a CUDA out-of-memory message (0 where it names none)."""
+    m = re.search(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)", message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
+
+
 def oom_need_bytes(e: BaseException, device: torch.device) -> int:
     """What a step that ran out of device memory needed at least: what was allocated when it failed
     plus the request that failed (from torch's message; what is allocated now where it says
     nothing)."""
     msg = str(e)
-    found = {
-        key: float(m.group(1)) * _UNITS[m.group(2)]
-        for key, pattern in (
-            ("request", r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)"),
-            ("allocated", r"([\d.]+) (B|KiB|MiB|GiB|TiB) is allocated by PyTorch"),
-        )
-        if (m := re.search(pattern, msg))
-    }
-    if "allocated" not in found:
-        found["allocated"] = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    return int(found["allocated"] + found.get("request", 0))
+    if m := re.search(r"([\d.]+) (B|KiB|MiB|GiB|TiB) is allocated by PyTorch", msg):
+        allocated = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    return int(allocated + oom_request_bytes(msg))
 
 
 def profile_frugal(
