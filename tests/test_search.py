@@ -358,6 +358,31 @@ def test_the_automatic_plan_keeps_no_copies_where_that_is_faster():
     assert res3.best.knobs.transfer_copies and why is None
 
 
+def test_a_host_that_fits_only_plans_without_copies():
+    """The host holds the offloaded chunk at 16 bytes a parameter, not 18 with its bf16 copy: the
+    plan keeps no copies and says why (the copies' search failed fast, without the budgets that
+    would do); a host too small for either raises the copies' error naming the smallest pinned
+    memory, as the search alone does."""
+    from protrain_fx.plan.search import search_or_without_copies
+
+    ch = ChunkProfile(numel=50 * 10**6, fwd_s=0.010, bwd_s=0.002)
+    prof = GraphProfile(
+        chunk_size=256 * MiB, blocks=(), chunks=(ch, ch), transfer_elem=2, resident_cast_elem=2
+    )
+    budget = 2**40
+    lean = search([dataclasses.replace(prof, transfer_copies=False)], HW, budget, None, n_persist=1)
+    host = lean.best.host_bytes  # 16 bytes a parameter and the staging: not the copies' 18
+    res, why = search_or_without_copies([prof], HW, budget, host, True, n_persist=1)
+    assert not res.best.knobs.transfer_copies and res.best.host_bytes <= host
+    assert "no plan with host transfer copies" in why and "transfer_copies=False" in why
+    with pytest.raises(NoPlanFits) as alone:
+        search([prof], HW, budget, host - 1, n_persist=1)
+    with pytest.raises(NoPlanFits) as both:
+        search_or_without_copies([prof], HW, budget, host - 1, True, n_persist=1)
+    assert str(both.value) == str(alone.value) and "smallest needs" in str(both.value)
+    assert both.value.min_host_bytes == alone.value.min_host_bytes
+
+
 def test_autocast_casts_are_priced():
     """With autocast (resident_cast_elem 2: fp32 resident parameters cast to bf16), forward pays one
     cast of each resident parameter, backward the gradients' cast back plus the recast of
@@ -530,6 +555,37 @@ def test_the_lower_bound_holds_with_chunks_sharded_on_the_devices(profs, budget_
                     if lc.peak_bytes(p, sh) <= budget
                 ]
                 assert not times or bound <= min(times) * (1 + 1e-9)
+
+
+@SETTINGS
+@given(
+    profs=profiles(),
+    budget_mib=st.integers(100, 12000),
+    host_mib=st.integers(0, 40000),
+    copies=st.booleans(),
+)
+def test_the_lower_bound_holds_under_a_host_budget(profs, budget_mib, host_mib, copies):
+    """With a host budget the bound also counts the resident parameters the host forces (what the
+    offloaded ones' pinned states leave): still under every plan of the layout that fits the device
+    and the host, and infinite (the layout skipped unpriced) only where no plan fits both."""
+    from protrain_fx.plan.cost_model import LayoutCosts, _ProfileArrays
+
+    budget, host = budget_mib * MiB, host_mib * MiB
+    for prof in (dataclasses.replace(p, transfer_copies=copies) for p in profs):
+        n_blocks, n = len(prof.blocks), len(prof.chunks)
+        arrays = _ProfileArrays(prof, HW, 1)
+        for n_swap in range(n_blocks + 1):
+            for n_ckpt in range(n_blocks - n_swap + 1):
+                bound = arrays.lower_bound_s(n_swap, n_ckpt, budget, False, host)
+                lc = LayoutCosts(prof, HW, 1, n_swap, n_ckpt, arrays)
+                times = [
+                    lc.time_s(p)
+                    for p in range(n + 1)
+                    if lc.peak_bytes(p) <= budget and lc.host_bytes(p) <= host
+                ]
+                assert not times or bound <= min(times) * (1 + 1e-9)
+                # and never looser than without the host: it only adds a constraint
+                assert bound >= arrays.lower_bound_s(n_swap, n_ckpt, budget) * (1 - 1e-12)
 
 
 def test_swap_waits_block_by_block():

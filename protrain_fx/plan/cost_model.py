@@ -226,7 +226,7 @@ class _ProfileArrays:
         )
 
     def lower_bound_s(
-        self, n_swap: int, n_checkpoint: int, device_budget: int | None = None, shards=False
+        self, n_swap: int, n_checkpoint: int, device_budget=None, shards=False, host_budget=None
     ) -> float:
         """A time no plan of this (n_swap, n_checkpoint) can beat, in O(1): forward's and backward's
         compute, the recompute of its checkpointed blocks, the swap copy it cannot hide even with no
@@ -238,7 +238,9 @@ class _ProfileArrays:
         fits next to the layout's activations: resident parameters and their two moments,
         activations and transient, times the allocator factor, are part of every peak. With
         ``shards`` (chunks may be sharded on the devices) a parameter may be sharded instead
-        (ranks_cost.least_step_bound)."""
+        (ranks_cost.least_step_bound). With a ``host_budget`` (one rank) ``R`` is at least what
+        leaves the offloaded parameters' pinned bytes within it; ``math.inf`` where no ``R`` fits
+        both (a search at the host's edge skips the layout unpriced)."""
         prof, hw = self.prof, self.hw
         nbytes = self.swappable[n_swap]
         copy = nbytes / hw.d2h_bytes_per_s + nbytes / hw.h2d_bytes_per_s
@@ -267,9 +269,11 @@ class _ProfileArrays:
         # a sharded parameter: its device step on the device's side (its collectives may hide
         # behind compute), no CPU step (ranks_cost.py)
         n = hw.world_size
-        shard = (gpu / n, gpu / n - cpu, (2 + ADAM_STATES) * me / n)
+        shard = (gpu / n, gpu / n - cpu, (2 + ADAM_STATES) * me / n) if shards else None
         resident_b = (1 + ADAM_STATES) * me
-        return least_step_bound(device, host, total, room, resident_b, shard if shards else None)
+        hb = math.inf if host_budget is None or n > 1 else host_budget  # the host forces R up
+        low = total - hb / prof.host_bytes_per_offloaded
+        return least_step_bound(device, host, total, room, resident_b, shard, low)
 
 
 class LayoutCosts:
@@ -374,14 +378,10 @@ class LayoutCosts:
         prof, first = self.prof, n_persist + n_shard  # the first chunk on the host
         offloaded = (self.numel[-1] - self.numel[first]) // self.hw.world_size
         packed = 0 if self.hw.grads_added_on_device else self.grad_numel[first]
-        # fp32 master, gradient accumulator and two moments, the transfer copy; the staging of
-        # packed gradients (master dtype, runtime/chunk_grads.py; none where they are summed on the
-        # device, runtime/grad_add.py) and of oversized ones (their own dtype); the swap pool
-        per_param = prof.master_elem * (2 + ADAM_STATES) + (
-            prof.upload_elem if prof.upload_elem != prof.master_elem else 0
-        )
+        # master, accumulator, moments, copy; the staging of packed gradients (none where summed
+        # on the device, runtime/grad_add.py) and of oversized ones (their dtype); the swap pool
         return (
-            offloaded * per_param
+            offloaded * prof.host_bytes_per_offloaded
             + (STAGING * packed * prof.master_elem if packed else 0)
             + self.oversized_staging[first]
             + self.swapped_total(n_persist)

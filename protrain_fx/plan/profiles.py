@@ -155,6 +155,13 @@ class GraphProfile:
         return self.transfer_elem if self.transfer_copies else self.master_elem
 
     @property
+    def host_bytes_per_offloaded(self) -> int:
+        """Pinned host bytes an offloaded parameter keeps: fp32 master, gradient accumulator and
+        two moments, and the transfer copy where it is kept (cost_model.LayoutCosts.host_bytes)."""
+        copy = self.upload_elem if self.upload_elem != self.master_elem else 0
+        return self.master_elem * (2 + ADAM_STATES) + copy
+
+    @property
     def upload_staging_bytes(self) -> int:
         """The device staging masters go up through without transfer copies (none needed where
         the two dtypes agree)."""

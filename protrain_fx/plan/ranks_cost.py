@@ -95,19 +95,27 @@ def shard_counts(hw: Hardware, n_shard: int | None, n_chunks: int, n_persist: in
     return range(left + 1)
 
 
-def least_step_bound(device, cpu, total: float, room: float, resident_b: float, shard=None):
+def least_step_bound(
+    device, cpu, total: float, room: float, resident_b: float, shard=None, r_low: float = 0.0
+):
     """The least ``max(a, b)`` of two lines over the plans the memory allows (the search's lower
     bound, cost_model._ProfileArrays.lower_bound_s): ``a = a0 + a1 R (+ sa S)`` the device's side,
     ``b = b0 + b1 R (+ sb S)`` the CPU optimizer's, with ``R`` resident parameters (``resident_b``
     bytes of states each) and, given ``shard = (sa, sb, shard_b)``, ``S`` parameters sharded on the
     devices (``shard_b`` bytes each): ``R, S >= 0``, ``R + S <= total``, ``R resident_b + S
     shard_b <= room``. A convex piecewise-linear function over a convex polygon: least at a vertex
-    or where ``a = b`` crosses an edge."""
+    or where ``a = b`` crosses an edge. ``r_low`` (no shards): ``R`` at least that (what the host
+    leaves the device); ``math.inf`` where that does not fit the room."""
     (a0, a1), (b0, b1) = device, cpu
     sa, sb, shard_b = shard if shard is not None else (0.0, 0.0, math.inf)
     r_top = min(total, room / resident_b) if resident_b else total
     s_top = min(total, room / shard_b) if shard_b else total
-    corners = [(0.0, 0.0), (max(0.0, r_top), 0.0)]
+    if r_low > 0 and shard is None:
+        if r_low * resident_b > room:
+            return math.inf
+        corners = [(r_low, 0.0), (max(r_low, r_top), 0.0)]
+    else:
+        corners = [(0.0, 0.0), (max(0.0, r_top), 0.0)]
     if shard is not None and s_top > 0 and r_top >= 0:
         # where R + S = total meets the memory line, if inside the first quadrant
         both = (room - total * shard_b) / (resident_b - shard_b) if resident_b != shard_b else -1

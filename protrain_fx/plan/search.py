@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import math
 import time
 from dataclasses import dataclass
 
@@ -75,11 +76,14 @@ def search(
     min_n_buffer: int = 1,
     max_n_persist: int | None = None,
     n_shard: int | None = None,
+    explain: bool = True,
 ) -> SearchResult:
     """The fastest plan that fits; the profiles are one per candidate chunk size (one if the size is
     given); ``max_n_persist``: at most that many resident chunks (a re-plan that may move resident
     chunks to the host, never back). With several ranks ``n_shard`` chunks after the resident ones
     are sharded on the devices (plan/ranks_cost.py): given, or every count searched (``None``).
+    Where no plan fits, the :class:`NoPlanFits` names the smallest budgets that would do, priced
+    over every layout again (as long as the search); ``explain=False`` raises it without them.
     The cyclic garbage collector is paused meanwhile: the search makes many small short-lived
     objects, and a full collection over everything torch has loaded, when one falls inside it,
     costs more than the search."""
@@ -98,6 +102,7 @@ def search(
             min_n_buffer=min_n_buffer,
             max_n_persist=max_n_persist,
             n_shard=n_shard,
+            explain=explain,
         )
     finally:
         if enabled:
@@ -117,6 +122,7 @@ def _search(
     min_n_buffer,
     max_n_persist,
     n_shard,
+    explain,
 ) -> SearchResult:
     t0 = time.perf_counter()
 
@@ -180,7 +186,7 @@ def _search(
                     if s + k <= n_blocks:
                         layouts.append(
                             (
-                                arrays.lower_bound_s(s, k, device_budget, shards),
+                                arrays.lower_bound_s(s, k, device_budget, shards, host_budget),
                                 len(layouts),
                                 prof,
                                 nb,
@@ -196,8 +202,9 @@ def _search(
             # margin
             break
             # keeps a rounding difference between the two sums from dropping a tie
-        if arrays.peak_lower_bound(s, k) > device_budget:
-            # no n_persist of it fits (if no plan does, the error pass below prices it anyway)
+        if bound == math.inf or arrays.peak_lower_bound(s, k) > device_budget:
+            # no n_persist of it fits the device, or none both the device and the host (if no plan
+            # does, the error pass below prices it anyway)
             continue
         lc = LayoutCosts(prof, hw, nb, s, k, arrays)
         for p, sh in plans(prof, lc) if shards else ((p, 0) for p in persists(prof)):
@@ -213,6 +220,12 @@ def _search(
             key = plan_key(t, p, s, k, peak, prof.chunk_size, nb, sh)
             if best_key is None or key < best_key:
                 best_key, best = key, lc.predict(p, sh)
+    if best is None and not explain:
+        raise NoPlanFits(
+            f"no plan fits both the device budget ({format_bytes(device_budget)}) and the host "
+            "memory protrain may pin"
+            + (f" ({format_bytes(max(0, host_budget))})" if host_budget is not None else "")
+        )
     if best is None:  # the smallest peak and pinned footprint over every layout, for the error
         # and the smallest peak of the plans whose pinned memory fits the host: the device budget
         # that would do where the host is what is short (more resident chunks, less pinned)
@@ -326,19 +339,22 @@ def search_or_without_copies(
     parameter and a CPU step that writes no copy (faster: ``Hardware.cpu_s_per_param``). The faster
     plan of the two that fit (copies on a tie), with a note that says why when it keeps none; the
     first search's error when neither fits."""
-    try:
-        res, with_copies = search(profiles, hw, device_budget, host_budget, **knobs), None
+    lean = [dataclasses.replace(p, transfer_copies=False) for p in profiles]
+    droppable = may_drop_copies and lean[0].upload_staging_bytes
+    try:  # where the copies may be dropped, the error's budgets only if neither search fits
+        res = search(profiles, hw, device_budget, host_budget, explain=not droppable, **knobs)
+        with_copies = None
     except NoPlanFits as e:
         res, with_copies = None, e
-    lean = [dataclasses.replace(p, transfer_copies=False) for p in profiles]
-    if not may_drop_copies or not lean[0].upload_staging_bytes:
+    if not droppable:
         if res is None:
             raise with_copies
         return res, None
     try:
         without = search(lean, hw, device_budget, host_budget, **knobs)
     except NoPlanFits:
-        if res is None:
+        if res is None:  # neither fits: the first search again, its error with the budgets
+            search(profiles, hw, device_budget, host_budget, **knobs)
             raise with_copies from None
         return res, None
     if res is None:
