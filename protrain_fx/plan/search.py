@@ -341,7 +341,7 @@ def search_or_without_copies(
     first search's error when neither fits."""
     lean = [dataclasses.replace(p, transfer_copies=False) for p in profiles]
     droppable = may_drop_copies and lean[0].upload_staging_bytes
-    try:  # where the copies may be dropped, the error's budgets only if neither search fits
+    try:  # where the copies may be dropped, an error names the budgets only if neither fits
         res = search(profiles, hw, device_budget, host_budget, explain=not droppable, **knobs)
         with_copies = None
     except NoPlanFits as e:
@@ -351,7 +351,7 @@ def search_or_without_copies(
             raise with_copies
         return res, None
     try:
-        without = search(lean, hw, device_budget, host_budget, **knobs)
+        without = search(lean, hw, device_budget, host_budget, explain=False, **knobs)
     except NoPlanFits:
         if res is None:  # neither fits: the first search again, its error with the budgets
             search(profiles, hw, device_budget, host_budget, **knobs)
