@@ -195,6 +195,10 @@ def choose(
     grads_held = plan_cache.grads_held(raw, opts.optimizer, grads_held)
     if cached is not None and grads_held and not cached["predicted"].get("grads_held"):
         cached, refused = None, f"{grads_held}, which the cached plan did not price: planned anew"
+    micro, micro_why = plan_cache.micro_steps(raw, opts.optimizer)  # per optimizer step
+    priced = ((cached or {}).get("predicted", {}).get("breakdown") or {}).get("micro_steps") or 1
+    if cached is not None and micro != priced:
+        cached, refused = None, f"{micro} micro-steps a step ({micro_why}), priced otherwise"
     if refused:
         notes.append(refused)
     failed = sorted(set(failed) | set(failed_peaks))
@@ -321,6 +325,9 @@ def choose(
     if grads_held:  # resident gradients through the whole step
         hw = dataclasses.replace(hw, grads_held=True)
         notes.append(f"{grads_held}: resident gradients priced through the whole step")
+    if micro > 1:  # forward and backward that often per optimizer step (plan/accumulation.py)
+        hw = dataclasses.replace(hw, micro_steps=micro)
+        notes.append(f"{micro} micro-steps per optimizer step ({micro_why}): so priced")
     w = distributed.world()
     # offloaded chunks may step on the device, streamed (runtime/device_steps.py): one rank, a
     # device that is not the host, the share not given, not turned off (PROTRAIN_DEVICE_STEPS=0)

@@ -222,6 +222,22 @@ def grads_held(entry: dict | None, optimizer, seen: str | None) -> str | None:
     )
 
 
+def micro_steps(entry: dict | None, optimizer) -> tuple[int, str | None]:
+    """Backward passes per optimizer step that the next plan of this graph prices
+    (``Hardware.micro_steps``), and where the count comes from: declared
+    (``protrain_fx.set_grad_accumulation``), else as the plan's last run measured (profiling/
+    step_meter.py), else as the cached plan priced it; ``(1, None)`` where nothing says more."""
+    declared = getattr(optimizer, "_protrain_micro_steps", None) if optimizer is not None else None
+    if declared:
+        return int(declared), "declared"
+    measured, predicted = (entry or {}).get("measured") or {}, (entry or {}).get("predicted") or {}
+    if measured.get("iter_s") is not None:  # the plan's last run tells
+        k = int(measured.get("micro_steps") or 1)
+        return k, ("as the loop's last run counted" if k > 1 else None)
+    k = int((predicted.get("breakdown") or {}).get("micro_steps") or 1)
+    return k, ("as an earlier run counted" if k > 1 else None)
+
+
 def steps_at_opt_step(entry: dict | None) -> str | None:
     """Why the training loop of the graph whose entry this is steps the offloaded chunks at
     ``opt.step()`` (it clips gradients or sets hyperparameters between backward and step, as the

@@ -82,6 +82,9 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 # two ranks over a 100 GB/s bus: collectives priced, offloaded states sharded
 HW2 = dataclasses.replace(HW, world_size=2, collective_bytes_per_s=100e9)
+# gradient accumulation (plan/accumulation.py): added on the device, or by the host worker
+HW_MICRO = dataclasses.replace(HW, micro_steps=3, grads_added_on_device=True)
+HW_MICRO_HOST = dataclasses.replace(HW, micro_steps=2, host_bytes_per_s=20e9)
 
 
 @SETTINGS
@@ -89,7 +92,7 @@ HW2 = dataclasses.replace(HW, world_size=2, collective_bytes_per_s=100e9)
     profs=profiles(),
     budget_mib=st.integers(100, 12000),
     host_gib=st.one_of(st.none(), st.integers(1, 40)),
-    hw=st.sampled_from([HW, HW2]),
+    hw=st.sampled_from([HW, HW2, HW_MICRO, HW_MICRO_HOST]),
     copies=st.booleans(),
 )
 def test_search_matches_brute_force_and_fits(profs, budget_mib, host_gib, hw, copies):
@@ -381,6 +384,32 @@ def test_a_host_that_fits_only_plans_without_copies():
         search_or_without_copies([prof], HW, budget, host - 1, True, n_persist=1)
     assert str(both.value) == str(alone.value) and "smallest needs" in str(both.value)
     assert both.value.min_host_bytes == alone.value.min_host_bytes
+
+
+def test_micro_steps_repeat_forward_and_backward_with_the_gradient_add():
+    """Hand-checked: two chunks of 50 M fp32 parameters (10 ms forward, 2 ms backward each), the
+    second offloaded, CPU steps at opt.step() (so the step adds up). Its gradient's 200 MB going
+    down at 50 GB/s keeps the link busy 4 ms of its backward; from the second micro-step on, the
+    accumulator's 200 MB come up beside it, 4 ms more (runtime/grad_add.py). Each micro-step after
+    the first adds a forward, a backward and that add; the optimizers run once."""
+    from protrain_fx.plan.cost_model import LayoutCosts
+
+    ch = ChunkProfile(numel=50 * 10**6, fwd_s=0.010, bwd_s=0.002)
+    prof = GraphProfile(chunk_size=256 * MiB, blocks=(), chunks=(ch, ch), transfer_elem=2)
+    at_step = dataclasses.replace(HW, steps_at_opt_step=True, grads_added_on_device=True)
+    t1, one = LayoutCosts(prof, at_step, 1, 0, 0).time_s(1, detail=True)
+    assert one["micro_steps"] == 1 and one["before_last_micro_step_s"] == 0
+    for k in (2, 3):
+        hw = dataclasses.replace(at_step, micro_steps=k)
+        t, parts = LayoutCosts(prof, hw, 1, 0, 0).time_s(1, detail=True)
+        assert t == pytest.approx(t1 + (k - 1) * (one["fwd_s"] + one["bwd_s"] + 0.004))
+        assert parts["cpu_optim_s"] == one["cpu_optim_s"]  # once per optimizer step
+        assert parts["bwd_s"] == pytest.approx(one["bwd_s"] + 0.004)  # the last one adds too
+    # every chunk resident: nothing to add, the micro-steps are forward and backward again
+    hw = dataclasses.replace(at_step, micro_steps=2)
+    resident = LayoutCosts(prof, hw, 1, 0, 0).time_s(2, detail=True)[1]
+    alone = LayoutCosts(prof, at_step, 1, 0, 0).time_s(2, detail=True)[1]
+    assert resident["before_last_micro_step_s"] == pytest.approx(alone["fwd_s"] + alone["bwd_s"])
 
 
 def test_autocast_casts_are_priced():

@@ -32,25 +32,30 @@ def own_cache(monkeypatch, tmp_path):
     return tmp_path
 
 
-def train_gpt(steps: int, clip: bool = False):
-    """A small GPT, every chunk offloaded, trained ``steps`` steps under an automatic plan with
-    those knobs fixed (a fresh compile): its plan, the optimizer's protrain handle, the losses."""
+def train_gpt(steps: int, clip: bool = False, micro: int = 1, declare: bool = False):
+    """A small GPT, every chunk offloaded, trained ``steps`` steps of ``micro`` micro-steps each
+    (declared to protrain with ``declare``) under an automatic plan with those knobs fixed (a fresh
+    compile): its plan, the optimizer's protrain handle, the losses."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if declare:
+        protrain_fx.set_grad_accumulation(opt, micro)
     options = {"compiler": "eager", "optimizer": opt, "memory_budget": 10**9}
     options.update(n_persist=0, n_swap=0, n_checkpoint=0)
     compiled = torch.compile(model, backend="protrain", options=options)
     losses = []
-    for x, y in random_batches(steps, 2, 16, vocab=64):
+    for i, (x, y) in enumerate(random_batches(steps * micro, 2, 16, vocab=64)):
         loss = compiled(x, y)
-        loss.backward()
+        (loss / micro).backward()
+        losses.append(loss.item())
+        if (i + 1) % micro:
+            continue
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
     return protrain_fx.get_plan(compiled), hybrid_optim.handle_of(opt), losses
 
 
@@ -234,6 +239,56 @@ def test_a_loop_that_clips_is_planned_with_its_cpu_steps_after_backward(own_cach
         "CPU steps after backward, but the training loop ran them beside it" in n
         for n in fifth.notes
     )
+
+
+def test_a_loop_that_accumulates_is_planned_for_its_micro_steps(own_cache, monkeypatch):
+    """Two micro-steps per ``opt.step()``, not declared: the optimizer learns them at its first
+    step, the step meter measures an optimizer step over two calls and keeps the count in the plan's
+    cache entry, and the summary says the plan priced one. The next compile of the graph is not
+    served that plan: it is planned for two micro-steps (forward and backward twice, the optimizers
+    once: plan/accumulation.py), and that plan is served to the compile after it. Declared
+    (``set_grad_accumulation``), the first plan prices them. Training is the same every time."""
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+
+    first, handle, losses = train_gpt(6, micro=2)
+    assert handle.micro_steps() == 2 and first.measured["micro_steps"] == 2
+    assert first.predicted["breakdown"]["micro_steps"] == 1
+    assert "an optimizer step ran 2 micro-steps" in first.summary()
+    second, _, losses2 = train_gpt(6, micro=2)
+    assert not second.predicted["from_cache"], second.notes
+    b = second.predicted["breakdown"]
+    assert b["micro_steps"] == 2 and b["before_last_micro_step_s"] > 0
+    assert any(
+        "2 micro-steps per optimizer step (as the loop's last run" in n for n in second.notes
+    )
+    assert "an optimizer step ran" not in second.summary()
+    third, _, losses3 = train_gpt(6, micro=2)
+    assert third.predicted["from_cache"] and third.predicted["breakdown"]["micro_steps"] == 2
+    assert losses2 == losses and losses3 == losses
+    # declared: priced from the first plan on (another cache: nothing learned)
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(own_cache / "declared"))
+    declared, _, losses4 = train_gpt(6, micro=3, declare=True)
+    assert declared.predicted["breakdown"]["micro_steps"] == 3
+    assert any("3 micro-steps per optimizer step (declared)" in n for n in declared.notes)
+    assert declared.measured["micro_steps"] == 3
+    eager = train_eager_gpt(6, micro=3)
+    assert losses4 == pytest.approx(eager, rel=1e-5)
+
+
+def train_eager_gpt(steps: int, micro: int) -> list[float]:
+    """:func:`train_gpt`'s loop on the eager model (no protrain), for its losses."""
+    torch.manual_seed(0)
+    model = build("gpt", n_layer=4, n_embd=32, n_head=2, block_size=16, vocab_size=64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for i, (x, y) in enumerate(random_batches(steps * micro, 2, 16, vocab=64)):
+        loss = model(x, y)
+        (loss / micro).backward()
+        losses.append(loss.item())
+        if (i + 1) % micro == 0:
+            opt.step()
+            opt.zero_grad()
+    return losses
 
 
 def test_a_busy_plans_steps_record_how_much_slower_its_compute_ran_and_later_plans_price_it(

@@ -169,6 +169,8 @@ def compute_slowdown(predicted: dict, iter_s: float) -> float | None:
         return None
     if b.get("device_step_share") or b.get("swap_exposed_s") or b.get("allreduce_exposed_s"):
         return None
+    if (b.get("micro_steps") or 1) > 1:  # several forwards and backwards: not this formula's
+        return None
     if b["first_grad_s"] + b["cpu_optim_s"] > COMPUTE_HIDDEN * b["bwd_s"]:
         return None
     profiled = (b["fwd_s"] + b["bwd_s"]) / (b["clock_slowdown"] or 1.0)

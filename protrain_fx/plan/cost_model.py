@@ -3,7 +3,7 @@ profile and a hardware profile.
 
 Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
 
-    T = T_fwd + max(T_bwd, T_cpu_done) + T_gpu_optim
+    T = T_fwd + max(T_bwd, T_cpu_done) + T_gpu_optim  (+ the micro-steps before: accumulation.py)
 
 * ``T_fwd``: per chunk in forward order, its compute, or for an offloaded chunk ``max(compute,
   h2d)`` (the gather is prefetched ahead: a gather copies its chunk out of its buffer, which the
@@ -19,23 +19,17 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
   cannot hide, the compute the rest slows (:data:`COLLECTIVE_CONTENTION`); chunks sharded on the
   devices (``n_shard``) gather and reduce-scatter serially and step their shards at ``opt.step()``.
 * ``T_cpu_done``: when the host worker's last CPU Adam step ends, a two-stage pipeline: each
-  offloaded chunk's step (its parameters at the rate earlier steps on this machine measured inside
-  backward, machine/step_rates.py; before any, a prior from the triad and the alone rate:
+  offloaded chunk's step (at the rate measured inside backward on this machine, else a prior:
   ``Hardware._in_step``) starts once its gradient is on the host (after the backward of the code
-  after the blocks, ``head_bwd_s``, of the chunks backward reaches before it and of its own, and its
-  copy down) and the step before it is done; all after backward where the loop clips
-  (``Hardware.steps_at_opt_step``).
-  ``T_gpu_optim``: resident parameters over the device Adam rate, at ``opt.step()``: after
-  ``backward()``, which returns once the host worker's CPU steps are done: it follows both.
-* The clock under sustained load: blocks are profiled at the boost clock; a plan that keeps the
-  device busy runs at its power limit, slower: forward and backward times
-  ``Hardware.clock_slowdown`` of the busy share ``(T_fwd + T_bwd) / T``.
-* Casts the profiled step does not run (its chunks all arrive in the compute dtype and its gradients
-  are dropped), priced at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): with autocast,
-  forward casts every resident parameter to the compute dtype, recomputation casts again those of
-  checkpointed blocks, and backward casts their gradients back to the master dtype; an offloaded
-  chunk's gradients are packed into a master-dtype buffer, and each of its gathers (forward and
-  backward) copies the chunk out of its device buffer.
+  after the blocks, ``head_bwd_s``, of the chunks before it and of its own, and its copy down) and
+  the step before it is done; all after backward where the loop clips (``steps_at_opt_step``).
+  ``T_gpu_optim``: resident parameters at the device Adam rate, at ``opt.step()``, after both.
+* The clock under sustained load: a plan that keeps the device busy runs at its power limit, below
+  the profiled boost clock: compute times ``Hardware.clock_slowdown`` of the busy share.
+* Casts the profiled step does not run (its chunks arrive in the compute dtype, its gradients are
+  dropped), at the device's streaming rate (:data:`ADAM_BYTES_PER_PARAM`): autocast's of resident
+  parameters (again for checkpointed blocks) and of their gradients back; an offloaded chunk's
+  gradient packed into a master-dtype buffer, and each gather's copy out of its device buffer.
 
 Peak (bytes): resident chunks with their two Adam moments, the chunk buffers and the two gradient
 buffers (the gathered copies of offloaded chunks in use are part of the profiled step's transient),
@@ -46,8 +40,8 @@ set such as logits, a recomputed block's activations, the swap reload window of 
 end the resident gradients. Times the allocator factor (:data:`FRAGMENTATION` unless calibrated;
 :data:`SWAP_FRAGMENTATION` more when blocks swap).
 
-Everything is arranged so that one (chunk size, n_buffer, n_swap, n_checkpoint) costs O(chunks +
-blocks) and each n_persist after that O(1) (prefix sums): the search evaluates every plan exactly.
+One (chunk size, n_buffer, n_swap, n_checkpoint) costs O(chunks + blocks), each n_persist after
+that O(1) (prefix sums): the search evaluates every plan exactly.
 """
 
 from __future__ import annotations
@@ -55,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from protrain_fx.plan.accumulation import micro_steps_s
 from protrain_fx.plan.device_step_cost import device_step_link_s, device_step_table
 from protrain_fx.plan.profiles import (
     ADAM_BYTES_PER_PARAM,
@@ -311,7 +306,7 @@ class LayoutCosts:
             bwd_chunk.append(b)
             bwd_res.append(bwd_res[-1] + b)
             bwd_off.append(bwd_off[-1] + max(b, A.comm[c]) + A.serial[c])
-        self.bwd_res, self.bwd_off = bwd_res, bwd_off
+        self.bwd_res, self.bwd_off, self.bwd_chunk, self.arrays = bwd_res, bwd_off, bwd_chunk, A
         # ---- the CPU optimizer, the second stage of a pipeline: offloaded chunk c's step starts
         # when its gradient is on the host and the step before it is done. Offloaded chunks are the
         # last in first-use order, so backward reaches them first, whatever n_persist: chunk c's
@@ -445,13 +440,16 @@ class LayoutCosts:
         device_share, device_params, t_cpu = self.device_steps(first)
 
         # the device optimizer follows backward and the CPU steps (H200: a 3B plan's step within
-        # 1.4% of forward + max(backward, first gradient + CPU optimizer) + device optimizer)
+        # 1.4% of forward + max(backward, first gradient + CPU optimizer) + device optimizer), all
+        # after the micro-steps before the last one (accumulation.py)
         serial = hw.shared_compute or hw.steps_at_opt_step
         after = (lambda b: b + t_cpu) if serial else (lambda b: max(b, t_first + t_cpu))
+        before, t_bwd = micro_steps_s(self, first, t_fwd, t_bwd)
         # a step that keeps the device busy runs it at its power limit, below the profiled clock
-        slowdown = hw.clock_slowdown((t_fwd + t_bwd) / (t_fwd + after(t_bwd) + t_gpu or 1.0))
-        t_fwd, t_bwd = t_fwd * slowdown, t_bwd * slowdown
-        t = t_fwd + after(t_bwd) + t_gpu
+        busy = (before + t_fwd + t_bwd) / (before + t_fwd + after(t_bwd) + t_gpu or 1.0)
+        slowdown = hw.clock_slowdown(busy)
+        before, t_fwd, t_bwd = before * slowdown, t_fwd * slowdown, t_bwd * slowdown
+        t = before + t_fwd + after(t_bwd) + t_gpu
         if not detail:
             return t
         return t, {
@@ -467,6 +465,8 @@ class LayoutCosts:
             "allreduce_exposed_s": exposed,
             "collective_contention_s": contention,
             "clock_slowdown": slowdown,
+            "micro_steps": hw.micro_steps,
+            "before_last_micro_step_s": before,
         }
 
     def cast_s(self, n_persist: int) -> tuple[float, float]:

@@ -219,6 +219,13 @@ class Plan:
             f"{format_bytes((self.predicted or {}).get('peak_bytes'))}{self._dropped()}, "
             f"measured {format_bytes((self.measured or {}).get('peak_bytes'))}"
         )
+        k_run = (self.measured or {}).get("micro_steps") or 1
+        k_plan = ((self.predicted or {}).get("breakdown") or {}).get("micro_steps") or 1
+        if self.measured and self.measured.get("iter_s") is not None and k_run != k_plan:
+            lines.append(
+                f"  an optimizer step ran {k_run} micro-steps (measured over them), where the plan "
+                f"priced {k_plan}: the next plan of this graph prices {k_run}"
+            )
         at_step = (self.measured or {}).get("cpu_steps_at_opt_step")
         if at_step and not (self.predicted or {}).get("cpu_steps_at_opt_step"):
             lines.append(
@@ -278,8 +285,15 @@ class Plan:
         rate = p.get("cpu_optim_rate", "-")
         where = "after backward" if "at opt.step()" in rate else "beside backward"
         if b:
+            k = b.get("micro_steps") or 1
             lines.append(
-                f"  predicted: forward {1e3 * b['fwd_s']:.1f} ms, backward "
+                (
+                    f"  {k} micro-steps per optimizer step: those before the last "
+                    f"{1e3 * b['before_last_micro_step_s']:.1f} ms; the last one's "
+                    if k > 1
+                    else "  predicted: "
+                )
+                + f"forward {1e3 * b['fwd_s']:.1f} ms, backward "
                 f"{1e3 * b['bwd_s']:.1f} ms, "
                 f"device optimizer {1e3 * b['gpu_optim_s']:.1f} ms, CPU optimizer "
                 f"{1e3 * b['cpu_optim_s']:.1f} ms "

@@ -204,6 +204,8 @@ class Hardware:
     # accumulation, zero_grad(set_to_none=False)): resident gradients live through the whole step,
     # and an offloaded table's dense gradient, were its chunk resident, is built beside one
     grads_held: bool = False
+    # backward passes per optimizer step (gradient accumulation: plan/accumulation.py)
+    micro_steps: int = 1
     # a later gradient of an offloaded chunk is summed on the compute device
     # (protrain_fx/runtime/grad_add.py; one rank), so the host staging of packed gradients is not
     # allocated

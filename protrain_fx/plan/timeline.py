@@ -103,7 +103,8 @@ def memory_timeline(lc, n_persist: int, n_shard: int = 0) -> list[list]:
         )
     fwd_total = sum(b.fwd_s for b in blocks) + prof.nonblock_fwd_s or 1.0
     bwd_total = sum(b.bwd_s for b in blocks) + prof.nonblock_bwd_s or 1.0
-    f_scale, b_scale = parts["fwd_s"] / fwd_total, (t_total - parts["fwd_s"]) / bwd_total
+    last = t_total - parts["before_last_micro_step_s"]  # the last micro-step: its optimizers
+    f_scale, b_scale = parts["fwd_s"] / fwd_total, (last - parts["fwd_s"]) / bwd_total
     grads_total = lc.resident_bytes[n_persist]
     if lc.hw.grads_held:  # kept from the last backward through this step
         static += grads_total

@@ -1,6 +1,8 @@
 """StepMeter: the measured side of a plan. Wraps a compiled graph and, without synchronizing the
-device, measures the time between successive calls (one training micro-step each) and the device's
-peak memory, into ``plan.measured``; the plan cache entry (plan.json) is rewritten with them now and
+device, measures the time between successive calls (one training micro-step each; an optimizer
+step of ``k`` micro-steps, as the optimizer learned them, is ``k`` successive intervals, and
+``micro_steps`` is recorded for later plans to price) and the device's peak memory, into
+``plan.measured``; the plan cache entry (plan.json) is rewritten with them now and
 then. A non-finite loss marks the entry (a plan that gave one is never served from the cache again).
 
 On CUDA each call records an event; an interval is read only once its closing event has completed
@@ -163,10 +165,15 @@ class StepMeter:
             self.timeline = block_timer.memory_timeline(marks)
 
     def _update(self) -> None:
-        measured = {
-            "iter_s": statistics.median(self.intervals),
-            "steps_measured": len(self.intervals),
-        }
+        # an optimizer step of k micro-steps (calls) is any k successive intervals (accumulation)
+        opt = self.optimizer() if self.optimizer is not None else None
+        handle = hybrid_optim.handle_of(opt) if opt is not None else None
+        k = (handle.micro_steps() if handle is not None else None) or 1
+        iv = self.intervals
+        steps = [sum(iv[i : i + k]) for i in range(len(iv) - k + 1)] if len(iv) >= k else iv
+        measured = {"iter_s": statistics.median(steps), "steps_measured": len(steps)}
+        if k > 1:
+            measured["micro_steps"] = k
         if self.timeline:
             measured["timeline"] = self.timeline
         if self.device.type == "cuda":
@@ -178,8 +185,6 @@ class StepMeter:
         # the loop clips gradients or sets hyperparameters between backward() and opt.step(): the
         # offloaded chunks' CPU steps run at opt.step() (the cache entry keeps why: later plans of
         # the graph price it, plan_cache.steps_at_opt_step)
-        opt = self.optimizer() if self.optimizer is not None else None
-        handle = hybrid_optim.handle_of(opt) if opt is not None else None
         if handle is not None and handle.serial_why:
             measured["cpu_steps_at_opt_step"] = handle.serial_why
         if (self.plan.measured or {}).get("grads_held"):  # seen by the graph, kept for the cache
@@ -189,7 +194,7 @@ class StepMeter:
             self.compute_observed = True
             slowdown = None
             busy_training = not (self.plan.profiling or self.plan.inference)
-            if "cpu_steps_at_opt_step" not in measured and busy_training:
+            if "cpu_steps_at_opt_step" not in measured and busy_training and k == 1:
                 slowdown = step_rates.compute_slowdown(self.plan.predicted, measured["iter_s"])
             if slowdown is not None:
                 step_rates.observe_compute(self.device, slowdown)

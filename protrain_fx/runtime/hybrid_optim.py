@@ -289,6 +289,16 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         st.provisional = rec
         WORKER.submit((store.id, chunk), self._provisional_step, st, rec)
 
+    def micro_steps(self) -> int | None:
+        """Backward passes per ``opt.step()``, as the chunks' learned arrivals show (None before
+        the first step): what the loop's plans price (plan/accumulation.py)."""
+        seen = [
+            st.learned // st.per_backward
+            for st in self.states.values()
+            if st.per_backward and st.learned
+        ]
+        return max(seen, default=None) or None
+
     def backward_ended(self) -> None:
         """A backward pass is over (chunk_grads' end-of-backward callback): the first one a chunk's
         gradients came in tells how many arrive per backward, which with declared micro-steps
