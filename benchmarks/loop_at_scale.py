@@ -191,7 +191,12 @@ def run(model_name: str, system: str, steps: int, checkpoint: bool = True) -> di
         out["plans"] = [plan.summary().splitlines()[1].strip()]
         peak = pred.get("peak_bytes_output_dropped") or pred.get("peak_bytes") or 0
         out["predicted_peak_reserved_gib"] = peak / 2**30
-        out["predicted_step_s"] = pred.get("iter_s")  # one micro-step's
+        # an optimizer step's where the plan priced the loop's micro-steps (plan/accumulation.py),
+        # else one micro-step's; the step meter's own measure of it, and the whole summary
+        out["predicted_step_s"] = pred.get("iter_s")
+        out["predicted_micro_steps"] = (pred.get("breakdown") or {}).get("micro_steps", 1)
+        out["meter_step_s"] = (plan.measured or {}).get("iter_s")
+        out["summary"] = plan.summary()
         out["stats"] = {
             k: sum(s.stats.get(k, 0) for s in hybrid_optim.handle_of(opt).stores)
             for k in ("grad_norms_served", "grad_adds_on_device", "d2h_bytes")
