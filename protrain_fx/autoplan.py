@@ -104,6 +104,7 @@ def choose(
     root=None,
     regions=None,
     grads_held: str | None = None,
+    cache_path: str | None = None,
 ) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
     of the graph under the profiling plan with the given options and block structure (the graph's,
@@ -113,7 +114,10 @@ def choose(
     (regional compilation, protrain_fx/graph/regional.py) gets ``1/N`` of the budget.
     ``regions``: the graph's :class:`~protrain_fx.graph.regions.RegionSplit` when it is compiled in
     regions (chunks never span two; the profiling plan runs the whole graph, each distinct region
-    compiled once). ``grads_held``: why the loop keeps gradients between steps (seen at a call)."""
+    compiled once). ``grads_held``: why the loop keeps gradients between steps (seen at a call).
+    ``cache_path``: a re-plan's, its graph's first plan's entry, so that what this process learned
+    (kept gradients, micro-steps, a placement that fits) is what its next run's first plan reads,
+    whatever the budget left now (the key's)."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
@@ -133,7 +137,7 @@ def choose(
     peers = regional.siblings(root) if root is not None else []
     n_peers = max(1, len(peers))
     # resident chunks the plan may move to the host: at most this many stay (runtime/replacement.py)
-    max_persist, offload_first = None, False
+    max_persist, offload_first, resident = None, False, None
     if existing:
         store = next(iter(existing.values()))
         # this graph may hold fewer chunks than the store; in regions, each region's store keeps
@@ -183,7 +187,7 @@ def choose(
     key = plan_cache.key(
         gm, example_inputs, opts, hw_profile.key, budget, alloc.key, regions is not None
     )
-    path = plan_cache.path_of(key)
+    path = cache_path or plan_cache.path_of(key)
     # rank 0's cache decides for every rank
     raw = plan_cache.read(path)
     cached, failed, refused, at_step, gap = distributed.broadcast_object(
@@ -193,12 +197,10 @@ def choose(
         + (plan_cache.steps_at_opt_step(raw), plan_cache.allocator_gap(raw))
     )
     grads_held = plan_cache.grads_held(raw, opts.optimizer, grads_held)
-    if cached is not None and grads_held and not cached["predicted"].get("grads_held"):
-        cached, refused = None, f"{grads_held}, which the cached plan did not price: planned anew"
-    micro, micro_why = plan_cache.micro_steps(raw, opts.optimizer)  # per optimizer step
-    priced = ((cached or {}).get("predicted", {}).get("breakdown") or {}).get("micro_steps") or 1
-    if cached is not None and micro != priced:
-        cached, refused = None, f"{micro} micro-steps a step ({micro_why}), priced otherwise"
+    micro = plan_cache.micro_steps(raw, opts.optimizer)  # per optimizer step, and why
+    placement = (fixed["chunk_size"], fixed["n_persist"], resident) if existing else None
+    why = cached and plan_cache.unfit(cached, grads_held, micro, placement)  # priced, fits?
+    cached, refused = (None, why) if why else (cached, refused)
     if refused:
         notes.append(refused)
     failed = sorted(set(failed) | set(failed_peaks))
@@ -213,6 +215,7 @@ def choose(
             notes + [f"plan from the plan cache ({path}); no profiling"],
             path,
             failed,
+            offload_resident=bool(existing) and knobs.get("n_persist", 0) < resident,  # move
         )
     unlowered = None  # the budget before a failed plan lowered it
     if failed:
@@ -325,9 +328,9 @@ def choose(
     if grads_held:  # resident gradients through the whole step
         hw = dataclasses.replace(hw, grads_held=True)
         notes.append(f"{grads_held}: resident gradients priced through the whole step")
-    if micro > 1:  # forward and backward that often per optimizer step (plan/accumulation.py)
-        hw = dataclasses.replace(hw, micro_steps=micro)
-        notes.append(f"{micro} micro-steps per optimizer step ({micro_why}): so priced")
+    if micro[0] > 1:  # forward and backward that often per optimizer step (plan/accumulation.py)
+        hw = dataclasses.replace(hw, micro_steps=micro[0])
+        notes.append(f"{micro[0]} micro-steps per optimizer step ({micro[1]}): so priced")
     w = distributed.world()
     # offloaded chunks may step on the device, streamed (runtime/device_steps.py): one rank, a
     # device that is not the host, the share not given, not turned off (PROTRAIN_DEVICE_STEPS=0)

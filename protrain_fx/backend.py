@@ -422,6 +422,7 @@ def _compile(
     failed_peaks: tuple = (),
     graph_name: str | None = None,
     grads_held: str | None = None,
+    cache_path: str | None = None,
 ):
     root = traced_root(graph_inputs)
     structure = detect_blocks(gm, root)
@@ -456,6 +457,7 @@ def _compile(
             root=root,
             regions=split,
             grads_held=grads_held,
+            cache_path=cache_path,
         )
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options

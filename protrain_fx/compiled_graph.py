@@ -446,6 +446,8 @@ class ProtrainGraph:
                 failed_peaks=peaks,
                 graph_name=self.plan.graph_name,
                 grads_held=self._grads_held,
+                # the entry its next run's first plan reads (autoplan.choose)
+                cache_path=self.choice.cache_path if self.choice is not None else None,
             )
         plan.notes.append(note)
         self.install(compiled, plan, device, choice, opts)

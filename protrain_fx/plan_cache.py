@@ -238,6 +238,31 @@ def micro_steps(entry: dict | None, optimizer) -> tuple[int, str | None]:
     return k, ("as an earlier run counted" if k > 1 else None)
 
 
+def unfit(cached: dict, grads_held: str | None, micro: tuple, placement: tuple | None):
+    """Why a usable cached plan is not served after all (None where it is): it did not price what
+    the loop does (kept gradients; ``micro``: the micro-steps per optimizer step and where that
+    count comes from, :func:`micro_steps`), or its knobs cannot run on the chunk placement the graph
+    already has (``placement``: chunk size, the n_persist fixed or None where resident chunks may
+    move to the host, the chunks resident now; None for a first plan): its chunk size, and at most
+    the chunks resident now (they move to the host, never back), or exactly those if fixed."""
+    predicted, knobs = cached["predicted"], cached["knobs"]
+    if grads_held and not predicted.get("grads_held"):
+        return f"{grads_held}, which the cached plan did not price: planned anew"
+    priced = (predicted.get("breakdown") or {}).get("micro_steps") or 1
+    if micro[0] != priced:
+        return f"{micro[0]} micro-steps a step ({micro[1]}), which the cached plan did not price"
+    if placement is not None:
+        size, fixed, resident = placement
+        n = knobs.get("n_persist", 0)
+        if knobs.get("chunk_size") != size or (n > resident if fixed is None else n != fixed):
+            return (
+                f"the cached plan keeps {n} chunks of {knobs.get('chunk_size')} bytes resident, "
+                f"which this graph's placement ({resident} resident, chunks of {size} bytes) "
+                "cannot take on: planned anew"
+            )
+    return None
+
+
 def steps_at_opt_step(entry: dict | None) -> str | None:
     """Why the training loop of the graph whose entry this is steps the offloaded chunks at
     ``opt.step()`` (it clips gradients or sets hyperparameters between backward and step, as the

@@ -1032,6 +1032,76 @@ def test_a_loop_that_keeps_gradients_between_steps_is_planned_for_them(
         assert "gradient accumulation" in (r.plan.measured or {}).get("grads_held", "")
 
 
+def test_what_a_replan_learned_is_what_the_next_run_plans_from(monkeypatch, caplog, tmp_path):
+    """A re-plan inside a run (here: the kept gradients of two micro-steps, which move resident
+    chunks to the host) writes the entry its graph's first plan came from, even where the budget
+    left at the re-plan is another (on CUDA: what the run has allocated by then; simulated here, a
+    key of its own). So the next run's first plan prices the kept gradients and the micro-steps the
+    re-plan's run counted, and is not re-planned; the run after it is served that plan; training is
+    eager's every time."""
+    from hf_models import HF_VOCAB, LossOnly, hf_llama
+
+    from protrain_fx import autoplan
+    from protrain_fx.runtime.chunk_store import store_of
+    from protrain_fx.testing import compare_with_eager
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    real = autoplan.device_budget
+
+    def drifting(opts, device, params):  # 128 MiB less once the graph's chunks are placed
+        budget, why = real(opts, device, params)
+        placed = any(store_of(p) is not None for p in params if p is not None)
+        return budget - (placed << 27), why
+
+    monkeypatch.setattr(autoplan, "device_budget", drifting)
+    runs = []
+    for _ in range(3):
+        torch._dynamo.reset()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="protrain_fx"):
+            model = LossOnly(hf_llama())
+            r = compare_with_eager(
+                model,
+                random_batches(8, 2, 16, vocab=HF_VOCAB),  # the re-plan's meter saves at 5
+                {"compiler": "eager", "memory_budget": 3 * state_bytes(model) + (1 << 27)},
+                give_optimizer=True,
+                micro_steps=2,
+            )
+        assert r.max_loss_rel <= 1e-5 and r.max_param_abs <= 1e-5, (r.max_loss_rel, r.max_param_abs)
+        runs.append((r.plan, [m for m in caplog.messages if "keeps gradients between" in m]))
+    (first, said1), (second, said2), (third, said3) = runs
+    assert len(said1) == 1 and first.predicted["grads_held"], said1
+    assert first.measured["micro_steps"] == 2  # counted by the re-plan's meter, kept in the entry
+    # planned at its compile for both (not served the first run's plan, which priced one
+    # micro-step), never re-planned in the run
+    assert not said2 and not said3, (said2, said3)
+    assert not second.predicted.get("from_cache") and second.predicted["grads_held"]
+    assert second.predicted["breakdown"]["micro_steps"] == 2
+    assert third.predicted.get("from_cache") and third.n_persist == second.n_persist, [n for n in third.notes if "cache" in n or "anew" in n]
+
+
+def test_a_cached_plan_is_served_to_a_placement_only_where_it_fits_it():
+    """plan_cache.unfit: a re-plan (a placement already there) is served a cached plan only with
+    the placement's chunk size and at most its resident chunks (they may move to the host, never
+    back), exactly as many where they may not move; a first plan, any; and never one that did not
+    price the loop's kept gradients or micro-steps."""
+    from protrain_fx import plan_cache
+
+    cached = {"knobs": {"chunk_size": 64, "n_persist": 5}, "predicted": {"grads_held": "kept"}}
+    one = (1, None)
+    assert plan_cache.unfit(cached, None, one, None) is None
+    assert plan_cache.unfit(cached, None, one, (64, None, 5)) is None
+    assert plan_cache.unfit(cached, None, one, (64, None, 9)) is None  # moves 4 to the host
+    assert "cannot take on" in plan_cache.unfit(cached, None, one, (64, None, 4))
+    assert "cannot take on" in plan_cache.unfit(cached, None, one, (32, None, 9))
+    assert "cannot take on" in plan_cache.unfit(cached, None, one, (64, 9, 9))
+    assert plan_cache.unfit(cached, None, one, (64, 5, 9)) is None
+    assert plan_cache.unfit(cached, "kept", one, None) is None
+    assert "did not price" in plan_cache.unfit({**cached, "predicted": {}}, "kept", one, None)
+    assert "2 micro-steps" in plan_cache.unfit(cached, None, (2, "declared"), None)
+
+
 def test_out_of_memory_with_kept_gradients_no_plan_could_count_says_to_declare_them(monkeypatch):
     """Gradient accumulation under a plan for a loop that frees its gradients, where the store
     cannot move resident chunks to the host (a model compiled block by block, several ranks:
