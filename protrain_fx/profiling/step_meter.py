@@ -168,7 +168,9 @@ class StepMeter:
         # an optimizer step of k micro-steps (calls) is any k successive intervals (accumulation)
         opt = self.optimizer() if self.optimizer is not None else None
         handle = hybrid_optim.handle_of(opt) if opt is not None else None
-        k = (handle.micro_steps() if handle is not None else None) or 1
+        # (not seen where no chunk is offloaded, nothing counts arrivals: as the plan priced it)
+        priced = ((self.plan.predicted or {}).get("breakdown") or {}).get("micro_steps")
+        k = (handle.micro_steps() if handle is not None else None) or priced or 1
         iv = self.intervals
         steps = [sum(iv[i : i + k]) for i in range(len(iv) - k + 1)] if len(iv) >= k else iv
         measured = {"iter_s": statistics.median(steps), "steps_measured": len(steps)}
