@@ -1078,7 +1078,9 @@ def test_what_a_replan_learned_is_what_the_next_run_plans_from(monkeypatch, capl
     assert not said2 and not said3, (said2, said3)
     assert not second.predicted.get("from_cache") and second.predicted["grads_held"]
     assert second.predicted["breakdown"]["micro_steps"] == 2
-    assert third.predicted.get("from_cache") and third.n_persist == second.n_persist, [n for n in third.notes if "cache" in n or "anew" in n]
+    assert third.predicted.get("from_cache") and third.n_persist == second.n_persist, [
+        n for n in third.notes if "cache" in n or "anew" in n
+    ]
 
 
 def test_a_cached_plan_is_served_to_a_placement_only_where_it_fits_it():

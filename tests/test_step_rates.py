@@ -241,6 +241,30 @@ def test_a_loop_that_clips_is_planned_with_its_cpu_steps_after_backward(own_cach
     )
 
 
+def test_a_loop_that_clips_records_the_rate_at_opt_step_and_the_next_plan_prices_it(
+    own_cache, monkeypatch
+):
+    """Clipping makes the offloaded chunks step inside ``opt.step()`` (after the first steps, in
+    the main thread, alone on the host but after backward): steps 4 to 8 are recorded as one
+    observation of that kind, apart from the rate inside backward. The next plan of a loop that
+    clips prices its CPU optimizer at that rate and says so; training is unchanged."""
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")  # which keeps that the loop clips
+    profile = measure.hardware_profile("cpu")
+    plan, handle, losses = train_gpt(step_rates.AT_STEPS[0], clip=True)
+    seen = step_rates.read(profile, "cpu")
+    kinds = [k for k in seen if k.endswith("_at_step")]
+    assert len(kinds) == 1, seen
+    offloaded = sum(st.exp_avg.numel() for st in handle.states.values())
+    assert offloaded and handle.timers.deferred_params >= 5 * offloaded
+    plan2, _, losses2 = train_gpt(2, clip=True)
+    assert plan2.predicted["cpu_steps_at_opt_step"]
+    assert plan2.predicted["breakdown"]["cpu_optim_s"] == pytest.approx(
+        offloaded * seen[kinds[0]], rel=1e-9
+    )
+    assert "at opt.step(), as measured there on this machine" in plan2.summary()
+    assert losses2 == losses[:2]
+
+
 def test_a_loop_that_accumulates_is_planned_for_its_micro_steps(own_cache, monkeypatch):
     """Two micro-steps per ``opt.step()``, not declared: the optimizer learns them at its first
     step, the step meter measures an optimizer step over two calls and keeps the count in the plan's

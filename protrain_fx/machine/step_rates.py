@@ -10,7 +10,8 @@ benchmarks/results/oom_sweep_h200_run13b.md). So the runtime measures it: betwee
 :data:`FROM_STEP` and each of :data:`AT_STEPS`, the host worker's seconds per parameter stepped on
 the CPU inside backward, its waits between the steps included (:class:`WorkerSpan`;
 runtime/hybrid_optim.py), are recorded here, per kind (``copies``: the
-kernel also writes the bf16 transfer copy; ``masters``: it does not), and the next plans on this
+kernel also writes the bf16 transfer copy; ``masters``: it does not; ``*_at_step``: inside
+``opt.step()``, where a loop that clips steps them, main thread), and the next plans on this
 machine price the CPU step at the median of the last :data:`KEEP` observations of their kind
 (``plan.profiles.Hardware.cpu_s_per_param``). The file sits next to the hardware profile
 (``<profile>.steps.json``); an observation belongs to the profile measured at the time, so a
@@ -40,7 +41,8 @@ log = logging.getLogger("protrain_fx")
 FROM_STEP = 3  # optimizer steps before measuring (the first ones step at opt.step())
 AT_STEPS = (8, 20)  # the steps at which an observation is recorded
 KEEP = 8  # observations kept per kind
-KINDS = ("copies", "masters")
+# inside backward, and inside opt.step() (a loop that clips: Hardware.steps_at_opt_step)
+KINDS = ("copies", "masters", "copies_at_step", "masters_at_step")
 SPANS = "waits_included"  # observations of WorkerSpan (older files counted the steps alone)
 DEVICES = ("cuda",)  # device types whose runs record and whose plans read (tests add "cpu")
 COMPUTE = "compute"  # observations of compute_slowdown
@@ -136,21 +138,24 @@ def record(profile: HardwareProfile, kind: str, seconds: float, params: int) -> 
     _append(profile, kind, {"s_per_param": seconds / params, "params": params})
 
 
-def observe(device, copies: bool, now: tuple[float, int], then: tuple[float, int]) -> None:
-    """The runtime's report: the worker's cumulative (seconds, parameters) of CPU steps inside
-    backward, now and at :data:`FROM_STEP`. Recorded against the cached hardware profile of
-    ``device`` (nothing without one: a plan given by hand never measured it), with a line saying
-    the rate against the alone one."""
+def observe(
+    device, copies: bool, now: tuple[float, int], then: tuple[float, int], at_step: bool = False
+) -> None:
+    """The runtime's report: the cumulative (seconds, parameters) of CPU steps inside backward (the
+    worker's), or with ``at_step`` inside ``opt.step()``, now and at :data:`FROM_STEP`. Recorded
+    against the cached hardware profile of ``device`` (nothing without one: a plan given by hand
+    never measured it), with a line saying the rate against the alone one."""
     seconds, params = now[0] - then[0], now[1] - then[1]
     profile = cached(device) if device.type in DEVICES and params > 0 and seconds > 0 else None
     if profile is None:
         return
-    kind = "copies" if copies else "masters"
+    kind = ("copies" if copies else "masters") + ("_at_step" if at_step else "")
     record(profile, kind, seconds, params)
     log.info(
-        "protrain: the CPU optimizer stepped %.2f G params/s inside backward (%s; alone %.2f): "
+        "protrain: the CPU optimizer stepped %.2f G params/s %s (%s; alone %.2f): "
         "later plans on this machine price it so",
         params / seconds / 1e9,
+        "inside opt.step()" if at_step else "inside backward",
         kind,
         profile.cpu_adam_params_per_s / 1e9,
     )

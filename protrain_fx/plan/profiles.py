@@ -222,6 +222,9 @@ class Hardware:
     # it, with and without the transfer copy (machine/step_rates.py); None: not seen
     observed_s_per_param_copies: float | None = None
     observed_s_per_param_masters: float | None = None
+    # the same inside opt.step(), where a loop that clips steps them (steps_at_opt_step)
+    observed_at_step_copies: float | None = None
+    observed_at_step_masters: float | None = None
     # the alone rate of the CPU step without the transfer copy (HardwareProfile
     # .cpu_adam_masters_params_per_s); 0: cpu_adam_params_per_s
     cpu_adam_masters_params_per_s: float = 0.0
@@ -243,8 +246,8 @@ class Hardware:
 
     def _in_step(self, transfer_copies: bool) -> tuple[float, str]:
         """Seconds per parameter of the CPU step in a training step (all ranks together), and
-        where the number comes from: at ``opt.step()`` (a loop that clips), the alone rate times
-        ``cpu_contention``; inside backward, as measured for this kind on this machine; else the
+        where the number comes from: at ``opt.step()`` (a loop that clips), as measured there on
+        this machine, else the alone rate times ``cpu_contention``; inside backward, as measured for this kind on this machine; else the
         other kind's measurement carried over by the host memory bytes each moves (inside a step
         host memory bounds both: benchmarks/results/oom_sweep_h200_run14.md), no faster than the
         alone rate allows; else, with the triad known, the faster of the host's bandwidth bound
@@ -254,6 +257,11 @@ class Hardware:
         alone = self._alone_s_per_param(transfer_copies)
         priced = self.cpu_contention * alone
         if self.steps_at_opt_step:
+            seen = (
+                self.observed_at_step_copies if transfer_copies else self.observed_at_step_masters
+            )
+            if seen:
+                return seen, "at opt.step(), as measured there on this machine"
             return priced, f"at opt.step(): the alone rate / {self.cpu_contention:g}"
         if seen := self.observed_s_per_param(transfer_copies):
             return seen, "as measured inside backward on this machine"
@@ -329,6 +337,8 @@ class Hardware:
             sustained_slowdown=observed.get("compute") or profile.gpu_sustained_slowdown,
             observed_s_per_param_copies=observed.get("copies"),
             observed_s_per_param_masters=observed.get("masters"),
+            observed_at_step_copies=observed.get("copies_at_step"),
+            observed_at_step_masters=observed.get("masters_at_step"),
             cpu_adam_masters_params_per_s=profile.cpu_adam_masters_params_per_s,
             host_bytes_per_s=profile.host_triad_bytes_per_s,
         )

@@ -110,6 +110,7 @@ class Timers:
     deferred_step_s: float = 0.0  # CPU steps run inside opt.step()
     in_backward_steps: int = 0
     deferred_steps: int = 0
+    deferred_params: int = 0  # parameters stepped on the CPU inside opt.step()
     undone_steps: int = 0  # provisional steps taken back
     whole_chunk_steps: int = 0  # chunk steps done as one call over the flat chunk
     one_pass_steps: int = 0  # of which with protrain_fx/machine/cpu_adam.py
@@ -142,6 +143,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         self.cycles = 0
         self.timers = Timers()
         self._rate_from: tuple[float, int] | None = None
+        self._at_step_from: tuple[float, int] = (0.0, 0)
         self._members_sig = None
         self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         # id(param) -> the opt.state entry protrain made for it
@@ -342,16 +344,20 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
 
     def _observe_cpu_rate(self) -> None:
         """The CPU steps' seconds per parameter inside backward (the waits between them included:
-        step_rates.WorkerSpan) from optimizer step FROM_STEP to each of AT_STEPS, recorded for the
-        next plans on this machine; not where chunks step on the device (waits for the link)."""
+        step_rates.WorkerSpan), and inside ``opt.step()`` (a loop that clips), from optimizer step
+        FROM_STEP to each of AT_STEPS, recorded for the next plans on this machine; not where
+        chunks step on the device (waits for the link)."""
         if any(s.device_step_chunks for s in self.stores):
             return
         t, kinds = self.timers, {s.transfer_copies for s in self.stores}
         now = (t.span.total(self.cycles), t.cpu_in_backward_params)
+        at_step = (t.deferred_step_s, t.deferred_params)
         if self.cycles == step_rates.FROM_STEP:
-            self._rate_from = now
+            self._rate_from, self._at_step_from = now, at_step
         elif self.cycles in step_rates.AT_STEPS and self._rate_from and len(kinds) == 1:
-            step_rates.observe(self.stores[0].device, kinds.pop(), now, self._rate_from)
+            copies = kinds.pop()
+            step_rates.observe(self.stores[0].device, copies, now, self._rate_from)
+            step_rates.observe(self.stores[0].device, copies, at_step, self._at_step_from, True)
 
     def _group_snapshot(self, st: ChunkOptState) -> dict[int, dict]:
         return {
@@ -386,6 +392,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
             if entries:
                 self._step_chunk(st, entries, self._group_snapshot(st))
                 self.timers.deferred_steps += 1
+                self.timers.deferred_params += st.exp_avg.numel()
         self.timers.deferred_step_s += time.perf_counter() - t1
         # torch's own step must not touch what protrain stepped
         self._hidden = []
