@@ -247,10 +247,10 @@ class Hardware:
     def _in_step(self, transfer_copies: bool) -> tuple[float, str]:
         """Seconds per parameter of the CPU step in a training step (all ranks together), and
         where the number comes from: at ``opt.step()`` (a loop that clips), as measured there on
-        this machine, else the alone rate times ``cpu_contention``; inside backward, as measured for this kind on this machine; else the
-        other kind's measurement carried over by the host memory bytes each moves (inside a step
-        host memory bounds both: benchmarks/results/oom_sweep_h200_run14.md), no faster than the
-        alone rate allows; else, with the triad known, the faster of the host's bandwidth bound
+        this machine, else the alone rate times ``cpu_contention``; inside backward, as measured
+        for this kind on this machine; else the other kind's measurement carried over by the host
+        memory bytes each moves (inside a step host memory bounds both:
+        benchmarks/results/oom_sweep_h200_run14.md), no faster than the alone rate allows; else, with the triad known, the faster of the host's bandwidth bound
         (``memory_s_per_param``) and the alone rate slowed as inside backward
         (``in_step_alone_slowdown``), no faster than the alone rate times ``cpu_contention``, which
         is the price without a triad (a hand-made Hardware)."""
