@@ -250,10 +250,11 @@ class Hardware:
         this machine, else the alone rate times ``cpu_contention``; inside backward, as measured
         for this kind on this machine; else the other kind's measurement carried over by the host
         memory bytes each moves (inside a step host memory bounds both:
-        benchmarks/results/oom_sweep_h200_run14.md), no faster than the alone rate allows; else, with the triad known, the faster of the host's bandwidth bound
-        (``memory_s_per_param``) and the alone rate slowed as inside backward
-        (``in_step_alone_slowdown``), no faster than the alone rate times ``cpu_contention``, which
-        is the price without a triad (a hand-made Hardware)."""
+        benchmarks/results/oom_sweep_h200_run14.md), no faster than the alone rate allows; else,
+        with the triad known, the faster of the host's bandwidth bound (``memory_s_per_param``)
+        and the alone rate slowed as inside backward (``in_step_alone_slowdown``), no faster than
+        the alone rate times ``cpu_contention``, which is the price without a triad (a hand-made
+        Hardware)."""
         alone = self._alone_s_per_param(transfer_copies)
         priced = self.cpu_contention * alone
         if self.steps_at_opt_step:
