@@ -144,6 +144,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         self.timers = Timers()
         self._rate_from: tuple[float, int] | None = None
         self._at_step_from: tuple[float, int] = (0.0, 0)
+        self._micro_steps: int | None = None  # micro_steps()
         self._members_sig = None
         self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         # id(param) -> the opt.state entry protrain made for it
@@ -292,14 +293,10 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         WORKER.submit((store.id, chunk), self._provisional_step, st, rec)
 
     def micro_steps(self) -> int | None:
-        """Backward passes per ``opt.step()``, as the chunks' learned arrivals show (None before
-        the first step): what the loop's plans price (plan/accumulation.py)."""
-        seen = [
-            st.learned // st.per_backward
-            for st in self.states.values()
-            if st.per_backward and st.learned
-        ]
-        return max(seen, default=None) or None
+        """Backward passes per ``opt.step()``, as the chunks' learned arrivals showed at the last
+        step (None before the first): what the loop's plans price (plan/accumulation.py). Counted
+        once a step (``_after_step``), read at every call (profiling/step_meter.py)."""
+        return self._micro_steps
 
     def backward_ended(self) -> None:
         """A backward pass is over (chunk_grads' end-of-backward callback): the first one a chunk's
@@ -420,6 +417,12 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
             if st.arrivals and not st.partial:
                 st.learned = st.arrivals
             st.arrivals, st.partial = 0, False
+        seen = (
+            st.learned // st.per_backward
+            for st in self.states.values()
+            if st.learned and st.per_backward
+        )
+        self._micro_steps = max(seen, default=0) or None
         self.cycles += 1
         self._observe_cpu_rate()
         self._overlap_cycle_ended()
