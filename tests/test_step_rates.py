@@ -184,6 +184,9 @@ def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):
     # the worker's seconds of steps 4 to 8 (its steps and the waits between them): part of all
     seconds = seen[0]["s_per_param"] * seen[0]["params"]
     assert 0 < seconds < handle.timers.span.total(len(losses))
+    # the mean span a step since FROM_STEP, what the step meter judges a busy device by
+    since = len(losses) - step_rates.FROM_STEP
+    assert handle.cpu_span_per_step() == pytest.approx(seconds / since, rel=1e-9)
     plan2, _, losses2 = train_gpt(2)
     assert plan2.predicted["breakdown"]["cpu_optim_s"] == pytest.approx(
         offloaded * seen[0]["s_per_param"], rel=1e-9
@@ -348,6 +351,17 @@ def test_a_busy_plans_steps_record_how_much_slower_its_compute_ran_and_later_pla
     streamed = {"breakdown": dict(busy["breakdown"], device_step_share=0.3)}
     assert step_rates.compute_slowdown(streamed, 0.34) is None
     assert step_rates.compute_slowdown({}, 0.34) is None
+    # judged by the worker's measured span where there is one: a plan predicted a hair CPU-bound
+    # (first gradient and CPU steps 1% over backward) whose device ran 11% slow, its CPU steps
+    # hidden (the H100's 1B row at 8 x 2048), tells the slowdown; a span that outlasted the slowed
+    # backward says the step waited on the CPU, whatever the prediction
+    hair = {"breakdown": dict(busy["breakdown"], cpu_optim_s=0.182)}
+    assert step_rates.compute_slowdown(hair, 0.34) is None
+    found = 0.33 / (0.3 / 1.02)
+    assert step_rates.compute_slowdown(hair, 0.34, cpu_span_s=0.17) == pytest.approx(found)
+    # the slowed backward: 0.2 * found / 1.02 = 0.2157; the first gradient 0.0216 of it
+    assert step_rates.compute_slowdown(busy, 0.34, cpu_span_s=0.2) is None
+    assert step_rates.compute_slowdown(busy, 0.34, cpu_span_s=0.19) == pytest.approx(found)
 
     profile = measure.hardware_profile("cpu")
     before = Hardware.of(profile, step_rates.read(profile, "cpu"))

@@ -161,13 +161,19 @@ def observe(
     )
 
 
-def compute_slowdown(predicted: dict, iter_s: float) -> float | None:
+def compute_slowdown(
+    predicted: dict, iter_s: float, cpu_span_s: float | None = None
+) -> float | None:
     """How much slower than profiled a plan's forward and backward ran, from its prediction and
     its measured step (seconds between calls): the step less the device optimizer, over forward and
     backward as profiled (the prediction's, less the clock slowdown it priced), in
-    :data:`COMPUTE_RANGE`. Only for a plan that keeps the device busy, where the step is forward and
-    backward: its first gradient and CPU steps within :data:`COMPUTE_HIDDEN` of backward, no device
-    steps, swaps or collectives exposed; None otherwise."""
+    :data:`COMPUTE_RANGE`. Only for a plan that kept the device busy, where the step is forward and
+    backward: no device steps, swaps or collectives exposed, and its first gradient and CPU steps
+    within :data:`COMPUTE_HIDDEN` of backward. With ``cpu_span_s``, the worker's measured seconds
+    of CPU steps inside a backward, that is judged as the step ran: the first gradient and the
+    measured span within backward, both slowed as found (a plan predicted a hair CPU-bound whose
+    device in fact ran 11% slow, the H100's 1B row at 8 x 2048, said nothing before); else as
+    predicted. None otherwise."""
     b = (predicted or {}).get("breakdown") or {}
     need = ("fwd_s", "bwd_s", "cpu_optim_s", "first_grad_s", "gpu_optim_s", "clock_slowdown")
     if not all(isinstance(b.get(k), (int, float)) for k in need) or not iter_s > 0:
@@ -176,13 +182,20 @@ def compute_slowdown(predicted: dict, iter_s: float) -> float | None:
         return None
     if (b.get("micro_steps") or 1) > 1:  # several forwards and backwards: not this formula's
         return None
-    if b["first_grad_s"] + b["cpu_optim_s"] > COMPUTE_HIDDEN * b["bwd_s"]:
-        return None
-    profiled = (b["fwd_s"] + b["bwd_s"]) / (b["clock_slowdown"] or 1.0)
+    priced = b["clock_slowdown"] or 1.0
+    profiled = (b["fwd_s"] + b["bwd_s"]) / priced
     if not profiled > 0:
         return None
     lo, hi = COMPUTE_RANGE
-    return min(hi, max(lo, (iter_s - b["gpu_optim_s"]) / profiled))
+    slowdown = min(hi, max(lo, (iter_s - b["gpu_optim_s"]) / profiled))
+    if cpu_span_s is None:  # as predicted
+        if b["first_grad_s"] + b["cpu_optim_s"] > COMPUTE_HIDDEN * b["bwd_s"]:
+            return None
+    else:  # as measured: a CPU-bound step's excess would read as a slowdown its span outlasts
+        scale = slowdown / priced
+        if b["first_grad_s"] * scale + cpu_span_s > COMPUTE_HIDDEN * b["bwd_s"] * scale:
+            return None
+    return slowdown
 
 
 def observe_compute(device, slowdown: float) -> None:

@@ -197,6 +197,9 @@ class StepMeter:
             slowdown = None
             busy_training = not (self.plan.profiling or self.plan.inference)
             if "cpu_steps_at_opt_step" not in measured and busy_training and k == 1:
-                slowdown = step_rates.compute_slowdown(self.plan.predicted, measured["iter_s"])
+                span = handle.cpu_span_per_step() if handle is not None else None
+                slowdown = step_rates.compute_slowdown(
+                    self.plan.predicted, measured["iter_s"], span
+                )
             if slowdown is not None:
                 step_rates.observe_compute(self.device, slowdown)

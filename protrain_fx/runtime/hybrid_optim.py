@@ -356,6 +356,15 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
             step_rates.observe(self.stores[0].device, copies, now, self._rate_from)
             step_rates.observe(self.stores[0].device, copies, at_step, self._at_step_from, True)
 
+    def cpu_span_per_step(self) -> float | None:
+        """Mean seconds a step of the worker's CPU steps inside backward (step_rates.WorkerSpan)
+        since optimizer step FROM_STEP; None before the step after it (profiling/step_meter.py
+        tells by it whether a step kept the device busy)."""
+        steps = self.cycles - step_rates.FROM_STEP
+        if self._rate_from is None or steps <= 0:
+            return None
+        return (self.timers.span.total(self.cycles) - self._rate_from[0]) / steps
+
     def _group_snapshot(self, st: ChunkOptState) -> dict[int, dict]:
         return {
             gi: step_hyperparameters(self.opt.param_groups[gi], self.decoupled)
