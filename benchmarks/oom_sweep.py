@@ -895,6 +895,12 @@ def main() -> None:
                 else [r, dict(r, id=f"{r['id']}/{name}", env=env)]
             )
         ]
+    # a cap over what the card has (the grid's 80 GiB rows on an 80 GB H100) is not a row here
+    total = torch.cuda.get_device_properties(0).total_memory
+    over = [r["id"] for r in todo if (r.get("cap_gib") or 0) * 2**30 > total]
+    if over:
+        print(f"skipped, their cap over the card's {total / 2**30:.1f} GiB: {', '.join(over)}")
+        todo = [r for r in todo if r["id"] not in over]
     for r in todo:
         if r["id"] in args.memory_history.split(","):
             r["memory_history"] = True
