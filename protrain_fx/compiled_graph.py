@@ -28,6 +28,8 @@ from protrain_fx.runtime.binding import GraphBinding
 from protrain_fx.runtime.chunk_store import store_of
 
 log = logging.getLogger("protrain_fx")
+# resident gradients whose values tell accumulation from zero_grad(set_to_none=False) (_kept_grads)
+KEPT_GRADS_LOOKED_AT = 4
 
 
 class ProtrainGraph:
@@ -321,13 +323,24 @@ class ProtrainGraph:
                     store = store_of(p)
                     if store is None or not store.param_is_offloaded(p):
                         self._resident.append(weakref.ref(p))
-        if any((p := r()) is not None and p.grad is not None for r in self._resident):
+        held = [g for r in self._resident if (p := r()) is not None and (g := p.grad) is not None]
+        if not held:
+            return None
+        # once a graph: a gradient not zeroed is one the next backward adds to (accumulation, at
+        # least two micro-steps per opt.step(), which the next plans price: plan_cache.micro_steps);
+        # all zero, zero_grad(set_to_none=False) kept them
+        if any(bool(g.detach().ne(0).any()) for g in held[:KEPT_GRADS_LOOKED_AT]):
+            opt = self._optimizer() if self._optimizer is not None else None
+            if opt is not None and not getattr(opt, "_protrain_micro_steps", None):
+                opt._protrain_micro_steps_seen = 2
             return (
                 "the loop keeps gradients between steps (a resident parameter's gradient from "
-                "the last backward was there at a forward: gradient accumulation, or "
-                "zero_grad(set_to_none=False))"
+                "the last backward was there, not zeroed, at a forward: gradient accumulation)"
             )
-        return None
+        return (
+            "the loop keeps gradients between steps (resident parameters' gradients were there, "
+            "zeroed, at a forward: zero_grad(set_to_none=False))"
+        )
 
     def _plan_for_kept_grads(self, args, why: str) -> None:
         """Not out of memory: the loop keeps gradients between steps (``why``), which the plan

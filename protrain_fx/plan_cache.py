@@ -226,7 +226,9 @@ def micro_steps(entry: dict | None, optimizer) -> tuple[int, str | None]:
     """Backward passes per optimizer step that the next plan of this graph prices
     (``Hardware.micro_steps``), and where the count comes from: declared
     (``protrain_fx.set_grad_accumulation``), else as the plan's last run measured (profiling/
-    step_meter.py), else as the cached plan priced it; ``(1, None)`` where nothing says more."""
+    step_meter.py), else as the cached plan priced it, and at least what this run has seen before
+    its first ``opt.step()`` (a forward found the last backward's gradients, not zeroed:
+    compiled_graph.ProtrainGraph._kept_grads); ``(1, None)`` where nothing says more."""
     declared = getattr(optimizer, "_protrain_micro_steps", None) if optimizer is not None else None
     if declared:
         return int(declared), "declared"
@@ -235,6 +237,12 @@ def micro_steps(entry: dict | None, optimizer) -> tuple[int, str | None]:
         k = int(measured.get("micro_steps") or 1)
         return k, ("as the loop's last run counted" if k > 1 else None)
     k = int((predicted.get("breakdown") or {}).get("micro_steps") or 1)
+    seen = int(getattr(optimizer, "_protrain_micro_steps_seen", 0) or 0) if optimizer else 0
+    if seen > k:
+        return seen, (
+            "at least: a forward found the last backward's gradients, not zeroed, before any "
+            "opt.step(); the step meter counts them"
+        )
     return k, ("as an earlier run counted" if k > 1 else None)
 
 

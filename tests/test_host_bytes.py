@@ -87,6 +87,12 @@ def test_predicted_host_bytes_are_the_allocated_ones(overrides, budget):
     swapped = plan.predicted["breakdown"]["swapped_bytes"]
     assert sum(got.values()) == plan.predicted["host_bytes"] - swapped, (got, plan.predicted)
     assert pinned.held_bytes()[0] - before == sum(got.values())
+    # where resident gradients were kept (the tied model's plan keeps chunks resident), told from
+    # accumulation by their values (zeros): one micro-step a step
+    held = plan.predicted.get("grads_held") or ""
+    assert bool(held) == (not overrides), held
+    assert not held or "zeroed, at a forward: zero_grad(set_to_none=False)" in held, held
+    assert plan.predicted["breakdown"]["micro_steps"] == 1
     del compiled, model, opt, plan
     gc.collect()
     assert pinned.held_bytes()[0] == before
