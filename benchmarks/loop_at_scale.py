@@ -278,10 +278,18 @@ def by_part(peaks: dict | None, allocated: dict | None = None) -> str:
     return out
 
 
+def predicted_step(r: dict) -> str:
+    """A protrain row's predicted optimizer step and the micro-steps it priced, before ``/``."""
+    if r.get("predicted_step_s") is None:
+        return ""
+    return f"{r['predicted_step_s']:.3f} ({r.get('predicted_micro_steps', 1)}) / "
+
+
 def table(rows: list[dict]) -> str:
     head = (
         "| model | system | outcome | losses / norms / eval losses: max rel | checkpoint sum, "
-        "printed weight: rel | reserved peak GiB: predicted / measured (cap) | step s | "
+        "printed weight: rel | reserved peak GiB: predicted / measured (cap) | step s: "
+        "predicted (micro-steps priced) / measured | "
         "phases ms | first step s | plan |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n"
     )
@@ -296,7 +304,8 @@ def table(rows: list[dict]) -> str:
             f"{r.get('predicted_peak_reserved_gib', 0):.2f} / "
             f"{r.get('peak_reserved_gib', 0):.2f} ({r.get('cap_gib', '-')})"
             f"{by_part(r.get('peaks_reserved_gib'), r.get('peaks_allocated_gib'))} | "
-            f"{r.get('step_s', 0):.3f} | {' / '.join(map(str, r.get('phases_ms', [])))} | "
+            f"{predicted_step(r)}{r.get('step_s', 0):.3f} | "
+            f"{' / '.join(map(str, r.get('phases_ms', [])))} | "
             f"{r.get('first_step_s', '-')} | "
             f"{'; '.join(r.get('plans', []))} |"
         )

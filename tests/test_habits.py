@@ -25,6 +25,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hf_models import (
     HF_VOCAB,
     hf_gpt2,
@@ -322,6 +323,35 @@ def test_19_1_regional_compilation_offloaded_inductor():
     # tests/test_runtime_hazards.py::test_regional_inductor_with_the_worker_ahead, which forces it).
     base = gpt(n_layer=2)
     parity(base, offload(base, compiler="inductor"), compile_fn=regional("blocks")).check()
+
+
+class BreakBeforeHeadGPT(GPT):
+    """Our GPT with a graph break between its blocks and its head (as transformers 5's output
+    capture makes before an MoE model's head when ``output_router_logits=True``)."""
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        torch._dynamo.graph_break()
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_19_1_graph_break_before_the_head_plan_shown_is_the_bodys():
+    """Two graphs, the body (blocks) and the head: both trained as eager does, and ``get_plan``
+    gives the body's plan (the one holding most parameters, not the newest graph, the head's),
+    whose summary names the other graph."""
+    torch.manual_seed(0)
+    base = BreakBeforeHeadGPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=32))
+    p = parity(base, offload(base)).check()
+    plan = protrain_fx.get_plan(p.compiled)
+    assert len(plan.blocks) == 3 and any(
+        n.startswith("blocks.0.") for c in plan.chunks for n in c.params
+    )
+    assert len(plan.other_graphs) == 1 and "0 blocks" in plan.other_graphs[0], plan.other_graphs
+    assert "split by graph breaks: 2 graphs" in plan.summary()
 
 
 @pytest.mark.parametrize("placement", ["offloaded", "resident"])

@@ -129,6 +129,8 @@ class Plan:
     # and why it stopped doing so ("" while it goes on)
     trims: int = 0
     trims_stopped: str = ""
+    # set by get_plan for a model split by graph breaks: the model's other graphs, one line each
+    other_graphs: list[str] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -243,6 +245,12 @@ class Plan:
                     if (self.predicted or {}).get("allocator")
                     else ""
                 )
+            )
+        if self.other_graphs:
+            lines.append(
+                f"  this model's forward is split by graph breaks: {len(self.other_graphs) + 1} "
+                "graphs, each planned on its own (an explicit memory_budget is each one's whole "
+                "budget); the others: " + "; ".join(self.other_graphs)
             )
         if self.trims or self.trims_stopped:
             lines.append(
@@ -407,15 +415,33 @@ def _training_first(entries: list[_Entry]) -> list[_Entry]:
     return [e for e in entries if not e.plan.inference] or entries
 
 
-def get_plan(compiled=None) -> Plan:
-    """The plan of the most recent graph compiled by backend="protrain" for ``compiled`` (the module
-    returned by ``torch.compile`` or the original module). Without an argument: the newest plan of
-    all.
+def _main_graph(entries: list[_Entry]) -> _Entry:
+    """Of a model's entries, the newest plan of each graph, and of those the one with the most
+    parameters (the newest among equals); the others are named in its summary."""
+    newest = {}
+    for e in entries:
+        newest[e.plan.graph_name or e.seq] = e
+    graphs = sorted(newest.values(), key=lambda e: e.seq)
+    main = max(reversed(graphs), key=lambda e: len(e.param_ids))
+    main.plan.other_graphs = [
+        f"graph {e.plan.graph_name} ({len(e.param_ids)} parameters, {len(e.plan.chunks)} chunks, "
+        f"{len(e.plan.blocks)} blocks)"
+        for e in graphs
+        if e is not main and not e.plan.inference
+    ]
+    return main
 
-    A model whose forward was split by graph breaks has one plan per graph; the most recent graph
-    that holds any of the model's parameters is the one returned. A training graph's plan comes
-    before an inference graph's (an evaluation under ``torch.no_grad()`` compiles one more graph,
-    which runs on the training plan's chunks): the latter only for a model never trained.
+
+def get_plan(compiled=None) -> Plan:
+    """The plan of the graph compiled by backend="protrain" for ``compiled`` (the module returned by
+    ``torch.compile`` or the original module): its newest plan (a re-plan replaces the one before).
+    Without an argument: the newest plan of all.
+
+    A model whose forward was split by graph breaks has one plan per graph; the graph that holds the
+    most of the model's parameters is the one returned (the newest among equals: a model compiled
+    block by block), and its summary names the others. A training graph's plan comes before an
+    inference graph's (an evaluation under ``torch.no_grad()`` compiles one more graph, which runs
+    on the training plan's chunks): the latter only for a model never trained.
     """
     live = [e for e in _ENTRIES if all(r() is not None for r in e.params)]
     if compiled is None:
@@ -427,13 +453,14 @@ def get_plan(compiled=None) -> Plan:
         ids = {id(p) for p in module.parameters()}
         mine = _training_first([e for e in live if e.param_ids and e.param_ids <= ids])
         if mine:
-            _name_from_root(mine[-1], module)
-            return mine[-1].plan
+            main = _main_graph(mine)
+            _name_from_root(main, module)
+            return main.plan
     opts = _options_of(compiled)
     if opts is not None:
         mine = _training_first([e for e in live if e.options_id == id(opts)])
         if mine:
-            return mine[-1].plan
+            return _main_graph(mine).plan
     raise ProtrainError(
         "no protrain plan found for this model: compile it with torch.compile(model, "
         "backend='protrain') "
