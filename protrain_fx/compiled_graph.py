@@ -329,7 +329,7 @@ class ProtrainGraph:
         # once a graph: a gradient not zeroed is one the next backward adds to (accumulation, at
         # least two micro-steps per opt.step(), which the next plans price: plan_cache.micro_steps);
         # all zero, zero_grad(set_to_none=False) kept them
-        if any(bool(g.detach().ne(0).any()) for g in held[:KEPT_GRADS_LOOKED_AT]):
+        if any(_any_nonzero(g) for g in held[:KEPT_GRADS_LOOKED_AT]):
             opt = self._optimizer() if self._optimizer is not None else None
             if opt is not None and not getattr(opt, "_protrain_micro_steps", None):
                 opt._protrain_micro_steps_seen = 2
@@ -468,6 +468,17 @@ class ProtrainGraph:
 
 class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
     """A backward under an automatic plan ran out of device memory (see :class:`ProtrainGraph`)."""
+
+
+def _any_nonzero(grad: torch.Tensor) -> bool:
+    """Whether a gradient (dense, or sparse from an ``nn.Embedding(sparse=True)``) has a value that
+    is not zero."""
+    g = grad.detach()
+    if g.is_sparse:
+        g = g.coalesce().values()
+    elif g.layout != torch.strided:
+        g = g.to_dense()
+    return bool(g.ne(0).any())
 
 
 def _after_resident_grads(compiled):
