@@ -129,7 +129,8 @@ class Plan:
     # and why it stopped doing so ("" while it goes on)
     trims: int = 0
     trims_stopped: str = ""
-    # set by get_plan for a model split by graph breaks: the model's other graphs, one line each
+    # set by get_plan for a model run as several graphs (graph breaks, regional compilation): the
+    # model's other graphs, one line each
     other_graphs: list[str] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -248,9 +249,10 @@ class Plan:
             )
         if self.other_graphs:
             lines.append(
-                f"  this model's forward is split by graph breaks: {len(self.other_graphs) + 1} "
-                "graphs, each planned on its own (an explicit memory_budget is each one's whole "
-                "budget); the others: " + "; ".join(self.other_graphs)
+                f"  this model runs {len(self.other_graphs) + 1} compiled graphs (graph breaks, "
+                "or blocks compiled one by one), each with a plan of its own (under an explicit "
+                "memory_budget, the whole of it each, or its share for one of N blocks of one "
+                "structure); the others: " + "; ".join(self.other_graphs)
             )
         if self.trims or self.trims_stopped:
             lines.append(
