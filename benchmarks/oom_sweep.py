@@ -640,6 +640,7 @@ def child(row: dict, args, dirs: dict, timeout: float) -> dict:
             out.update(json.load(f))
         os.remove(result)
         out["outcome"] = "trained"
+        out["compute_observed"] = compute_observations(dirs["hardware"])
     else:
         err = p.stderr[-4000:]
         out["error"] = err
@@ -650,6 +651,18 @@ def child(row: dict, args, dirs: dict, timeout: float) -> dict:
         else:
             out["outcome"] = "error"
     return out
+
+
+def compute_observations(hardware_dir: str) -> list[float]:
+    """The compute slowdowns busy steps of the sweep's rows have recorded so far, oldest first
+    (machine/step_rates.py's file next to the hardware profile): a row's own, if it recorded one,
+    is the last, and the next row's plan prices their median."""
+    for base, _, files in os.walk(hardware_dir):
+        for name in files:
+            if name.endswith(".steps.json"):
+                with open(os.path.join(base, name)) as f:
+                    return [round(e["slowdown"], 4) for e in json.load(f).get("compute", [])]
+    return []
 
 
 def evaluate(rows: list[dict]) -> dict:
@@ -763,6 +776,14 @@ def table(out: dict) -> str:
                 f"SM clock profiled {clk['profiling']['sm_mhz_mean']} MHz, steps "
                 f"{clk['steps']['sm_mhz_mean']} MHz ({clk['steps']['watts_mean']:.0f} W)"
             ]
+        if not err[0] and r.get("compute_observed"):
+            err = [
+                "busy steps' compute slowdowns so far " + ", ".join(map(str, r["compute_observed"]))
+            ]
+        elif r.get("compute_observed"):
+            err = [
+                err[0] + "; compute slowdowns so far " + ", ".join(map(str, r["compute_observed"]))
+            ]
         rel = r.get("max_loss_rel_vs_compile")
         pa, ma = r.get("predicted_peak_allocated_gib"), r.get("peak_allocated_gib")
         alloc_s = f"{pa:.2f} / {ma:.2f}" if pa and ma else (f"{ma:.2f}" if ma else "-")
@@ -782,7 +803,7 @@ def table(out: dict) -> str:
             f"{r.get('tokens_per_s') and round(r['tokens_per_s']) or '-'} | "
             f"{r.get('first_step_s', '-')} ({r.get('inductor_cache', '-')}) | {host_s} | "
             f"{plan_s} | "
-            f"{err[0][:160]} |"
+            f"{err[0][:240]} |"
         )
     return "\n".join(lines) + "\n"
 
