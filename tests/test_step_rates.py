@@ -350,6 +350,11 @@ def test_a_busy_plans_steps_record_how_much_slower_its_compute_ran_and_later_pla
     assert step_rates.compute_slowdown(cpu_bound, 0.34) is None
     streamed = {"breakdown": dict(busy["breakdown"], device_step_share=0.3)}
     assert step_rates.compute_slowdown(streamed, 0.34) is None
+    # forward and backward waiting for chunk copies (uploads slower than compute): the link's rate
+    waits = {"breakdown": dict(busy["breakdown"], copy_waits_s=0.004)}
+    assert step_rates.compute_slowdown(waits, 0.34) is None
+    hidden = {"breakdown": dict(busy["breakdown"], copy_waits_s=0.002)}
+    assert step_rates.compute_slowdown(hidden, 0.34) == pytest.approx(0.33 / (0.3 / 1.02))
     assert step_rates.compute_slowdown({}, 0.34) is None
     # judged by the worker's measured span where there is one: a plan predicted a hair CPU-bound
     # (first gradient and CPU steps 1% over backward) whose device ran 11% slow, its CPU steps

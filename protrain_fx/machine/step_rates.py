@@ -53,6 +53,7 @@ COMPUTE = "compute"  # observations of compute_slowdown
 COMPUTE_HIDDEN = 1.0
 COMPUTE_INTERVALS = 16  # measured steps before the observation
 COMPUTE_RANGE = (1.0, 1.5)  # an observation is clamped into it
+COPY_WAITS = 0.01  # a plan whose forward and backward wait longer for copies says nothing of it
 
 
 class WorkerSpan:
@@ -168,17 +169,21 @@ def compute_slowdown(
     its measured step (seconds between calls): the step less the device optimizer, over forward and
     backward as profiled (the prediction's, less the clock slowdown it priced), in
     :data:`COMPUTE_RANGE`. Only for a plan that kept the device busy, where the step is forward and
-    backward: no device steps, swaps or collectives exposed, and its first gradient and CPU steps
-    within :data:`COMPUTE_HIDDEN` of backward. With ``cpu_span_s``, the worker's measured seconds
-    of CPU steps inside a backward, that is judged as the step ran: the first gradient and the
-    measured span within backward, both slowed as found (a plan predicted a hair CPU-bound whose
-    device in fact ran 11% slow, the H100's 1B row at 8 x 2048, said nothing before); else as
-    predicted. None otherwise."""
+    backward: no device steps, swaps, collectives or chunk copies exposed (:data:`COPY_WAITS`),
+    and its first gradient and CPU steps within :data:`COMPUTE_HIDDEN` of backward. With
+    ``cpu_span_s``, the worker's measured seconds of CPU steps inside a backward, that is judged
+    as the step ran: the first gradient and the measured span within backward, both slowed as
+    found (a plan predicted a hair CPU-bound whose device in fact ran 11% slow, the H100's 1B row
+    at 8 x 2048, said nothing before); else as predicted. None otherwise."""
     b = (predicted or {}).get("breakdown") or {}
     need = ("fwd_s", "bwd_s", "cpu_optim_s", "first_grad_s", "gpu_optim_s", "clock_slowdown")
     if not all(isinstance(b.get(k), (int, float)) for k in need) or not iter_s > 0:
         return None
     if b.get("device_step_share") or b.get("swap_exposed_s") or b.get("allreduce_exposed_s"):
+        return None
+    # a step that waits for chunk copies runs at the link's rate, not the clock's (an H100's 1B row
+    # without transfer copies recorded 1.11 from uploads slower than priced: oom_sweep_h100_run67)
+    if b.get("copy_waits_s", 0.0) > COPY_WAITS * (b["fwd_s"] + b["bwd_s"]):
         return None
     if (b.get("micro_steps") or 1) > 1:  # several forwards and backwards: not this formula's
         return None

@@ -122,11 +122,9 @@ class _ProfileArrays:
             # between steps, any one's): one table more at the end of backward
             more = ch.row_table_bytes if hw.grads_held else ch.table_grad_bytes
             self.table_grad.append(self.table_grad[-1] + more)
-        # elements of the device chunk buffers (and of the host staging) when chunks c.. are
-        # offloaded: each store's buffers hold a chunk of the layout's size, or its largest
-        # offloaded chunk if that is larger, and stores of one such size share them
-        # (protrain_fx/runtime/chunk_store.py); the gradient buffers likewise for the chunks whose
-        # gradients are packed (grad_numel)
+        # elements of the device chunk buffers (and host staging) when chunks c.. are offloaded:
+        # each store's hold a chunk of the layout's size, or its largest offloaded one, stores of
+        # one such size share them (runtime/chunk_store.py); gradient buffers likewise (grad_numel)
         self.buffer_numel, self.grad_numel = [0] * (n + 1), [0] * (n + 1)
         # the host staging of oversized chunks' gradients, per size and dtype
         self.oversized_staging = [0] * (n + 1)
@@ -433,15 +431,16 @@ class LayoutCosts:
         # the resident chunks' step and the shards' (chunks sharded on the devices) at opt.step()
         t_gpu = resident / hw.gpu_adam_params_per_s + (sh.step_s(n_persist, n_shard) if sh else 0)
         t_cpu = offloaded * self.cpu_per_param
-        # the CPU steps end at cpu_done (they wait for the gradients: before the first arrives and
-        # wherever backward is slower than the CPU): first_grad_s is that wait
+        # the CPU steps end at cpu_done (waiting for gradients, before the first and wherever
+        # backward is slower): first_grad_s; copy_waits_s: forward and backward waiting for copies
         t_first = max(0.0, self.cpu_done[first] - t_cpu) if offloaded else 0.0
+        pairs = ((self.fwd_off, self.fwd_res), (self.bwd_off, self.bwd_res))
+        waits = sum(o[n] - o[first] - r[n] + r[first] for o, r in pairs)
         # some of them may run on the device, streamed, beside the CPU's (device_steps)
         device_share, device_params, t_cpu = self.device_steps(first)
 
         # the device optimizer follows backward and the CPU steps (H200: a 3B plan's step within
-        # 1.4% of forward + max(backward, first gradient + CPU optimizer) + device optimizer), all
-        # after the micro-steps before the last one (accumulation.py)
+        # 1.4% of it), all after the micro-steps before the last one (accumulation.py)
         serial = hw.shared_compute or hw.steps_at_opt_step
         after = (lambda b: b + t_cpu) if serial else (lambda b: max(b, t_first + t_cpu))
         before, t_bwd = micro_steps_s(self, first, t_fwd, t_bwd)
@@ -461,6 +460,7 @@ class LayoutCosts:
             "device_step_share": device_share,
             "device_step_params": device_params,
             "swap_exposed_s": swap_exposed,
+            "copy_waits_s": waits,
             "cast_s": cast_fwd + cast_bwd,
             "allreduce_exposed_s": exposed,
             "collective_contention_s": contention,
