@@ -320,6 +320,9 @@ def test_without_transfer_copies_gathers_move_masters_and_the_host_holds_less():
     # chunk 1's forward: its gather (2 ms as bf16, 4 ms as fp32) is longer than its 1 ms compute
     assert copies.breakdown["fwd_s"] == pytest.approx(0.001 + 50e6 * 2 / 50e9)
     assert lean.breakdown["fwd_s"] == pytest.approx(0.001 + 50e6 * 4 / 50e9)
+    # what of it forward waits for the copy (backward's gradient copy hides behind its 20 ms)
+    assert copies.breakdown["copy_waits_s"] == pytest.approx(50e6 * 2 / 50e9 - 0.001)
+    assert lean.breakdown["copy_waits_s"] == pytest.approx(50e6 * 4 / 50e9 - 0.001)
     assert copies.host_bytes - lean.host_bytes == 50e6 * 2
     staging = min(UPLOAD_PIECE, 50 * 10**6) * 4
     assert lean.peak_bytes - copies.peak_bytes == pytest.approx(staging * 1.10, abs=2)
