@@ -641,6 +641,7 @@ def child(row: dict, args, dirs: dict, timeout: float) -> dict:
         os.remove(result)
         out["outcome"] = "trained"
         out["compute_observed"] = compute_observations(dirs["hardware"])
+        out["upload_observed_gbs"] = compute_observations(dirs["hardware"], uploads=True)
     else:
         err = p.stderr[-4000:]
         out["error"] = err
@@ -653,16 +654,23 @@ def child(row: dict, args, dirs: dict, timeout: float) -> dict:
     return out
 
 
-def compute_observations(hardware_dir: str) -> list[float]:
+def compute_observations(hardware_dir: str, uploads: bool = False):
     """The compute slowdowns busy steps of the sweep's rows have recorded so far, oldest first
     (machine/step_rates.py's file next to the hardware profile): a row's own, if it recorded one,
-    is the last, and the next row's plan prices their median."""
+    is the last, and the next row's plan prices their median. With ``uploads``, the GB/s chunks
+    went up at inside steps, per kind."""
     for base, _, files in os.walk(hardware_dir):
         for name in files:
             if name.endswith(".steps.json"):
                 with open(os.path.join(base, name)) as f:
-                    return [round(e["slowdown"], 4) for e in json.load(f).get("compute", [])]
-    return []
+                    data = json.load(f)
+                if uploads:
+                    return {
+                        k: [round(e["bytes_per_s"] / 1e9, 2) for e in data.get(k, [])]
+                        for k in ("upload_copies", "upload_masters")
+                    }
+                return [round(e["slowdown"], 4) for e in data.get("compute", [])]
+    return {} if uploads else []
 
 
 def evaluate(rows: list[dict]) -> dict:

@@ -323,6 +323,11 @@ def test_without_transfer_copies_gathers_move_masters_and_the_host_holds_less():
     # what of it forward waits for the copy (backward's gradient copy hides behind its 20 ms)
     assert copies.breakdown["copy_waits_s"] == pytest.approx(50e6 * 2 / 50e9 - 0.001)
     assert lean.breakdown["copy_waits_s"] == pytest.approx(50e6 * 4 / 50e9 - 0.001)
+    # the masters went up at half the copies' rate inside earlier steps: gathers priced so
+    slow_up = dataclasses.replace(HW, observed_upload_masters=25e9)
+    lean_slow = predict(prof, slow_up, dataclasses.replace(knobs, transfer_copies=False))
+    assert lean_slow.breakdown["fwd_s"] == pytest.approx(0.001 + 50e6 * 4 / 25e9)
+    assert predict(prof, slow_up, knobs).breakdown["fwd_s"] == copies.breakdown["fwd_s"]
     assert copies.host_bytes - lean.host_bytes == 50e6 * 2
     staging = min(UPLOAD_PIECE, 50 * 10**6) * 4
     assert lean.peak_bytes - copies.peak_bytes == pytest.approx(staging * 1.10, abs=2)

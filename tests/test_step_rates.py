@@ -195,6 +195,26 @@ def test_training_steps_record_the_rate_and_the_next_plan_prices_it(own_cache):
     assert losses2 == losses[:2]
 
 
+def test_training_steps_record_how_fast_chunks_went_up_and_later_plans_price_gathers_so(
+    own_cache, monkeypatch
+):
+    """The chunk buffers sum their copies' durations and bytes (a CPU device's copies are
+    synchronous; on CUDA each copy's own events on the copy stream); steps 4 to 8 record that rate
+    for the plan's kind of upload, and later plans on the machine price the gathers of that kind
+    at it (``Hardware.upload_bytes_per_s``), the other kind still at the profile's copies."""
+    from protrain_fx.plan.profiles import Hardware
+
+    monkeypatch.setattr(step_rates, "UPLOAD_LEAST_BYTES", 1)  # the test model moves little
+    profile = measure.hardware_profile("cpu")
+    plan, handle, losses = train_gpt(step_rates.AT_STEPS[0])
+    (seen,) = step_rates._load(step_rates.path_of(profile))["upload_copies"]
+    moved = sum(b.upload_bytes for b in {id(s.buffers): s.buffers for s in handle.stores}.values())
+    assert 0 < seen["bytes"] < moved and seen["bytes_per_s"] > 0
+    hw = Hardware.of(profile, step_rates.read(profile, "cpu"))
+    assert hw.upload_bytes_per_s(True) == pytest.approx(seen["bytes_per_s"])
+    assert hw.upload_bytes_per_s(False) == profile.h2d_bytes_per_s
+
+
 def test_the_worker_span_counts_the_waits_between_steps_unless_it_waited_on_the_device():
     """A backward whose worker was busy most of its span (CPU-bound) counts the span, the waits
     between its steps included; one whose worker mostly waited (for the device's gradients) counts

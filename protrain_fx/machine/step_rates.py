@@ -26,6 +26,13 @@ the model's steps ran 1.07-1.20x with the SM clock 7-15% low (products run near 
 below the limit: benchmarks/results/power_probe_h200.md, oom_sweep_h200_runs4to21.md); later plans
 on the machine price the median observation in place of the probe's
 (``plan.profiles.Hardware.sustained_slowdown``).
+
+And the rate offloaded chunks went up at inside steps, per kind (``upload_copies``: bf16 transfer
+copies; ``upload_masters``: fp32 masters through the staging and a cast), from the chunk buffers'
+copies timed on the copy stream (:func:`observe_upload`): on an H100 host the profile's copies ran
+at 51.2 GB/s and the steps' at 41.1 (copies) and 37.9-39.0 (masters)
+(benchmarks/results/oom_sweep_h100_run70.md); later plans price the gathers at it
+(``plan.profiles.Hardware.upload_bytes_per_s``).
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ AT_STEPS = (8, 20)  # the steps at which an observation is recorded
 KEEP = 8  # observations kept per kind
 # inside backward, and inside opt.step() (a loop that clips: Hardware.steps_at_opt_step)
 KINDS = ("copies", "masters", "copies_at_step", "masters_at_step")
+# bytes per second offloaded chunks went up inside steps (observe_upload), with and without copies
+UPLOADS = ("upload_copies", "upload_masters")
+UPLOAD_LEAST_BYTES = 1 << 28  # an observation moved at least this much
 SPANS = "waits_included"  # observations of WorkerSpan (older files counted the steps alone)
 DEVICES = ("cuda",)  # device types whose runs record and whose plans read (tests add "cpu")
 COMPUTE = "compute"  # observations of compute_slowdown
@@ -115,6 +125,9 @@ def read(profile: HardwareProfile, device_type: str) -> dict[str, float]:
             out[kind] = statistics.median(seen)
     if seen := [float(x["slowdown"]) for x in data.get(COMPUTE, []) if x.get("slowdown", 0) > 0]:
         out[COMPUTE] = statistics.median(seen)
+    for kind in UPLOADS:
+        if seen := [float(x["bytes_per_s"]) for x in data.get(kind, []) if x.get("bytes_per_s")]:
+            out[kind] = statistics.median(seen)
     return out
 
 
@@ -159,6 +172,27 @@ def observe(
         "inside opt.step()" if at_step else "inside backward",
         kind,
         profile.cpu_adam_params_per_s / 1e9,
+    )
+
+
+def observe_upload(device, copies: bool, now: tuple[float, int], then: tuple[float, int]) -> None:
+    """The runtime's report of its chunk buffers' cumulative (seconds, bytes) of host-to-device
+    copies on the copy stream (each copy's own duration, its casts and waits inside it included:
+    runtime/chunk_buffers.py), now and at :data:`FROM_STEP`: the rate later plans on this machine
+    price the gathers of that kind at (``Hardware.upload_bytes_per_s``)."""
+    seconds, nbytes = now[0] - then[0], now[1] - then[1]
+    ok = device.type in DEVICES and nbytes >= UPLOAD_LEAST_BYTES and seconds > 0
+    profile = cached(device) if ok else None
+    if profile is None:
+        return
+    kind = UPLOADS[0] if copies else UPLOADS[1]
+    _append(profile, kind, {"bytes_per_s": nbytes / seconds, "bytes": nbytes})
+    log.info(
+        "protrain: offloaded chunks went up at %.1f GB/s inside steps (%s; the profile's copies "
+        "%.1f): later plans on this machine price it so",
+        nbytes / seconds / 1e9,
+        kind,
+        profile.h2d_bytes_per_s / 1e9,
     )
 
 

@@ -87,9 +87,9 @@ class _ProfileArrays:
         capacity = prof.chunk_size // me
         self.as_is = [hw.world_size == 1 and ch.numel > capacity for ch in chunks]
         self.serial, shard = [], 1 / hw.world_size  # with several ranks a rank moves its shard
-        ue = prof.upload_elem  # te, or me without host transfer copies
+        ue, up_rate = prof.upload_elem, hw.upload_bytes_per_s(prof.transfer_copies)  # te, or me
         for c, ch in enumerate(chunks):
-            h2d = ch.numel * ue * shard / hw.h2d_bytes_per_s + hw.collective_s(ch.numel * te)
+            h2d = ch.numel * ue * shard / up_rate + hw.collective_s(ch.numel * te)
             self.fwd_res.append(self.fwd_res[-1] + ch.fwd_s)
             self.fwd_off.append(self.fwd_off[-1] + max(ch.fwd_s, h2d))
             # the last n_buffer chunks stay in their buffers
@@ -101,13 +101,13 @@ class _ProfileArrays:
             if self.as_is[c]:
                 self.serial.append(down_s)
                 self.down_s.append(0.0)  # in the chunk's backward already
-                self.comm.append(up / hw.h2d_bytes_per_s)
+                self.comm.append(up / up_rate)
                 continue
             self.serial.append(0.0)
             self.down_s.append(down_s)
             self.comm.append(
                 max(
-                    up * shard / hw.h2d_bytes_per_s,
+                    up * shard / up_rate,
                     down * shard / hw.d2h_bytes_per_s,
                     (up + down) * shard / hw.duplex_bytes_per_s,
                 )
@@ -126,8 +126,7 @@ class _ProfileArrays:
         # each store's hold a chunk of the layout's size, or its largest offloaded one, stores of
         # one such size share them (runtime/chunk_store.py); gradient buffers likewise (grad_numel)
         self.buffer_numel, self.grad_numel = [0] * (n + 1), [0] * (n + 1)
-        # the host staging of oversized chunks' gradients, per size and dtype
-        self.oversized_staging = [0] * (n + 1)
+        self.oversized_staging = [0] * (n + 1)  # host staging of oversized chunks' gradients
         largest_in: dict[int, int] = {}
         packed_in: dict[int, int] = {}
         oversized: set[tuple[int, int]] = set()
@@ -141,8 +140,8 @@ class _ProfileArrays:
             self.buffer_numel[c] = sum({max(capacity, v) for v in largest_in.values()})
             self.grad_numel[c] = sum({max(capacity, v) for v in packed_in.values()})
             self.oversized_staging[c] = N_OVERSIZED_STAGING * sum(k * e for k, e in oversized)
-        self.hw, self.prof = hw, prof  # cpu_per_param: a CPU Adam step's seconds (this rank's)
-        self.cpu_per_param = hw.cpu_s_per_param(prof.transfer_copies)
+        self.hw, self.prof, self.up_rate = hw, prof, up_rate  # bytes/s a gather goes up at
+        self.cpu_per_param = hw.cpu_s_per_param(prof.transfer_copies)  # per parameter, this rank
         self._device_step_table = self._static = None
         self.n_buffer = n_buffer
         self.device_step_scratch = (
@@ -461,6 +460,7 @@ class LayoutCosts:
             "device_step_params": device_params,
             "swap_exposed_s": swap_exposed,
             "copy_waits_s": waits,
+            "upload_bytes_per_s": self.arrays.up_rate,
             "cast_s": cast_fwd + cast_bwd,
             "allreduce_exposed_s": exposed,
             "collective_contention_s": contention,

@@ -313,7 +313,12 @@ class Plan:
                 f"{format_bytes(b['transient_bytes'])}, after the blocks "
                 f"{format_bytes(b.get('tail_bytes', 0))}, swapped to the host "
                 f"{format_bytes(b['swapped_bytes'])}; "
-                f"pinned host memory {format_bytes(p.get('host_bytes'))}"
+                + (
+                    f"offloaded chunks up at {b['upload_bytes_per_s'] / 1e9:.1f} GB/s; "
+                    if b.get("upload_bytes_per_s") and self.n_persist < self.layout.n_chunks
+                    else ""
+                )
+                + f"pinned host memory {format_bytes(p.get('host_bytes'))}"
             )
         return lines
 

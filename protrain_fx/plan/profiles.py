@@ -225,11 +225,23 @@ class Hardware:
     # the same inside opt.step(), where a loop that clips steps them (steps_at_opt_step)
     observed_at_step_copies: float | None = None
     observed_at_step_masters: float | None = None
+    # bytes per second an offloaded chunk went up at inside steps on this machine, with and without
+    # the transfer copy (the fp32 master through the staging and a cast; machine/step_rates.py);
+    # None: not seen, the profile's h2d_bytes_per_s
+    observed_upload_copies: float | None = None
+    observed_upload_masters: float | None = None
     # the alone rate of the CPU step without the transfer copy (HardwareProfile
     # .cpu_adam_masters_params_per_s); 0: cpu_adam_params_per_s
     cpu_adam_masters_params_per_s: float = 0.0
     # the host's memory bandwidth (HardwareProfile.host_triad_bytes_per_s); 0: unknown
     host_bytes_per_s: float = 0.0
+
+    def upload_bytes_per_s(self, transfer_copies: bool = True) -> float:
+        """The rate an offloaded chunk's gather goes up at: as steps on this machine measured it
+        for the kind, else the profile's copies (on an H100 host 37.9-41.1 GB/s inside steps
+        against the profile's 51.2: benchmarks/results/oom_sweep_h100_run70.md)."""
+        seen = self.observed_upload_copies if transfer_copies else self.observed_upload_masters
+        return seen or self.h2d_bytes_per_s
 
     def observed_s_per_param(self, transfer_copies: bool = True) -> float | None:
         return (
@@ -340,6 +352,8 @@ class Hardware:
             observed_s_per_param_masters=observed.get("masters"),
             observed_at_step_copies=observed.get("copies_at_step"),
             observed_at_step_masters=observed.get("masters_at_step"),
+            observed_upload_copies=observed.get("upload_copies"),
+            observed_upload_masters=observed.get("upload_masters"),
             cpu_adam_masters_params_per_s=profile.cpu_adam_masters_params_per_s,
             host_bytes_per_s=profile.host_triad_bytes_per_s,
         )

@@ -29,8 +29,10 @@ first wait for copies of it still in flight (:meth:`ChunkBuffers.wait_copies`).
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +115,10 @@ class ChunkBuffers:
         # lock
         self._lock = threading.RLock()
         self._generation: dict[tuple, int] = {}  # (store id, chunk) -> times its values changed
+        # the copies' own durations (CUDA: their events on the copy stream, read once done) and
+        # bytes, summed (uploads(): what later plans price the gathers at, machine/step_rates.py)
+        self._timed: collections.deque = collections.deque()
+        self.upload_s, self.upload_bytes = 0.0, 0
         self.stats = {
             "h2d_copies": 0,
             "h2d_bytes": 0,
@@ -200,16 +206,38 @@ class ChunkBuffers:
                 with torch.cuda.stream(self.streams.h2d):
                     if s.free is not None:
                         self.streams.h2d.wait_event(s.free)
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(self.streams.h2d)
                     n = fill(s.buffer)
-                    s.ready = torch.cuda.Event()
+                    s.ready = torch.cuda.Event(enable_timing=True)
                     s.ready.record(self.streams.h2d)
+                self._timed.append((start, s.ready, n))
+                self.uploads()  # the list kept short
             else:
                 if s.free is not None:  # on the compute stream itself: ordered after gather's read
                     s.free = None
+                t0 = time.perf_counter()
                 n = fill(s.buffer)
+                if not self.is_cuda:  # a CPU device's copies are synchronous
+                    self.upload_s, self.upload_bytes = (
+                        self.upload_s + time.perf_counter() - t0,
+                        self.upload_bytes + n,
+                    )
                 s.ready = None
             self.stats["h2d_copies"] += 1
             self.stats["h2d_bytes"] += n
+
+    def uploads(self) -> tuple[float, int]:
+        """Seconds and bytes of the host-to-device copies on the copy stream so far (on CUDA those
+        done by now)."""
+        with self._lock:
+            while self._timed and self._timed[0][1].query():
+                start, end, n = self._timed.popleft()
+                self.upload_s, self.upload_bytes = (
+                    self.upload_s + start.elapsed_time(end) / 1e3,
+                    self.upload_bytes + n,
+                )
+            return self.upload_s, self.upload_bytes
 
     def gather(self, key, numel: int, fill, on_compute: bool = False) -> torch.Tensor:
         """The chunk's data as a fresh tensor on the compute device (prefetching it now if no

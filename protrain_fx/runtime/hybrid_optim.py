@@ -144,6 +144,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         self.timers = Timers()
         self._rate_from: tuple[float, int] | None = None
         self._at_step_from: tuple[float, int] = (0.0, 0)
+        self._upload_from: tuple[float, int] = (0.0, 0)  # chunk buffers' uploads at FROM_STEP
         self._micro_steps: int | None = None  # micro_steps()
         self._members_sig = None
         self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -349,12 +350,15 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         t, kinds = self.timers, {s.transfer_copies for s in self.stores}
         now = (t.span.total(self.cycles), t.cpu_in_backward_params)
         at_step = (t.deferred_step_s, t.deferred_params)
+        bufs = {id(s.buffers): s.buffers for s in self.stores if s.buffers and not s.world.sharded}
+        up = tuple(sum(x) for x in zip((0.0, 0), *(b.uploads() for b in bufs.values())))
         if self.cycles == step_rates.FROM_STEP:
-            self._rate_from, self._at_step_from = now, at_step
+            self._rate_from, self._at_step_from, self._upload_from = now, at_step, up
         elif self.cycles in step_rates.AT_STEPS and self._rate_from and len(kinds) == 1:
-            copies = kinds.pop()
-            step_rates.observe(self.stores[0].device, copies, now, self._rate_from)
-            step_rates.observe(self.stores[0].device, copies, at_step, self._at_step_from, True)
+            copies, device = kinds.pop(), self.stores[0].device
+            step_rates.observe(device, copies, now, self._rate_from)
+            step_rates.observe(device, copies, at_step, self._at_step_from, True)
+            step_rates.observe_upload(device, copies, up, self._upload_from)
 
     def cpu_span_per_step(self) -> float | None:
         """Mean seconds a step of the worker's CPU steps inside backward (step_rates.WorkerSpan)
