@@ -640,8 +640,9 @@ def child(row: dict, args, dirs: dict, timeout: float) -> dict:
             out.update(json.load(f))
         os.remove(result)
         out["outcome"] = "trained"
-        out["compute_observed"] = compute_observations(dirs["hardware"])
-        out["upload_observed_gbs"] = compute_observations(dirs["hardware"], uploads=True)
+        seen = step_observations(dirs["hardware"])
+        out["compute_observed"] = seen.pop("compute")
+        out["upload_observed_gbs"] = seen
     else:
         err = p.stderr[-4000:]
         out["error"] = err
@@ -654,23 +655,21 @@ def child(row: dict, args, dirs: dict, timeout: float) -> dict:
     return out
 
 
-def compute_observations(hardware_dir: str, uploads: bool = False):
-    """The compute slowdowns busy steps of the sweep's rows have recorded so far, oldest first
-    (machine/step_rates.py's file next to the hardware profile): a row's own, if it recorded one,
-    is the last, and the next row's plan prices their median. With ``uploads``, the GB/s chunks
+def step_observations(hardware_dir: str) -> dict:
+    """What busy steps of the sweep's rows have recorded so far, oldest first
+    (machine/step_rates.py's file next to the hardware profile): compute slowdowns (a row's own,
+    if it recorded one, is the last; the next row's plan prices their median) and the GB/s chunks
     went up at inside steps, per kind."""
     for base, _, files in os.walk(hardware_dir):
         for name in files:
             if name.endswith(".steps.json"):
                 with open(os.path.join(base, name)) as f:
                     data = json.load(f)
-                if uploads:
-                    return {
-                        k: [round(e["bytes_per_s"] / 1e9, 2) for e in data.get(k, [])]
-                        for k in ("upload_copies", "upload_masters")
-                    }
-                return [round(e["slowdown"], 4) for e in data.get("compute", [])]
-    return {} if uploads else []
+                out = {"compute": [round(e["slowdown"], 4) for e in data.get("compute", [])]}
+                for k in ("upload_copies", "upload_masters"):
+                    out[k] = [round(e["bytes_per_s"] / 1e9, 2) for e in data.get(k, [])]
+                return out
+    return {"compute": [], "upload_copies": [], "upload_masters": []}
 
 
 def evaluate(rows: list[dict]) -> dict:

@@ -430,11 +430,9 @@ class LayoutCosts:
         # the resident chunks' step and the shards' (chunks sharded on the devices) at opt.step()
         t_gpu = resident / hw.gpu_adam_params_per_s + (sh.step_s(n_persist, n_shard) if sh else 0)
         t_cpu = offloaded * self.cpu_per_param
-        # the CPU steps end at cpu_done (waiting for gradients, before the first and wherever
-        # backward is slower): first_grad_s; copy_waits_s: forward and backward waiting for copies
+        # the CPU steps end at cpu_done (they wait for the gradients: before the first arrives and
+        # wherever backward is slower than the CPU): first_grad_s is that wait
         t_first = max(0.0, self.cpu_done[first] - t_cpu) if offloaded else 0.0
-        pairs = ((self.fwd_off, self.fwd_res), (self.bwd_off, self.bwd_res))
-        waits = sum(o[n] - o[first] - r[n] + r[first] for o, r in pairs)
         # some of them may run on the device, streamed, beside the CPU's (device_steps)
         device_share, device_params, t_cpu = self.device_steps(first)
 
@@ -450,6 +448,8 @@ class LayoutCosts:
         t = before + t_fwd + after(t_bwd) + t_gpu
         if not detail:
             return t
+        pairs = ((self.fwd_off, self.fwd_res), (self.bwd_off, self.bwd_res))  # waits for copies
+        waits = sum(o[n] - o[first] - r[n] + r[first] for o, r in pairs)
         return t, {
             "fwd_s": t_fwd,
             "bwd_s": t_bwd,

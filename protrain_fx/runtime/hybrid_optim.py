@@ -347,6 +347,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         chunks step on the device (waits for the link)."""
         if any(s.device_step_chunks for s in self.stores):
             return
+        if self.cycles != step_rates.FROM_STEP and self.cycles not in step_rates.AT_STEPS:
+            return
         t, kinds = self.timers, {s.transfer_copies for s in self.stores}
         now = (t.span.total(self.cycles), t.cpu_in_backward_params)
         at_step = (t.deferred_step_s, t.deferred_params)
