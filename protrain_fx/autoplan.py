@@ -497,11 +497,7 @@ def _prediction(
         "world_size": hw.world_size,
         "collective_gb_s": None if hw.world_size == 1 else hw.collective_bytes_per_s / 1e9,
         "profiled": {
-            "block_fwd_ms": [1e3 * x for x in step.block_fwd_s],
-            "block_bwd_ms": [1e3 * x for x in step.block_bwd_s],
-            "nonblock_fwd_ms": 1e3 * step.nonblock_fwd_s,
-            "nonblock_bwd_ms": 1e3 * step.nonblock_bwd_s,
-            "head_bwd_ms": 1e3 * step.head_bwd_s,
+            **step.times_ms(),
             "peak_bytes": step.peak_bytes,
             "transient_bytes": prof.transient_bytes,
             "tail_bytes": prof.tail_bytes,

@@ -30,7 +30,7 @@ from protrain_fx.runtime import distributed
 log = logging.getLogger("protrain_fx")
 
 # bump when the profile or the cost model changes meaning: old cache entries miss
-COST_MODEL_VERSION = 33  # 22: oversized gradients down in their own dtype, staging priced as held;
+COST_MODEL_VERSION = 34  # 22: oversized gradients down in their own dtype, staging priced as held;
 # 23: compute slowed by the clock under sustained load (Hardware.clock_slowdown)
 # 24: the transfer_copies knob (a cached plan's knobs include it)
 # 25: the CPU step priced per kind (with or without the transfer copy), as measured in steps where
@@ -50,6 +50,7 @@ COST_MODEL_VERSION = 33  # 22: oversized gradients down in their own dtype, stag
 # the n_shard knob in a cached plan)
 # 33: no host staging of packed gradients where later ones are summed on the device
 # (runtime/grad_add.py)
+# 34: a block no faster than the profiled host queued it (StepProfile.block_fwd_host_s)
 # a reserved peak measured this far over the prediction, with more reserved but free than the plan
 # budgeted, is the allocator's overhead the next plan budgets as measured (allocator_gap)
 RESERVED_TOLERANCE = 0.02

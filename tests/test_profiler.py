@@ -104,3 +104,72 @@ def test_identical_blocks_share_the_fastest_time(monkeypatch):
         1.0,
         1.0,
     ]
+
+
+def test_a_block_is_priced_no_faster_than_the_profiled_host_queued_it():
+    """The profiled step times the kernels with the host kept ahead (a spin before every mark), and
+    beside them what the host took to queue each block, the marks' and copies' own work left out.
+    A block whose host took longer (short kernels: a small batch) is priced at the host's time:
+    forward, backward as kept and as recomputed; the plan summary says so."""
+    from protrain_fx.plan.cost_model import predict
+    from protrain_fx.plan.plan import _host_bound_lines
+    from protrain_fx.plan.profiles import Hardware, Knobs
+    from protrain_fx.profiling.profiler import StepProfile, graph_profile
+    from protrain_fx.profiling.static import SavedBytes, StaticProfile
+    from protrain_fx.runtime import block_timer as bt
+
+    # marks as the profiled step makes them (times in seconds): block 0's forward with a copy
+    # bracketed inside, then the spin queued before the exit mark (after its call: not counted)
+    M = bt.Mark
+    marks = [
+        M(0, bt.FWD_ENTER, 0.0, 0, 0, host=0.0, host_end=0.1),
+        M(bt.STEP, bt.COPY_START, 0.2, 0, 0, host=0.3, host_end=0.35),
+        M(bt.STEP, bt.COPY_END, 0.4, 0, 0, host=0.5, host_end=0.55),
+        M(bt.STEP, bt.COPY_START, 1.0, 0, 0, host=1.02, host_end=1.03),
+        M(bt.STEP, bt.COPY_END, 1.5, 0, 0, host=1.04, host_end=1.05),
+        M(0, bt.FWD_EXIT, 1.6, 0, 0, host=1.0, host_end=1.1),
+    ]
+    t = bt.block_timings(marks)[0]
+    assert t["fwd_host_ms"] == pytest.approx((1.0 - 0.1 - (0.55 - 0.3)) * 1e3)
+    assert t["fwd_ms"] == pytest.approx((1.6 - 0.2 - 0.5) * 1e3)  # the copies' device time out
+    # over the step, block marks lie inside: each one's span holds its spin, left out once
+    marks.append(M(bt.STEP, bt.FWD_END, 2.0, 0, 0, host=2.0, host_end=2.1))
+    marks.insert(0, M(bt.STEP, bt.STEP_START, 0.0, 0, 0, host=-0.2, host_end=-0.1))
+    assert bt._host_interval_ms(marks, 0, len(marks) - 1) == pytest.approx(
+        (2.0 + 0.1 - 0.1 - (0.55 - 0.3) - 0.1) * 1e3
+    )
+
+    n = 4
+    static = StaticProfile(SavedBytes([10] * n, [1] * n, 0, 0), [1.0] * n, [("b",)] * n)
+
+    def profile(host_fwd: list, host_bwd: list):
+        step = StepProfile(
+            [0.002] * n, [0.006] * n, 0.001, 0.002, 1000, 0, None, 0.0,
+            block_fwd_host_s=host_fwd, block_bwd_host_s=host_bwd,
+            nonblock_fwd_host_s=0.003 if host_fwd else 0.0,
+        )  # fmt: skip
+        params = [(f"p{i}", 4 * 10**6, i) for i in range(n)]
+        return graph_profile(
+            step, static, params, 4 * 10**6, master_elem=4, transfer_elem=2, resident_cast_elem=0
+        )
+
+    fast, slow = profile([], []), profile([0.001, 0.003, 0.005, 0.004], [0.007] * n)
+    assert [b.fwd_s for b in fast.blocks] == [0.002] * n
+    # the group's median host time (0.0035) against 2 ms of kernels
+    assert [b.fwd_s for b in slow.blocks] == pytest.approx([0.0035] * n)
+    # backward: kept 6 - 2 = 4 ms of kernels against 7 - 3.5 = 3.5 ms of host; recomputed 7 ms
+    blk = slow.blocks[0]
+    assert blk.bwd_s == pytest.approx(0.004) and blk.recompute_cost_s == pytest.approx(0.003)
+    assert fast.blocks[0].recompute_cost_s == pytest.approx(0.002)
+    assert slow.nonblock_fwd_s == pytest.approx(0.003) and fast.nonblock_fwd_s == 0.001
+    hw = Hardware(50e9, 50e9, 90e9, 4e9, 120e9)
+    knobs = Knobs(fast.chunk_size, n, 0, 0, 0)
+    f, s = predict(fast, hw, knobs).breakdown, predict(slow, hw, knobs).breakdown
+    assert f["fwd_s"] == pytest.approx(4 * 0.002 + 0.001)
+    assert s["fwd_s"] == pytest.approx(4 * 0.0035 + 0.003)
+    assert s["bwd_s"] == pytest.approx(f["bwd_s"])  # all kept: kernels longer than the host
+    line = _host_bound_lines(
+        {"block_fwd_host_ms": [3.5] * n, "block_fwd_ms": [2.0] * n, "nonblock_fwd_ms": 1.0}
+    )
+    assert line and "forward / backward in 14.0 / 0.0 ms" in line[0] and "9.0 / 0.0" in line[0]
+    assert _host_bound_lines({"block_fwd_host_ms": [1.0] * n, "block_fwd_ms": [2.0] * n}) == []

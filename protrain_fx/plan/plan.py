@@ -320,10 +320,29 @@ class Plan:
                 )
                 + f"pinned host memory {format_bytes(p.get('host_bytes'))}"
             )
-        return lines
+        return lines + _host_bound_lines(p.get("profiled") or {})
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _host_bound_lines(prof: dict) -> list[str]:
+    """A line where the profiled step's host took longer to queue forward or backward than its
+    kernels ran (profiling/profiler.py: a block is priced at the longer of the two)."""
+    host, kernels = [], []
+    for phase in ("fwd", "bwd"):
+        host.append(sum(prof.get(f"block_{phase}_host_ms") or []))
+        host[-1] += prof.get(f"nonblock_{phase}_host_ms", 0.0)
+        kernels.append(
+            sum(prof.get(f"block_{phase}_ms") or []) + prof.get(f"nonblock_{phase}_ms", 0)
+        )
+    if not any(h > k for h, k in zip(host, kernels)):
+        return []
+    return [
+        f"  host-bound: the profiled step's host queued forward / backward in {host[0]:.1f} / "
+        f"{host[1]:.1f} ms, its kernels ran {kernels[0]:.1f} / {kernels[1]:.1f} ms (every block "
+        "recomputed); each block is priced at the longer of the two"
+    ]
 
 
 def _fmt_s(d: dict | None, key: str) -> str:

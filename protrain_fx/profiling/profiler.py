@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -40,20 +41,24 @@ from protrain_fx.runtime import block_timer
 
 
 def identical_block_times(
-    step: "StepProfile", static: StaticProfile
+    step: "StepProfile", static: StaticProfile, host: bool = False
 ) -> tuple[list[float], list[float]]:
     """Per block forward and backward seconds, each block of a group with the same signature given
     the group's fastest. Timing noise only adds (the host stalled, another process ran): on the H200
     one profile measured some of a GPT's 24 identical blocks at their usual 1.37 ms forward and
-    others at up to 3.0 ms, which priced recomputation 1.6x too high and chose a swap plan."""
-    fwd, bwd = list(step.block_fwd_s), list(step.block_bwd_s)
+    others at up to 3.0 ms, which priced recomputation 1.6x too high and chose a swap plan.
+    ``host``: the host's times to queue them instead, each group given its median (what the host
+    takes varies from block to block with what else it runs; the fastest would hide that)."""
+    fwd = list(step.block_fwd_host_s if host else step.block_fwd_s)
+    bwd = list(step.block_bwd_host_s if host else step.block_bwd_s)
     if len(static.signatures) != len(fwd):
         return fwd, bwd
     groups: dict = {}
     for i, sig in enumerate(static.signatures):
         groups.setdefault(sig, []).append(i)
+    pick = statistics.median if host else min
     for members in groups.values():
-        f, b = min(fwd[i] for i in members), min(bwd[i] for i in members)
+        f, b = pick(fwd[i] for i in members), pick(bwd[i] for i in members)
         for i in members:
             fwd[i], bwd[i] = f, b
     return fwd, bwd
@@ -96,9 +101,27 @@ class StepProfile:
     returned_logits_bytes: int = 0
     # every parameter whose gradient came as rows (tied or not): its table's bytes
     row_tables: dict = field(default_factory=dict)
+    # what the host took to queue each block's forward and backward (backward with its
+    # recomputation) and the rest of each, the fastest run's (block_timer: "*_host_ms"; empty: not
+    # measured, a profile cached before). On CUDA the step cannot run faster than its host queues
+    block_fwd_host_s: list = field(default_factory=list)
+    block_bwd_host_s: list = field(default_factory=list)
+    nonblock_fwd_host_s: float = 0.0
+    nonblock_bwd_host_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def times_ms(self) -> dict:
+        """The measured times in milliseconds, named as the fields (``_s`` -> ``_ms``): what a
+        plan's details show of its profile."""
+        names = ("block_fwd", "block_bwd", "block_fwd_host", "block_bwd_host", "nonblock_fwd")
+        names += ("nonblock_bwd", "nonblock_fwd_host", "nonblock_bwd_host", "head_bwd")
+        out = {}
+        for name in names:
+            v = getattr(self, f"{name}_s")
+            out[f"{name}_ms"] = [1e3 * x for x in v] if isinstance(v, list) else 1e3 * v
+        return out
 
 
 # the spin queued before every block mark while profiling on CUDA (block_timer: host stalls): longer
@@ -237,16 +260,16 @@ def profile_step(
             if run == 0:
                 continue
             row = {
-                "fwd": [timings.get(b, {}).get("fwd_ms", 0.0) / 1e3 for b in range(n_blocks)],
-                "bwd": [timings.get(b, {}).get("bwd_ms", 0.0) / 1e3 for b in range(n_blocks)],
-                "step": timings[block_timer.STEP],
+                key: [timings.get(b, {}).get(f"{key}_ms", 0.0) / 1e3 for b in range(n_blocks)]
+                for key in ("fwd", "bwd", "fwd_host", "bwd_host")
             }
+            row["step"] = timings[block_timer.STEP]
             if best is None:
                 best = row
             else:
-                best["fwd"] = [min(a, b) for a, b in zip(best["fwd"], row["fwd"])]
-                best["bwd"] = [min(a, b) for a, b in zip(best["bwd"], row["bwd"])]
-                for k in ("fwd_ms", "bwd_ms", "head_bwd_ms"):
+                for key in ("fwd", "bwd", "fwd_host", "bwd_host"):
+                    best[key] = [min(a, b) for a, b in zip(best[key], row[key])]
+                for k in ("fwd_ms", "bwd_ms", "head_bwd_ms", "fwd_host_ms", "bwd_host_ms"):
                     best["step"][k] = min(best["step"][k], row["step"][k])
                 for k in ("peak_bytes", "start_allocated", "tail_bytes"):
                     best["step"][k] = max(best["step"][k], row["step"][k])
@@ -281,7 +304,22 @@ def profile_step(
         tail_bytes=int(step["tail_bytes"]),
         head_bwd_s=min(step["head_bwd_ms"] / 1e3, max(0.0, step["bwd_ms"] / 1e3 - sum(bwd))),
         returned_logits_bytes=returned,
+        **_host_times(best, device),
     )
+
+
+def _host_times(best: dict, device: torch.device) -> dict:
+    """The host's side of the fastest run, on CUDA (on the CPU the host is the device)."""
+    if device.type != "cuda":
+        return {}
+    step = best["step"]
+    fwd, bwd = best["fwd_host"], best["bwd_host"]
+    return {
+        "block_fwd_host_s": fwd,
+        "block_bwd_host_s": bwd,
+        "nonblock_fwd_host_s": max(0.0, step["fwd_host_ms"] / 1e3 - sum(fwd)),
+        "nonblock_bwd_host_s": max(0.0, step["bwd_host_ms"] / 1e3 - sum(bwd)),
+    }
 
 
 def _tuples(x):
@@ -332,6 +370,8 @@ def expand_profile(
         step,
         block_fwd_s=widen(step.block_fwd_s),
         block_bwd_s=widen(step.block_bwd_s),
+        block_fwd_host_s=widen(step.block_fwd_host_s) if step.block_fwd_host_s else [],
+        block_bwd_host_s=widen(step.block_bwd_host_s) if step.block_bwd_host_s else [],
         peak_bytes=step.peak_bytes + extra,
         conditions=dict(step.conditions, profiled_blocks=len(step.block_fwd_s), blocks=len(expand)),
     )
@@ -361,17 +401,23 @@ def graph_profile(
     saved = static.saved
     n_blocks = len(step.block_fwd_s)
     block_fwd, block_bwd = identical_block_times(step, static)
+    host_fwd, host_bwd = identical_block_times(step, static, host=True)
+    if len(host_fwd) != n_blocks:  # not measured (on the CPU, or a profile cached before)
+        host_fwd, host_bwd = [0.0] * n_blocks, [0.0] * n_blocks
     blocks = []
     for i in range(n_blocks):
-        fwd = block_fwd[i]
-        rc = fwd * static.recomputed_share[i]
+        # a block runs no faster than the host queues it: forward, its backward as kept (the
+        # profiled one recomputed it) and as recomputed
+        share = static.recomputed_share[i]
+        rc = block_fwd[i] * share
+        bwd = max(block_bwd[i] - rc, host_bwd[i] - host_fwd[i] * share, 0.0)
         blocks.append(
             BlockProfile(
-                fwd_s=fwd,
-                bwd_s=max(0.0, block_bwd[i] - rc),
+                fwd_s=max(block_fwd[i], host_fwd[i]),
+                bwd_s=bwd,
                 keep_bytes=saved.keep[i],
                 input_bytes=saved.recompute[i],
-                recompute_s=rc,
+                recompute_s=max(block_bwd[i], host_bwd[i]) - bwd,
             )
         )
     layout = pack([(fqn, nbytes) for fqn, nbytes, _ in params], chunk_size, groups)
@@ -418,8 +464,8 @@ def graph_profile(
         chunk_size=chunk_size,
         chunks=chunks,
         blocks=tuple(blocks),
-        nonblock_fwd_s=step.nonblock_fwd_s,
-        nonblock_bwd_s=step.nonblock_bwd_s,
+        nonblock_fwd_s=max(step.nonblock_fwd_s, step.nonblock_fwd_host_s),
+        nonblock_bwd_s=max(step.nonblock_bwd_s, step.nonblock_bwd_host_s),
         nonblock_saved_bytes=saved.nonblock_keep,
         transient_bytes=max(0, transient),
         tail_bytes=step.tail_bytes,

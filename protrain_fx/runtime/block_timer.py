@@ -15,7 +15,10 @@ kernel times the host. While :attr:`BlockRecorder.lead_s` is set (the profiled s
 block and step mark first queues a spin kernel of that length (``torch.cuda._sleep``), bracketed
 like a copy so it is subtracted too: the host queues the interval's kernels while the device spins,
 and the interval measures the kernels back to back, however slowly the host ran (a loaded host
-measured some blocks of a GPT up to 2.2x slower than the kernels run).
+measured some blocks of a GPT up to 2.2x slower than the kernels run). What the host took is
+measured beside it (``*_host_ms``: each mark's ``perf_counter`` when called and when done, the
+marks' and copies' own work left out): where a block's kernels are short, the training step waits
+for the host's queueing, not the device, and the cost model takes the longer of the two.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class Mark:
     point: object  # torch.cuda.Event or a perf_counter float
     allocated: int
     peak: int  # highest allocation since the previous mark
+    # perf_counter when record() was called and when it returned: the host's side of the interval
+    # (what it took the host to queue the kernels between two marks, the marks' own work left out)
+    host: float = 0.0
+    host_end: float = 0.0
 
 
 _SPIN_CYCLES_PER_S: float | None = None
@@ -64,6 +71,7 @@ class BlockRecorder:
         self.lead_s = 0.0
 
     def record(self, block: int, where: int, device: torch.device) -> None:
+        host = time.perf_counter()
         if device.type == "cuda" and self.lead_s > 0 and where not in (COPY_START, COPY_END):
             self.record(STEP, COPY_START, device)
             torch.cuda._sleep(int(self.lead_s * _spin_cycles_per_s()))
@@ -76,9 +84,10 @@ class BlockRecorder:
                 torch.cuda.max_memory_allocated(device),
             )
             torch.cuda.reset_peak_memory_stats(device)
-            self.marks.append(Mark(block, where, ev, alloc, peak))
+            self.marks.append(Mark(block, where, ev, alloc, peak, host))
         else:
-            self.marks.append(Mark(block, where, time.perf_counter(), 0, 0))
+            self.marks.append(Mark(block, where, time.perf_counter(), 0, 0, host))
+        self.marks[-1].host_end = time.perf_counter()
 
     def clear(self) -> None:
         self.marks.clear()
@@ -107,11 +116,35 @@ def _interval_ms(marks: list[Mark], first: int, last: int) -> float:
     return max(total, 0.0)
 
 
+def _host_interval_ms(marks: list[Mark], first: int, last: int) -> float:
+    """Milliseconds the host spent from mark ``first``'s return to mark ``last``'s call, less what
+    the marks and the copies bracketed in between took it (a copy's issue and a spin's, and the
+    marks' own work): the host's time to queue the interval's kernels and protrain's ops."""
+    lo, hi = marks[first].host_end, marks[last].host
+    spans, start = [], None
+    for m in marks[first + 1 : last + 1]:
+        if m.block == STEP and m.where == COPY_START:
+            start = m
+            continue
+        spans.append((start.host if m.where == COPY_END and start is not None else m.host, m))
+        if m.where == COPY_END:
+            start = None
+    # a block mark's span holds the spin it queued: the union, not the sum, is left out
+    total, reach = hi - lo, lo
+    for a, m in sorted(spans, key=lambda x: x[0]):
+        a, b = max(a, reach), min(m.host_end, hi)
+        if b > a:
+            total -= b - a
+            reach = b
+    return max(total, 0.0) * 1e3
+
+
 def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]]:
     """Per block: forward and backward milliseconds (first enter to last leave, in that phase, less
     chunk copies) and the peak allocation inside each (after synchronizing the device when the
     points are CUDA events). With the step's marks present, block -1 holds the whole forward and
-    backward ("fwd_ms", "bwd_ms"; "head_bwd_ms": backward before the first block's, all of it
+    backward ("fwd_ms", "bwd_ms"; the host's time to queue them, "fwd_host_ms", "bwd_host_ms", as
+    for every block; "head_bwd_ms": backward before the first block's, all of it
     without blocks), the step's peak ("peak_bytes"), what was allocated at its start
     ("start_allocated") and the peak after the last block's backward above that start
     ("tail_bytes": a large embedding's dense gradient, a tied head's gradient held since backward
@@ -132,6 +165,7 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
                 continue
             row = out.setdefault(block, {})
             row[f"{phase}_ms"] = _interval_ms(marks, first, last)
+            row[f"{phase}_host_ms"] = _host_interval_ms(marks, first, last)
             row[f"{phase}_peak_bytes"] = max(m.peak for m in marks[first + 1 : last + 1])
             row[f"{phase}_start_allocated"] = marks[first].allocated
     where = {
@@ -152,6 +186,8 @@ def block_timings(marks: list[Mark] | None = None) -> dict[int, dict[str, float]
         out[STEP] = {
             "fwd_ms": _interval_ms(marks, s, f),
             "bwd_ms": _interval_ms(marks, f, e),
+            "fwd_host_ms": _host_interval_ms(marks, s, f),
+            "bwd_host_ms": _host_interval_ms(marks, f, e),
             # backward before the blocks' (the code after them: the head, the loss)
             "head_bwd_ms": _interval_ms(marks, f, first_block),
             "peak_bytes": max(m.peak for m in marks[s + 1 : e + 1]),
