@@ -6,9 +6,10 @@ Time (seconds), with per-chunk ``max(compute, transfer)`` terms::
     T = T_fwd + max(T_bwd, T_cpu_done) + T_gpu_optim  (+ the micro-steps before: accumulation.py)
 
 * ``T_fwd``: per chunk in forward order, its compute, or for an offloaded chunk ``max(compute,
-  h2d)`` (the gather is prefetched ahead: a gather copies its chunk out of its buffer, which the
-  next prefetch then refills, so even one buffer overlaps the copy of the next chunk with the
-  compute of this one).
+  h2d)`` (the gather is prefetched ahead: even one buffer overlaps the copy of the next chunk with
+  the compute of this one), and no shorter than what the profiled host took to queue its forward
+  with every chunk offloaded (measured on an H100: a resident stretch ran at its kernels' pace, an
+  offloaded one at the host's).
 * ``T_bwd``: per chunk in reverse, its backward compute plus the recompute of its checkpointed
   blocks, or for an offloaded chunk the max of that and its traffic: the re-gather (none for the
   chunks the last ``n_buffer`` forward gathers left in their buffers) and the fp32 gradient going
@@ -91,7 +92,8 @@ class _ProfileArrays:
         for c, ch in enumerate(chunks):
             h2d = ch.numel * ue * shard / up_rate + hw.collective_s(ch.numel * te)
             self.fwd_res.append(self.fwd_res[-1] + ch.fwd_s)
-            self.fwd_off.append(self.fwd_off[-1] + max(ch.fwd_s, h2d))
+            # offloaded: no faster than the profiled host queued it with its gathers
+            self.fwd_off.append(self.fwd_off[-1] + max(ch.fwd_s, ch.host_fwd_s, h2d))
             # the last n_buffer chunks stay in their buffers
             up = 0 if c >= n - n_buffer else ch.numel * ue
             # its gradient's copy to the host (and reduce-scatter): what the CPU step waits for;
@@ -488,16 +490,9 @@ class LayoutCosts:
             tail_bytes=self.prof.tail_bytes,
             swapped_bytes=self.swapped_total(n_persist),
         )
-        knobs = Knobs(
-            self.prof.chunk_size,
-            n_persist,
-            self.n_buffer,
-            self.n_swap,
-            self.n_checkpoint,
-            self.device_steps(n_persist + n_shard)[0],
-            self.prof.transfer_copies,
-            n_shard,
-        )
+        p, steps = self.prof, self.device_steps(n_persist + n_shard)[0]
+        layout = (p.chunk_size, n_persist, self.n_buffer, self.n_swap, self.n_checkpoint)
+        knobs = Knobs(*layout, steps, p.transfer_copies, n_shard)
         peak, host = self.peak_bytes(n_persist, n_shard), self.host_bytes(n_persist, n_shard)
         return Prediction(knobs, t, peak, host, parts)
 

@@ -320,28 +320,24 @@ class Plan:
                 )
                 + f"pinned host memory {format_bytes(p.get('host_bytes'))}"
             )
-        return lines + _host_bound_lines(p.get("profiled") or {})
+        offloads = self.n_persist < self.layout.n_chunks
+        return lines + (_host_bound_lines(p.get("profiled") or {}) if offloads else [])
 
     def __str__(self) -> str:
         return self.summary()
 
 
 def _host_bound_lines(prof: dict) -> list[str]:
-    """A line where the profiled step's host took longer to queue forward or backward than its
-    kernels ran (profiling/profiler.py: a block is priced at the longer of the two)."""
-    host, kernels = [], []
-    for phase in ("fwd", "bwd"):
-        host.append(sum(prof.get(f"block_{phase}_host_ms") or []))
-        host[-1] += prof.get(f"nonblock_{phase}_host_ms", 0.0)
-        kernels.append(
-            sum(prof.get(f"block_{phase}_ms") or []) + prof.get(f"nonblock_{phase}_ms", 0)
-        )
-    if not any(h > k for h, k in zip(host, kernels)):
+    """A line where the profiled step's host (every chunk offloaded) took longer to queue the
+    blocks' forward than their kernels ran: offloaded chunks are priced at the host's time
+    (profiling/profiler.py, plan/cost_model.py)."""
+    host, kernels = sum(prof.get("block_fwd_host_ms") or []), sum(prof.get("block_fwd_ms") or [])
+    if not host > kernels:
         return []
     return [
-        f"  host-bound: the profiled step's host queued forward / backward in {host[0]:.1f} / "
-        f"{host[1]:.1f} ms, its kernels ran {kernels[0]:.1f} / {kernels[1]:.1f} ms (every block "
-        "recomputed); each block is priced at the longer of the two"
+        f"  host-bound: the profiled step's host queued the blocks' forward in {host:.1f} ms "
+        f"(every chunk offloaded), their kernels ran {kernels:.1f} ms; an offloaded chunk's "
+        "forward is priced at the longer of the two"
     ]
 
 

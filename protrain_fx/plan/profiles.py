@@ -114,6 +114,9 @@ class ChunkProfile:
     # any table whose gradient the profiled step sent as rows (tied or not): what a resident chunk
     # builds beside a gradient kept from the last backward (Hardware.grads_held)
     row_table_bytes: int = 0
+    # what the host took to queue the stretch's forward with every chunk offloaded (its gathers'
+    # bookkeeping included; profiling/profiler.py): an offloaded chunk's forward takes at least that
+    host_fwd_s: float = 0.0
 
 
 @dataclass(frozen=True)

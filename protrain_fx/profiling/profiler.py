@@ -41,22 +41,23 @@ from protrain_fx.runtime import block_timer
 
 
 def identical_block_times(
-    step: "StepProfile", static: StaticProfile, host: bool = False
+    step: "StepProfile", static: StaticProfile, which: str = ""
 ) -> tuple[list[float], list[float]]:
     """Per block forward and backward seconds, each block of a group with the same signature given
     the group's fastest. Timing noise only adds (the host stalled, another process ran): on the H200
     one profile measured some of a GPT's 24 identical blocks at their usual 1.37 ms forward and
     others at up to 3.0 ms, which priced recomputation 1.6x too high and chose a swap plan.
-    ``host``: the host's times to queue them instead, each group given its median (what the host
-    takes varies from block to block with what else it runs; the fastest would hide that)."""
-    fwd = list(step.block_fwd_host_s if host else step.block_fwd_s)
-    bwd = list(step.block_bwd_host_s if host else step.block_bwd_s)
+    ``which``: "_host", the host's times to queue them instead, each group given its median
+    (what the host takes varies from block to block with what else it runs; the fastest would
+    hide that)."""
+    fwd = list(getattr(step, f"block_fwd{which}_s"))
+    bwd = list(getattr(step, f"block_bwd{which}_s"))
     if len(static.signatures) != len(fwd):
         return fwd, bwd
     groups: dict = {}
     for i, sig in enumerate(static.signatures):
         groups.setdefault(sig, []).append(i)
-    pick = statistics.median if host else min
+    pick = statistics.median if which else min
     for members in groups.values():
         f, b = pick(fwd[i] for i in members), pick(bwd[i] for i in members)
         for i in members:
@@ -102,8 +103,9 @@ class StepProfile:
     # every parameter whose gradient came as rows (tied or not): its table's bytes
     row_tables: dict = field(default_factory=dict)
     # what the host took to queue each block's forward and backward (backward with its
-    # recomputation) and the rest of each, the fastest run's (block_timer: "*_host_ms"; empty: not
-    # measured, a profile cached before). On CUDA the step cannot run faster than its host queues
+    # recomputation) and the rest of each, every chunk offloaded (its gathers' bookkeeping
+    # included), the fastest run's (block_timer: "*_host_ms"; empty: not measured, a profile cached
+    # before). On CUDA an offloaded chunk's forward runs no faster than its host queues it
     block_fwd_host_s: list = field(default_factory=list)
     block_bwd_host_s: list = field(default_factory=list)
     nonblock_fwd_host_s: float = 0.0
@@ -123,6 +125,9 @@ class StepProfile:
             out[f"{name}_ms"] = [1e3 * x for x in v] if isinstance(v, list) else 1e3 * v
         return out
 
+
+# per block, what the profiled runs time (block_timer.block_timings' "<key>_ms"), the fastest kept
+TIMED = ("fwd", "bwd", "fwd_host", "bwd_host")
 
 # the spin queued before every block mark while profiling on CUDA (block_timer: host stalls): longer
 # than the host takes to queue one block's kernels (0.2-0.6 ms for a GPT block on an idle host);
@@ -261,13 +266,13 @@ def profile_step(
                 continue
             row = {
                 key: [timings.get(b, {}).get(f"{key}_ms", 0.0) / 1e3 for b in range(n_blocks)]
-                for key in ("fwd", "bwd", "fwd_host", "bwd_host")
+                for key in TIMED
             }
             row["step"] = timings[block_timer.STEP]
             if best is None:
                 best = row
             else:
-                for key in ("fwd", "bwd", "fwd_host", "bwd_host"):
+                for key in TIMED:
                     best[key] = [min(a, b) for a, b in zip(best[key], row[key])]
                 for k in ("fwd_ms", "bwd_ms", "head_bwd_ms", "fwd_host_ms", "bwd_host_ms"):
                     best["step"][k] = min(best["step"][k], row["step"][k])
@@ -401,23 +406,21 @@ def graph_profile(
     saved = static.saved
     n_blocks = len(step.block_fwd_s)
     block_fwd, block_bwd = identical_block_times(step, static)
-    host_fwd, host_bwd = identical_block_times(step, static, host=True)
-    if len(host_fwd) != n_blocks:  # not measured (on the CPU, or a profile cached before)
-        host_fwd, host_bwd = [0.0] * n_blocks, [0.0] * n_blocks
+    # the host's forward, every chunk offloaded (0 where not measured: on the CPU, or a profile
+    # cached before): what an offloaded chunk's stretch takes at least (cost_model.py)
+    host_fwd = identical_block_times(step, static, "_host")[0]
+    if len(host_fwd) != n_blocks:
+        host_fwd = [0.0] * n_blocks
     blocks = []
     for i in range(n_blocks):
-        # a block runs no faster than the host queues it: forward, its backward as kept (the
-        # profiled one recomputed it) and as recomputed
-        share = static.recomputed_share[i]
-        rc = block_fwd[i] * share
-        bwd = max(block_bwd[i] - rc, host_bwd[i] - host_fwd[i] * share, 0.0)
+        rc = block_fwd[i] * static.recomputed_share[i]
         blocks.append(
             BlockProfile(
-                fwd_s=max(block_fwd[i], host_fwd[i]),
-                bwd_s=bwd,
+                fwd_s=block_fwd[i],
+                bwd_s=max(0.0, block_bwd[i] - rc),
                 keep_bytes=saved.keep[i],
                 input_bytes=saved.recompute[i],
-                recompute_s=max(block_bwd[i], host_bwd[i]) - bwd,
+                recompute_s=rc,
             )
         )
     layout = pack([(fqn, nbytes) for fqn, nbytes, _ in params], chunk_size, groups)
@@ -429,7 +432,7 @@ def graph_profile(
             block_bytes[b] += s.nbytes
     group_of = dict(zip((fqn for fqn, _, _ in params), groups)) if groups is not None else {}
     chunk_group = {s.chunk: group_of.get(s.fqn, 0) for s in reversed(layout.slots)}
-    per_chunk = [[0.0, 0.0, set()] for _ in range(layout.n_chunks)]
+    per_chunk = [[0.0, 0.0, set(), 0.0] for _ in range(layout.n_chunks)]
     for s in layout.slots:
         b = block_of.get(s.fqn)
         if b is None:
@@ -439,6 +442,7 @@ def graph_profile(
         row[0] += blocks[b].fwd_s * share
         row[1] += blocks[b].bwd_s * share
         row[2].add(b)
+        row[3] += host_fwd[b] * share
     fqns: dict[int, list[str]] = {}
     for s in layout.slots:
         fqns.setdefault(s.chunk, []).append(s.fqn)
@@ -454,8 +458,9 @@ def graph_profile(
             grad_elem=step.oversized_grad_elem.get(alone.get(c)),
             table_grad_bytes=step.tied_row_tables.get(alone.get(c), 0),
             row_table_bytes=step.row_tables.get(alone.get(c), 0),
+            host_fwd_s=h,
         )
-        for c, (f, b, bl) in enumerate(per_chunk)
+        for c, (f, b, bl, h) in enumerate(per_chunk)
     )
     # what the all-recompute step held beyond what was allocated at its start (chunk buffers, model
     # states, the batch) and what it saved: the transient working set
@@ -464,8 +469,8 @@ def graph_profile(
         chunk_size=chunk_size,
         chunks=chunks,
         blocks=tuple(blocks),
-        nonblock_fwd_s=max(step.nonblock_fwd_s, step.nonblock_fwd_host_s),
-        nonblock_bwd_s=max(step.nonblock_bwd_s, step.nonblock_bwd_host_s),
+        nonblock_fwd_s=step.nonblock_fwd_s,
+        nonblock_bwd_s=step.nonblock_bwd_s,
         nonblock_saved_bytes=saved.nonblock_keep,
         transient_bytes=max(0, transient),
         tail_bytes=step.tail_bytes,

@@ -126,16 +126,17 @@ def _host_interval_ms(marks: list[Mark], first: int, last: int) -> float:
         if m.block == STEP and m.where == COPY_START:
             start = m
             continue
-        spans.append((start.host if m.where == COPY_END and start is not None else m.host, m))
+        spans.append(
+            (start.host if m.where == COPY_END and start is not None else m.host, m.host_end)
+        )
         if m.where == COPY_END:
             start = None
     # a block mark's span holds the spin it queued: the union, not the sum, is left out
     total, reach = hi - lo, lo
-    for a, m in sorted(spans, key=lambda x: x[0]):
-        a, b = max(a, reach), min(m.host_end, hi)
+    for a, b in sorted(spans):
+        a, b = max(a, reach), min(b, hi)
         if b > a:
-            total -= b - a
-            reach = b
+            total, reach = total - (b - a), b
     return max(total, 0.0) * 1e3
 
 
