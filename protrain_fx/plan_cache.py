@@ -50,7 +50,8 @@ COST_MODEL_VERSION = 34  # 22: oversized gradients down in their own dtype, stag
 # the n_shard knob in a cached plan)
 # 33: no host staging of packed gradients where later ones are summed on the device
 # (runtime/grad_add.py)
-# 34: a block no faster than the profiled host queued it (StepProfile.block_fwd_host_s)
+# 34: an offloaded chunk's forward no faster than the profiled host queued it
+# (StepProfile.block_fwd_host_s, ChunkProfile.host_fwd_s)
 # a reserved peak measured this far over the prediction, with more reserved but free than the plan
 # budgeted, is the allocator's overhead the next plan budgets as measured (allocator_gap)
 RESERVED_TOLERANCE = 0.02
