@@ -171,6 +171,22 @@ def test_an_offloaded_chunk_is_priced_no_faster_than_the_profiled_host_queued_it
     # two offloaded: 3.5 ms each (their 0.16 ms copies hide)
     assert parts(slow, 2)["fwd_s"] == pytest.approx(2 * 0.002 + 2 * 0.0035 + 0.001)
     assert parts(fast, 2)["fwd_s"] == pytest.approx(4 * 0.002 + 0.001)
+    # a short copy's profile widened to the full graph (graph/shorten.py) carries the host's too
+    from protrain_fx.profiling.profiler import expand_profile
+
+    short = StepProfile(
+        [0.002, 0.003], [0.006, 0.007], 0.001, 0.002, 1000, 0, None, 0.0,
+        block_fwd_host_s=[0.004, 0.005], block_bwd_host_s=[0.01, 0.011],
+    )  # fmt: skip
+    two = StaticProfile(SavedBytes([10, 11], [1, 2], 0, 0), [1.0, 1.0], [("a",), ("b",)])
+    wide, wide_static = expand_profile(short, two, [0, 1, 1, 1])
+    assert wide.block_fwd_host_s == [0.004, 0.005, 0.005, 0.005]
+    assert wide.block_bwd_host_s == [0.01, 0.011, 0.011, 0.011]
+    params = [(f"p{i}", 4 * 10**6, i) for i in range(n)]
+    widened = graph_profile(
+        wide, wide_static, params, 4 * 10**6, master_elem=4, transfer_elem=2, resident_cast_elem=0
+    )
+    assert [c.host_fwd_s for c in widened.chunks] == [0.004, 0.005, 0.005, 0.005]
     line = _host_bound_lines({"block_fwd_host_ms": [3.5] * n, "block_fwd_ms": [2.0] * n})
     assert line and "forward in 14.0 ms" in line[0] and "ran 8.0 ms" in line[0]
     assert _host_bound_lines({"block_fwd_host_ms": [1.0] * n, "block_fwd_ms": [2.0] * n}) == []
