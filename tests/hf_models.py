@@ -100,6 +100,20 @@ def big_vocab_llama(tied: bool) -> LossOnly:
     )
 
 
+def clipped_steps(model, loss_of, opt, batches, max_norm: float = 0.5) -> list[float]:
+    """Training steps as a loop that clips writes them: ``loss_of(batch)``, backward, the
+    gradients clipped to ``max_norm``, ``opt.step()``, ``zero_grad()``; the losses."""
+    losses = []
+    for batch in batches:
+        loss = loss_of(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def largest_param_bytes(model) -> int:
     return max(p.numel() * p.element_size() for p in model.parameters())
 

@@ -20,56 +20,28 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 V = 512
-COMMON = dict(vocab_size=V, pad_token_id=0)
+# a decoder of three blocks, four heads, width 64 (families name these fields so)
+DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4)
 FAMILIES = {
     # routed experts: a token's expert choice depends on the values, so a wrong gather shows
-    "Mixtral": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    ),
+    "Mixtral": dict(DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     # soft-capped attention and logits, local and global layers alternating, tied embeddings
-    "Gemma2": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-    ),
+    "Gemma2": dict(DECODER, num_key_value_heads=2, head_dim=16, sliding_window=8),
     # ALiBi, fused QKV, an embedding layer norm outside the blocks
     "Bloom": dict(hidden_size=64, n_layer=3, n_head=4),
     # parallel attention and MLP residuals, untied head
-    "GPTNeoX": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4
-    ),
+    "GPTNeoX": DECODER,
     # learned positions, a projection around the decoder
-    "OPT": dict(
-        hidden_size=64,
-        ffn_dim=128,
-        word_embed_proj_dim=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-    ),
+    "OPT": dict(DECODER, intermediate_size=None, ffn_dim=128, word_embed_proj_dim=64),
     # partial rotary embeddings, dense biases, a final layer norm with a bias
-    "Phi": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        partial_rotary_factor=0.5,
-    ),
+    "Phi": dict(DECODER, partial_rotary_factor=0.5),
 }
 
 
 def build(family: str):
     torch.manual_seed(0)
-    config = getattr(transformers, family + "Config")(**COMMON, **FAMILIES[family])
+    fields = {k: v for k, v in FAMILIES[family].items() if v is not None}
+    config = getattr(transformers, family + "Config")(vocab_size=V, pad_token_id=0, **fields)
     return getattr(transformers, family + "ForCausalLM")(config).train()
 
 
@@ -83,16 +55,11 @@ def batches():
 
 
 def train(model, call) -> list[float]:
+    from hf_models import clipped_steps
+
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    losses = []
-    for x, labels in batches():
-        loss = call(input_ids=x, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    loss_of = lambda batch: call(input_ids=batch[0], labels=batch[1]).loss  # noqa: E731
+    return clipped_steps(model, loss_of, opt, batches(), max_norm=1.0)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

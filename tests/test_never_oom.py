@@ -1298,15 +1298,9 @@ def _llama_pair(monkeypatch):
 
 
 def _clipped_steps(model, call, opt, batches):
-    losses = []
-    for x, _ in batches:
-        loss = call(x, x)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    from hf_models import clipped_steps
+
+    return clipped_steps(model, lambda batch: call(batch[0], batch[0]), opt, batches)
 
 
 def _evaluate(call, x):
