@@ -40,6 +40,7 @@ from protrain_fx import (
     autoplan,
     code_cache,
     config,
+    inference_placement,
     pipeline,
     placement,
     progress,
@@ -433,8 +434,13 @@ def _compile(
     prog = progress.current() if graph_name is None else progress.Silent()
     prog.arrived(len(gm.graph.nodes), live, len(structure.blocks), device)
     opts, swap_note = _no_swap_when_dynamic(opts, example_inputs)
-    choice = None
-    if autoplan.wanted(opts, params, device):
+    choice, inference_note, inference_peak = None, None, None
+    training_plan = autoplan.wanted(opts, params, device)
+    if inference_placement.wanted(opts, live, device, training_plan):
+        opts, inference_peak, inference_note = inference_placement.choose(
+            gm, graph_inputs, live, structure, opts, split, root
+        )
+    if training_plan:
 
         def compile_profiling(copy: fx.GraphModule, frugal: Options, profiled):
             plan = make_plan(name, graph_inputs, profiled, frugal, split)
@@ -464,8 +470,11 @@ def _compile(
     plan = make_plan(name, graph_inputs, structure, opts, split)
     if choice is not None:  # what the plan cache keeps (plan_cache._knobs_of)
         plan.decided_knobs = {k: getattr(opts, k) for k in autoplan.KNOBS}
-    if swap_note:
-        plan.notes.append(swap_note)
+    for note in (swap_note, inference_note):
+        if note:
+            plan.notes.append(note)
+    if inference_peak is not None:
+        plan.predicted = {"peak_bytes": inference_peak}
     plan.inference = not (torch.is_grad_enabled() and any(p.requires_grad for p in live))
     if device is not None:  # knobs given by hand too: no fragmentation from protrain's buffers
         budgeted = (choice.predicted if choice is not None else {}).get("allocator")

@@ -31,6 +31,7 @@ LAYERS = [
             "plan_cache",
             "budgets",
             "autoplan",
+            "inference_placement",
             "placement",
             "pipeline",
             "code_cache",

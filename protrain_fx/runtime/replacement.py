@@ -41,13 +41,18 @@ moves = 0
 
 def may_offload(params: list, optimizer) -> bool:
     """Whether a re-plan of the graph with parameters ``params`` may move resident chunks of their
-    stores to the host: an optimizer protrain steps, one rank,
-    parameters that are views of their host values, stores holding only the graph's parameters,
-    and no store made like one of them for parameters of another call of the same code (a graph
-    break in a block loop: binding.py), which would no longer be laid out like it."""
+    stores to the host: an optimizer protrain steps (or no parameter of theirs that trains: a
+    frozen model's chunks hold nothing beside their values), one rank, parameters that are views of
+    their host values, stores holding only the graph's parameters, and no store made like one of
+    them for parameters of another call of the same code (a graph break in a block loop:
+    binding.py), which would no longer be laid out like it."""
     params = [p for p in params if p is not None]
     stores = list({id(s): s for s in map(store_of, params) if s is not None}.values())
-    if not stores or optimizer is None:
+    if not stores:
+        return False
+    if optimizer is None and any(
+        p is not None and p.requires_grad for s in stores for p in s.params
+    ):
         return False
     own, ours = {id(p) for p in params}, {id(s) for s in stores}
     for s in stores:

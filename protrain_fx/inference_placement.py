@@ -1,0 +1,124 @@
+"""Inference graphs placed within the budget: a frozen model, or a model evaluated before it trains.
+
+The automatic plan (protrain_fx/autoplan.py) profiles and searches training graphs. A graph dynamo
+traces under ``torch.no_grad()`` or ``torch.inference_mode()``, or of a model with no trainable
+parameter (a distillation teacher, a DPO reference model), has no backward to profile, and keeping
+every chunk resident would run out of device memory wherever the parameters alone do not fit (an
+8 B model evaluated before its first training step under a 24 GiB cap). When such a graph's
+parameters have no chunk store yet, no ``n_persist`` was given, and a budget applies (a CUDA
+device, or ``memory_budget``), this keeps the first chunks (in first-use order) resident as far as
+the budget allows beside what a forward-only run needs: the chunk buffers offloaded chunks are
+gathered through (``n_buffer``, 2 unless given) and the copies gathered out of them, and the most
+bytes of tensors alive at once (protrain_fx/graph/forward_memory.py), with the allocator's factor
+on all but the resident chunks. Offloaded chunks of a frozen model need no optimizer; a trainable
+model's later training graph keeps the chunk size and may move more chunks to the host (never fewer:
+training holds its gradients and moments beside each resident parameter). A budget too small even
+for every chunk offloaded is a :class:`~protrain_fx.errors.NoPlanFits` naming the minimum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from protrain_fx import config
+from protrain_fx.budgets import device_budget
+from protrain_fx.errors import NoPlanFits
+from protrain_fx.graph import regional
+from protrain_fx.graph.build_plan import chunked_params, default_chunk_size
+from protrain_fx.graph.forward_memory import forward_peak_bytes
+from protrain_fx.options import Options, format_bytes
+from protrain_fx.placement import autocast_dtypes, transfer_dtype
+from protrain_fx.plan.layout import pack
+from protrain_fx.plan.profiles import FRAGMENTATION
+from protrain_fx.runtime import distributed
+from protrain_fx.runtime.chunk_store import store_of
+
+N_BUFFER = 2  # chunk buffers of an inference placement unless n_buffer is given (placement.py's)
+GATHERED = 2  # copies gathered out of the buffers alive at once (the chunk in use, the next one)
+
+
+def wanted(opts: Options, live: list, device: torch.device | None, training_plan: bool) -> bool:
+    """Whether this graph's chunks are placed here (module docstring)."""
+    return (
+        not training_plan
+        and device is not None
+        and bool(live)
+        and opts.n_persist is None
+        and (device.type == "cuda" or opts.memory_budget is not None)
+        and config.settings().autoplan
+        and distributed.world().size == 1
+        and all(store_of(p) is None for p in live)
+    )
+
+
+def choose(
+    gm, graph_inputs, live: list, structure, opts: Options, regions, root
+) -> tuple[Options, int, str]:
+    """``(options, peak, note)``: the options with ``n_persist`` (and ``n_buffer``) set when not
+    every chunk fits resident, the predicted peak of device memory, and a line for the plan saying
+    what was placed and why."""
+    device = live[0].device
+    entries, groups = chunked_params(graph_inputs, regions)
+    chunk_size = opts.chunk_size or default_chunk_size(entries, structure, groups)
+    layout = pack(entries, chunk_size, groups)
+    chunk_bytes = [layout.used_bytes(c) for c in range(layout.n_chunks)]
+    master = live[0].dtype
+    t_elem = transfer_dtype(opts, device, master, autocast_dtypes()).itemsize
+    n_buffer = opts.n_buffer if opts.n_buffer is not None else N_BUFFER
+    activations = forward_peak_bytes(gm, {gi.node_name for gi in graph_inputs if gi.is_param})
+    peers = regional.siblings(root) if root is not None else []
+    placed = live + [p for m in peers if m is not root for p in m.parameters()]
+    budget, why = device_budget(opts, device, placed)
+    if len(peers) > 1:
+        budget //= len(peers)
+        why += f", divided by the {len(peers)} blocks of this structure"
+
+    def need(k: int) -> int:
+        offloaded = max(chunk_bytes[k:], default=0) // master.itemsize * t_elem
+        transient = (n_buffer if k < len(chunk_bytes) else 0) * offloaded
+        transient += GATHERED * offloaded + activations
+        return sum(chunk_bytes[:k]) + int(FRAGMENTATION * transient)
+
+    def sizes(k: int) -> str:
+        offloaded = max(chunk_bytes[k:], default=0) // master.itemsize * t_elem
+        buffers = f", chunk buffers {n_buffer} x {format_bytes(offloaded)}" if offloaded else ""
+        return f"forward's tensors at most {format_bytes(activations)} at once{buffers}"
+
+    fits = [k for k in range(len(chunk_bytes) + 1) if need(k) <= budget]
+    if not fits:
+        # the least over every placement: a resident chunk can take the largest one out of the
+        # buffers' size
+        least = min(range(len(chunk_bytes) + 1), key=need)
+        # in the budget's terms: one of N blocks compiled alike gets 1/N of it
+        smallest = need(least) * max(1, len(peers))
+        each = f", {len(peers)} blocks x {format_bytes(need(least))}" if len(peers) > 1 else ""
+        raise NoPlanFits(
+            f"memory budget {format_bytes(budget)} ({why}) is too small for this inference graph "
+            f"(no gradients: torch.no_grad(), or no trainable parameter): its smallest placement "
+            f"({least} of {len(chunk_bytes)} chunks resident) needs {format_bytes(need(least))} on "
+            f"the device ({sizes(least)}); the smallest budget that would work is {smallest} bytes "
+            f"({format_bytes(smallest)}{each}); a smaller batch lowers the forward's part",
+            min_device_bytes=smallest,
+        )
+    k = max(fits)
+    if k == len(chunk_bytes):
+        return (
+            opts,
+            need(k),
+            (
+                f"inference graph: every chunk resident ({format_bytes(sum(chunk_bytes))}; "
+                f"{sizes(len(chunk_bytes))}) within the budget {format_bytes(budget)} ({why})"
+            ),
+        )
+    return (
+        dataclasses.replace(opts, n_persist=k, n_buffer=n_buffer),
+        need(k),
+        (
+            f"inference graph placed within the budget {format_bytes(budget)} ({why}): {k} of "
+            f"{len(chunk_bytes)} chunks resident ({format_bytes(sum(chunk_bytes[:k]))}), the rest "
+            f"offloaded; predicted peak {format_bytes(need(k))} ({sizes(k)}, "
+            f"x{FRAGMENTATION:g} for the allocator)"
+        ),
+    )

@@ -1,0 +1,229 @@
+"""Inference graphs placed within the budget (protrain_fx/inference_placement.py): a frozen model (a
+distillation teacher, a DPO reference model) and a model evaluated under ``torch.no_grad()`` before
+its first training step. Before, such a graph kept every chunk resident whatever the budget (on a
+GPU: out of memory wherever the parameters alone did not fit). CPU, fp32, against eager PyTorch."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_models import HF_VOCAB, hf_llama
+
+import protrain_fx
+from protrain_fx.errors import NoPlanFits
+from protrain_fx.graph.forward_memory import forward_peak_bytes
+from protrain_fx.runtime import replacement
+from protrain_fx.testing import random_batches
+
+# the 3-layer HF Llama's parameters: 1.94 MiB in 17 chunks (the tied embedding 256 KiB)
+BUDGET = 1_500_000
+
+
+def data(n=3, seed=1):
+    return [x for x, _ in random_batches(n, 2, 16, vocab=HF_VOCAB, seed=seed)]
+
+
+def frozen(seed=1):
+    return hf_llama(seed=seed, num_hidden_layers=3).eval().requires_grad_(False)
+
+
+def cause_of(e, kind):
+    while e is not None and not isinstance(e, kind):
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def test_forward_peak_bytes_counts_views_once_and_frees_after_the_last_reader():
+    """x (4 KiB, an input) -> a = x * 2 -> v = a.view(...) -> b = v + 1 -> c = b.sum(): a and its
+    view are one 4 KiB storage, alive until b is made; the peak is x + a + b."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["peak"] = forward_peak_bytes(gm, set())
+        return gm
+
+    def f(x):
+        a = x * 2
+        v = a.view(32, 32)
+        b = v + 1
+        return b.sum()
+
+    torch.compile(f, backend=backend)(torch.randn(1024))
+    assert seen["peak"] == 3 * 4096, seen
+
+
+def test_a_frozen_teacher_is_offloaded_within_the_budget_and_computes_as_eager():
+    ref, mine = frozen(), frozen()
+    teacher = torch.compile(
+        mine, backend="protrain", options={"compiler": "eager", "memory_budget": BUDGET}
+    )
+    for x in data():
+        with torch.no_grad():
+            assert torch.equal(teacher(input_ids=x).logits, ref(input_ids=x).logits)
+    plan = protrain_fx.get_plan(teacher)
+    placements = {c.placement for c in plan.chunks}
+    assert placements == {"device", "host"}, placements
+    assert plan.inference and 0 < plan.n_persist < len(plan.chunks)
+    assert plan.predicted["peak_bytes"] <= BUDGET
+    assert any(n.startswith("inference graph placed within the budget") for n in plan.notes)
+    assert "peak memory reserved: predicted" in plan.summary()
+
+
+def test_a_budget_too_small_names_the_minimum_and_the_minimum_works():
+    model = frozen()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = data(1)[0]
+    with pytest.raises(Exception) as info:
+        with torch.no_grad():
+            torch.compile(
+                model, backend="protrain", options={"compiler": "eager", "memory_budget": 100_000}
+            )(input_ids=x)
+    err = cause_of(info.value, NoPlanFits)
+    assert err is not None and err.min_device_bytes > 100_000, info.value
+    assert "inference graph" in str(err) and "smallest budget" in str(err)
+    after = model.state_dict()  # a failed compile leaves the model as it was
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    torch._dynamo.reset()
+    teacher = torch.compile(
+        model,
+        backend="protrain",
+        options={"compiler": "eager", "memory_budget": err.min_device_bytes},
+    )
+    with torch.no_grad():
+        assert torch.equal(teacher(input_ids=x).logits, frozen()(input_ids=x).logits)
+    plan = protrain_fx.get_plan(teacher)
+    assert plan.predicted["peak_bytes"] == err.min_device_bytes and plan.n_persist < len(
+        plan.chunks
+    )
+
+
+def test_distillation_with_a_frozen_teacher_and_an_offloaded_student_trains_as_eager():
+    """The student (HF Llama, AdamW, clipping) and the teacher each under a budget of its own; the
+    loss is the student's own plus the KL divergence to the teacher's logits."""
+    t_ref, t_mine = frozen(), frozen()
+    s_ref = hf_llama(seed=0)
+    s_mine = copy.deepcopy(s_ref)
+    o_ref = torch.optim.AdamW(s_ref.parameters(), lr=1e-3)
+    o_mine = torch.optim.AdamW(s_mine.parameters(), lr=1e-3)
+    teacher = torch.compile(
+        t_mine, backend="protrain", options={"compiler": "eager", "memory_budget": BUDGET}
+    )
+    student = torch.compile(
+        s_mine,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": o_mine, "memory_budget": 3_000_000},
+    )
+
+    def step(t, s, params, opt, x):
+        with torch.no_grad():
+            target = F.softmax(t(input_ids=x).logits, -1)
+        out = s(input_ids=x, labels=x)
+        kd = F.kl_div(F.log_softmax(out.logits, -1), target, reduction="batchmean")
+        loss = out.loss + kd
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    for x in data(4):
+        a = step(t_ref, s_ref, s_ref.parameters(), o_ref, x)
+        b = step(teacher, student, s_mine.parameters(), o_mine, x)
+        assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    for p, q in zip(s_ref.parameters(), s_mine.parameters()):
+        # the norm and the KL term's gradient summed in another order: rounding
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-4)
+    for plan in (protrain_fx.get_plan(teacher), protrain_fx.get_plan(student)):
+        assert {c.placement for c in plan.chunks} == {"device", "host"}
+
+
+def test_evaluating_before_the_first_training_step_places_within_the_budget_then_trains_as_eager():
+    ref = hf_llama(seed=0, num_hidden_layers=3)
+    mine = copy.deepcopy(ref)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2)
+    # what training needs at least (1.52 MiB, everything offloaded), not every chunk resident
+    compiled = torch.compile(
+        mine, backend="protrain", options={"compiler": "eager", "memory_budget": 2_000_000}
+    )
+    held_out, *train = data(4)
+
+    def evaluate(model, module):
+        module.eval()
+        with torch.no_grad():
+            loss = model(input_ids=held_out, labels=held_out).loss.item()
+        module.train()
+        return loss
+
+    assert evaluate(compiled, mine) == evaluate(ref, ref)
+    first = protrain_fx.get_plan(compiled)
+    assert first.inference and 0 < first.n_persist < len(first.chunks)
+    for x in train:
+        for model, opt in ((ref, o_ref), (compiled, o_mine)):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    trained = protrain_fx.get_plan(compiled)
+    assert not trained.inference and trained.n_persist <= first.n_persist
+    a, b = evaluate(ref, ref), evaluate(compiled, mine)
+    assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+
+
+def test_every_chunk_stays_resident_where_the_budget_allows():
+    teacher = torch.compile(
+        frozen(), backend="protrain", options={"compiler": "eager", "memory_budget": 64 << 20}
+    )
+    with torch.no_grad():
+        teacher(input_ids=data(1)[0])
+    plan = protrain_fx.get_plan(teacher)
+    assert plan.n_persist == len(plan.chunks)
+    assert any(n.startswith("inference graph: every chunk resident") for n in plan.notes)
+
+
+def test_a_frozen_models_resident_chunks_may_move_to_the_host_without_an_optimizer():
+    """An evaluation that runs out of memory moves resident chunks to the host (make_room); a frozen
+    model's chunks hold nothing but their values, so no optimizer is needed for it; a trainable
+    one's still needs the optimizer protrain steps."""
+    for trains in (False, True):
+        model = hf_llama(seed=0, num_hidden_layers=2).requires_grad_(trains)
+        compiled = torch.compile(model, backend="protrain", options={"compiler": "eager"})
+        with torch.no_grad():
+            compiled(input_ids=data(1)[0])
+        params = list(model.parameters())
+        assert replacement.may_offload(params, None) is not trains
+        if not trains:
+            chunks, _ = replacement.make_room(params, 1)
+            assert chunks >= 1
+            x = data(1)[0]
+            with torch.no_grad():
+                expected = hf_llama(seed=0, num_hidden_layers=2)(input_ids=x).logits
+                assert torch.equal(compiled(input_ids=x).logits, expected)
+
+
+def test_regional_compilation_of_a_frozen_model_gives_the_minimum_in_the_budgets_terms():
+    """Each of the 3 blocks compiled on its own gets 1/3 of ``memory_budget``: the minimum
+    NoPlanFits names is for the whole budget (3 x a block's need), and that budget compiles every
+    block."""
+    model, ref = frozen(), frozen()
+    x = data(1)[0]
+
+    def compile_blocks(budget):
+        for b in model.model.layers:
+            b.compile(backend="protrain", options={"compiler": "eager", "memory_budget": budget})
+
+    compile_blocks(300_000)
+    with pytest.raises(Exception) as info, torch.no_grad():
+        model(input_ids=x)
+    err = cause_of(info.value, NoPlanFits)
+    assert err is not None and "3 blocks x" in str(err), info.value
+    torch._dynamo.reset()
+    compile_blocks(err.min_device_bytes)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, ref(input_ids=x).logits)
+    for b in model.model.layers:
+        plan = protrain_fx.get_plan(b)
+        assert plan.predicted["peak_bytes"] * 3 <= err.min_device_bytes
