@@ -436,9 +436,13 @@ def _compile(
     opts, swap_note = _no_swap_when_dynamic(opts, example_inputs)
     choice, inference_note, inference_peak = None, None, None
     training_plan = autoplan.wanted(opts, params, device)
-    if inference_placement.wanted(opts, live, device, training_plan):
+    if inference_placement.wanted(opts, live, device, training_plan, example_inputs):
         opts, inference_peak, inference_note = inference_placement.choose(
             gm, graph_inputs, live, structure, opts, split, root
+        )
+    else:
+        inference_note = inference_placement.unplanned_note(
+            opts, live, training_plan, example_inputs
         )
     if training_plan:
 

@@ -39,10 +39,15 @@ N_BUFFER = 2  # chunk buffers of an inference placement unless n_buffer is given
 GATHERED = 2  # copies gathered out of the buffers alive at once (the chunk in use, the next one)
 
 
-def wanted(opts: Options, live: list, device: torch.device | None, training_plan: bool) -> bool:
-    """Whether this graph's chunks are placed here (module docstring)."""
+def wanted(
+    opts: Options, live: list, device: torch.device | None, training_plan: bool, example_inputs
+) -> bool:
+    """Whether this graph's chunks are placed here (module docstring): not a graph some input of
+    which needs a gradient (frozen layers between trainable ones: their backward saves
+    activations a forward-only estimate does not count; they keep every chunk resident)."""
     return (
         not training_plan
+        and not _backward_through(example_inputs)
         and device is not None
         and bool(live)
         and opts.n_persist is None
@@ -50,6 +55,26 @@ def wanted(opts: Options, live: list, device: torch.device | None, training_plan
         and config.settings().autoplan
         and distributed.world().size == 1
         and all(store_of(p) is None for p in live)
+    )
+
+
+def _backward_through(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+    )
+
+
+def unplanned_note(opts: Options, live: list, training_plan: bool, example_inputs) -> str | None:
+    """What the plan says when a ``memory_budget`` applies to no plan of this graph: no parameter
+    trains, yet a gradient flows through it to its inputs."""
+    if training_plan or opts.memory_budget is None or not live:
+        return None
+    if not _backward_through(example_inputs) or any(store_of(p) for p in live):
+        return None
+    return (
+        "memory_budget not applied: no parameter of this graph trains, yet a gradient flows "
+        "through it to its inputs (frozen layers between trainable ones), which neither the "
+        "training plan nor the inference placement covers; every chunk stays resident"
     )
 
 

@@ -227,3 +227,26 @@ def test_regional_compilation_of_a_frozen_model_gives_the_minimum_in_the_budgets
     for b in model.model.layers:
         plan = protrain_fx.get_plan(b)
         assert plan.predicted["peak_bytes"] * 3 <= err.min_device_bytes
+
+
+def test_a_frozen_model_a_gradient_flows_through_keeps_its_chunks_and_says_so():
+    """Prompt tuning: a trainable soft prompt before a frozen model. Its graph saves activations
+    for the backward to the prompt, which a forward-only placement does not count: every chunk
+    stays resident, the plan says that the budget is not applied, and the prompt's gradient is
+    eager's."""
+    prompts = [
+        torch.nn.Parameter(torch.randn(1, 4, 128, generator=torch.Generator().manual_seed(0)))
+        for _ in range(2)
+    ]
+    ref, model = frozen(), frozen()
+    compiled = torch.compile(
+        model, backend="protrain", options={"compiler": "eager", "memory_budget": BUDGET}
+    )
+    x = data(1)[0]
+    for call, m, prompt in ((ref, ref, prompts[0]), (compiled, model, prompts[1])):
+        embeds = torch.cat([prompt.expand(2, -1, -1), m.model.embed_tokens(x)], 1)
+        call(inputs_embeds=embeds).logits.logsumexp(-1).mean().backward()
+    assert torch.equal(prompts[1].grad, prompts[0].grad)
+    plan = protrain_fx.get_plan(compiled)
+    assert plan.n_persist == len(plan.chunks)
+    assert any(n.startswith("memory_budget not applied") for n in plan.notes), plan.notes
