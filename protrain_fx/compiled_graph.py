@@ -158,8 +158,9 @@ class ProtrainGraph:
         return self._forward(args)
 
     def _forward(self, args):
-        # a call without gradients (an evaluation) outside any plan's budget: see _make_room
-        no_plan = self.choice is None and not torch.is_grad_enabled()
+        # a call without gradients (an evaluation, a frozen model's forward) outside any training
+        # plan's budget: see _make_room
+        no_plan = self.choice is None and (not torch.is_grad_enabled() or self.plan.inference)
         record = step_redo.CallRecord(args) if no_plan else None
         while True:
             try:

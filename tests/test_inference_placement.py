@@ -250,3 +250,30 @@ def test_a_frozen_model_a_gradient_flows_through_keeps_its_chunks_and_says_so():
     plan = protrain_fx.get_plan(compiled)
     assert plan.n_persist == len(plan.chunks)
     assert any(n.startswith("memory_budget not applied") for n in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "grad_enabled"])
+def test_a_frozen_teachers_forward_that_runs_out_of_memory_moves_chunks_and_is_redone(
+    monkeypatch, caplog, grad_mode
+):
+    """The placement's estimate is not a measurement: a forward that still runs out of device
+    memory moves resident chunks to the host (no optimizer needed for a frozen model) and is redone
+    on the same inputs, also when the loop forgot ``torch.no_grad()``."""
+    from test_never_oom import inject_oom
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")
+    ref, model = frozen(), frozen()
+    teacher = torch.compile(
+        model, backend="protrain", options={"compiler": "eager", "memory_budget": BUDGET}
+    )
+    x, later = data(2)
+    context = torch.no_grad if grad_mode == "no_grad" else torch.enable_grad
+    with context():
+        assert torch.equal(teacher(input_ids=x).logits, ref(input_ids=x).logits)
+        first = protrain_fx.get_plan(teacher).n_persist
+        calls = inject_oom(monkeypatch, "gather", 1)
+        with caplog.at_level("WARNING", logger="protrain_fx"):
+            assert torch.equal(teacher(input_ids=later).logits, ref(input_ids=later).logits)
+    assert calls["raised"] == 1
+    assert "moved to the host" in caplog.text and "redoing the call" in caplog.text, caplog.text
+    assert protrain_fx.get_plan(teacher).n_persist < first
