@@ -3,8 +3,9 @@
 The automatic plan (protrain_fx/autoplan.py) profiles and searches training graphs. A graph dynamo
 traces under ``torch.no_grad()`` or ``torch.inference_mode()``, or of a model with no trainable
 parameter (a distillation teacher, a DPO reference model), has no backward to profile, and keeping
-every chunk resident would run out of device memory wherever the parameters alone do not fit (an
-8 B model evaluated before its first training step under a 24 GiB cap). When such a graph's
+every chunk resident places more than the device holds wherever the parameters alone do not fit
+(an 8 B model's 30 GiB of fp32 parameters evaluated before its first training step under a 24 GiB
+cap). When such a graph's
 parameters have no chunk store yet, no ``n_persist`` was given, and a budget applies (a CUDA
 device, or ``memory_budget``), this keeps the first chunks (in first-use order) resident as far as
 the budget allows beside what a forward-only run needs: the chunk buffers offloaded chunks are
