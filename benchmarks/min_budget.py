@@ -38,8 +38,6 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from protrain_fx.errors import NoPlanFits
-
     spec = dict(LLAMA_3B, layers=args.layers)
     model = build(spec)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -53,12 +51,8 @@ def main() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             compiled(input_ids=x, labels=x).loss.backward()
         row["error"] = "no NoPlanFits under a 1 GiB budget"
-    except Exception as e:  # dynamo wraps the backend's error
-        cause = e
-        while cause is not None and not isinstance(cause, NoPlanFits):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
+    except Exception as e:
+        cause = no_plan_fits_of(e)
         row["min_device_bytes"] = cause.min_device_bytes
         row["min_device_gib"] = round(cause.min_device_bytes / 2**30, 2)
         row["message"] = str(cause)[:600]
@@ -85,6 +79,32 @@ def main() -> None:
             short = {k: v for k, v in row["at_min"].items() if k != "memory_history"}
             f.write(f"\nTrained at that budget: `{json.dumps(short)}`\n")
     print(json.dumps(row))
+
+
+def no_plan_fits_of(e: BaseException):
+    """The NoPlanFits that ``e`` (dynamo's wrapper of the backend's error) was raised from;
+    ``e`` itself raised again when it was not."""
+    from protrain_fx.errors import NoPlanFits
+
+    cause = e
+    while cause is not None and not isinstance(cause, NoPlanFits):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        raise e
+    return cause
+
+
+def bf16_step(call, opt, x) -> float:
+    """One training step as the benchmarks' loops take it: bf16 autocast, HF's own loss on ``x``,
+    backward, ``opt.step()``, ``zero_grad()``; the loss."""
+    import torch
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = call(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
 
 
 def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> dict:
@@ -116,12 +136,7 @@ def train_at(model, opt, x, budget: int, steps: int, history: bool = False) -> d
                 torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
             torch.cuda.reset_peak_memory_stats()
             out["step_start_allocated_bytes"].append(torch.cuda.memory_allocated())
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = compiled(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out["losses"].append(loss.item())
+            out["losses"].append(bf16_step(compiled, opt, x))
             out["step_peak_reserved_bytes"].append(torch.cuda.max_memory_reserved())
             out["step_peak_allocated_bytes"].append(torch.cuda.max_memory_allocated())
             if history and i == 2:
