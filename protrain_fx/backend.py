@@ -436,6 +436,7 @@ def _compile(
     opts, swap_note = _no_swap_when_dynamic(opts, example_inputs)
     choice, inference_note, inference_peak = None, None, None
     training_plan = autoplan.wanted(opts, params, device)
+    released = inference_placement.release_for_training(live) if training_plan else None
     if inference_placement.wanted(opts, live, device, training_plan, example_inputs):
         opts, inference_peak, inference_note = inference_placement.choose(
             gm, graph_inputs, live, structure, opts, split, root
@@ -474,7 +475,7 @@ def _compile(
     plan = make_plan(name, graph_inputs, structure, opts, split)
     if choice is not None:  # what the plan cache keeps (plan_cache._knobs_of)
         plan.decided_knobs = {k: getattr(opts, k) for k in autoplan.KNOBS}
-    for note in (swap_note, inference_note):
+    for note in (swap_note, inference_note, released):
         if note:
             plan.notes.append(note)
     if inference_peak is not None:

@@ -12,8 +12,8 @@ the budget allows beside what a forward-only run needs: the chunk buffers offloa
 gathered through (``n_buffer``, 2 unless given) and the copies gathered out of them, and the most
 bytes of tensors alive at once (protrain_fx/graph/forward_memory.py), with the allocator's factor
 on all but the resident chunks. Offloaded chunks of a frozen model need no optimizer; a trainable
-model's later training graph keeps the chunk size and may move more chunks to the host (never fewer:
-training holds its gradients and moments beside each resident parameter). A budget too small even
+model's first training graph releases this placement (:func:`release_for_training`) and places
+the parameters afresh. A budget too small even
 for every chunk offloaded is a :class:`~protrain_fx.errors.NoPlanFits` naming the minimum.
 """
 
@@ -33,8 +33,9 @@ from protrain_fx.options import Options, format_bytes
 from protrain_fx.placement import autocast_dtypes, transfer_dtype
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import FRAGMENTATION
-from protrain_fx.runtime import distributed
+from protrain_fx.runtime import distributed, replacement
 from protrain_fx.runtime.chunk_store import store_of
+from protrain_fx.runtime.param_values import dissolve_store
 
 N_BUFFER = 2  # chunk buffers of an inference placement unless n_buffer is given (placement.py's)
 GATHERED = 2  # copies gathered out of the buffers alive at once (the chunk in use, the next one)
@@ -56,6 +57,33 @@ def wanted(
         and config.settings().autoplan
         and distributed.world().size == 1
         and all(store_of(p) is None for p in live)
+    )
+
+
+def release_for_training(live: list) -> str | None:
+    """Before a training graph is planned: the stores an inference placement made for these
+    parameters (an evaluation before the first training step), while no optimizer state exists and
+    they hold no other graph's parameters, are dissolved (their offloaded values become host values,
+    the resident ones stay on the device), so that the training plan places the parameters afresh
+    (its profile runs with every chunk offloaded, and it may keep more chunks resident than the
+    evaluation did). Graphs compiled for them are planned again at their next call. A note, or
+    None when nothing was released."""
+    stores = list({id(s): s for s in map(store_of, live) if s is not None}.values())
+    mine = {id(p) for p in live}
+    if not stores or not all(
+        s.for_inference
+        and s.optimizer is None
+        and all(p is None or id(p) in mine for p in s.params)
+        for s in stores
+    ):
+        return None
+    for s in stores:
+        s.placement_version += 1
+        dissolve_store(s)
+    replacement.moves += 1
+    return (
+        "the placement an earlier graph without gradients made (an evaluation before the first "
+        "training step) was released: this training plan places the parameters afresh"
     )
 
 

@@ -161,6 +161,7 @@ def _new_store(plan, options, new, root, activation_bytes, training, autocast) -
                 HOST_VALUES[p] = host_values[id(p)]
         raise
     del host_values
+    store.for_inference = not training
     if store.n_shard:
         home = [c for c in store.offloaded_chunks if store.home_on_device(c)]
         states = sum(store.host_numel(c) for c in home) * elem * (2 + ADAM_STATES)

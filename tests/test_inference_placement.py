@@ -277,3 +277,43 @@ def test_a_frozen_teachers_forward_that_runs_out_of_memory_moves_chunks_and_is_r
     assert calls["raised"] == 1
     assert "moved to the host" in caplog.text and "redoing the call" in caplog.text, caplog.text
     assert protrain_fx.get_plan(teacher).n_persist < first
+
+
+def test_training_after_an_evaluation_places_the_parameters_afresh():
+    """The evaluation before the first training step runs on a large batch, so its placement keeps
+    few chunks resident; the training graph releases that placement (no optimizer state yet) and
+    places the parameters for training, keeping more resident than the evaluation did (its profile
+    ran with every chunk offloaded: on a GPU, the evaluation's resident chunks beside it ran out of
+    memory). The evaluation graph is planned again at its next call; everything is eager's."""
+    ref = hf_llama(seed=0, num_hidden_layers=3)
+    mine = copy.deepcopy(ref)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    o_mine = torch.optim.AdamW(mine.parameters(), lr=1e-3)
+    compiled = torch.compile(
+        mine, backend="protrain", options={"compiler": "eager", "memory_budget": 13_000_000}
+    )
+    held_out = random_batches(1, 32, 64, vocab=HF_VOCAB, seed=5)[0][0]  # 32 x 64: large logits
+
+    def evaluate(model, module):
+        module.eval()
+        with torch.no_grad():
+            loss = model(input_ids=held_out, labels=held_out).loss.item()
+        module.train()
+        return loss
+
+    assert evaluate(compiled, mine) == evaluate(ref, ref)
+    first = protrain_fx.get_plan(compiled)
+    assert first.inference and first.n_persist < len(first.chunks)
+    for x in data(3):
+        for model, opt in ((ref, o_ref), (compiled, o_mine)):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    trained = protrain_fx.get_plan(compiled)
+    assert not trained.inference and trained.n_persist > first.n_persist
+    assert any("was released" in n for n in trained.notes), trained.notes
+    a, b = evaluate(ref, ref), evaluate(compiled, mine)
+    assert abs(a - b) <= 1e-6 * abs(a), (a, b)
+    for p, q in zip(ref.parameters(), mine.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)

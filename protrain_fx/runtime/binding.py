@@ -122,11 +122,12 @@ class GraphBinding:
 
     def placement_moved(self) -> bool:
         """Whether resident chunks of a store this graph's code was compiled for have moved to the
-        host since (another graph's re-plan): the code reads them as resident, so the graph must be
-        planned again before its next call."""
+        host since (another graph's re-plan), or the store is gone: the code reads them as they
+        were placed, so the graph must be planned again before its next call."""
         if replacement.moves == self._moves:  # none in this process since (every call: one compare)
             return False
-        return any((s := r()) is not None and s.placement_version != v for r, v in self._versions)
+        # a store gone since (an inference placement released for training) counts as moved
+        return any((s := r()) is None or s.placement_version != v for r, v in self._versions)
 
     def __call__(self, compiled, args):
         params = [args[i] for i in self.positions]
@@ -187,6 +188,7 @@ class GraphBinding:
         )
         store.ensure_buffers(template.n_buffer)
         store.template = weakref.ref(template)
+        store.for_inference = template.for_inference
         opt = self._optimizer() if self._optimizer is not None else None
         if store.offloaded_chunks and opt is not None:
             hybrid_optim.attach(opt, store)

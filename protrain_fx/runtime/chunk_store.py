@@ -149,6 +149,9 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         self.n_chunks = layout.n_chunks
         self.n_persist = min(n_persist, self.n_chunks)
         self.placement_version = 0  # counts moves of resident chunks to the host (replacement.py)
+        # made for a graph without gradients (protrain_fx/inference_placement.py): a training graph
+        # may place its parameters afresh while no optimizer state exists
+        self.for_inference = False
         self.template = None  # the store this one was made like, for other parameters (binding.py)
         elem = first.element_size()
         # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to
