@@ -149,9 +149,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         self.n_chunks = layout.n_chunks
         self.n_persist = min(n_persist, self.n_chunks)
         self.placement_version = 0  # counts moves of resident chunks to the host (replacement.py)
-        # made for a graph without gradients (protrain_fx/inference_placement.py): a training graph
-        # may place its parameters afresh while no optimizer state exists
-        self.for_inference = False
+        self.for_inference = False  # made for a graph without gradients (inference_placement.py)
         self.template = None  # the store this one was made like, for other parameters (binding.py)
         elem = first.element_size()
         # with several ranks each offloaded chunk is split in equal shards (distributed.py): pad to
@@ -447,8 +445,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         return -1 if p is None else p._version
 
     def unregister(self) -> None:
-        """Forget this store (its parameters then belong to none;
-        protrain_fx.runtime.param_values.dissolve_store)."""
+        """Forget this store (its parameters then belong to none; param_values.dissolve_store)."""
         for p in self.params:
             if p is not None:
                 _PARAM_STORE.pop(p, None)
