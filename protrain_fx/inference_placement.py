@@ -5,16 +5,15 @@ traces under ``torch.no_grad()`` or ``torch.inference_mode()``, or of a model wi
 parameter (a distillation teacher, a DPO reference model), has no backward to profile, and keeping
 every chunk resident places more than the device holds wherever the parameters alone do not fit
 (an 8 B model's 30 GiB of fp32 parameters evaluated before its first training step under a 24 GiB
-cap). When such a graph's
-parameters have no chunk store yet, no ``n_persist`` was given, and a budget applies (a CUDA
-device, or ``memory_budget``), this keeps the first chunks (in first-use order) resident as far as
-the budget allows beside what a forward-only run needs: the chunk buffers offloaded chunks are
-gathered through (``n_buffer``, 2 unless given) and the copies gathered out of them, and the most
-bytes of tensors alive at once (protrain_fx/graph/forward_memory.py), with the allocator's factor
-on all but the resident chunks. Offloaded chunks of a frozen model need no optimizer; a trainable
-model's first training graph releases this placement (:func:`release_for_training`) and places
-the parameters afresh. A budget too small even
-for every chunk offloaded is a :class:`~protrain_fx.errors.NoPlanFits` naming the minimum.
+cap). When such a graph's parameters have no chunk store yet, no ``n_persist`` was given, and a
+budget applies (a CUDA device, or ``memory_budget``), this keeps the first chunks (in first-use
+order) resident as far as the budget allows beside what a forward-only run needs: the chunk buffers
+offloaded chunks are gathered through (``n_buffer``, 2 unless given) and the copies gathered out of
+them, and the most bytes of tensors alive at once (protrain_fx/graph/forward_memory.py), with the
+allocator's factor on all but the resident chunks. Offloaded chunks of a frozen model need no
+optimizer; a trainable model's first training graph releases this placement
+(:func:`release_for_training`) and places the parameters afresh. A budget too small for every
+placement is a :class:`~protrain_fx.errors.NoPlanFits` naming the minimum.
 """
 
 from __future__ import annotations
@@ -118,6 +117,7 @@ def choose(
     chunk_size = opts.chunk_size or default_chunk_size(entries, structure, groups)
     layout = pack(entries, chunk_size, groups)
     chunk_bytes = [layout.used_bytes(c) for c in range(layout.n_chunks)]
+    n = len(chunk_bytes)
     master = live[0].dtype
     t_elem = transfer_dtype(opts, device, master, autocast_dtypes()).itemsize
     n_buffer = opts.n_buffer if opts.n_buffer is not None else N_BUFFER
@@ -129,50 +129,51 @@ def choose(
         budget //= len(peers)
         why += f", divided by the {len(peers)} blocks of this structure"
 
-    def need(k: int) -> int:
-        offloaded = max(chunk_bytes[k:], default=0) // master.itemsize * t_elem
-        transient = (n_buffer if k < len(chunk_bytes) else 0) * offloaded
-        transient += GATHERED * offloaded + activations
-        return sum(chunk_bytes[:k]) + int(FRAGMENTATION * transient)
+    # per n_persist k: the largest offloaded chunk in the transfer dtype, and the device bytes
+    largest = [max(chunk_bytes[k:], default=0) // master.itemsize * t_elem for k in range(n + 1)]
+    resident = [sum(chunk_bytes[:k]) for k in range(n + 1)]
+    needs = [
+        resident[k] + int(FRAGMENTATION * ((n_buffer + GATHERED) * largest[k] + activations))
+        for k in range(n + 1)
+    ]
 
     def sizes(k: int) -> str:
-        offloaded = max(chunk_bytes[k:], default=0) // master.itemsize * t_elem
-        buffers = f", chunk buffers {n_buffer} x {format_bytes(offloaded)}" if offloaded else ""
+        buffers = f", chunk buffers {n_buffer} x {format_bytes(largest[k])}" if largest[k] else ""
         return f"forward's tensors at most {format_bytes(activations)} at once{buffers}"
 
-    fits = [k for k in range(len(chunk_bytes) + 1) if need(k) <= budget]
+    fits = [k for k in range(n + 1) if needs[k] <= budget]
     if not fits:
         # the least over every placement: a resident chunk can take the largest one out of the
         # buffers' size
-        least = min(range(len(chunk_bytes) + 1), key=need)
+        least = min(range(n + 1), key=needs.__getitem__)
         # in the budget's terms: one of N blocks compiled alike gets 1/N of it
-        smallest = need(least) * max(1, len(peers))
-        each = f", {len(peers)} blocks x {format_bytes(need(least))}" if len(peers) > 1 else ""
+        smallest = needs[least] * max(1, len(peers))
+        each = f", {len(peers)} blocks x {format_bytes(needs[least])}" if len(peers) > 1 else ""
         raise NoPlanFits(
             f"memory budget {format_bytes(budget)} ({why}) is too small for this inference graph "
             f"(no gradients: torch.no_grad(), or no trainable parameter): its smallest placement "
-            f"({least} of {len(chunk_bytes)} chunks resident) needs {format_bytes(need(least))} on "
+            f"({least} of {n} chunks resident) needs {format_bytes(needs[least])} on "
             f"the device ({sizes(least)}); the smallest budget that would work is {smallest} bytes "
             f"({format_bytes(smallest)}{each}); a smaller batch lowers the forward's part",
             min_device_bytes=smallest,
         )
     k = max(fits)
-    if k == len(chunk_bytes):
+    if k == n:
         return (
             opts,
-            need(k),
+            needs[k],
             (
                 f"inference graph: every chunk resident ({format_bytes(sum(chunk_bytes))}; "
-                f"{sizes(len(chunk_bytes))}) within the budget {format_bytes(budget)} ({why})"
+                f"{sizes(n)}) within the budget {format_bytes(budget)} ({why})"
             ),
         )
     return (
         dataclasses.replace(opts, n_persist=k, n_buffer=n_buffer),
-        need(k),
+        needs[k],
         (
             f"inference graph placed within the budget {format_bytes(budget)} ({why}): {k} of "
-            f"{len(chunk_bytes)} chunks resident ({format_bytes(sum(chunk_bytes[:k]))}), the rest "
-            f"offloaded; predicted peak {format_bytes(need(k))} ({sizes(k)}, "
+            f"{n} chunks resident ({format_bytes(resident[k])}), the rest "
+            f"offloaded; predicted peak {format_bytes(needs[k])} ({sizes(k)}, "
             f"x{FRAGMENTATION:g} for the allocator)"
         ),
     )

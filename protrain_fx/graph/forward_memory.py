@@ -6,9 +6,9 @@ last op that reads it (or any view of it), and the graph's outputs to the end. W
 order with the storages of the fake values dynamo traced gives the most bytes alive at once, views
 counted once with their base. The parameters are left out (the placement counts them as chunks);
 the graph's other inputs (the batch, buffers) count from the start to the end (the caller holds
-them). This is the eager schedule's
-peak: a compiler that fuses ops never materializes some of these tensors, and an op's own workspace
-(a matmul's, attention's) is not a node, so the caller keeps a margin for it.
+them). This is the eager schedule's peak: a compiler that fuses ops never materializes some of
+these tensors, and an op's own workspace (a matmul's, attention's) is not a node, so the caller
+keeps a margin for it.
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ def forward_peak_bytes(gm: fx.GraphModule, skip: set[str]) -> int:
     # the graph's outputs, and its inputs (the caller holds them), live to the end
     kept = {k for n in nodes if n.op == "output" for i in n.all_input_nodes for k in storage_of[i]}
     kept |= {k for n in nodes if n.op == "placeholder" for k in storage_of[n]}
+    dies: dict[int, list] = {}  # node index -> storages its run is the last reader of
+    for key, i in last.items():
+        if key not in kept and key not in skipped:
+            dies.setdefault(i, []).append(key)
     live, peak, alive = 0, 0, set()
     for i, node in enumerate(nodes):
         for key in storage_of[node]:
@@ -70,7 +74,6 @@ def forward_peak_bytes(gm: fx.GraphModule, skip: set[str]) -> int:
                 alive.add(key)
                 live += size[key]
         peak = max(peak, live)
-        for key in [k for k in alive if last[k] == i and k not in kept]:
-            alive.discard(key)
+        for key in dies.get(i, ()):
             live -= size[key]
     return peak
