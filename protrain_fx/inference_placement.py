@@ -19,6 +19,7 @@ placement is a :class:`~protrain_fx.errors.NoPlanFits` naming the minimum.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -131,7 +132,7 @@ def choose(
 
     # per n_persist k: the largest offloaded chunk in the transfer dtype, and the device bytes
     largest = [max(chunk_bytes[k:], default=0) // master.itemsize * t_elem for k in range(n + 1)]
-    resident = [sum(chunk_bytes[:k]) for k in range(n + 1)]
+    resident = [0, *itertools.accumulate(chunk_bytes)]
     needs = [
         resident[k] + int(FRAGMENTATION * ((n_buffer + GATHERED) * largest[k] + activations))
         for k in range(n + 1)
