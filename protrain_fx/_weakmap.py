@@ -37,3 +37,7 @@ class IdentityWeakMap:
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def items(self) -> list[tuple[object, object]]:
+        """The live keys and their values."""
+        return [(k, v) for ref, v in list(self._data.values()) if (k := ref()) is not None]

@@ -436,7 +436,9 @@ def _compile(
     opts, swap_note = _no_swap_when_dynamic(opts, example_inputs)
     choice, inference_note, inference_peak = None, None, None
     training_plan = autoplan.wanted(opts, params, device)
-    released = inference_placement.release_for_training(live) if training_plan else None
+    released = (
+        inference_placement.release_for_training(live, opts, device) if training_plan else None
+    )
     if inference_placement.wanted(opts, live, device, training_plan, example_inputs):
         opts, inference_peak, inference_note = inference_placement.choose(
             gm, graph_inputs, live, structure, opts, split, root

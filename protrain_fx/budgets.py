@@ -12,11 +12,33 @@ from __future__ import annotations
 
 import torch
 
+from protrain_fx._weakmap import IdentityWeakMap
 from protrain_fx.machine import memory
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.runtime import chunk_buffers
 from protrain_fx.runtime.chunk_store import store_of
 from protrain_fx.runtime.param_values import host_value
+
+# a device shared by the process's graphs (CUDA, no memory_budget; inference_placement.py): a frozen
+# model whose placement a training plan took back is placed again at its next call, in what that
+# plan leaves; the least it needs there is set aside (a parameter of it -> (bytes, its parameters'
+# ids)) until then
+SET_ASIDE = IdentityWeakMap()
+# bumped where a frozen model was placed in less than that beside training graphs planned before
+# it: they plan again at their next call (compiled_graph.py), setting its least aside
+shared_version = 0
+
+
+def set_aside_bytes(params: list) -> tuple[int, str]:
+    """``(bytes, why)`` set aside for frozen models other than ``params``'s."""
+    mine = {id(p) for p in params if p is not None}
+    aside = [n for _, (n, ids) in SET_ASIDE.items() if not ids & mine]
+    if not aside:
+        return 0, ""
+    return sum(aside), (
+        f", {format_bytes(sum(aside))} set aside for {len(aside)} frozen "
+        f"model{'s' if len(aside) > 1 else ''} placed again at its next call"
+    )
 
 
 def reserve_bytes(limit: int) -> int:
@@ -30,10 +52,25 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     """``memory_budget`` when given; on CUDA otherwise what this process may use (the per-process
     fraction of the device, or what the driver has free plus this process's allocator cache,
     whichever is less) less everything already allocated except this graph's parameters, their
-    gradients and optimizer state and their stores' buffers (which the plan places) and the
-    reserve."""
+    gradients and optimizer state and their stores' buffers (which the plan places), the reserve
+    and what is set aside for frozen models placed again at their next call."""
     if opts.memory_budget is not None:
         return opts.memory_budget, "memory_budget"
+    usable, others, limit = device_usage(device, params, opts.optimizer)
+    aside, aside_why = set_aside_bytes(params)
+    budget = usable - others - reserve_bytes(limit) - aside
+    return budget, (
+        f"device memory this process may use ({format_bytes(usable)}) less "
+        f"{format_bytes(others)} allocated by others and a "
+        f"{format_bytes(reserve_bytes(limit))} reserve{aside_why}"
+    )
+
+
+def device_usage(device: torch.device, params: list, optimizer=None) -> tuple[int, int, int]:
+    """``(usable, others, limit)`` on a CUDA device: the bytes this process may use (the driver's
+    free memory and this process's allocator cache, within the per-process limit), those allocated
+    by others than the parameters ``params`` (their values, gradients, ``optimizer``'s state and
+    their stores' chunk buffers), and the per-process limit."""
     free, total, _, _ = memory.current_memory(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
     limit = int(total * fraction)
@@ -42,16 +79,9 @@ def device_budget(opts: Options, device: torch.device, params: list) -> tuple[in
     stores = {id(s): s for _, s in held if s is not None}
     # an offloaded parameter (and its gradient) is a device view of host memory: not allocated here
     resident = [p for p, s in held if s is None or not s.param_is_offloaded(p)]
-    mine = memory.placed_bytes(device, resident, opts.optimizer)
+    mine = memory.placed_bytes(device, resident, optimizer)
     others = max(0, allocated - mine - chunk_buffers.held_by(stores.values(), device))
-    usable = min(limit, free + reserved) - others
-    budget = usable - reserve_bytes(limit)
-    return budget, (
-        "device memory this process may use "
-        f"({format_bytes(min(limit, free + reserved))}) less "
-        f"{format_bytes(others)} allocated by others and a "
-        f"{format_bytes(reserve_bytes(limit))} reserve"
-    )
+    return min(limit, free + reserved), others, limit
 
 
 def host_freed_bytes(params: list) -> int:

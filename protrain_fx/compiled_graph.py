@@ -15,7 +15,7 @@ import weakref
 import torch
 import torch._guards
 
-from protrain_fx import _compat, autoplan, plan_cache
+from protrain_fx import _compat, autoplan, budgets, inference_placement, plan_cache
 from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.machine import allocator
@@ -94,9 +94,8 @@ class ProtrainGraph:
         # Llama at another batch size failed in Inductor, "expected [s52] to have been codegen-ed")
         self._fakes = _compat.traced_fakes(self._tracing, self._examples)
         # the user's dict (get_plan finds plans by it) and it over the defaults; their optimizer
-        # held weakly
+        # (given or found) held weakly
         self._options, self._merged = options, merged
-        # given or found
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self.replans = 0
         # a backward ran out of memory: re-plan before the next forward
@@ -140,8 +139,11 @@ class ProtrainGraph:
             compiled = allocator.trimmed(compiled, plan, device)
         self.compiled = compiled
         plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
+        self._shared_seen = budgets.shared_version
 
     def __call__(self, *args):
+        if self._shared_seen != budgets.shared_version:
+            self._shared_beside(args)
         if self.binding.placement_moved():
             msg = "protrain: graph %s: resident chunks of its parameters moved to the host "
             log.warning(msg + "(another graph's re-plan); planning it again", self.plan.graph_name)
@@ -156,6 +158,23 @@ class ProtrainGraph:
             out = step_redo.RedoableCall.apply(self, *args)
             return list(out) if self._returns_list else out
         return self._forward(args)
+
+    def _shared_beside(self, args) -> None:
+        """A frozen model was placed since in less than it needs beside this graph's step on the
+        device they share (inference_placement.py): an automatic plan is made again, leaving it
+        room."""
+        self._shared_seen = budgets.shared_version
+        opts = Options.from_dict(self._merged)
+        if self.choice is None or self.replans >= self.MAX_REPLANS:
+            return
+        if inference_placement.shares_device(opts, self.device):
+            self.replans += 1
+            msg = (
+                "protrain: graph %s: a frozen model placed beside it needs room; planning it again"
+            )
+            log.warning(msg, self.plan.graph_name)
+            note = "re-planned: leaving room for a frozen model on the device"
+            self._recompile(args, tuple(self.choice.failed_peaks), note)
 
     def _forward(self, args):
         # a call without gradients (an evaluation, a frozen model's forward) outside any training

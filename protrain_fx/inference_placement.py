@@ -20,25 +20,39 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 
 import torch
 
-from protrain_fx import config
-from protrain_fx.budgets import device_budget
-from protrain_fx.errors import NoPlanFits
+from protrain_fx import budgets, config
+from protrain_fx._weakmap import IdentityWeakMap
+from protrain_fx.budgets import device_budget, device_usage
+from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
 from protrain_fx.graph.build_plan import chunked_params, default_chunk_size
 from protrain_fx.graph.forward_memory import forward_peak_bytes
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.placement import autocast_dtypes, transfer_dtype
 from protrain_fx.plan.layout import pack
+from protrain_fx.plan.plan import training_plans
 from protrain_fx.plan.profiles import FRAGMENTATION
 from protrain_fx.runtime import distributed, replacement
-from protrain_fx.runtime.chunk_store import store_of
+from protrain_fx.runtime.chunk_store import live_stores, release_unused_buffers, store_of
 from protrain_fx.runtime.param_values import dissolve_store
 
 N_BUFFER = 2  # chunk buffers of an inference placement unless n_buffer is given (placement.py's)
 GATHERED = 2  # copies gathered out of the buffers alive at once (the chunk in use, the next one)
+log = logging.getLogger("protrain_fx")
+# parameters placed here within the device's shared budget (CUDA, no memory_budget), to the least
+# their graph's placement needs (a 1-list, one per graph): a training plan of another model takes
+# that placement back and sets that aside (release_for_training)
+_SHARED = IdentityWeakMap()
+
+
+def shares_device(opts: Options, device: torch.device | None) -> bool:
+    """Whether this graph's budget is the device's, shared with the process's other graphs (CUDA
+    without a ``memory_budget``; a graph given one is given its share)."""
+    return device is not None and device.type == "cuda" and opts.memory_budget is None
 
 
 def wanted(
@@ -53,21 +67,28 @@ def wanted(
         and device is not None
         and bool(live)
         and opts.n_persist is None
-        and (device.type == "cuda" or opts.memory_budget is not None)
+        and (shares_device(opts, device) or opts.memory_budget is not None)
         and config.settings().autoplan
         and distributed.world().size == 1
         and all(store_of(p) is None for p in live)
     )
 
 
-def release_for_training(live: list) -> str | None:
-    """Before a training graph is planned: the stores an inference placement made for these
-    parameters (an evaluation before the first training step), while no optimizer state exists and
-    they hold no other graph's parameters, are dissolved (their offloaded values become host values,
-    the resident ones stay on the device), so that the training plan places the parameters afresh
-    (its profile runs with every chunk offloaded, and it may keep more chunks resident than the
-    evaluation did). Graphs compiled for them are planned again at their next call. A note, or
-    None when nothing was released."""
+def release_for_training(live: list, opts: Options, device: torch.device | None) -> str | None:
+    """Before a training graph is planned, placements made here that would squeeze it: this model's
+    own (:func:`_release_own`), and on a device shared by the process's graphs other models'
+    (:func:`_release_others`). A note, or None when nothing was released."""
+    notes = [_release_own(live), _release_others(live, opts, device)]
+    return "; ".join(n for n in notes if n) or None
+
+
+def _release_own(live: list) -> str | None:
+    """The stores an inference placement made for these parameters (an evaluation before the first
+    training step), while no optimizer state exists and they hold no other graph's parameters, are
+    dissolved (their offloaded values become host values, the resident ones stay on the device), so
+    that the training plan places the parameters afresh (its profile runs with every chunk
+    offloaded, and it may keep more chunks resident than the evaluation did). Graphs compiled for
+    them are planned again at their next call."""
     stores = list({id(s): s for s in map(store_of, live) if s is not None}.values())
     mine = {id(p) for p in live}
     if not stores or not all(
@@ -84,6 +105,64 @@ def release_for_training(live: list) -> str | None:
     return (
         "the placement an earlier graph without gradients made (an evaluation before the first "
         "training step) was released: this training plan places the parameters afresh"
+    )
+
+
+def _release_others(live: list, opts: Options, device: torch.device | None) -> str | None:
+    """On a device shared by the process's graphs, a frozen model placed here first (a distillation
+    teacher or a DPO reference model, whose forward runs before the trained model's first call)
+    holds what the device had then, and the training plan would get what is left. Its resident
+    chunks move to the host and its store is dissolved, so that the training plan gets the device
+    its step needs; the frozen model's graphs are placed again at their next call, beside this
+    plan's step (:func:`choose`). Only stores placed here within the shared budget, of parameters
+    this graph does not have; a model compiled in regions as a whole."""
+    if not shares_device(opts, device):
+        return None
+    mine = {id(p) for p in live}
+    frozen = {
+        id(s): s
+        for s in live_stores()
+        if s.for_inference
+        and s.optimizer is None
+        and s.device == device
+        and s.aliased
+        and all(p is None or (id(p) not in mine and p in _SHARED) for p in s.params)
+    }
+    # a model compiled in regions: a block's store and those made like it go together
+    family = {id(s): id(s.template()) for s in live_stores() if s.template and s.template()}
+    for a, b in family.items():
+        if (a in frozen) != (b in frozen):
+            frozen.pop(a, None), frozen.pop(b, None)
+    if not any(s.n_persist for s in frozen.values()):
+        return None
+    chunks = nbytes = 0
+    for s in frozen.values():
+        try:
+            moved, size = replacement.offload_resident(s, 0)
+        except (ProtrainError, RuntimeError) as e:  # host memory for its values ran out
+            log.warning("protrain: a frozen model's placement stays on the device: %s", e)
+            continue
+        s.placement_version += 1
+        dissolve_store(s)
+        chunks, nbytes = chunks + moved, nbytes + size
+    if not chunks:
+        return None
+    replacement.moves += 1
+    release_unused_buffers()
+    torch.cuda.empty_cache()
+    graphs = {}  # the least each released graph's placement needs, set aside for it
+    for s in frozen.values():
+        for p in s.params:
+            if p is not None and (least := _SHARED.get(p)) is not None:
+                graphs.setdefault(id(least), (least, p, set()))[2].add(id(p))
+    for (least,), p, ids in graphs.values():
+        budgets.SET_ASIDE[p] = (least, frozenset(ids))
+    aside = sum(least for (least,), _, _ in graphs.values())
+    return (
+        f"{chunks} resident chunks ({format_bytes(nbytes)}) of another model placed without "
+        "gradients (a frozen model whose forward came first) moved to the host before this plan: "
+        f"it is placed again at its next call, beside this plan's step, in the "
+        f"{format_bytes(aside)} its least placement needs, set aside"
     )
 
 
@@ -107,6 +186,36 @@ def unplanned_note(opts: Options, live: list, training_plan: bool, example_input
     )
 
 
+def _beside_training(opts: Options, device: torch.device, placed: list) -> tuple[int, str]:
+    """``(bytes, what)``: on a device shared by the process's graphs, the device bytes the other
+    models' training steps need beyond what is allocated now: the largest of their plans'
+    predicted peaks less the predicted start of their step, less what is allocated beyond those
+    starts (a forward's saved tensors, when this graph runs between a trained model's forward and
+    backward), and what of their starts is not allocated yet. (0, "") where none."""
+    if not shares_device(opts, device):
+        return 0, ""
+    mine = {id(p) for p in placed}
+    steps, held = [], {}
+    for plan, params in training_plans():
+        pred = plan.predicted or {}
+        if params[0].device != device or any(id(p) in mine for p in params):
+            continue
+        peak, timeline = pred.get("peak_bytes") or 0, pred.get("timeline") or [[0, 0]]
+        start = int(timeline[0][1])
+        steps.append(max(0, peak - start))
+        key = frozenset(map(id, params))  # another shape's graph of the same parameters: once
+        held[key] = max(held.get(key, 0), start)
+    if not steps:
+        return 0, ""
+    # allocated now beyond their predicted start: a forward's saved tensors (part of the step's
+    # need) or the user's; short of it: their state yet to come (Adam's moments before a step)
+    _, others, _ = device_usage(device, placed, opts.optimizer)
+    start = sum(held.values())
+    beside = max(0, max(steps) - max(0, others - start)) + max(0, start - others)
+    graphs = f"{len(steps)} other training graph{'s' if len(steps) > 1 else ''}"
+    return beside, f"the steps of {graphs} on this device"
+
+
 def choose(
     gm, graph_inputs, live: list, structure, opts: Options, regions, root
 ) -> tuple[Options, int, str]:
@@ -125,6 +234,10 @@ def choose(
     activations = forward_peak_bytes(gm, {gi.node_name for gi in graph_inputs if gi.is_param})
     peers = regional.siblings(root) if root is not None else []
     placed = live + [p for m in peers if m is not root for p in m.parameters()]
+    mine = {id(p) for p in placed}
+    for p, (_, ids) in budgets.SET_ASIDE.items():  # what a training plan set aside for these
+        if ids & mine:
+            budgets.SET_ASIDE.pop(p)
     budget, why = device_budget(opts, device, placed)
     if len(peers) > 1:
         budget //= len(peers)
@@ -143,6 +256,25 @@ def choose(
         return f"forward's tensors at most {format_bytes(activations)} at once{buffers}"
 
     fits = [k for k in range(n + 1) if needs[k] <= budget]
+    beside, beside_why = _beside_training(opts, device, placed)
+    if beside and fits:
+        # what stays on the device between calls (resident chunks, chunk buffers) leaves room
+        # for the other training graphs' steps, when some placement does
+        held = [resident[k] + int(FRAGMENTATION * n_buffer * largest[k]) for k in range(n + 1)]
+        roomy = [k for k in fits if held[k] <= budget - beside]
+        fits = roomy or [min(fits, key=held.__getitem__)]
+        why += (
+            f"; {format_bytes(beside)} left for {beside_why}"
+            if roomy
+            else f"; the least it keeps between calls, though {beside_why} need "
+            f"{format_bytes(beside)} more: they plan again at their next call, leaving room"
+        )
+        if not roomy:
+            budgets.shared_version += 1
+    if shares_device(opts, device):
+        least = [min(needs) * max(1, len(peers))]  # one per graph, in the budget's terms
+        for p in placed:
+            _SHARED[p] = least
     if not fits:
         # the least over every placement: a resident chunk can take the largest one out of the
         # buffers' size

@@ -4,6 +4,8 @@ its first training step. Before, such a graph kept every chunk resident whatever
 GPU: out of memory wherever the parameters alone did not fit). CPU, fp32, against eager PyTorch."""
 
 import copy
+import dataclasses
+import gc
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from hf_models import HF_VOCAB, hf_llama
 import protrain_fx
 from protrain_fx.errors import NoPlanFits
 from protrain_fx.graph.forward_memory import forward_peak_bytes
+from protrain_fx.plan.profiles import FRAGMENTATION
 from protrain_fx.runtime import replacement
 from protrain_fx.testing import random_batches
 
@@ -297,3 +300,115 @@ def test_training_after_an_evaluation_places_the_parameters_afresh():
     assert first.inference and first.n_persist < len(first.chunks)
     assert not trained.inference and trained.n_persist > first.n_persist
     assert any("was released" in n for n in trained.notes), trained.notes
+
+
+@pytest.fixture
+def shared_cpu(monkeypatch):
+    """The CPU taken for a CUDA device shared by the process's graphs (no ``memory_budget``), of
+    ``RESERVE + SHARED`` bytes: what others have allocated there is what the chunk stores of other
+    parameters hold resident (values, gradients, optimizer state, chunk buffers)."""
+    from protrain_fx import autoplan, budgets
+    from protrain_fx import inference_placement as ip
+    from protrain_fx.runtime import chunk_buffers
+    from protrain_fx.runtime.chunk_store import live_stores
+    from protrain_fx.runtime.optimizer_lookup import _optimizers
+
+    size = budgets.reserve_bytes(1 << 30) + SHARED
+    gc.collect()  # the models of tests before: gone, as the device's allocations would be
+    assert not live_stores(), "a chunk store of an earlier test is alive"
+
+    def usage(device, params, optimizer=None):
+        mine = {id(p) for p in params if p is not None}
+        own = [s for s in live_stores() if any(p is not None and id(p) in mine for p in s.params)]
+        held = chunk_buffers.held_by(live_stores(), device) - chunk_buffers.held_by(own, device)
+        states = [o.state for o in _optimizers()]
+        for s in live_stores():
+            for p in s.params if s not in own else ():
+                if p is not None and not s.param_is_offloaded(p):
+                    state = [t for st in states for t in st.get(p, {}).values()]
+                    tensors = [p, p.grad, *state]
+                    held += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+        return size, held, size
+
+    real_wanted = autoplan.wanted
+    monkeypatch.setattr(budgets, "device_usage", usage)
+    monkeypatch.setattr(ip, "device_usage", usage)
+    monkeypatch.setattr(ip, "shares_device", lambda o, d: d is not None and o.memory_budget is None)
+    monkeypatch.setattr(
+        autoplan,
+        "wanted",
+        lambda o, params, d: real_wanted(dataclasses.replace(o, memory_budget=1), params, d),
+    )
+
+
+SHARED = 6_000_000  # the shared device's budget, the reserve aside: 5.72 MiB
+
+
+@pytest.mark.parametrize("order", ["teacher_first", "student_first"])
+def test_a_frozen_teacher_shares_the_device_with_the_student_it_teaches(
+    shared_cpu, order, monkeypatch, caplog
+):
+    """Distillation on a device shared by both models' graphs (CUDA without memory_budget, here the
+    CPU taken for one). The teacher's forward first placed it whole (1.94 MiB of 5.72 MiB) and the
+    student's training plan got what was left. Now its placement is released for the student's plan,
+    which leaves the least the teacher needs aside, and made again at its next call beside the
+    student's step. The student's forward first, the teacher is placed beside its step from the
+    start; where that leaves it less than it needs (made sure of here: the student's step taken for
+    larger at the teacher's first placement), the student plans again at its next call and leaves
+    room. Losses and parameters as eager's."""
+    from protrain_fx import inference_placement as ip
+
+    if order == "student_first":
+        real, calls = ip._beside_training, []
+
+        def squeezed(opts, device, placed):
+            calls.append(1)
+            n, why = real(opts, device, placed)
+            return (n + SHARED if len(calls) == 1 else n), why
+
+        monkeypatch.setattr(ip, "_beside_training", squeezed)
+    t_ref, t_mine = frozen(), frozen()
+    s_ref = hf_llama(seed=0)
+    s_mine = copy.deepcopy(s_ref)
+    o_ref = torch.optim.AdamW(s_ref.parameters(), lr=1e-3)
+    o_mine = torch.optim.AdamW(s_mine.parameters(), lr=1e-3)
+    teacher = torch.compile(t_mine, backend="protrain", options={"compiler": "eager"})
+    student = torch.compile(s_mine, backend="protrain", options={"compiler": "eager"})
+
+    def step(t, s, opt, x):
+        if order != "teacher_first":
+            out = s(input_ids=x, labels=x)
+        with torch.no_grad():
+            target = F.softmax(t(input_ids=x).logits, -1)
+        if order == "teacher_first":
+            out = s(input_ids=x, labels=x)
+        loss = out.loss + F.kl_div(F.log_softmax(out.logits, -1), target, reduction="batchmean")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        for x in data(4):
+            a, b = step(t_ref, s_ref, o_ref, x), step(teacher, student, o_mine, x)
+            assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    for p, q in zip(s_ref.parameters(), s_mine.parameters()):
+        # as in the distillation test above: the KL term's gradient summed in another order
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-4)
+    t_plan, s_plan = protrain_fx.get_plan(teacher), protrain_fx.get_plan(student)
+    released = any("moved to the host before this plan" in n for n in s_plan.notes)
+    replanned = "re-planned: leaving room for a frozen model on the device" in s_plan.notes
+    assert released, s_plan.notes
+    assert replanned == (order == "student_first"), s_plan.notes
+    said = [m for m in caplog.messages if "a frozen model placed beside it needs room" in m]
+    assert len(said) == replanned, caplog.messages
+    # the student's budget: the whole device's, less the least the teacher's placement needs
+    assert "set aside for 1 frozen model" in s_plan.predicted["budget"], s_plan.predicted
+    (note,) = [n for n in t_plan.notes if n.startswith("inference graph placed")]
+    assert "left for the steps of 1 other training graph on this device" in note, note
+    # between its calls the teacher holds its resident chunks and chunk buffers, beside the
+    # student's whole step
+    resident = sum(c.bytes for c in t_plan.chunks if c.placement == "device")
+    buffers = t_plan.n_buffer * max(c.bytes for c in t_plan.chunks if c.placement == "host")
+    held = resident + int(FRAGMENTATION * buffers)
+    assert held + s_plan.predicted["peak_bytes"] <= SHARED, (held, s_plan.predicted["peak_bytes"])

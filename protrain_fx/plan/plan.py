@@ -384,6 +384,17 @@ def register_plan(plan: Plan, params: list[torch.Tensor], options: dict | None) 
     )
 
 
+def training_plans() -> list[tuple[Plan, list[torch.Tensor]]]:
+    """The newest plan of every live training graph, with its parameters (an inference placement
+    leaves room for their steps: protrain_fx/inference_placement.py)."""
+    newest = {}
+    for e in _ENTRIES:
+        params = [r() for r in e.params]
+        if not e.plan.inference and params and all(p is not None for p in params):
+            newest[(e.plan.graph_name or e.seq, e.param_ids)] = (e.plan, params)
+    return list(newest.values())
+
+
 def _options_of(compiled) -> dict | None:
     """The options dict a ``torch.compile`` wrapper was made with (walks dynamo's backend
     wrappers)."""
