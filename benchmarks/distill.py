@@ -1,0 +1,227 @@
+"""Distillation on one device (GPU): a frozen teacher and the student it teaches, both under
+protrain with no ``memory_budget``, so that they share what the process may use.
+
+HF ``LlamaForCausalLM``: the teacher with Llama-3.2-3B's shape (12.0 GiB of fp32 parameters), frozen
+(``requires_grad_(False)``, eval mode), the student with Llama-3.2-1B's (the same 128k vocabulary),
+trained with fused AdamW; both built from seed 0 in host memory under ``protrain_fx.host_init``
+(oom_sweep.build), bf16 autocast, batch ``--batch`` x ``--seq`` of fixed random tokens; the loss
+is the student's own (``labels=``) plus the KL divergence of its logits to the teacher's. Rows,
+each its own process (``--row``):
+
+- ``reference``: plain PyTorch on the whole device (eager).
+- ``teacher_first``: protrain under ``--cap`` GiB (``set_per_process_memory_fraction``), the
+  teacher's forward before the student's in each step: it is placed first, whole where it fits,
+  and the student's training plan takes that placement back (inference_placement.py).
+- ``student_first``: the student's forward first, then the teacher's, then the backward: the teacher
+  is placed beside the student's step.
+
+Per row: the losses (against the reference's, bf16 tolerance), the step time (median of the steps
+after the second), the reserved peak against the cap, the time to the first step, the student's
+plan (resident chunks, budget) and the teacher's placement, and protrain's warnings (re-plans).
+Writes ``OUT.json`` and ``OUT.md``.
+
+    python benchmarks/distill.py --out $OUT/distill_h100 [--cap 24 --steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+ROWS = ["reference", "teacher_first", "student_first"]
+BF16_REL = 2**-6  # oom_sweep.BF16_REL
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage()[:300])
+
+
+def run_row(name: str, args) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from oom_sweep import MODELS, build
+
+    import protrain_fx
+
+    said = _Warnings()
+    logging.getLogger("protrain_fx").addHandler(said)
+    g = torch.Generator().manual_seed(1)
+    vocab = MODELS[args.student]["vocab"]
+    data = [torch.randint(0, vocab, (args.batch, args.seq), generator=g).cuda() for _ in range(2)]
+    row = {"row": name}
+    t0 = time.perf_counter()
+    host = name != "reference"
+    t_model = build(MODELS[args.teacher], args.seq, host=host).eval().requires_grad_(False)
+    s_model = build(MODELS[args.student], args.seq, host=host)
+    opt = torch.optim.AdamW(s_model.parameters(), lr=1e-4, fused=True)
+    if host:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.cap * 2**30 / total)
+        row["cap_gib"] = args.cap
+        teacher = torch.compile(t_model, backend="protrain")
+        student = torch.compile(s_model, backend="protrain")
+    else:
+        teacher, student = t_model, s_model
+    row["build_s"] = round(time.perf_counter() - t0, 1)
+
+    def step(x) -> float:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if name == "student_first":
+                out = student(input_ids=x, labels=x)
+            with torch.no_grad():
+                target = F.softmax(teacher(input_ids=x).logits.float(), -1)
+            if name != "student_first":
+                out = student(input_ids=x, labels=x)
+            log_p = F.log_softmax(out.logits.float(), -1)
+            loss = out.loss + F.kl_div(log_p, target, reduction="batchmean")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    losses, times = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        losses.append(step(data[i % 2]))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        if i == 0:
+            row["first_step_s"] = round(time.perf_counter() - t0, 1)
+    row["losses"] = losses
+    row["step_s"] = round(statistics.median(times[2:]), 4)
+    row["tokens_per_s"] = round(args.batch * args.seq / row["step_s"])
+    row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+    if host:
+        s_plan, t_plan = protrain_fx.get_plan(student), protrain_fx.get_plan(teacher)
+        pred = s_plan.predicted or {}
+        row["student_plan"] = (
+            f"{s_plan.n_persist} of {len(s_plan.chunks)} chunks resident, predicted peak "
+            f"{(pred.get('peak_bytes') or 0) / 2**30:.2f} GiB"
+        )
+        row["student_budget"] = pred.get("budget")
+        row["student_notes"] = [n for n in s_plan.notes if "frozen model" in n]
+        row["teacher_plan"] = f"{t_plan.n_persist} of {len(t_plan.chunks)} chunks resident"
+        row["teacher_note"] = next((n for n in t_plan.notes if n.startswith("inference")), None)
+    row["warnings"] = said.messages
+    return row
+
+
+def evaluate(rows: list[dict]) -> None:
+    ref = next((r for r in rows if r["row"] == "reference" and "losses" in r), None)
+    for r in rows:
+        if ref is None or r is ref or "losses" not in r:
+            continue
+        pairs = list(zip(r["losses"], ref["losses"]))
+        r["max_loss_rel_vs_reference"] = max(abs(a - b) / abs(b) for a, b in pairs)
+        r["within_bf16_tolerance"] = r["max_loss_rel_vs_reference"] <= BF16_REL
+        r["within_cap"] = r["peak_reserved_gib"] <= r["cap_gib"]
+
+
+def table(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"# Distillation on one device ({meta['device']}, torch {meta['torch']}, {meta['date']})",
+        "",
+        f"`{meta['command']}`: teacher {meta['teacher']} shape (frozen), student {meta['student']} "
+        f"shape (AdamW), batch {meta['batch']} x {meta['seq']}, bf16 autocast, `labels=` loss + KL "
+        f"to the teacher; losses against plain PyTorch on the whole device (tolerance "
+        f"{BF16_REL:.4f} relative).",
+        "",
+        "| row | cap GiB | reserved peak GiB | losses rel vs reference | step s | tokens/s | "
+        "first step s | student's plan | teacher's placement | warnings |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "losses" not in r:
+            lines.append(f"| {r['row']} | {r.get('cap_gib', '-')} | error: {r.get('error')} |")
+            continue
+        rel = r.get("max_loss_rel_vs_reference")
+        lines.append(
+            f"| {r['row']} | {r.get('cap_gib', '-')} | {r['peak_reserved_gib']} | "
+            f"{'-' if rel is None else f'{rel:.1e}'} | {r['step_s']} | {r['tokens_per_s']} | "
+            f"{r['first_step_s']} | {r.get('student_plan', '-')} | {r.get('teacher_plan', '-')} | "
+            f"{len(r.get('warnings', []))} |"
+        )
+    lines.append("")
+    for r in rows:
+        for key in ("student_budget", "student_notes", "teacher_note", "warnings", "error"):
+            if r.get(key):
+                lines.append(f"- {r['row']}, {key.replace('_', ' ')}: {r[key]}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--teacher", default="llama3.2-3b")
+    ap.add_argument("--student", default="llama3.2-1b")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--cap", type=float, default=24)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--only", default=",".join(ROWS))
+    ap.add_argument("--row")
+    ap.add_argument("--result")
+    args = ap.parse_args()
+    if args.row:
+        try:
+            row = run_row(args.row, args)
+        except Exception as e:
+            row = {"row": args.row, "error": f"{type(e).__name__}: {str(e)[:800]}"}
+        with open(args.result, "w") as f:
+            json.dump(row, f)
+        return
+    import torch
+
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor_"))
+    env.setdefault("PROTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="protrain_"))
+    rows = []
+    passed = list(sys.argv[1:])
+    for name in args.only.split(","):
+        result = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, __file__, *passed, "--row", name, "--result", result]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        sys.stderr.write(proc.stderr[-3000:])
+        try:
+            with open(result) as f:
+                rows.append(json.load(f))
+        except OSError:
+            rows.append({"row": name, "error": f"exit {proc.returncode}: {proc.stderr[-400:]}"})
+        print(json.dumps(rows[-1])[:1500], flush=True)
+    evaluate(rows)
+    meta = dict(
+        device=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command="python benchmarks/distill.py " + " ".join(passed),
+        teacher=args.teacher,
+        student=args.student,
+        batch=args.batch,
+        seq=args.seq,
+    )
+    with open(args.out + ".json", "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(table(rows, meta))
+    print(table(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
