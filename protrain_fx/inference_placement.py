@@ -207,11 +207,15 @@ def _beside_training(opts: Options, device: torch.device, placed: list) -> tuple
         held[key] = max(held.get(key, 0), start)
     if not steps:
         return 0, ""
-    # allocated now beyond their predicted start: a forward's saved tensors (part of the step's
-    # need) or the user's; short of it: their state yet to come (Adam's moments before a step)
+    # allocated now beyond their predicted start and other frozen models' resident chunks: a
+    # forward's saved tensors (part of the step's need) or the user's; short of it: their state
+    # yet to come (Adam's moments before a step)
     _, others, _ = device_usage(device, placed, opts.optimizer)
+    frozen = [s for s in live_stores() if s.for_inference and s.device == device]
+    frozen = [s for s in frozen if not any(p is not None and id(p) in mine for p in s.params)]
+    resident = sum(s.layout.used_bytes(c) for s in frozen for c in range(s.n_persist))
     start = sum(held.values())
-    beside = max(0, max(steps) - max(0, others - start)) + max(0, start - others)
+    beside = max(0, max(steps) - max(0, others - start - resident)) + max(0, start - others)
     graphs = f"{len(steps)} other training graph{'s' if len(steps) > 1 else ''}"
     return beside, f"the steps of {graphs} on this device"
 
