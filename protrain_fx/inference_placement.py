@@ -261,6 +261,7 @@ def choose(
 
     fits = [k for k in range(n + 1) if needs[k] <= budget]
     beside, beside_why = _beside_training(opts, device, placed)
+    beside //= max(1, len(peers))  # one block's share, as the budget
     if beside and fits:
         # what stays on the device between calls (resident chunks, chunk buffers) leaves room
         # for the other training graphs' steps, when some placement does
