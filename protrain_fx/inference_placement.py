@@ -140,13 +140,13 @@ def _release_others(live: list, opts: Options, device: torch.device | None) -> s
         try:
             moved, size = replacement.offload_resident(s, 0)
         except (ProtrainError, RuntimeError) as e:  # host memory for its values ran out
+            # the stores stay, offloaded as far as they could be, and are not placed again
             log.warning("protrain: a frozen model's placement stays on the device: %s", e)
-            continue
+            return None
+        chunks, nbytes = chunks + moved, nbytes + size
+    for s in frozen.values():
         s.placement_version += 1
         dissolve_store(s)
-        chunks, nbytes = chunks + moved, nbytes + size
-    if not chunks:
-        return None
     replacement.moves += 1
     release_unused_buffers()
     torch.cuda.empty_cache()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hf_models import HF_VOCAB, hf_llama
 
 import protrain_fx
-from protrain_fx.errors import NoPlanFits
+from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph.forward_memory import forward_peak_bytes
 from protrain_fx.plan.profiles import FRAGMENTATION
 from protrain_fx.runtime import chunk_buffers, replacement
@@ -343,7 +343,9 @@ def shared_cpu(monkeypatch):
 SHARED = 6_000_000  # the shared device's budget, the reserve aside: 5.72 MiB
 
 
-@pytest.mark.parametrize("order", ["teacher_first", "student_first", "teacher_in_regions"])
+@pytest.mark.parametrize(
+    "order", ["teacher_first", "student_first", "teacher_in_regions", "host_runs_out"]
+)
 def test_a_frozen_teacher_shares_the_device_with_the_student_it_teaches(
     shared_cpu, order, monkeypatch, caplog
 ):
@@ -355,7 +357,9 @@ def test_a_frozen_teacher_shares_the_device_with_the_student_it_teaches(
     start; where that leaves it less than it needs (made sure of here: the student's step taken for
     larger at the teacher's first placement), the student plans again at its next call and leaves
     room. The teacher compiled block by block (``layer.compile``) is released and placed again as a
-    whole. Losses and parameters as eager's."""
+    whole. Where host memory runs out while its chunks move there (injected at the second of its
+    stores), its placement stays, and the student plans beside it. Losses and
+    parameters as eager's."""
     from protrain_fx import inference_placement as ip
 
     if order == "student_first":
@@ -367,6 +371,16 @@ def test_a_frozen_teacher_shares_the_device_with_the_student_it_teaches(
             return (n + SHARED if len(calls) == 1 else n), why
 
         monkeypatch.setattr(ip, "_beside_training", squeezed)
+    if order == "host_runs_out":
+        real_offload, offloads = replacement.offload_resident, []
+
+        def short_of_host(store, n_persist, optimizer=None):
+            offloads.append(store.id)
+            if len(offloads) == 2:
+                raise ProtrainError("host memory ran out (injected)")
+            return real_offload(store, n_persist, optimizer)
+
+        monkeypatch.setattr(replacement, "offload_resident", short_of_host)
     t_ref, t_mine = frozen(), frozen()
     s_ref = hf_llama(seed=0)
     s_mine = copy.deepcopy(s_ref)
@@ -403,6 +417,11 @@ def test_a_frozen_teacher_shares_the_device_with_the_student_it_teaches(
     t_plan, s_plan = protrain_fx.get_plan(teacher), protrain_fx.get_plan(student)
     released = any("moved to the host before this plan" in n for n in s_plan.notes)
     replanned = "re-planned: leaving room for a frozen model on the device" in s_plan.notes
+    if order == "host_runs_out":
+        assert not released and any("injected" in m for m in caplog.messages), s_plan.notes
+        assert "set aside" not in s_plan.predicted["budget"], s_plan.predicted
+        assert s_plan.predicted["peak_bytes"] <= s_plan.predicted["budget_bytes"]
+        return
     assert released, s_plan.notes
     assert replanned == (order == "student_first"), s_plan.notes
     said = [m for m in caplog.messages if "a frozen model placed beside it needs room" in m]
