@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -55,8 +56,6 @@ def run_row(name: str, args) -> dict:
     import torch
     import torch.nn.functional as F
     from oom_sweep import MODELS, build
-
-    import protrain_fx
 
     said = _Warnings()
     logging.getLogger("protrain_fx").addHandler(said)
@@ -95,38 +94,62 @@ def run_row(name: str, args) -> dict:
         return loss.item()
 
     losses, times = [], []
+    row["losses"] = losses
     torch.cuda.reset_peak_memory_stats()
     for i in range(args.steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        losses.append(step(data[i % 2]))
+        try:
+            losses.append(step(data[i % 2]))
+        except Exception as e:  # where it failed: protrain's code or the loop's own
+            frames = traceback.extract_tb(e.__traceback__)
+            where = [f"{os.path.basename(f.filename)}:{f.lineno} {f.line}" for f in frames[-4:]]
+            row["error"] = f"step {i + 1}: {type(e).__name__}: {str(e)[:300]} at {where}"
+            row["allocated_gib_at_error"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+            break
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         if i == 0:
             row["first_step_s"] = round(time.perf_counter() - t0, 1)
-    row["losses"] = losses
+    if "error" not in row:
+        _timings(row, times, args)
+    if host:
+        _plans(row, student, teacher)
+    row["warnings"] = said.messages
+    return row
+
+
+def _timings(row: dict, times: list, args) -> None:
+    import torch
+
     row["step_s"] = round(statistics.median(times[2:]), 4)
     row["tokens_per_s"] = round(args.batch * args.seq / row["step_s"])
     row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
-    if host:
+
+
+def _plans(row: dict, student, teacher) -> None:
+    import protrain_fx
+
+    try:
         s_plan, t_plan = protrain_fx.get_plan(student), protrain_fx.get_plan(teacher)
-        pred = s_plan.predicted or {}
-        row["student_plan"] = (
-            f"{s_plan.n_persist} of {len(s_plan.chunks)} chunks resident, predicted peak "
-            f"{(pred.get('peak_bytes') or 0) / 2**30:.2f} GiB"
-        )
-        row["student_budget"] = pred.get("budget")
-        row["student_notes"] = [n for n in s_plan.notes if "frozen model" in n]
-        row["teacher_plan"] = f"{t_plan.n_persist} of {len(t_plan.chunks)} chunks resident"
-        row["teacher_note"] = next((n for n in t_plan.notes if n.startswith("inference")), None)
-    row["warnings"] = said.messages
-    return row
+    except Exception as e:  # a failure before both were planned
+        row["plans"] = f"{type(e).__name__}: {e}"[:300]
+        return
+    pred = s_plan.predicted or {}
+    row["student_plan"] = (
+        f"{s_plan.n_persist} of {len(s_plan.chunks)} chunks resident, predicted peak "
+        f"{(pred.get('peak_bytes') or 0) / 2**30:.2f} GiB"
+    )
+    row["student_budget"] = pred.get("budget")
+    row["student_notes"] = [n for n in s_plan.notes if "frozen model" in n]
+    row["teacher_plan"] = f"{t_plan.n_persist} of {len(t_plan.chunks)} chunks resident"
+    row["teacher_note"] = next((n for n in t_plan.notes if n.startswith("inference")), None)
 
 
 def evaluate(rows: list[dict]) -> None:
     ref = next((r for r in rows if r["row"] == "reference" and "losses" in r), None)
     for r in rows:
-        if ref is None or r is ref or "losses" not in r:
+        if ref is None or r is ref or not r.get("losses") or "error" in r:
             continue
         pairs = list(zip(r["losses"], ref["losses"]))
         r["max_loss_rel_vs_reference"] = max(abs(a - b) / abs(b) for a, b in pairs)
@@ -148,8 +171,12 @@ def table(rows: list[dict], meta: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if "losses" not in r:
-            lines.append(f"| {r['row']} | {r.get('cap_gib', '-')} | error: {r.get('error')} |")
+        if "losses" not in r or "error" in r:
+            plans = f"{r.get('student_plan', '-')} | {r.get('teacher_plan', '-')}"
+            lines.append(
+                f"| {r['row']} | {r.get('cap_gib', '-')} | error (below) | - | - | - | - | "
+                f"{plans} | {len(r.get('warnings', []))} |"
+            )
             continue
         rel = r.get("max_loss_rel_vs_reference")
         lines.append(
