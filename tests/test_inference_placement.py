@@ -338,6 +338,9 @@ def shared_cpu(monkeypatch):
         "wanted",
         lambda o, params, d: real_wanted(dataclasses.replace(o, memory_budget=1), params, d),
     )
+    yield
+    monkeypatch.undo()
+    gc.collect()  # the stores of this test's models go before the next test starts
 
 
 SHARED = 6_000_000  # the shared device's budget, the reserve aside: 5.72 MiB
