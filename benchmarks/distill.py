@@ -26,18 +26,17 @@ Writes ``OUT.json`` and ``OUT.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+from results_io import add_row_arguments, row_processes, run_meta, write_run  # noqa: E402
 
 ROWS = ["reference", "teacher_first", "student_first"]
 BF16_REL = 2**-6  # oom_sweep.BF16_REL
@@ -202,52 +201,16 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--cap", type=float, default=24)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--only", default=",".join(ROWS))
-    ap.add_argument("--row")
-    ap.add_argument("--result")
+    add_row_arguments(ap, ROWS)
     args = ap.parse_args()
-    if args.row:
-        try:
-            row = run_row(args.row, args)
-        except Exception as e:
-            row = {"row": args.row, "error": f"{type(e).__name__}: {str(e)[:800]}"}
-        with open(args.result, "w") as f:
-            json.dump(row, f)
+    rows = row_processes(__file__, args, run_row)
+    if rows is None:  # a child
         return
-    import torch
-
-    env = dict(os.environ)
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor_"))
-    env.setdefault("PROTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="protrain_"))
-    rows = []
-    passed = list(sys.argv[1:])
-    for name in args.only.split(","):
-        result = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, __file__, *passed, "--row", name, "--result", result]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        sys.stderr.write(proc.stderr[-3000:])
-        try:
-            with open(result) as f:
-                rows.append(json.load(f))
-        except OSError:
-            rows.append({"row": name, "error": f"exit {proc.returncode}: {proc.stderr[-400:]}"})
-        print(json.dumps(rows[-1])[:1500], flush=True)
     evaluate(rows)
-    meta = dict(
-        device=torch.cuda.get_device_name(0),
-        torch=torch.__version__,
-        date=time.strftime("%Y-%m-%d"),
-        command="python benchmarks/distill.py " + " ".join(passed),
-        teacher=args.teacher,
-        student=args.student,
-        batch=args.batch,
-        seq=args.seq,
+    meta = run_meta(
+        "distill.py", teacher=args.teacher, student=args.student, batch=args.batch, seq=args.seq
     )
-    with open(args.out + ".json", "w") as f:
-        json.dump(dict(meta, rows=rows), f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table(rows, meta))
-    print(table(rows, meta))
+    write_run(args.out, rows, meta, table)
 
 
 if __name__ == "__main__":

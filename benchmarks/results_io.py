@@ -38,3 +38,73 @@ def write_table(out_path: str, lines: list[str], echo: int | None = None) -> Non
     with open(out_path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[:echo]))
+
+
+def row_processes(script: str, args, run_row) -> list[dict] | None:
+    """Rows run one process each: in the child (``--row NAME --result FILE``) ``run_row(name,
+    args)``'s row (an error row where it raised) goes to FILE and None is returned; in the parent
+    each row of ``--only`` runs ``script`` with the parent's arguments in a child (one Inductor and
+    protrain cache shared), its row read back (an error row where the child left none) and echoed.
+    The parent's rows are returned."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if args.row:
+        try:
+            row = run_row(args.row, args)
+        except Exception as e:
+            row = {"row": args.row, "error": f"{type(e).__name__}: {str(e)[:800]}"}
+        with open(args.result, "w") as f:
+            json.dump(row, f)
+        return None
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor_"))
+    env.setdefault("PROTRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="protrain_"))
+    rows = []
+    for name in args.only.split(","):
+        result = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, script, *sys.argv[1:], "--row", name, "--result", result]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        sys.stderr.write(proc.stderr[-3000:])
+        try:
+            with open(result) as f:
+                rows.append(json.load(f))
+        except OSError:
+            rows.append({"row": name, "error": f"exit {proc.returncode}: {proc.stderr[-400:]}"})
+        print(json.dumps(rows[-1])[:1500], flush=True)
+    return rows
+
+
+def run_meta(script: str, **more) -> dict:
+    """What a run's table names beside its rows: the device, torch, the date, the command."""
+    import sys
+
+    import torch
+
+    return dict(
+        device=torch.cuda.get_device_name(0),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        command=f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
+        **more,
+    )
+
+
+def add_row_arguments(ap, rows: list[str]) -> None:
+    """``--only`` (the rows to run, default ``rows``), and the child's ``--row`` and ``--result``
+    (:func:`row_processes`)."""
+    ap.add_argument("--only", default=",".join(rows))
+    ap.add_argument("--row")
+    ap.add_argument("--result")
+
+
+def write_run(out_path: str, rows: list[dict], meta: dict, table) -> None:
+    """``meta`` and ``rows`` as ``out_path + ".json"``, ``table(rows, meta)`` as its ``.md`` and on
+    stdout."""
+    with open(out_path + ".json", "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+    with open(out_path + ".md", "w") as f:
+        f.write(table(rows, meta))
+    print(table(rows, meta))
