@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from results_io import add_row_arguments, row_processes, run_meta, write_run  # noqa: E402
+from results_io import rows_main  # noqa: E402
 
 ROWS = ["reference", "eval_first", "teacher", "teacher_min"]
 BF16_REL = 2**-6  # oom_sweep.BF16_REL
@@ -182,21 +182,11 @@ def table(rows: list[dict], meta: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out")
     ap.add_argument("--model", default="llama3.2-3b")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--cap", type=float, default=12)
     ap.add_argument("--teacher-cap", type=float, default=6)
     ap.add_argument("--steps", type=int, default=6)
-    add_row_arguments(ap, ROWS)
-    args = ap.parse_args()
-    rows = row_processes(__file__, args, run_row)
-    if rows is None:  # a child
-        return
-    evaluate(rows)
-    meta = run_meta("eval_first.py", model=args.model, batch=args.batch, seq=args.seq)
-    write_run(args.out, rows, meta, table)
+    rows_main(__file__, ap, ROWS, run_row, evaluate, table, ("model",))
 
 
 if __name__ == "__main__":

@@ -92,12 +92,27 @@ def run_meta(script: str, **more) -> dict:
     )
 
 
-def add_row_arguments(ap, rows: list[str]) -> None:
-    """``--only`` (the rows to run, default ``rows``), and the child's ``--row`` and ``--result``
-    (:func:`row_processes`)."""
+def rows_main(script: str, ap, rows: list[str], run_row, evaluate, table, keys: tuple) -> None:
+    """The main of a script whose rows run one process each: ``ap`` (the script's own options)
+    gets ``--out``, ``--batch`` (2), ``--seq`` (1024), ``--only`` (default ``rows``) and the
+    child's ``--row`` and ``--result``; the rows run (:func:`row_processes`), then
+    ``evaluate(rows)``, and the run is written (:func:`write_run`) with the options ``keys``
+    beside the run's metadata."""
+    import os
+
+    ap.add_argument("--out")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--only", default=",".join(rows))
     ap.add_argument("--row")
     ap.add_argument("--result")
+    args = ap.parse_args()
+    done = row_processes(script, args, run_row)
+    if done is None:  # a child
+        return
+    evaluate(done)
+    more = {k: getattr(args, k) for k in (*keys, "batch", "seq")}
+    write_run(args.out, done, run_meta(os.path.basename(script), **more), table)
 
 
 def write_run(out_path: str, rows: list[dict], meta: dict, table) -> None:
