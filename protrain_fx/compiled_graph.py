@@ -164,10 +164,9 @@ class ProtrainGraph:
         device they share (inference_placement.py): an automatic plan is made again, leaving it
         room."""
         self._shared_seen = budgets.shared_version
-        opts = Options.from_dict(self._merged)
         if self.choice is None or self.replans >= self.MAX_REPLANS:
             return
-        if inference_placement.shares_device(opts, self.device):
+        if inference_placement.shares_device(Options.from_dict(self._merged), self.device):
             self.replans += 1
             msg = (
                 "protrain: graph %s: a frozen model placed beside it needs room; planning it again"

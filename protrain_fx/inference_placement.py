@@ -14,6 +14,12 @@ allocator's factor on all but the resident chunks. Offloaded chunks of a frozen 
 optimizer; a trainable model's first training graph releases this placement
 (:func:`release_for_training`) and places the parameters afresh. A budget too small for every
 placement is a :class:`~protrain_fx.errors.NoPlanFits` naming the minimum.
+
+On a CUDA device without a ``memory_budget`` the process's graphs share the device: a training
+plan of another model takes such a placement back (its resident chunks to the host) and sets
+aside the least it needs (:func:`release_for_training`); a placement beside training graphs keeps
+between its calls at most what their steps leave (:func:`_beside_training`), and where not even
+its least fits there, those graphs plan again at their next call.
 """
 
 from __future__ import annotations
