@@ -42,12 +42,12 @@ from protrain_fx.graph import regional
 from protrain_fx.graph.build_plan import chunked_params, default_chunk_size
 from protrain_fx.machine import allocator, measure, memory, pinned, step_rates
 from protrain_fx.options import Options, format_bytes
-from protrain_fx.plan.cost_model import LayoutCosts
 from protrain_fx.plan.layout import pack
+from protrain_fx.plan.prediction import prediction
 from protrain_fx.plan.profiles import Hardware
 from protrain_fx.plan.search import check_host_floor, search, search_or_without_copies
-from protrain_fx.plan.timeline import output_dropped_peak
 from protrain_fx.plan_cache import COST_MODEL_VERSION, KNOBS  # noqa: F401  (the cache key's; tests read autoplan.KNOBS)
+from protrain_fx.profiling import loop_memory
 from protrain_fx.profiling.frugal import oom_need_bytes, profile_frugal  # noqa: F401  (tests)
 from protrain_fx.profiling.profiler import graph_profile, profile_from_dict, profile_to_dict
 from protrain_fx.runtime import distributed, replacement
@@ -105,6 +105,7 @@ def choose(
     regions=None,
     grads_held: str | None = None,
     cache_path: str | None = None,
+    loop_bytes: int = 0,
 ) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
     of the graph under the profiling plan with the given options and block structure (the graph's,
@@ -117,7 +118,9 @@ def choose(
     compiled once). ``grads_held``: why the loop keeps gradients between steps (seen at a call).
     ``cache_path``: a re-plan's, its graph's first plan's entry, so that what this process learned
     (kept gradients, micro-steps, a placement that fits) is what its next run's first plan reads,
-    whatever the budget left now (the key's)."""
+    whatever the budget left now (the key's). ``loop_bytes``: the most the training loop held of its
+    own between this graph's forward and backward, measured in this process
+    (profiling/loop_memory.py)."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
@@ -152,7 +155,7 @@ def choose(
             max_persist = resident
             # a re-plan (out of memory, kept gradients) searches every placement up to the kept
             # one; a new shape keeps it unless nothing fits beside it
-            offload_first = bool(failed_peaks or grads_held)
+            offload_first = bool(failed_peaks or grads_held or loop_bytes)
         fixed.update(
             chunk_size=store.layout.chunk_size,
             n_persist=None if offload_first else resident,
@@ -190,6 +193,12 @@ def choose(
     path = cache_path or plan_cache.path_of(key)
     # rank 0's cache decides for every rank
     raw = plan_cache.read(path)
+    allowance = loop_memory.allowance(opts, device)
+    loop, loop_excess = loop_memory.budgeted(raw, loop_bytes, allowance)
+    if loop_excess:  # the loop's own tensors beside the step (as measured): out of the budget
+        budget -= loop_excess // n_peers
+        budget_why += f", less {format_bytes(loop_excess)} the loop holds beyond the reserve's half"
+    looped = dict(loop_bytes=loop, loop_excess_bytes=loop_excess, loop_allowance_bytes=allowance)
     cached, failed, refused, at_step, gap = distributed.broadcast_object(
         plan_cache.usable(
             raw, budget, memory.pinnable_host(device, host_freed_bytes(live), n_peers)
@@ -208,7 +217,7 @@ def choose(
     if cached is not None and not failed_peaks:
         prog.line(f"plan from the plan cache ({path}): no profiling")
         knobs = cached["knobs"]
-        predicted = dict(cached["predicted"], from_cache=True)
+        predicted = dict(cached["predicted"], from_cache=True, budget_bytes=budget, **looped)
         return Choice(
             dataclasses.replace(opts, **{k: knobs.get(k, 0) for k in KNOBS}),
             predicted,
@@ -428,7 +437,7 @@ def choose(
         outcome = distributed.broadcast_object(
             (
                 "ok",
-                _prediction(res, profiles, hw, budget, budget_why, compile_s, step, static, alloc),
+                prediction(res, profiles, hw, budget, budget_why, compile_s, step, static, alloc),
             )
         )
     if outcome[0] == "failed":
@@ -436,6 +445,7 @@ def choose(
     knobs, predicted = outcome[1]
     predicted["allocator_gap_bytes"] = gap if frag is not None else 0  # kept by the next plans
     predicted["grads_held"] = grads_held  # why (plan_cache.grads_held), or None
+    predicted.update(looped)
     if fixed["device_steps"] is not None:
         knobs["device_steps"] = fixed["device_steps"]
     if distributed.world().rank == 0:
@@ -458,59 +468,3 @@ def choose(
     return Choice(
         dataclasses.replace(opts, **knobs), predicted, notes, path, failed, max_persist is not None
     )
-
-
-def _prediction(
-    res,
-    profiles,
-    hw,
-    budget: int,
-    budget_why: str,
-    compile_s: float,
-    step,
-    static,
-    alloc: allocator.AllocatorState,
-) -> tuple[dict, dict]:
-    """The chosen knobs and what plan.predicted records of them."""
-    best = res.best
-    prof = next(p for p in profiles if p.chunk_size == best.knobs.chunk_size)
-    lc = LayoutCosts(prof, hw, best.knobs.n_buffer, best.knobs.n_swap, best.knobs.n_checkpoint)
-    predicted = {
-        "iter_s": best.time_s,
-        "peak_bytes": best.peak_bytes,  # reserved: what the cap bounds
-        # for a loop that drops the logits the profiled step (and peak_bytes) held (timeline.py)
-        "peak_bytes_output_dropped": output_dropped_peak(lc, best.knobs, step),
-        "peak_allocated_bytes": int((best.peak_bytes - lc.fragmentation_bytes) / lc.fragmentation),
-        "allocator": allocator.describe(alloc, (prof.fragmentation, prof.fragmentation_bytes)),
-        "host_bytes": best.host_bytes,
-        "budget_bytes": budget,
-        "budget": budget_why,
-        "breakdown": best.breakdown,
-        "cpu_optim_rate": hw.cpu_step_rate_note(best.knobs.transfer_copies),
-        "cpu_steps_at_opt_step": hw.steps_at_opt_step,
-        "timeline": lc.timeline(best.knobs.n_persist, best.knobs.n_shard),
-        "profile_compile_s": compile_s,
-        "profile_s": step.seconds,
-        "search_s": res.seconds,
-        "plans_evaluated": res.evaluated,
-        "from_cache": False,
-        "world_size": hw.world_size,
-        "collective_gb_s": None if hw.world_size == 1 else hw.collective_bytes_per_s / 1e9,
-        "profiled": {
-            **step.times_ms(),
-            "peak_bytes": step.peak_bytes,
-            "transient_bytes": prof.transient_bytes,
-            "tail_bytes": prof.tail_bytes,
-            "reserved_ratio": step.reserved_ratio,
-            "fragmentation": prof.fragmentation,
-            "fragmentation_bytes": prof.fragmentation_bytes,
-            "saved_keep": static.saved.keep,
-            "saved_recompute": static.saved.recompute,
-            "saved_nonblock_keep": static.saved.nonblock_keep,
-            "saved_nonblock_recompute": static.saved.nonblock_recompute,
-            "recomputed_share": static.recomputed_share,
-            "timeline": step.timeline,
-            "conditions": step.conditions,
-        },
-    }
-    return dataclasses.asdict(best.knobs), predicted

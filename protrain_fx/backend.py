@@ -424,6 +424,7 @@ def _compile(
     graph_name: str | None = None,
     grads_held: str | None = None,
     cache_path: str | None = None,
+    loop_bytes: int = 0,
 ):
     root = traced_root(graph_inputs)
     structure = detect_blocks(gm, root)
@@ -471,6 +472,7 @@ def _compile(
             regions=split,
             grads_held=grads_held,
             cache_path=cache_path,
+            loop_bytes=loop_bytes,
         )
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options

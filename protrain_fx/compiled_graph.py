@@ -8,7 +8,6 @@ host and is redone. The compile itself is protrain_fx/backend.py's, handed in.""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import weakref
 
@@ -21,6 +20,7 @@ from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.machine import allocator
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
+from protrain_fx.profiling import kept_grads, loop_memory
 from protrain_fx.profiling.frugal import oom_request_bytes
 from protrain_fx.profiling.step_meter import StepMeter
 from protrain_fx.runtime import distributed, replacement, step_redo
@@ -28,8 +28,6 @@ from protrain_fx.runtime.binding import GraphBinding
 from protrain_fx.runtime.chunk_store import store_of
 
 log = logging.getLogger("protrain_fx")
-# resident gradients whose values tell accumulation from zero_grad(set_to_none=False) (_kept_grads)
-KEPT_GRADS_LOOKED_AT = 4
 
 
 class ProtrainGraph:
@@ -107,9 +105,13 @@ class ProtrainGraph:
         # the graph's resident parameters that need gradients (weakly), found at its second call
         self._resident: list | None = None
         self._called = False
+        # the most the loop held of its own between this graph's forward and backward
+        # (profiling/loop_memory.py), and whether the next call re-plans for it
+        self.loop_bytes, self._loop_pending = 0, False
 
     def install(self, compiled, plan: Plan, device, choice, opts: Options) -> None:
         self._resident, self._called = None, False  # placed anew: found again (_kept_grads)
+        self.loop_looks = 0  # windows measured under this plan (loop_memory.LOOKS)
         live = [r() for r in self._params if r is not None]
         positions = [gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None]
         self.binding = GraphBinding(
@@ -121,7 +123,7 @@ class ProtrainGraph:
             self._root() if self._root is not None else None,
         )
         if distributed.world().sharded:
-            compiled = _after_resident_grads(compiled)
+            compiled = distributed.after_resident_grads(compiled)
         self.plan, self.device = plan, device
         # of an automatic plan (nothing that holds the optimizer): where it is cached, what failed
         # before
@@ -142,6 +144,31 @@ class ProtrainGraph:
         self._shared_seen = budgets.shared_version
 
     def __call__(self, *args):
+        loop_memory.call_started(self)
+        try:
+            out = self._call(args)
+        except BaseException:
+            loop_memory.abandon()
+            raise
+        loop_memory.call_returned(self, out)
+        return out
+
+    def loop_seen(self, nbytes: int) -> None:
+        """The loop held up to ``nbytes`` of its own on the device between this graph's forward and
+        its backward (profiling/loop_memory.py): kept with the plan; where the plan lacks room for
+        it, the next call plans again with it budgeted."""
+        self.loop_bytes = max(self.loop_bytes, nbytes)
+        if loop_memory.lacks_room(self.plan, self.loop_bytes) and self.replans < self.MAX_REPLANS:
+            self._loop_pending = True
+        if self.choice.cache_path:
+            plan_cache.save_plan(self.choice.cache_path, self.plan)
+
+    def _call(self, args):
+        if self._loop_pending:
+            self._loop_pending, self.replans = False, self.replans + 1
+            log.warning(loop_memory.replan_line(self.plan, self.loop_bytes))
+            failed = tuple(self.choice.failed_peaks)
+            self._recompile(args, failed, "re-planned: the loop's own memory budgeted")
         if self._shared_seen != budgets.shared_version:
             self._shared_beside(args)
         if self.binding.placement_moved():
@@ -345,21 +372,7 @@ class ProtrainGraph:
         held = [g for r in self._resident if (p := r()) is not None and (g := p.grad) is not None]
         if not held:
             return None
-        # once a graph: a gradient not zeroed is one the next backward adds to (accumulation, at
-        # least two micro-steps per opt.step(), which the next plans price: plan_cache.micro_steps);
-        # all zero, zero_grad(set_to_none=False) kept them
-        if any(_any_nonzero(g) for g in held[:KEPT_GRADS_LOOKED_AT]):
-            opt = self._optimizer() if self._optimizer is not None else None
-            if opt is not None and not getattr(opt, "_protrain_micro_steps", None):
-                opt._protrain_micro_steps_seen = 2
-            return (
-                "the loop keeps gradients between steps (a resident parameter's gradient from "
-                "the last backward was there, not zeroed, at a forward: gradient accumulation)"
-            )
-        return (
-            "the loop keeps gradients between steps (resident parameters' gradients were there, "
-            "zeroed, at a forward: zero_grad(set_to_none=False))"
-        )
+        return kept_grads.why_kept(held, self._optimizer() if self._optimizer is not None else None)
 
     def _plan_for_kept_grads(self, args, why: str) -> None:
         """Not out of memory: the loop keeps gradients between steps (``why``), which the plan
@@ -478,6 +491,7 @@ class ProtrainGraph:
                 failed_peaks=peaks,
                 graph_name=self.plan.graph_name,
                 grads_held=self._grads_held,
+                loop_bytes=self.loop_bytes,
                 # the entry its next run's first plan reads (autoplan.choose)
                 cache_path=self.choice.cache_path if self.choice is not None else None,
             )
@@ -487,29 +501,6 @@ class ProtrainGraph:
 
 class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
     """A backward under an automatic plan ran out of device memory (see :class:`ProtrainGraph`)."""
-
-
-def _any_nonzero(grad: torch.Tensor) -> bool:
-    """Whether a gradient (dense, or sparse from an ``nn.Embedding(sparse=True)``) has a value that
-    is not zero."""
-    g = grad.detach()
-    if g.is_sparse:
-        g = g.coalesce().values()
-    elif g.layout != torch.strided:
-        g = g.to_dense()
-    return bool(g.ne(0).any())
-
-
-def _after_resident_grads(compiled):
-    """Data parallel: the graph's backward adds to resident gradients, so their all-reduces still in
-    flight from the last backward finish first (distributed.wait_resident_grads)."""
-
-    @functools.wraps(compiled)
-    def run(*args):
-        distributed.wait_resident_grads()
-        return compiled(*args)
-
-    return run
 
 
 def _fake_mode_for(examples):

@@ -208,7 +208,8 @@ def _beside_training(opts: Options, device: torch.device, placed: list) -> tuple
             continue
         peak, timeline = pred.get("peak_bytes") or 0, pred.get("timeline") or [[0, 0]]
         start = int(timeline[0][1])
-        steps.append(max(0, peak - start))
+        # and the loop's own tensors beside it, where they exceed the reserve's share
+        steps.append(max(0, peak - start) + (pred.get("loop_excess_bytes") or 0))
         key = frozenset(map(id, params))  # another shape's graph of the same parameters: once
         held[key] = max(held.get(key, 0), start)
     if not steps:

@@ -37,3 +37,52 @@ def whole_graph(monkeypatch):
     """The graph compiled whole (``PROTRAIN_REGIONS=0``), not in regions: for tests that read one
     graph's stages, dumps or passes (tests/test_regions.py covers regions)."""
     monkeypatch.setenv("PROTRAIN_REGIONS", "0")
+
+
+SHARED = 6_000_000  # the shared device's budget, the reserve aside: 5.72 MiB
+
+
+@pytest.fixture
+def shared_cpu(monkeypatch):
+    """The CPU taken for a CUDA device shared by the process's graphs (no ``memory_budget``), of
+    ``RESERVE + SHARED`` bytes: what others have allocated there is what the chunk stores of other
+    parameters hold resident (values, gradients, optimizer state, chunk buffers). Gives
+    ``SHARED``."""
+    import dataclasses
+    import gc
+
+    from protrain_fx import autoplan, budgets
+    from protrain_fx import inference_placement as ip
+    from protrain_fx.runtime import chunk_buffers
+    from protrain_fx.runtime.chunk_store import live_stores
+    from protrain_fx.runtime.optimizer_lookup import _optimizers
+
+    size = budgets.reserve_bytes(1 << 30) + SHARED
+    gc.collect()  # the models of tests before: gone, as the device's allocations would be
+    assert not live_stores(), "a chunk store of an earlier test is alive"
+
+    def usage(device, params, optimizer=None):
+        mine = {id(p) for p in params if p is not None}
+        own = [s for s in live_stores() if any(p is not None and id(p) in mine for p in s.params)]
+        held = chunk_buffers.held_by(live_stores(), device) - chunk_buffers.held_by(own, device)
+        states = [o.state for o in _optimizers()]
+        for s in live_stores():
+            for p in s.params if s not in own else ():
+                if p is not None and not s.param_is_offloaded(p):
+                    state = [t for st in states for t in st.get(p, {}).values()]
+                    tensors = [p, p.grad, *state]
+                    held += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+        return size, held, size
+
+    real_wanted = autoplan.wanted
+    monkeypatch.setattr(budgets, "device_usage", usage)
+    monkeypatch.setattr(ip, "device_usage", usage)
+    monkeypatch.setattr(ip, "shares_device", lambda o, d: d is not None and o.memory_budget is None)
+    monkeypatch.setattr(
+        autoplan,
+        "wanted",
+        lambda o, params, d: real_wanted(dataclasses.replace(o, memory_budget=1), params, d),
+    )
+    yield SHARED
+    monkeypatch.undo()
+    gc.collect()  # the stores of this test's models go before the next test starts

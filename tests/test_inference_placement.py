@@ -4,8 +4,6 @@ its first training step. Before, such a graph kept every chunk resident whatever
 GPU: out of memory wherever the parameters alone did not fit). CPU, fp32, against eager PyTorch."""
 
 import copy
-import dataclasses
-import gc
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ import protrain_fx
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph.forward_memory import forward_peak_bytes
 from protrain_fx.plan.profiles import FRAGMENTATION
-from protrain_fx.runtime import chunk_buffers, replacement
+from protrain_fx.runtime import replacement
 from protrain_fx.runtime.chunk_store import live_stores
 from protrain_fx.testing import random_batches
 
@@ -303,49 +301,6 @@ def test_training_after_an_evaluation_places_the_parameters_afresh():
     assert any("was released" in n for n in trained.notes), trained.notes
 
 
-@pytest.fixture
-def shared_cpu(monkeypatch):
-    """The CPU taken for a CUDA device shared by the process's graphs (no ``memory_budget``), of
-    ``RESERVE + SHARED`` bytes: what others have allocated there is what the chunk stores of other
-    parameters hold resident (values, gradients, optimizer state, chunk buffers)."""
-    from protrain_fx import autoplan, budgets
-    from protrain_fx import inference_placement as ip
-    from protrain_fx.runtime.optimizer_lookup import _optimizers
-
-    size = budgets.reserve_bytes(1 << 30) + SHARED
-    gc.collect()  # the models of tests before: gone, as the device's allocations would be
-    assert not live_stores(), "a chunk store of an earlier test is alive"
-
-    def usage(device, params, optimizer=None):
-        mine = {id(p) for p in params if p is not None}
-        own = [s for s in live_stores() if any(p is not None and id(p) in mine for p in s.params)]
-        held = chunk_buffers.held_by(live_stores(), device) - chunk_buffers.held_by(own, device)
-        states = [o.state for o in _optimizers()]
-        for s in live_stores():
-            for p in s.params if s not in own else ():
-                if p is not None and not s.param_is_offloaded(p):
-                    state = [t for st in states for t in st.get(p, {}).values()]
-                    tensors = [p, p.grad, *state]
-                    held += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
-        return size, held, size
-
-    real_wanted = autoplan.wanted
-    monkeypatch.setattr(budgets, "device_usage", usage)
-    monkeypatch.setattr(ip, "device_usage", usage)
-    monkeypatch.setattr(ip, "shares_device", lambda o, d: d is not None and o.memory_budget is None)
-    monkeypatch.setattr(
-        autoplan,
-        "wanted",
-        lambda o, params, d: real_wanted(dataclasses.replace(o, memory_budget=1), params, d),
-    )
-    yield
-    monkeypatch.undo()
-    gc.collect()  # the stores of this test's models go before the next test starts
-
-
-SHARED = 6_000_000  # the shared device's budget, the reserve aside: 5.72 MiB
-
-
 @pytest.mark.parametrize(
     "order", ["teacher_first", "student_first", "teacher_in_regions", "host_runs_out"]
 )
@@ -371,7 +326,7 @@ def test_a_frozen_teacher_shares_the_device_with_the_student_it_teaches(
         def squeezed(opts, device, placed):
             calls.append(1)
             n, why = real(opts, device, placed)
-            return (n + SHARED if len(calls) == 1 else n), why
+            return (n + shared_cpu if len(calls) == 1 else n), why
 
         monkeypatch.setattr(ip, "_beside_training", squeezed)
     if order == "host_runs_out":
@@ -439,4 +394,7 @@ def test_a_frozen_teacher_shares_the_device_with_the_student_it_teaches(
     resident = sum(s.layout.used_bytes(c) for s in placed for c in range(s.n_persist))
     offloaded = [s.layout.used_bytes(c) for s in placed for c in s.offloaded_chunks]
     held = resident + int(FRAGMENTATION * 2 * max(offloaded, default=0))  # 2 chunk buffers
-    assert held + s_plan.predicted["peak_bytes"] <= SHARED, (held, s_plan.predicted["peak_bytes"])
+    assert held + s_plan.predicted["peak_bytes"] <= shared_cpu, (
+        held,
+        s_plan.predicted["peak_bytes"],
+    )

@@ -1428,10 +1428,10 @@ def test_a_dynamic_evaluation_graph_is_compiled_again_for_moved_chunks_under_ind
 
 
 def test_a_kept_gradient_is_told_zeroed_or_not_whatever_its_layout():
-    """compiled_graph._any_nonzero: what tells gradient accumulation (values kept) from
+    """profiling.kept_grads.any_nonzero: what tells gradient accumulation (values kept) from
     ``zero_grad(set_to_none=False)`` (zeros) at the kept-gradients re-plan, for dense gradients and
     the sparse ones an ``nn.Embedding(sparse=True)`` gives."""
-    from protrain_fx.compiled_graph import _any_nonzero
+    from protrain_fx.profiling.kept_grads import any_nonzero as _any_nonzero
 
     kept = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([[1.0, 0], [0, 0]]), (4, 2))
     assert _any_nonzero(kept) and _any_nonzero(torch.tensor([0.0, -2.0]))

@@ -189,8 +189,9 @@ class StepMeter:
         # the graph price it, plan_cache.steps_at_opt_step)
         if handle is not None and handle.serial_why:
             measured["cpu_steps_at_opt_step"] = handle.serial_why
-        if (self.plan.measured or {}).get("grads_held"):  # seen by the graph, kept for the cache
-            measured["grads_held"] = self.plan.measured["grads_held"]
+        for seen in ("grads_held", "loop_bytes"):  # seen by the graph, kept for the cache
+            if (self.plan.measured or {}).get(seen):
+                measured[seen] = self.plan.measured[seen]
         self.plan.measured = measured
         if not self.compute_observed and len(self.intervals) >= step_rates.COMPUTE_INTERVALS:
             self.compute_observed = True

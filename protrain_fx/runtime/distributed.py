@@ -252,3 +252,15 @@ def wait_resident_grads() -> None:
     for work, finish in done:
         work.wait()
         finish()
+
+
+def after_resident_grads(compiled):
+    """Data parallel: a graph's backward adds to resident gradients, so their all-reduces still in
+    flight from the last backward finish first (:func:`wait_resident_grads`)."""
+
+    @functools.wraps(compiled)
+    def run(*args):
+        wait_resident_grads()
+        return compiled(*args)
+
+    return run

@@ -1,0 +1,177 @@
+"""Memory the training loop allocates outside the compiled graphs, between a trained model's forward
+and its backward, measured in the first steps of a plan and budgeted by the next.
+
+A plan budgets what its graph allocates. Between the forward's return and the backward the loop
+runs its own code on the device: a loss on the returned logits in fp32 (``F.cross_entropy(
+out.logits.float(), ...)``), a distillation KL (fp32 copies of 128k-vocabulary logits, 1002 MiB
+each at batch 2 x 1024), their backward; all of it beside the step's saved activations, where the
+plan's peak is. Only the automatic budget's reserve held it, and on an H100 a distillation loop ran
+out of memory there, in its own code, where protrain cannot redo the step
+(benchmarks/results/distill_h100_run82a.md). So, during the first :data:`LOOKS` training calls of an
+automatic plan's graph on a device whose budget is what the process may use (CUDA without a
+``memory_budget``), a *window* opens at the forward's return and closes when the backward reaches
+the graph (a hook on its outputs: the loop's own backward ran by then) or at its next forward: the
+device's peak allocated bytes in it (the allocator's peak counter, reset at the window's start)
+less what was allocated at its start is what the loop held at most. Calls of protrain graphs
+inside the window (a teacher's forward, the other blocks of a regional compilation) are cut out:
+their own peaks are not read, and what they leave allocated (placed chunks, outputs) is not the
+loop's. The graphs whose forwards the window spans are told (``ProtrainGraph.loop_seen``); the
+measured bytes go into the plan's measured side and the plan cache entry, and where they exceed what
+the plan left (its budget less its predicted peak) and half the reserve (:func:`allowance`), the
+graph is planned again at its next call with its budget less that excess: once in the run, and
+from the first plan of later runs of the same script (the entry remembers). A frozen model placed
+beside it leaves that room too (inference_placement._beside_training).
+
+The first step itself is not protected: the loop's memory is seen only once it ran (in a first run;
+the measure then only says whether the step after needs another plan). The peak counter is reset
+in those first calls: a loop reading ``torch.cuda.max_memory_allocated`` reads it since then.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from protrain_fx import budgets
+from protrain_fx.options import format_bytes
+
+LOOKS = 2  # training calls of a plan whose windows are measured (before the step meter's reset)
+
+
+class CudaMeter:
+    """The allocator's counters (a test puts a meter of its own for the CPU in :data:`METERS`)."""
+
+    def allocated(self, device) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def peak(self, device) -> int:
+        return torch.cuda.max_memory_allocated(device)
+
+    def reset_peak(self, device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+METERS = {"cuda": CudaMeter()}  # by device type
+
+
+class _Window:
+    def __init__(self, device, meter, at: int):
+        self.device, self.meter = device, meter
+        self.base = at  # allocated at the first forward's return, plus what protrain calls left
+        self.loop_peak = 0  # the most the loop held above base, over the segments so far
+        self.members: list = []  # the graphs whose forwards it spans (weakly)
+        self.inside_from: int | None = None  # allocated at a protrain call's start, inside one
+
+    def segment_peak(self) -> None:
+        self.loop_peak = max(self.loop_peak, self.meter.peak(self.device) - self.base)
+
+
+_OPEN: _Window | None = None
+
+
+def measures(graph) -> bool:
+    """Whether ``graph``'s next training call opens (or joins) a window."""
+    device = getattr(graph, "device", None)
+    return (
+        device is not None
+        and device.type in METERS
+        and graph.choice is not None
+        and graph.loop_looks < LOOKS
+        and torch.is_grad_enabled()
+        and not graph.plan.profile_blocks  # the block marks reset the counters themselves
+        and graph.plan.predicted is not None
+        and graph.plan.predicted.get("loop_allowance_bytes") is not None  # a shared budget
+    )
+
+
+def call_started(graph) -> None:
+    """A protrain graph's call begins: a segment of the open window ends before it; a member's
+    next forward closes the window (no backward came between)."""
+    w = _OPEN
+    if w is None or w.device != getattr(graph, "device", None):
+        return
+    if any(r() is graph for r in w.members):
+        return _close(w)
+    w.segment_peak()
+    w.inside_from = w.meter.allocated(w.device)
+
+
+def call_returned(graph, out) -> None:
+    """A protrain graph's call returned ``out``: what it left allocated is not the loop's; a
+    measuring training graph's forward opens the window, or joins it; a new segment starts."""
+    global _OPEN
+    w = _OPEN
+    if w is not None and w.inside_from is not None:
+        w.base += w.meter.allocated(w.device) - w.inside_from
+        w.inside_from = None
+    if measures(graph):
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        wanting = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+        if wanting:
+            graph.loop_looks += 1
+            if w is None:
+                meter = METERS[graph.device.type]
+                w = _OPEN = _Window(graph.device, meter, meter.allocated(graph.device))
+            w.members.append(weakref.ref(graph))
+            for t in wanting:  # fires once the loop's own backward reached the graph
+                t.register_hook(lambda grad, w=w: _close(w))
+    if w is not None and w is _OPEN:
+        w.meter.reset_peak(w.device)
+
+
+def abandon() -> None:
+    """A protrain call raised: the window says nothing."""
+    global _OPEN
+    _OPEN = None
+
+
+def _close(w: _Window) -> None:
+    global _OPEN
+    if w is not _OPEN:
+        return
+    _OPEN = None
+    w.segment_peak()
+    for r in w.members:
+        if (graph := r()) is not None:
+            graph.loop_seen(max(0, w.loop_peak))
+
+
+def allowance(opts, device: torch.device) -> int | None:
+    """What of the automatic budget's reserve the loop may hold without a plan counting it; None
+    where the budget is not what the process may use on the device (a ``memory_budget``)."""
+    if opts.memory_budget is not None or device.type not in METERS:
+        return None
+    return budgets.reserve_bytes(budgets.device_usage(device, [], None)[2]) // 2
+
+
+def lacks_room(plan, nbytes: int) -> bool:
+    """Records ``nbytes`` (the loop's most between forward and backward) in the plan's measured side
+    and says whether the plan lacks room for it: more than its budget less its predicted peak, over
+    the allowance and what the plan already budgeted of the loop."""
+    pred = plan.predicted or {}
+    plan.measured = dict(plan.measured or {}, loop_bytes=nbytes)
+    excess = max(0, nbytes - pred["loop_allowance_bytes"]) - (pred.get("loop_excess_bytes") or 0)
+    return excess > pred["budget_bytes"] - pred["peak_bytes"]
+
+
+def replan_line(plan, nbytes: int) -> str:
+    pred = plan.predicted or {}
+    return (
+        f"protrain: graph {plan.graph_name}: the training loop held up to {format_bytes(nbytes)} "
+        "of its own on the device between this graph's forward and its backward (a loss on the "
+        "returned logits, a distillation term), more than the plan left beside its predicted peak "
+        f"({format_bytes(pred['peak_bytes'])} of {format_bytes(pred['budget_bytes'])}) and "
+        f"{format_bytes(pred['loop_allowance_bytes'])} of the reserve; planning it again with "
+        "that budgeted"
+    )
+
+
+def budgeted(raw: dict | None, seen: int, allowance_bytes: int | None) -> tuple[int, int]:
+    """``(loop bytes, excess over the allowance)`` a plan budgets: the most seen in this process
+    (``seen``) or by the plan cache entry's runs; (0, 0) where the budget is not the device's."""
+    if allowance_bytes is None:
+        return 0, 0
+    measured, predicted = (raw or {}).get("measured") or {}, (raw or {}).get("predicted") or {}
+    loop = max(seen, measured.get("loop_bytes") or 0, predicted.get("loop_bytes") or 0)
+    return loop, max(0, loop - allowance_bytes)
