@@ -14,6 +14,11 @@ each its own process (``--row``):
   and the student's training plan takes that placement back (inference_placement.py).
 - ``student_first``: the student's forward first, then the teacher's, then the backward: the teacher
   is placed beside the student's step.
+- ``own_loss_reference`` / ``own_loss``: the student alone (no teacher), its loss computed by the
+  loop from the returned logits in fp32 (``F.cross_entropy(out.logits.float(), ...)``, no
+  ``labels=``): plain PyTorch on the whole device, and protrain under ``--cap``. Both distillation
+  orders and this one allocate gigabytes of their own between the forward and the backward, which
+  protrain measures in the first step and budgets (profiling/loop_memory.py).
 
 Per row: the losses (against the reference's, bf16 tolerance), the step time (median of the steps
 after the second), the reserved peak against the cap, the time to the first step, the student's
@@ -38,7 +43,7 @@ sys.path.insert(0, HERE)
 
 from results_io import rows_main  # noqa: E402
 
-ROWS = ["reference", "teacher_first", "student_first"]
+ROWS = ["reference", "teacher_first", "student_first", "own_loss_reference", "own_loss"]
 BF16_REL = 2**-6  # oom_sweep.BF16_REL
 
 
@@ -63,15 +68,17 @@ def run_row(name: str, args) -> dict:
     data = [torch.randint(0, vocab, (args.batch, args.seq), generator=g).cuda() for _ in range(2)]
     row = {"row": name}
     t0 = time.perf_counter()
-    host = name != "reference"
-    t_model = build(MODELS[args.teacher], args.seq, host=host).eval().requires_grad_(False)
+    host = not name.endswith("reference")
+    alone = name.startswith("own_loss")  # no teacher
+    t_model = None if alone else build(MODELS[args.teacher], args.seq, host=host)
+    t_model = t_model.eval().requires_grad_(False) if t_model is not None else None
     s_model = build(MODELS[args.student], args.seq, host=host)
     opt = torch.optim.AdamW(s_model.parameters(), lr=1e-4, fused=True)
     if host:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.cap * 2**30 / total)
         row["cap_gib"] = args.cap
-        teacher = torch.compile(t_model, backend="protrain")
+        teacher = None if alone else torch.compile(t_model, backend="protrain")
         student = torch.compile(s_model, backend="protrain")
     else:
         teacher, student = t_model, s_model
@@ -79,6 +86,10 @@ def run_row(name: str, args) -> dict:
 
     def step(x) -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16):
+            if alone:
+                logits = student(input_ids=x).logits.float()
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+                return _finish(loss)
             if name == "student_first":
                 out = student(input_ids=x, labels=x)
             with torch.no_grad():
@@ -87,6 +98,9 @@ def run_row(name: str, args) -> dict:
                 out = student(input_ids=x, labels=x)
             log_p = F.log_softmax(out.logits.float(), -1)
             loss = out.loss + F.kl_div(log_p, target, reduction="batchmean")
+        return _finish(loss)
+
+    def _finish(loss) -> float:
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -130,7 +144,8 @@ def _plans(row: dict, student, teacher) -> None:
     import protrain_fx
 
     try:
-        s_plan, t_plan = protrain_fx.get_plan(student), protrain_fx.get_plan(teacher)
+        s_plan = protrain_fx.get_plan(student)
+        t_plan = protrain_fx.get_plan(teacher) if teacher is not None else None
     except Exception as e:  # a failure before both were planned
         row["plans"] = f"{type(e).__name__}: {e}"[:300]
         return
@@ -140,15 +155,20 @@ def _plans(row: dict, student, teacher) -> None:
         f"{(pred.get('peak_bytes') or 0) / 2**30:.2f} GiB"
     )
     row["student_budget"] = pred.get("budget")
-    row["student_notes"] = [n for n in s_plan.notes if "frozen model" in n]
-    row["teacher_plan"] = f"{t_plan.n_persist} of {len(t_plan.chunks)} chunks resident"
-    row["teacher_note"] = next((n for n in t_plan.notes if n.startswith("inference")), None)
+    row["student_notes"] = [n for n in s_plan.notes if "frozen model" in n or "loop" in n]
+    # what the loop held of its own between the student's forward and backward (loop_memory.py)
+    row["loop_gib"] = round(((s_plan.measured or {}).get("loop_bytes") or 0) / 2**30, 3)
+    row["loop_budgeted_gib"] = round((pred.get("loop_excess_bytes") or 0) / 2**30, 3)
+    if t_plan is not None:
+        row["teacher_plan"] = f"{t_plan.n_persist} of {len(t_plan.chunks)} chunks resident"
+        row["teacher_note"] = next((n for n in t_plan.notes if n.startswith("inference")), None)
 
 
 def evaluate(rows: list[dict]) -> None:
-    ref = next((r for r in rows if r["row"] == "reference" and "losses" in r), None)
+    refs = {r["row"]: r for r in rows if r["row"].endswith("reference") and "losses" in r}
     for r in rows:
-        if ref is None or r is ref or not r.get("losses") or "error" in r:
+        ref = refs.get("own_loss_reference" if r["row"] == "own_loss" else "reference")
+        if ref is None or "cap_gib" not in r or not r.get("losses") or "error" in r:
             continue
         pairs = list(zip(r["losses"], ref["losses"]))
         r["max_loss_rel_vs_reference"] = max(abs(a - b) / abs(b) for a, b in pairs)
@@ -162,26 +182,30 @@ def table(rows: list[dict], meta: dict) -> str:
         "",
         f"`{meta['command']}`: teacher {meta['teacher']} shape (frozen), student {meta['student']} "
         f"shape (AdamW), batch {meta['batch']} x {meta['seq']}, bf16 autocast, `labels=` loss + KL "
-        f"to the teacher; losses against plain PyTorch on the whole device (tolerance "
-        f"{BF16_REL:.4f} relative).",
+        f"to the teacher (own_loss: the student alone, the loop's fp32 cross-entropy on its "
+        f"logits); losses against plain PyTorch on the whole device (tolerance "
+        f"{BF16_REL:.4f} relative); loop GiB: what the loop held of its own between the "
+        f"student's forward and backward (measured), budgeted: what the plan took out of its "
+        f"budget for it.",
         "",
         "| row | cap GiB | reserved peak GiB | losses rel vs reference | step s | tokens/s | "
-        "first step s | student's plan | teacher's placement | warnings |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "first step s | loop GiB (budgeted) | student's plan | teacher's placement | warnings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "losses" not in r or "error" in r:
             plans = f"{r.get('student_plan', '-')} | {r.get('teacher_plan', '-')}"
             lines.append(
                 f"| {r['row']} | {r.get('cap_gib', '-')} | error (below) | - | - | - | - | "
-                f"{plans} | {len(r.get('warnings', []))} |"
+                f"{_loop(r)} | {plans} | {len(r.get('warnings', []))} |"
             )
             continue
         rel = r.get("max_loss_rel_vs_reference")
         lines.append(
             f"| {r['row']} | {r.get('cap_gib', '-')} | {r['peak_reserved_gib']} | "
             f"{'-' if rel is None else f'{rel:.1e}'} | {r['step_s']} | {r['tokens_per_s']} | "
-            f"{r['first_step_s']} | {r.get('student_plan', '-')} | {r.get('teacher_plan', '-')} | "
+            f"{r['first_step_s']} | {_loop(r)} | {r.get('student_plan', '-')} | "
+            f"{r.get('teacher_plan', '-')} | "
             f"{len(r.get('warnings', []))} |"
         )
     lines.append("")
@@ -190,6 +214,10 @@ def table(rows: list[dict], meta: dict) -> str:
             if r.get(key):
                 lines.append(f"- {r['row']}, {key.replace('_', ' ')}: {r[key]}")
     return "\n".join(lines) + "\n"
+
+
+def _loop(r: dict) -> str:
+    return f"{r['loop_gib']} ({r['loop_budgeted_gib']})" if "loop_gib" in r else "-"
 
 
 def main() -> None:
