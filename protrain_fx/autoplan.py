@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protrain_fx import config, plan_cache, progress
+from protrain_fx import budgets, config, plan_cache, progress
 from protrain_fx.budgets import device_budget, host_freed_bytes, reserve_bytes  # noqa: F401  (tests)
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
@@ -193,7 +193,7 @@ def choose(
     path = cache_path or plan_cache.path_of(key)
     # rank 0's cache decides for every rank
     raw = plan_cache.read(path)
-    allowance = loop_memory.allowance(opts, device)
+    allowance = budgets.loop_allowance(opts, device)
     loop, loop_excess = loop_memory.budgeted(raw, loop_bytes, allowance)
     if loop_excess:  # the loop's own tensors beside the step (as measured): out of the budget
         budget -= loop_excess // n_peers

@@ -15,6 +15,7 @@ import torch
 from protrain_fx._weakmap import IdentityWeakMap
 from protrain_fx.machine import memory
 from protrain_fx.options import Options, format_bytes
+from protrain_fx.profiling import loop_memory
 from protrain_fx.runtime import chunk_buffers
 from protrain_fx.runtime.chunk_store import store_of
 from protrain_fx.runtime.param_values import host_value
@@ -46,6 +47,15 @@ def reserve_bytes(limit: int) -> int:
     NCCL), the allocator's rounding and what the user allocates besides the model (the batch,
     metrics)."""
     return max(1 << 30, int(0.04 * limit))
+
+
+def loop_allowance(opts: Options, device: torch.device) -> int | None:
+    """What of the automatic budget's reserve the training loop may hold of its own between forward
+    and backward without a plan counting it (profiling/loop_memory.py); None where the budget is
+    not what the process may use on the device (a ``memory_budget``, a device without a meter)."""
+    if opts.memory_budget is not None or device.type not in loop_memory.METERS:
+        return None
+    return reserve_bytes(device_usage(device, [], None)[2]) // 2
 
 
 def device_budget(opts: Options, device: torch.device, params: list) -> tuple[int, str]:

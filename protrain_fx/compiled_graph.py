@@ -54,7 +54,11 @@ class ProtrainGraph:
     activations that need gradients (regional compilation, a graph break) cannot be replayed without
     keeping them: there, and after ``MAX_REPLANS`` re-plans, :class:`StepOutOfMemory` (a
     ``torch.OutOfMemoryError``) says that the step's gradients are incomplete and the batch can be
-    redone after ``opt.zero_grad()``, and the next forward re-plans first."""
+    redone after ``opt.zero_grad()``, and the next forward re-plans first.
+
+    Every call is seen by profiling/loop_memory.py, which measures in a plan's first steps what the
+    loop holds of its own between the forward and the backward; where the plan lacks room for it,
+    the next call re-plans with it budgeted (``loop_seen``)."""
 
     MAX_REPLANS = 3
 

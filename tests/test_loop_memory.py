@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from hf_models import HF_VOCAB, hf_llama
 
 import protrain_fx
+from protrain_fx import budgets
 from protrain_fx.profiling import loop_memory
 from protrain_fx.testing import random_batches
 
@@ -45,7 +46,7 @@ def meter(shared_cpu, monkeypatch):
     m = Meter()
     monkeypatch.setitem(loop_memory.METERS, "cpu", m)
     monkeypatch.setattr(
-        loop_memory, "allowance", lambda opts, d: None if opts.memory_budget else ALLOWANCE
+        budgets, "loop_allowance", lambda opts, d: None if opts.memory_budget else ALLOWANCE
     )
     return m
 

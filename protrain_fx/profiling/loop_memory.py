@@ -1,30 +1,31 @@
 """Memory the training loop allocates outside the compiled graphs, between a trained model's forward
 and its backward, measured in the first steps of a plan and budgeted by the next.
 
-A plan budgets what its graph allocates. Between the forward's return and the backward the loop
-runs its own code on the device: a loss on the returned logits in fp32 (``F.cross_entropy(
-out.logits.float(), ...)``), a distillation KL (fp32 copies of 128k-vocabulary logits, 1002 MiB
-each at batch 2 x 1024), their backward; all of it beside the step's saved activations, where the
-plan's peak is. Only the automatic budget's reserve held it, and on an H100 a distillation loop ran
-out of memory there, in its own code, where protrain cannot redo the step
+A plan budgets what its graph allocates. Between the forward's return and the backward the loop runs
+its own code on the device: a loss on the returned logits in fp32
+(``F.cross_entropy(out.logits.float(), ...)``), a distillation KL (fp32 copies of 128k-vocabulary
+logits, 1002 MiB each at batch 2 x 1024), their backward; all of it beside the step's saved
+activations, where the plan's peak is. Only the automatic budget's reserve held it, and on an H100 a
+distillation loop ran out of memory there, in its own code, where protrain cannot redo the step
 (benchmarks/results/distill_h100_run82a.md). So, during the first :data:`LOOKS` training calls of an
 automatic plan's graph on a device whose budget is what the process may use (CUDA without a
-``memory_budget``), a *window* opens at the forward's return and closes when the backward reaches
-the graph (a hook on its outputs: the loop's own backward ran by then) or at its next forward: the
-device's peak allocated bytes in it (the allocator's peak counter, reset at the window's start)
-less what was allocated at its start is what the loop held at most. Calls of protrain graphs
-inside the window (a teacher's forward, the other blocks of a regional compilation) are cut out:
-their own peaks are not read, and what they leave allocated (placed chunks, outputs) is not the
-loop's. The graphs whose forwards the window spans are told (``ProtrainGraph.loop_seen``); the
-measured bytes go into the plan's measured side and the plan cache entry, and where they exceed what
-the plan left (its budget less its predicted peak) and half the reserve (:func:`allowance`), the
-graph is planned again at its next call with its budget less that excess: once in the run, and
-from the first plan of later runs of the same script (the entry remembers). A frozen model placed
-beside it leaves that room too (inference_placement._beside_training).
+``memory_budget``; one process, not data parallel), a *window* opens at the forward's return and
+closes when the backward reaches the graph (a hook on its outputs: the loop's own backward ran by
+then) or at its next forward: the device's peak allocated bytes in it (the allocator's peak counter,
+reset at the window's start) less what was allocated at its start is what the loop held at most.
+Calls of protrain graphs inside the window (a teacher's forward, the other blocks of a regional
+compilation) are cut out: their own peaks are not read, and what they leave allocated (placed
+chunks, outputs) is not the loop's. The graphs whose forwards the window spans are told
+(``ProtrainGraph.loop_seen``); the measured bytes go into the plan's measured side and the plan
+cache entry, and where they exceed what the plan left (its budget less its predicted peak) and half
+the reserve (``budgets.loop_allowance``), the graph is planned again at its next call with its
+budget less that excess: once in the run, and from the first plan of later runs of the same script
+(the entry remembers). A frozen model placed beside it leaves that room too
+(inference_placement._beside_training).
 
 The first step itself is not protected: the loop's memory is seen only once it ran (in a first run;
-the measure then only says whether the step after needs another plan). The peak counter is reset
-in those first calls: a loop reading ``torch.cuda.max_memory_allocated`` reads it since then.
+the measure then only says whether the step after needs another plan). The peak counter is reset in
+those first calls: a loop reading ``torch.cuda.max_memory_allocated`` reads it since then.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import weakref
 
 import torch
 
-from protrain_fx import budgets
 from protrain_fx.options import format_bytes
+from protrain_fx.runtime import distributed
 
 LOOKS = 2  # training calls of a plan whose windows are measured (before the step meter's reset)
 
@@ -82,6 +83,8 @@ def measures(graph) -> bool:
         and not graph.plan.profile_blocks  # the block marks reset the counters themselves
         and graph.plan.predicted is not None
         and graph.plan.predicted.get("loop_allowance_bytes") is not None  # a shared budget
+        # one process: ranks deciding apart would re-plan apart (a re-plan is collective)
+        and distributed.world().size == 1
     )
 
 
@@ -135,14 +138,6 @@ def _close(w: _Window) -> None:
     for r in w.members:
         if (graph := r()) is not None:
             graph.loop_seen(max(0, w.loop_peak))
-
-
-def allowance(opts, device: torch.device) -> int | None:
-    """What of the automatic budget's reserve the loop may hold without a plan counting it; None
-    where the budget is not what the process may use on the device (a ``memory_budget``)."""
-    if opts.memory_budget is not None or device.type not in METERS:
-        return None
-    return budgets.reserve_bytes(budgets.device_usage(device, [], None)[2]) // 2
 
 
 def lacks_room(plan, nbytes: int) -> bool:
