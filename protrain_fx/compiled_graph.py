@@ -17,6 +17,7 @@ import torch._guards
 from protrain_fx import _compat, autoplan, budgets, inference_placement, plan_cache
 from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
 from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.graph.inputs import replanning
 from protrain_fx.machine import allocator
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
@@ -171,8 +172,12 @@ class ProtrainGraph:
         if self._loop_pending:
             self._loop_pending, self.replans = False, self.replans + 1
             log.warning(loop_memory.replan_line(self.plan, self.loop_bytes))
-            failed = tuple(self.choice.failed_peaks)
-            self._recompile(args, failed, "re-planned: the loop's own memory budgeted")
+            try:
+                failed = tuple(self.choice.failed_peaks)
+                self._recompile(args, failed, "re-planned: the loop's own memory budgeted")
+            except NoPlanFits as e:  # the plan that ran goes on, measured no more
+                self.loop_looks = loop_memory.LOOKS
+                log.warning(loop_memory.no_plan_line(self.plan, str(e).splitlines()[0]))
         if self._shared_seen != budgets.shared_version:
             self._shared_beside(args)
         if self.binding.placement_moved():
@@ -480,11 +485,13 @@ class ProtrainGraph:
         # a tracing context of its own otherwise: Inductor records there the strides its forward
         # gives the saved activations, and compiles the backward for them (without one, a
         # re-planned HF Llama's backward asserted a transposed attention tensor it got contiguous)
-        with torch._guards.tracing(
+        tracing = torch._guards.tracing(
             self._tracing
             if self._tracing is not None
             else torch._guards.TracingContext(_fake_mode_for(examples))
-        ):
+        )
+        # dynamo's frame is gone: the module it traced, for the blocks' structure and siblings
+        with tracing, replanning(self._root() if self._root is not None else None):
             compiled, plan, device, choice = self._compile(
                 gm,
                 examples,

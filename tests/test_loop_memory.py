@@ -203,3 +203,46 @@ def test_the_window_cuts_out_protrain_calls_and_closes_at_the_backward(monkeypat
     m.hold(500)
     forward(c).sum().backward()
     assert c.seen == [0]  # a window of its own: the 500 came before it
+
+
+def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
+    meter, shared_cpu, caplog
+):
+    """Regional compilation (``layer.compile``): the head and HF's loss run outside the compiled
+    blocks, between the last block's forward and the backward, with the loop's own tensors. Every
+    block's window sees it, and every block plans again with it out of the whole budget, each its
+    share (before, a re-plan lost dynamo's frame, took its block for the whole model and planned it
+    for the whole budget). Here no plan leaves that room (this model's smallest plan per block,
+    everything offloaded, is above its first): said once per block, and the plans that ran go on,
+    measured no more. Losses as eager's."""
+    ref = hf_llama(seed=0, num_hidden_layers=2)
+    model = hf_llama(seed=0, num_hidden_layers=2)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for layer in model.model.layers:
+        layer.compile(backend="protrain", options={"compiler": "eager"})
+
+    def step(m, o, x, held):
+        loss = m(input_ids=x, labels=x).loss
+        if held:
+            meter.hold(LOOP)
+        loss.backward()
+        if held:
+            meter.hold(-LOOP)
+        o.step()
+        o.zero_grad()
+        return loss.item()
+
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        for x in data(4):
+            a, b = step(ref, o_ref, x, False), step(model, opt, x, True)
+            assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    plans = [protrain_fx.get_plan(layer) for layer in model.model.layers]
+    said = [m for m in caplog.messages if "the training loop held up to" in m]
+    no_room = [m for m in caplog.messages if "no plan leaves the loop that room" in m]
+    assert len(said) == len(no_room) == 2, caplog.messages
+    # each block's re-plan was one of 2 blocks' share of the device less the loop's excess
+    assert all("divided by the 2 blocks of this structure, less" in m for m in no_room), no_room
+    for p in plans:
+        assert p.measured["loop_bytes"] == LOOP, p.measured
+        assert "divided by the 2 blocks" in p.predicted["budget"], p.predicted["budget"]

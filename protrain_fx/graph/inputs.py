@@ -3,11 +3,15 @@ input.
 
 Dynamo deletes ``node.meta["grapharg"]`` once the backend returns, so :func:`capture_graph_inputs`
 must run on entry to the backend. Placeholders come in first-use order, which is the order chunks
-are packed in. :func:`traced_root` finds the module dynamo traced from the parameters' sources.
+are packed in. :func:`traced_root` finds the module dynamo traced from the parameters' sources
+(during dynamo's compile), or the one a re-plan names (:func:`replanning`: after it, dynamo's frame
+is gone).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from dataclasses import dataclass
 
@@ -16,6 +20,8 @@ import torch.fx as fx
 
 from protrain_fx import _compat
 
+# a re-plan's root module (compiled_graph.ProtrainGraph._recompile: dynamo's frame is gone then)
+_REPLAN_ROOT: contextvars.ContextVar = contextvars.ContextVar("protrain_replan_root", default=None)
 # "L['self']", "L['args'][0]", "G['model']": the root of a dynamo source name.
 _ROOT_RE = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")
 # "._modules['blocks']", "._parameters['weight']", ".blocks", "[0]", "['key']"
@@ -128,10 +134,22 @@ def joint_input_index(node: fx.Node, position: int) -> int | None:
 
 
 def traced_root(graph_inputs):
-    """The module dynamo is tracing (the root of the parameters' sources), for state_dict hooks."""
+    """The module dynamo is tracing (the root of the parameters' sources): for state_dict hooks, the
+    blocks' structure and, compiled in regions, the block's siblings (a re-plan that lost it
+    planned one of ``N`` blocks for the whole budget). Outside dynamo's compile, a re-plan's."""
     for gi in graph_inputs:
         if gi.is_param and gi.source:
             m = _ROOT_RE.match(gi.source)
-            if m:
-                return _compat.traced_root_object(m.group(0))
-    return None
+            if m and (root := _compat.traced_root_object(m.group(0))) is not None:
+                return root
+    return _REPLAN_ROOT.get()
+
+
+@contextlib.contextmanager
+def replanning(root):
+    """:func:`traced_root` gives ``root`` inside (a re-plan of a graph dynamo traced from it)."""
+    token = _REPLAN_ROOT.set(root)
+    try:
+        yield
+    finally:
+        _REPLAN_ROOT.reset(token)

@@ -162,6 +162,14 @@ def replan_line(plan, nbytes: int) -> str:
     )
 
 
+def no_plan_line(plan, why: str) -> str:
+    return (
+        f"protrain: graph {plan.graph_name}: no plan leaves the loop that room ({why}); going on "
+        "under the plan as it is: out of memory in protrain's graphs a step is redone, in the "
+        "loop's own code it is not (make the loop's own tensors smaller, or give a memory_budget)"
+    )
+
+
 def budgeted(raw: dict | None, seen: int, allowance_bytes: int | None) -> tuple[int, int]:
     """``(loop bytes, excess over the allowance)`` a plan budgets: the most seen in this process
     (``seen``) or by the plan cache entry's runs; (0, 0) where the budget is not the device's."""
