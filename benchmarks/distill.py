@@ -19,6 +19,9 @@ each its own process (``--row``):
   ``labels=``): plain PyTorch on the whole device, and protrain under ``--cap``. Both distillation
   orders and this one allocate gigabytes of their own between the forward and the backward, which
   protrain measures in the first step and budgets (profiling/loop_memory.py).
+- ``regional``: the student alone compiled block by block (``layer.compile(backend="protrain")``),
+  HF's own loss (``labels=``, the same cross-entropy as ``own_loss``'s, against its reference): the
+  embedding, head and loss run outside the compiled blocks.
 
 Per row: the losses (against the reference's, bf16 tolerance), the step time (median of the steps
 after the second), the reserved peak against the cap, the time to the first step, the student's
@@ -43,7 +46,14 @@ sys.path.insert(0, HERE)
 
 from results_io import rows_main  # noqa: E402
 
-ROWS = ["reference", "teacher_first", "student_first", "own_loss_reference", "own_loss"]
+ROWS = [
+    "reference",
+    "teacher_first",
+    "student_first",
+    "own_loss_reference",
+    "own_loss",
+    "regional",
+]
 BF16_REL = 2**-6  # oom_sweep.BF16_REL
 
 
@@ -69,7 +79,7 @@ def run_row(name: str, args) -> dict:
     row = {"row": name}
     t0 = time.perf_counter()
     host = not name.endswith("reference")
-    alone = name.startswith("own_loss")  # no teacher
+    alone = name.startswith("own_loss") or name == "regional"  # no teacher
     t_model = None if alone else build(MODELS[args.teacher], args.seq, host=host)
     t_model = t_model.eval().requires_grad_(False) if t_model is not None else None
     s_model = build(MODELS[args.student], args.seq, host=host)
@@ -80,12 +90,18 @@ def run_row(name: str, args) -> dict:
         row["cap_gib"] = args.cap
         teacher = None if alone else torch.compile(t_model, backend="protrain")
         student = torch.compile(s_model, backend="protrain")
+        if name == "regional":
+            for layer in s_model.model.layers:
+                layer.compile(backend="protrain")
+            student = s_model
     else:
         teacher, student = t_model, s_model
     row["build_s"] = round(time.perf_counter() - t0, 1)
 
     def step(x) -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16):
+            if name == "regional":
+                return _finish(student(input_ids=x, labels=x).loss)
             if alone:
                 logits = student(input_ids=x).logits.float()
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
@@ -127,7 +143,8 @@ def run_row(name: str, args) -> dict:
     if "error" not in row:
         _timings(row, times, args)
     if host:
-        _plans(row, student, teacher)
+        # compiled in regions: the first block's plan (each block plans its share alike)
+        _plans(row, s_model.model.layers[0] if name == "regional" else student, teacher)
     row["warnings"] = said.messages
     return row
 
@@ -167,7 +184,8 @@ def _plans(row: dict, student, teacher) -> None:
 def evaluate(rows: list[dict]) -> None:
     refs = {r["row"]: r for r in rows if r["row"].endswith("reference") and "losses" in r}
     for r in rows:
-        ref = refs.get("own_loss_reference" if r["row"] == "own_loss" else "reference")
+        own = r["row"] in ("own_loss", "regional")
+        ref = refs.get("own_loss_reference" if own else "reference")
         if ref is None or "cap_gib" not in r or not r.get("losses") or "error" in r:
             continue
         pairs = list(zip(r["losses"], ref["losses"]))

@@ -159,9 +159,8 @@ class ProtrainGraph:
         return out
 
     def loop_seen(self, nbytes: int) -> None:
-        """The loop held up to ``nbytes`` of its own on the device between this graph's forward and
-        its backward (profiling/loop_memory.py): kept with the plan; where the plan lacks room for
-        it, the next call plans again with it budgeted."""
+        """The loop held up to ``nbytes`` of its own between this graph's forward and backward
+        (profiling/loop_memory.py): kept; where the plan lacks room, the next call re-plans."""
         self.loop_bytes = max(self.loop_bytes, nbytes)
         if loop_memory.lacks_room(self.plan, self.loop_bytes) and self.replans < self.MAX_REPLANS:
             self._loop_pending = True
@@ -172,9 +171,9 @@ class ProtrainGraph:
         if self._loop_pending:
             self._loop_pending, self.replans = False, self.replans + 1
             log.warning(loop_memory.replan_line(self.plan, self.loop_bytes))
-            try:
-                failed = tuple(self.choice.failed_peaks)
-                self._recompile(args, failed, "re-planned: the loop's own memory budgeted")
+            try:  # the failed plans' peaks stay out of reach
+                note = "re-planned: the loop's own memory budgeted"
+                self._recompile(args, tuple(self.choice.failed_peaks), note)
             except NoPlanFits as e:  # the plan that ran goes on, measured no more
                 self.loop_looks = loop_memory.LOOKS
                 log.warning(loop_memory.no_plan_line(self.plan, str(e).splitlines()[0]))
