@@ -45,9 +45,10 @@ from protrain_fx import (
     placement,
     progress,
     region_program,
+    trained_peers,
 )
 from protrain_fx.compiled_graph import ProtrainGraph, StepOutOfMemory  # noqa: F401 (re-exported)
-from protrain_fx.errors import OptionsError, ProtrainError, release_frames
+from protrain_fx.errors import NoPlanFits, OptionsError, ProtrainError, release_frames
 from protrain_fx.graph import regions
 from protrain_fx.graph.blocks import detect_blocks, refuse_untraced_checkpointing
 from protrain_fx.graph.build_plan import make_plan
@@ -459,21 +460,29 @@ def _compile(
                 )
             return compiled, plan
 
-        choice = autoplan.choose(
-            gm,
-            example_inputs,
-            graph_inputs,
-            params,
-            structure,
-            opts,
-            compile_profiling,
-            failed_peaks,
-            root=root,
-            regions=split,
-            grads_held=grads_held,
-            cache_path=cache_path,
-            loop_bytes=loop_bytes,
-        )
+        def choose():
+            return autoplan.choose(
+                gm,
+                example_inputs,
+                graph_inputs,
+                params,
+                structure,
+                opts,
+                compile_profiling,
+                failed_peaks,
+                root=root,
+                regions=split,
+                grads_held=grads_held,
+                cache_path=cache_path,
+                loop_bytes=loop_bytes,
+            )
+
+        try:
+            choice = choose()
+        except NoPlanFits as e:  # another trained model took the device: it makes room
+            if (made := trained_peers.make_room(live, opts, device, e)) is None:
+                raise
+            choice, released = choose(), "; ".join(n for n in (released, made) if n)
         searched_n_buffer = opts.n_buffer is None
         opts = choice.options
     plan = make_plan(name, graph_inputs, structure, opts, split)

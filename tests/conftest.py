@@ -59,7 +59,12 @@ def shared_cpu(monkeypatch):
 
     size = budgets.reserve_bytes(1 << 30) + SHARED
     gc.collect()  # the models of tests before: gone, as the device's allocations would be
-    assert not live_stores(), "a chunk store of an earlier test is alive"
+    stale = live_stores()
+    assert not stale, "a chunk store of an earlier test is alive: " + "; ".join(
+        f"store {s.id} of {len(s.params)} params, held by "
+        f"{[type(r).__name__ for r in gc.get_referrers(s)][:8]}"
+        for s in stale
+    )
 
     def usage(device, params, optimizer=None):
         mine = {id(p) for p in params if p is not None}

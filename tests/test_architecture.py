@@ -32,6 +32,7 @@ LAYERS = [
             "budgets",
             "autoplan",
             "inference_placement",
+            "trained_peers",
             "placement",
             "pipeline",
             "code_cache",

@@ -203,6 +203,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         except BaseException:
             self._give_values_back(params_in_order, host_values)
             raise
+        self.buffers = self.grad_buffers = None  # a store whose buffers failed stays listed
         for p in params_in_order:
             _PARAM_STORE[p] = self
         _STORES[self.id] = self
@@ -221,8 +222,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         # the HybridOptimizer that steps the offloaded chunks (protrain_fx/runtime/hybrid_optim.py)
         self.optimizer = None
         # set while the profiler runs a step (protrain_fx/profiling/profiler.py): chunk copies go on
-        # the compute stream between copy marks (so block times exclude them) and gradients are
-        # dropped
+        # the compute stream between copy marks (block times exclude them); gradients are dropped
         self.profiling = False
         self._stats = dict.fromkeys(
             ("d2h_copies", "d2h_bytes", "resident_all_reduces", "transfer_refreshes"), 0
