@@ -480,7 +480,7 @@ def _compile(
         try:
             choice = choose()
         except NoPlanFits as e:  # another trained model took the device: it makes room
-            if (made := trained_peers.make_room(live, opts, device, e)) is None:
+            if (made := trained_peers.make_room(live, opts, device, e, root)) is None:
                 raise
             choice, released = choose(), "; ".join(n for n in (released, made) if n)
         searched_n_buffer = opts.n_buffer is None

@@ -16,7 +16,7 @@ import torch._guards
 
 from protrain_fx import _compat, autoplan, budgets, inference_placement, plan_cache
 from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
-from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.graph.fx import copy_graph_module, fake_mode_for
 from protrain_fx.graph.inputs import replanning
 from protrain_fx.machine import allocator
 from protrain_fx.options import Options, format_bytes
@@ -186,7 +186,11 @@ class ProtrainGraph:
             self._recompile(args, failed, "re-planned: resident chunks moved to the host")
         if self._pending is not None:
             detail, self._pending = self._pending, None
-            self._replan(args, detail, "backward")
+            try:
+                self._replan(args, detail, "backward")
+            except NoPlanFits as e:  # no smaller plan (one of N blocks keeps its chunks): as it is
+                msg = "protrain: graph %s: no smaller plan (%s); going on under the plan as it is"
+                log.warning(msg, self.plan.graph_name, str(e).splitlines()[0][:300])
         elif torch.is_grad_enabled() and (held := self._kept_grads(args)) is not None:
             self._plan_for_kept_grads(args, held)
         if self.choice is not None and torch.is_grad_enabled() and self._replayable(args):
@@ -487,7 +491,7 @@ class ProtrainGraph:
         tracing = torch._guards.tracing(
             self._tracing
             if self._tracing is not None
-            else torch._guards.TracingContext(_fake_mode_for(examples))
+            else torch._guards.TracingContext(fake_mode_for(examples))
         )
         # dynamo's frame is gone: the module it traced, for the blocks' structure and siblings
         with tracing, replanning(self._root() if self._root is not None else None):
@@ -511,10 +515,3 @@ class ProtrainGraph:
 
 class StepOutOfMemory(ProtrainError, torch.OutOfMemoryError):
     """A backward under an automatic plan ran out of device memory (see :class:`ProtrainGraph`)."""
-
-
-def _fake_mode_for(examples):
-    """A fake mode for a re-plan's compile of real example inputs (dynamo's is gone by then)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return torch._guards.detect_fake_mode(examples) or FakeTensorMode()

@@ -24,6 +24,7 @@ import torch
 from protrain_fx import inference_placement
 from protrain_fx.budgets import device_budget
 from protrain_fx.errors import NoPlanFits
+from protrain_fx.graph import regional
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import training_plans
 from protrain_fx.runtime import replacement
@@ -33,14 +34,18 @@ from protrain_fx.runtime.optimizer_lookup import find_optimizer
 log = logging.getLogger("protrain_fx")
 
 
-def make_room(live: list, opts: Options, device: torch.device, e: NoPlanFits) -> str | None:
+def make_room(
+    live: list, opts: Options, device: torch.device, e: NoPlanFits, root=None
+) -> str | None:
     """After this training graph's plan raised ``e`` on a device shared by the process's graphs:
     move other trained models' resident chunks to the host until the shortfall (``e``'s minimum
     less today's budget) moved; a note for the plan, or None where nothing could move (``e``
-    stands)."""
+    stands). ``root``: the module traced; the blocks compiled like it (regional compilation) are
+    the same model, not another."""
     if not inference_placement.shares_device(opts, device) or not e.min_device_bytes:
         return None
-    mine = {id(p) for p in live}
+    peers = regional.siblings(root) if root is not None else []
+    mine = {id(p) for p in live} | {id(p) for m in peers for p in m.parameters()}
     others = {}  # the other trained models' graphs, one entry per parameter set
     for plan, params in training_plans():
         if params[0].device == device and not any(id(p) in mine for p in params):

@@ -184,6 +184,28 @@ class Side:
         return named[len(named) // 2 if i is None else i]
 
 
+def _error_hooks(side):
+    """The user's error in the middle of forward (a forward pre-hook on the last block) and at the
+    end of backward (a leaf gradient hook). ``side`` is captured in a closure, not bound as a
+    default: dynamo keeps a traced function's defaults in a WeakKeyDictionary keyed by the function
+    (torch._dynamo.variables.functions._spec_cache), whose value then holds its key alive through
+    the model's hooks: every model of this file stayed alive to the end of the run, with its chunk
+    stores (the shared-device tests after it saw them as another model's)."""
+
+    def pre_hook(module, args):
+        if side.raise_in_forward:
+            side.raise_in_forward = False
+            raise Boom("forward")
+
+    def grad_hook(grad):
+        if side.raise_in_backward_hook:
+            side.raise_in_backward_hook = False
+            raise Boom("backward (parameter hook)")
+        return grad
+
+    return pre_hook, grad_hook
+
+
 def make_sides(cfg: Config) -> tuple[Side, Side]:
     torch.manual_seed(0)
     base = build(cfg.kind, **MODEL_KW[cfg.kind])
@@ -204,20 +226,8 @@ def make_sides(cfg: Config) -> tuple[Side, Side]:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.7**epoch)
         side = Side(name, model, None, opt, sched)
 
-        def pre_hook(module, args, side=side):  # the user's error in the middle of forward
-            if side.raise_in_forward:
-                side.raise_in_forward = False
-                raise Boom("forward")
-
+        pre_hook, grad_hook = _error_hooks(side)
         model.blocks[-1].register_forward_pre_hook(pre_hook)
-
-        # the user's error at the end of backward (leaf gradient hooks)
-        def grad_hook(grad, side=side):
-            if side.raise_in_backward_hook:
-                side.raise_in_backward_hook = False
-                raise Boom("backward (parameter hook)")
-            return grad
-
         first = next(p for p in model.parameters() if p.requires_grad)
         first.register_hook(grad_hook)
         if name == "eager":

@@ -250,11 +250,11 @@ def test_redone_backward_with_accumulation_clipping_and_dropout_equals_the_unint
 def test_backward_oom_of_a_graph_fed_activations_says_to_redo_the_batch(monkeypatch):
     """Regional compilation: a block's graph gets the hidden state of the block before, which a
     replay would have to keep; its backward's out-of-memory error says to redo the batch after
-    opt.zero_grad() (nothing applied), and the usual retry loop then trains exactly. The budget
-    leaves each block's plan two resident chunks, so that the re-plan has a smaller plan (under
-    one at the smallest plan it raises NoPlanFits: with everything offloaded by hand the first plan
-    was the smallest or not as the machine's measured rates broke a tie between one chunk buffer
-    and two, and the test failed on the CPU where one won)."""
+    opt.zero_grad() (nothing applied), and the usual retry loop then trains exactly. The next
+    forward re-plans the block for its quarter of the budget; one of several blocks compiled alike
+    keeps its resident chunks, and where no smaller plan exists there (a block graph has no block
+    to recompute) it says so and goes on under the plan as it is (before, the re-plan lost the
+    block's siblings and planned it for the whole budget)."""
     import test_habits as th
 
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "0")

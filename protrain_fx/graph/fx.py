@@ -206,3 +206,10 @@ def copy_graph_module(gm):
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     return torch.fx.GraphModule(gm, graph)
+
+
+def fake_mode_for(examples):
+    """A fake mode for a re-plan's compile of real example inputs (dynamo's is gone by then)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return torch._guards.detect_fake_mode(examples) or FakeTensorMode()
