@@ -55,6 +55,25 @@ def data(n=4, seed=1):
     return [x for x, _ in random_batches(n, 2, 16, vocab=HF_VOCAB, seed=seed)]
 
 
+def step(model, opt, x, meter: Meter | None = None, own_loss: bool = False) -> float:
+    """One training step of an HF Llama on ``x`` (``labels=``); ``own_loss``: plus a loss the loop
+    computes from the returned logits in fp32; ``meter``: the loop's own tensors (``LOOP`` bytes)
+    held on it from the forward's return to the end of the backward."""
+    out = model(input_ids=x, labels=x)
+    loss = out.loss
+    if own_loss:
+        logits = out.logits.float()
+        loss = loss + 0.5 * F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    if meter is not None:
+        meter.hold(LOOP)
+    loss.backward()
+    if meter is not None:
+        meter.hold(-LOOP)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def test_the_loops_own_memory_is_measured_budgeted_by_a_re_plan_and_by_the_next_run(
     meter, shared_cpu, monkeypatch, caplog, tmp_path
 ):
@@ -66,22 +85,9 @@ def test_the_loops_own_memory_is_measured_budgeted_by_a_re_plan_and_by_the_next_
     monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
 
-    def step(model, opt, x, held: bool):
-        out = model(input_ids=x, labels=x)
-        logits = out.logits.float()  # the loop's own fp32 copy, and its loss's tensors
-        if held:
-            meter.hold(LOOP)
-        loss = out.loss + 0.5 * F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-        loss.backward()
-        if held:
-            meter.hold(-LOOP)
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
     ref = hf_llama(seed=0)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    expected = [step(ref, o_ref, x, False) for x in data()]
+    expected = [step(ref, o_ref, x, own_loss=True) for x in data()]
 
     def run(steps: int):
         model = hf_llama(seed=0)
@@ -89,7 +95,7 @@ def test_the_loops_own_memory_is_measured_budgeted_by_a_re_plan_and_by_the_next_
         compiled = torch.compile(model, backend="protrain", options={"compiler": "eager"})
         losses, plans = [], []
         for x in data()[:steps]:
-            losses.append(step(compiled, opt, x, True))
+            losses.append(step(compiled, opt, x, meter, own_loss=True))
             plans.append(protrain_fx.get_plan(compiled))
         return model, losses, plans
 
@@ -222,20 +228,9 @@ def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
     for layer in model.model.layers:
         layer.compile(backend="protrain", options={"compiler": "eager"})
 
-    def step(m, o, x, held):
-        loss = m(input_ids=x, labels=x).loss
-        if held:
-            meter.hold(LOOP)
-        loss.backward()
-        if held:
-            meter.hold(-LOOP)
-        o.step()
-        o.zero_grad()
-        return loss.item()
-
     with caplog.at_level("WARNING", logger="protrain_fx"):
         for x in data(4):
-            a, b = step(ref, o_ref, x, False), step(model, opt, x, True)
+            a, b = step(ref, o_ref, x), step(model, opt, x, meter)
             assert abs(a - b) <= 1e-5 * abs(a), (a, b)
     plans = [protrain_fx.get_plan(layer) for layer in model.model.layers]
     said = [m for m in caplog.messages if "the training loop held up to" in m]
