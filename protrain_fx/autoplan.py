@@ -198,7 +198,12 @@ def choose(
     if loop_excess:  # the loop's own tensors beside the step (as measured): out of the budget
         budget -= loop_excess // n_peers
         budget_why += f", less {format_bytes(loop_excess)} the loop holds beyond the reserve's half"
-    looped = dict(loop_bytes=loop, loop_excess_bytes=loop_excess, loop_allowance_bytes=allowance)
+    looped = dict(
+        loop_bytes=loop,
+        loop_excess_bytes=loop_excess,
+        loop_allowance_bytes=allowance,
+        budget_shares=n_peers,  # blocks compiled alike: each plan's budget is 1/n of the device's
+    )
     cached, failed, refused, at_step, gap = distributed.broadcast_object(
         plan_cache.usable(
             raw, budget, memory.pinnable_host(device, host_freed_bytes(live), n_peers)

@@ -147,7 +147,8 @@ def lacks_room(plan, nbytes: int) -> bool:
     pred = plan.predicted or {}
     plan.measured = dict(plan.measured or {}, loop_bytes=nbytes)
     excess = max(0, nbytes - pred["loop_allowance_bytes"]) - (pred.get("loop_excess_bytes") or 0)
-    return excess > pred["budget_bytes"] - pred["peak_bytes"]
+    # one of n blocks compiled alike: the device's room is n times its plan's
+    return excess > (pred["budget_bytes"] - pred["peak_bytes"]) * (pred.get("budget_shares") or 1)
 
 
 def replan_line(plan, nbytes: int) -> str:
