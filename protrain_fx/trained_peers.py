@@ -13,6 +13,12 @@ next call (their placement moved), in what this one leaves. Only where those mod
 it (one rank, an optimizer protrain steps or finds, stores holding one graph's parameters); the
 trained models share the device in the order they were planned, not evenly (give each a
 ``memory_budget`` to split it yourself).
+
+A training plan also leaves room for the steps of the other trained models' graphs
+(:func:`beside`: what their plans predict beyond their start, as a frozen model's placement does,
+inference_placement._beside_training). Another model is told from another graph of this one (a
+graph break's piece, a new shape) by its optimizer: graphs whose parameters one optimizer steps
+are one model's.
 """
 
 from __future__ import annotations
@@ -34,6 +40,19 @@ from protrain_fx.runtime.optimizer_lookup import find_optimizer
 log = logging.getLogger("protrain_fx")
 
 
+def beside(opts: Options, device: torch.device, placed: list) -> tuple[int, str]:
+    """``(bytes, what)`` a training plan of ``placed`` leaves for the steps of other trained
+    models' graphs on a shared device; (0, "") where none (graphs stepped by this graph's
+    optimizer are this model's)."""
+    if not inference_placement.shares_device(opts, device):
+        return 0, ""
+    mine = opts.optimizer or find_optimizer(placed)[0]
+    ours = [
+        p for _, params in training_plans() if find_optimizer(params)[0] is mine for p in params
+    ]
+    return inference_placement._beside_training(opts, device, placed + ours, yet_to_come=False)
+
+
 def make_room(
     live: list, opts: Options, device: torch.device, e: NoPlanFits, root=None
 ) -> str | None:
@@ -50,17 +69,23 @@ def make_room(
     for plan, params in training_plans():
         if params[0].device == device and not any(id(p) in mine for p in params):
             others[frozenset(map(id, params))] = params
-    short = e.min_device_bytes - device_budget(opts, device, live)[0]
-    if not others or short <= 0:
+
+    def short() -> int:  # what this plan's least lacks now
+        budget = device_budget(opts, device, live)[0] - beside(opts, device, live)[0]
+        return e.min_device_bytes - budget
+
+    need = lacking = short()
+    if not others or lacking <= 0:
         return None
     chunks = moved = 0
     for params in others.values():
-        if moved >= short:
-            break
         opt = find_optimizer(params)[0]
-        n, nbytes = replacement.make_room(params, short - moved, opt)
-        chunks, moved = chunks + n, moved + nbytes
-    if moved < short:  # what moved stays moved (their next calls re-plan); the plan still fails
+        while lacking > 0:  # a chunk at a time: its gradient and Adam moments go with it
+            n, nbytes = replacement.make_room(params, 1, opt)
+            if not n:
+                break
+            chunks, moved, lacking = chunks + n, moved + nbytes, short()
+    if lacking > 0:  # what moved stays moved (their next calls re-plan); the plan still fails
         return None
     release_unused_buffers()
     if device.type == "cuda":
@@ -68,7 +93,7 @@ def make_room(
     note = (
         f"{chunks} resident chunks ({format_bytes(moved)}) of another trained model on this device "
         f"moved to the host with their optimizer state: this plan's least needs "
-        f"{format_bytes(e.min_device_bytes)}, {format_bytes(short)} more than it had; that model "
+        f"{format_bytes(e.min_device_bytes)}, {format_bytes(need)} more than it had; that model "
         "plans again at its next call"
     )
     log.warning("protrain: %s", note)
