@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protrain_fx import budgets, config, plan_cache, progress, trained_peers
+from protrain_fx import budgets, config, plan_cache, progress
 from protrain_fx.budgets import device_budget, host_freed_bytes, reserve_bytes  # noqa: F401  (tests)
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
@@ -177,10 +177,6 @@ def choose(
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
     placed = params + [p for m in peers if m is not root for p in m.parameters()]
     budget, budget_why = device_budget(opts, device, placed)
-    others_step, others_why = trained_peers.beside(opts, device, placed)
-    if others_step:  # other trained models' steps on this device
-        budget -= others_step
-        budget_why += f", {format_bytes(others_step)} left for {others_why}"
     if n_peers > 1:
         budget //= n_peers
         budget_why += f", divided by the {n_peers} blocks of this structure"

@@ -192,9 +192,7 @@ def unplanned_note(opts: Options, live: list, training_plan: bool, example_input
     )
 
 
-def _beside_training(
-    opts: Options, device: torch.device, placed: list, yet_to_come: bool = True
-) -> tuple[int, str]:
+def _beside_training(opts: Options, device: torch.device, placed: list) -> tuple[int, str]:
     """``(bytes, what)``: on a device shared by the process's graphs, the device bytes the other
     models' training steps need beyond what is allocated now: the largest of their plans'
     predicted peaks less the predicted start of their step, less what is allocated beyond those
@@ -224,9 +222,7 @@ def _beside_training(
     frozen = [s for s in frozen if not any(p is not None and id(p) in mine for p in s.params)]
     resident = sum(s.layout.used_bytes(c) for s in frozen for c in range(s.n_persist))
     start = sum(held.values())
-    beside = max(0, max(steps) - max(0, others - start - resident))
-    if yet_to_come:  # (not for a trained model's plan: it may move their resident chunks away)
-        beside += max(0, start - others)
+    beside = max(0, max(steps) - max(0, others - start - resident)) + max(0, start - others)
     graphs = f"{len(steps)} other training graph{'s' if len(steps) > 1 else ''}"
     return beside, f"the steps of {graphs} on this device"
 

@@ -14,11 +14,6 @@ it (one rank, an optimizer protrain steps or finds, stores holding one graph's p
 trained models share the device in the order they were planned, not evenly (give each a
 ``memory_budget`` to split it yourself).
 
-A training plan also leaves room for the steps of the other trained models' graphs
-(:func:`beside`: what their plans predict beyond their start, as a frozen model's placement does,
-inference_placement._beside_training). Another model is told from another graph of this one (a
-graph break's piece, a new shape) by its optimizer: graphs whose parameters one optimizer steps
-are one model's.
 """
 
 from __future__ import annotations
@@ -40,19 +35,6 @@ from protrain_fx.runtime.optimizer_lookup import find_optimizer
 log = logging.getLogger("protrain_fx")
 
 
-def beside(opts: Options, device: torch.device, placed: list) -> tuple[int, str]:
-    """``(bytes, what)`` a training plan of ``placed`` leaves for the steps of other trained
-    models' graphs on a shared device; (0, "") where none (graphs stepped by this graph's
-    optimizer are this model's)."""
-    if not inference_placement.shares_device(opts, device):
-        return 0, ""
-    mine = opts.optimizer or find_optimizer(placed)[0]
-    ours = [
-        p for _, params in training_plans() if find_optimizer(params)[0] is mine for p in params
-    ]
-    return inference_placement._beside_training(opts, device, placed + ours, yet_to_come=False)
-
-
 def make_room(
     live: list, opts: Options, device: torch.device, e: NoPlanFits, root=None
 ) -> str | None:
@@ -71,8 +53,7 @@ def make_room(
             others[frozenset(map(id, params))] = params
 
     def short() -> int:  # what this plan's least lacks now
-        budget = device_budget(opts, device, live)[0] - beside(opts, device, live)[0]
-        return e.min_device_bytes - budget
+        return e.min_device_bytes - device_budget(opts, device, live)[0]
 
     need = lacking = short()
     if not others or lacking <= 0:

@@ -68,8 +68,6 @@ def test_a_second_trained_model_makes_room_on_the_device_the_first_took(
     # the generator planned again beside what the discriminator holds
     again = "re-planned: resident chunks moved to the host" in g_plan.notes
     assert again and "less 0 B allocated" not in g_plan.predicted["budget"], g_plan.predicted
-    # and leaves room for the discriminator's step (another optimizer: another model)
-    assert "left for the steps of 1 other training graph" in g_plan.predicted["budget"], g_plan
 
     del cg, cd, g_plan, d_plan
     torch._dynamo.reset()
