@@ -39,10 +39,10 @@ def make_room(
     live: list, opts: Options, device: torch.device, e: NoPlanFits, root=None
 ) -> str | None:
     """After this training graph's plan raised ``e`` on a device shared by the process's graphs:
-    move other trained models' resident chunks to the host until the shortfall (``e``'s minimum
-    less today's budget) moved; a note for the plan, or None where nothing could move (``e``
-    stands). ``root``: the module traced; the blocks compiled like it (regional compilation) are
-    the same model, not another."""
+    move other trained models' resident chunks to the host, a chunk at a time, until ``e``'s
+    minimum fits today's budget; a note for the plan, or None where it cannot (``e`` stands).
+    ``root``: the module traced; the blocks compiled like it (regional compilation) are the same
+    model, not another."""
     if not inference_placement.shares_device(opts, device) or not e.min_device_bytes:
         return None
     peers = regional.siblings(root) if root is not None else []

@@ -117,10 +117,21 @@ def call_returned(graph, out) -> None:
                 meter = METERS[graph.device.type]
                 w = _OPEN = _Window(graph.device, meter, meter.allocated(graph.device))
             w.members.append(weakref.ref(graph))
-            for t in wanting:  # fires once the loop's own backward reached the graph
-                t.register_hook(lambda grad, w=w: _close(w))
+            closing = _closing(w)  # fires once the loop's own backward reached the graph
+            for t in wanting:
+                t.register_hook(closing)
     if w is not None and w is _OPEN:
         w.meter.reset_peak(w.device)
+
+
+def _closing(w: _Window):
+    """A gradient hook closing ``w`` (``w`` in a closure, not a default argument: dynamo keeps a
+    traced function's defaults in a cache keyed by the function)."""
+
+    def hook(grad):
+        _close(w)
+
+    return hook
 
 
 def abandon() -> None:
