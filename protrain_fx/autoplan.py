@@ -105,7 +105,7 @@ def choose(
     regions=None,
     grads_held: str | None = None,
     cache_path: str | None = None,
-    loop_bytes: int = 0,
+    loop_bytes: int | None = None,
 ) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
     of the graph under the profiling plan with the given options and block structure (the graph's,
@@ -119,8 +119,8 @@ def choose(
     ``cache_path``: a re-plan's, its graph's first plan's entry, so that what this process learned
     (kept gradients, micro-steps, a placement that fits) is what its next run's first plan reads,
     whatever the budget left now (the key's). ``loop_bytes``: the most the training loop held of its
-    own between this graph's forward and backward, measured in this process
-    (profiling/loop_memory.py)."""
+    own between this graph's forward and backward, measured in this process (None: not yet;
+    profiling/loop_memory.py)."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
@@ -194,14 +194,21 @@ def choose(
     # rank 0's cache decides for every rank
     raw = plan_cache.read(path)
     allowance = budgets.loop_allowance(opts, device)
-    loop, loop_excess = loop_memory.budgeted(raw, loop_bytes, allowance)
-    if loop_excess:  # the loop's own tensors beside the step (as measured): out of the budget
+    # before the loop was measured: what a loss of its own on the graph's outputs would hold (not
+    # for one of several blocks, whose outputs feed the next block; not for ranks, never measured)
+    prior = loop_memory.prior_bytes(gm) if n_peers == 1 and distributed.world().size == 1 else 0
+    loop, loop_excess, prior = loop_memory.budgeted(raw, loop_bytes, allowance, prior)
+    if loop_excess:  # the loop's own tensors beside the step: out of the budget
         budget -= loop_excess // n_peers
-        budget_why += f", less {format_bytes(loop_excess)} the loop holds beyond the reserve's half"
+        budget_why += (
+            f", less {format_bytes(loop_excess)} the loop holds beyond the reserve's half"
+            + (" (assumed from the graph's outputs until measured)" if prior else "")
+        )
     looped = dict(
         loop_bytes=loop,
         loop_excess_bytes=loop_excess,
         loop_allowance_bytes=allowance,
+        loop_prior_bytes=prior,
         budget_shares=n_peers,  # blocks compiled alike: each plan's budget is 1/n of the device's
     )
     cached, failed, refused, at_step, gap = distributed.broadcast_object(
@@ -214,6 +221,8 @@ def choose(
     micro = plan_cache.micro_steps(raw, opts.optimizer)  # per optimizer step, and why
     placement = (fixed["chunk_size"], fixed["n_persist"], resident) if existing else None
     why = cached and plan_cache.unfit(cached, grads_held, micro, placement)  # priced, fits?
+    if not why and cached and not prior and loop_memory.room_unused(cached["predicted"], loop):
+        why = "its plan left the loop the room assumed before it was measured, more than it holds"
     cached, refused = (None, why) if why else (cached, refused)
     if refused:
         notes.append(refused)

@@ -425,7 +425,7 @@ def _compile(
     graph_name: str | None = None,
     grads_held: str | None = None,
     cache_path: str | None = None,
-    loop_bytes: int = 0,
+    loop_bytes: int | None = None,
 ):
     root = traced_root(graph_inputs)
     structure = detect_blocks(gm, root)

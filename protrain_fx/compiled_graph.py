@@ -110,9 +110,9 @@ class ProtrainGraph:
         # the graph's resident parameters that need gradients (weakly), found at its second call
         self._resident: list | None = None
         self._called = False
-        # the most the loop held of its own between this graph's forward and backward
-        # (profiling/loop_memory.py), and whether the next call re-plans for it
-        self.loop_bytes, self._loop_pending = 0, False
+        # the most the loop held of its own between this graph's forward and backward (None: no
+        # window closed yet; profiling/loop_memory.py), and why the next call re-plans for it
+        self.loop_bytes, self._loop_pending = None, None
 
     def install(self, compiled, plan: Plan, device, choice, opts: Options) -> None:
         self._resident, self._called = None, False  # placed anew: found again (_kept_grads)
@@ -160,17 +160,19 @@ class ProtrainGraph:
 
     def loop_seen(self, nbytes: int) -> None:
         """The loop held up to ``nbytes`` of its own between this graph's forward and backward
-        (profiling/loop_memory.py): kept; where the plan lacks room, the next call re-plans."""
-        self.loop_bytes = max(self.loop_bytes, nbytes)
-        if loop_memory.lacks_room(self.plan, self.loop_bytes) and self.replans < self.MAX_REPLANS:
-            self._loop_pending = True
+        (profiling/loop_memory.py): kept; where the plan lacks room for it, or budgeted far more
+        before it was measured, the next call re-plans."""
+        self.loop_bytes = max(self.loop_bytes or 0, nbytes)
+        why = loop_memory.replan_why(self.plan, self.loop_bytes)
+        if self.replans < self.MAX_REPLANS:
+            self._loop_pending = why
         if self.choice.cache_path:
             plan_cache.save_plan(self.choice.cache_path, self.plan)
 
     def _call(self, args):
         if self._loop_pending:
-            self._loop_pending, self.replans = False, self.replans + 1
-            log.warning(loop_memory.replan_line(self.plan, self.loop_bytes))
+            log.warning(self._loop_pending)
+            self._loop_pending, self.replans = None, self.replans + 1
             try:  # the failed plans' peaks stay out of reach
                 note = "re-planned: the loop's own memory budgeted"
                 self._recompile(args, tuple(self.choice.failed_peaks), note)

@@ -241,3 +241,86 @@ def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
     for p in plans:
         assert p.measured["loop_bytes"] == LOOP, p.measured
         assert "divided by the 2 blocks" in p.predicted["budget"], p.predicted["budget"]
+
+
+def own_loss_step(model, opt, x, meter: Meter, held: int) -> float:
+    """A step whose loss the loop computes from the returned logits in fp32 (no ``labels=``),
+    holding ``held`` bytes of its own on the meter from the forward's return to the backward."""
+    logits = model(input_ids=x).logits.float()
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    meter.hold(held)
+    loss.backward()
+    meter.hold(-held)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def test_a_loss_on_the_returned_logits_has_its_room_from_the_first_plan(meter, caplog):
+    """The graph returns logits and no loss: before anything is measured, its first plan budgets
+    what an fp32 cross-entropy on them holds (12 bytes per fp32 logit: 2 x 16 x 512 of them), less
+    the allowance, so the first step has room; the loop measured at about that: no re-plan."""
+    ref = hf_llama(seed=0)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    m_ref = Meter()
+    prior = 2 * 16 * HF_VOCAB * 12
+    expected = [own_loss_step(ref, o_ref, x, m_ref, 0) for x in data(3)]
+    model = torch.compile(hf_llama(seed=0), backend="protrain", options={"compiler": "eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        losses = [own_loss_step(model, opt, x, meter, prior - 4096) for x in data(3)]
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+    plan = protrain_fx.get_plan(model)
+    pred = plan.predicted
+    assert pred["loop_prior_bytes"] == prior and pred["loop_excess_bytes"] == prior - ALLOWANCE
+    assert "assumed from the graph's outputs until measured" in pred["budget"], pred["budget"]
+    assert plan.measured["loop_bytes"] == prior - 4096
+    assert not [m for m in caplog.messages if "the training loop held up to" in m], caplog.messages
+
+
+def test_a_prior_far_above_what_the_loop_holds_is_planned_again_and_not_served_again(
+    meter, caplog, monkeypatch, tmp_path
+):
+    """A 2048-word vocabulary: the prior (786 KB of fp32 cross-entropy) is more than 5% of the
+    5.72 MiB budget above what this loop holds (it reads the logits lightly): after its first
+    window the graph is planned again without it (one line), and a second run's first plan, from
+    the plan cache, budgets the measured bytes, not the prior (no line)."""
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    vocab = 2048
+    batches = [x for x, _ in random_batches(3, 2, 16, vocab=vocab, seed=1)]
+    ref = hf_llama(seed=0, vocab_size=vocab)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    expected = [own_loss_step(ref, o_ref, x, Meter(), 0) for x in batches]
+
+    def run():
+        model = torch.compile(
+            hf_llama(seed=0, vocab_size=vocab), backend="protrain", options={"compiler": "eager"}
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, plans = [], []
+        for x in batches:
+            losses.append(own_loss_step(model, opt, x, meter, 10_000))
+            plans.append(protrain_fx.get_plan(model))
+        torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+        return plans
+
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        plans = run()
+    said = [m for m in caplog.messages if "the training loop held up to" in m]
+    assert len(said) == 1 and "less than the" in said[0] and "assumed" in said[0], caplog.messages
+    first, last = plans[0].predicted, plans[-1].predicted
+    assert first["loop_prior_bytes"] == 2 * 16 * vocab * 12
+    assert last["loop_prior_bytes"] == 0 and last["loop_excess_bytes"] == 0, last
+    assert last["budget_bytes"] > first["budget_bytes"]
+    assert "re-planned: the loop's own memory budgeted" in plans[-1].notes
+
+    del plans
+    torch._dynamo.reset()
+    gc.collect()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        plans = run()
+    assert not [m for m in caplog.messages if "the training loop held up to" in m], caplog.messages
+    assert plans[0].predicted["loop_prior_bytes"] == 0, plans[0].predicted
+    assert plans[0].predicted["loop_bytes"] == 10_000

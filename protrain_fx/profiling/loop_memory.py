@@ -23,9 +23,16 @@ budget less that excess: once in the run, and from the first plan of later runs 
 (the entry remembers). A frozen model placed beside it leaves that room too
 (inference_placement._beside_training).
 
-The first step itself is not protected: the loop's memory is seen only once it ran (in a first run;
-the measure then only says whether the step after needs another plan). The peak counter is reset in
-those first calls: a loop reading ``torch.cuda.max_memory_allocated`` reads it since then.
+Before anything is measured (a first run's first plan) the plan budgets a *prior* read from the
+graph's outputs: a graph that returns no scalar loss but tensors that need gradients (logits) is
+taken to feed a loss the loop computes of its own, and an fp32 cross-entropy holds about
+:data:`PRIOR_FP32_COPIES` fp32 copies of its input plus its gradient in the input's dtype: 14 bytes
+per element of bf16 logits (the ``own_loss`` row of benchmarks/results/distill_h100_run83.md
+measured 13.98). So a loop computing its own loss on 128k-vocabulary logits has its room at its
+first step. Once a window measured the loop the prior is dropped: where the plan budgeted much more
+than that (:func:`room_unused`: a loop that reads the logits lightly), it is planned again for what
+was measured, in this run and from the next run's first plan. The peak counter is reset in those
+first calls: a loop reading ``torch.cuda.max_memory_allocated`` reads it since then.
 """
 
 from __future__ import annotations
@@ -34,10 +41,17 @@ import weakref
 
 import torch
 
+from protrain_fx import _compat
 from protrain_fx.options import format_bytes
 from protrain_fx.runtime import distributed
 
 LOOKS = 2  # training calls of a plan whose windows are measured (before the step meter's reset)
+# an fp32 cross-entropy's fp32 tensors per element of its input, at most, before its backward
+# reaches the graph: the upcast (or the saved log-softmax), the gradient of the log-softmax and of
+# its input
+PRIOR_FP32_COPIES = 3
+# a prior budgeted more than the measured loop by this share of the budget: planned again
+UNUSED_SHARE = 0.05
 
 
 class CudaMeter:
@@ -162,6 +176,14 @@ def lacks_room(plan, nbytes: int) -> bool:
     return excess > (pred["budget_bytes"] - pred["peak_bytes"]) * (pred.get("budget_shares") or 1)
 
 
+def replan_why(plan, nbytes: int) -> str | None:
+    """Records ``nbytes`` (:func:`lacks_room`); the line saying why the plan is made again, where
+    it lacks room for the loop or budgeted far more than it holds (:func:`room_unused`)."""
+    if lacks_room(plan, nbytes):
+        return replan_line(plan, nbytes)
+    return unused_line(plan, nbytes) if room_unused(plan.predicted, nbytes) else None
+
+
 def replan_line(plan, nbytes: int) -> str:
     pred = plan.predicted or {}
     return (
@@ -182,11 +204,70 @@ def no_plan_line(plan, why: str) -> str:
     )
 
 
-def budgeted(raw: dict | None, seen: int, allowance_bytes: int | None) -> tuple[int, int]:
-    """``(loop bytes, excess over the allowance)`` a plan budgets: the most seen in this process
-    (``seen``) or by the plan cache entry's runs; (0, 0) where the budget is not the device's."""
+def prior_bytes(gm: torch.fx.GraphModule) -> int:
+    """What the loop is assumed to hold of its own before it was measured, from the outputs of the
+    graph dynamo traced: 0 where one of them is a scalar that needs gradients (the loss is the
+    graph's: HF's ``labels=``), else, for the largest floating output that needs gradients (the
+    logits, not an HF model's key-value cache), :data:`PRIOR_FP32_COPIES` fp32 copies of it and its
+    gradient in its own dtype."""
+    outs = [n for n in gm.graph.nodes if n.op == "output"]
+    if not outs:
+        return 0
+    largest = 0
+    for node in _flat_nodes(outs[0].args):
+        v = node.meta.get("example_value", node.meta.get("val"))
+        if not isinstance(v, torch.Tensor) or not v.requires_grad or not v.is_floating_point():
+            continue
+        n = _compat.numel_hint(v)
+        if n == 1:
+            return 0  # a loss the graph computes: the loop calls its backward
+        per_element = 4 * PRIOR_FP32_COPIES + (v.dtype.itemsize if v.dtype.itemsize < 4 else 0)
+        largest = max(largest, n * per_element)
+    return largest
+
+
+def _flat_nodes(arg) -> list:
+    if isinstance(arg, torch.fx.Node):
+        return [arg]
+    if isinstance(arg, (list, tuple)):
+        return [n for a in arg for n in _flat_nodes(a)]
+    if isinstance(arg, dict):
+        return [n for a in arg.values() for n in _flat_nodes(a)]
+    return []
+
+
+def budgeted(
+    raw: dict | None, seen: int | None, allowance_bytes: int | None, prior: int = 0
+) -> tuple[int, int, int]:
+    """``(loop bytes, excess over the allowance, prior)`` a plan budgets: the most seen in this
+    process (``seen``; None: no window closed yet) or by the plan cache entry's runs, or, where
+    neither measured anything, the ``prior`` (:func:`prior_bytes`; then returned as the third);
+    (0, 0, 0) where the budget is not the device's."""
     if allowance_bytes is None:
-        return 0, 0
+        return 0, 0, 0
     measured, predicted = (raw or {}).get("measured") or {}, (raw or {}).get("predicted") or {}
-    loop = max(seen, measured.get("loop_bytes") or 0, predicted.get("loop_bytes") or 0)
-    return loop, max(0, loop - allowance_bytes)
+    if seen is None and "loop_bytes" not in measured:
+        loop = max(prior, predicted.get("loop_bytes") or 0)
+        return loop, max(0, loop - allowance_bytes), prior if loop == prior else 0
+    loop = max(seen or 0, measured.get("loop_bytes") or 0)
+    return loop, max(0, loop - allowance_bytes), 0
+
+
+def room_unused(pred: dict, nbytes: int) -> bool:
+    """Whether a plan that budgeted the prior left much more room than the loop, measured at
+    ``nbytes``, needed (:data:`UNUSED_SHARE` of its budget)."""
+    if not pred.get("loop_prior_bytes"):
+        return False
+    excess = max(0, nbytes - (pred.get("loop_allowance_bytes") or 0))
+    unused = (pred.get("loop_excess_bytes") or 0) - excess
+    return unused > UNUSED_SHARE * pred["budget_bytes"] * (pred.get("budget_shares") or 1)
+
+
+def unused_line(plan, nbytes: int) -> str:
+    pred = plan.predicted or {}
+    return (
+        f"protrain: graph {plan.graph_name}: the training loop held up to {format_bytes(nbytes)} "
+        f"of its own between this graph's forward and its backward, less than the "
+        f"{format_bytes(pred.get('loop_prior_bytes') or 0)} assumed before it was measured (a loss "
+        "on the returned logits in fp32); planning it again with the room it needs"
+    )
