@@ -178,6 +178,14 @@ def choose(
     placed = params + [p for m in peers if m is not root for p in m.parameters()]
     budget, budget_why = device_budget(opts, device, placed)
     if n_peers > 1:
+        # the embedding, norm and head train eagerly: their gradients and optimizer state to come
+        growth, n_out = budgets.eager_growth(regional.outside_params(root, peers), device)
+        if growth:
+            budget -= growth
+            budget_why += (
+                f", less {format_bytes(growth)} of gradients and optimizer state the {n_out} "
+                "parameters outside the compiled blocks will hold"
+            )
         budget //= n_peers
         budget_why += f", divided by the {n_peers} blocks of this structure"
         notes.append(

@@ -94,6 +94,45 @@ def device_usage(device: torch.device, params: list, optimizer=None) -> tuple[in
     return min(limit, free + reserved), others, limit
 
 
+# optimizer state per parameter element, in parameter-sized tensors, by optimizer class name
+_STATE_TENSORS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1}
+
+
+def eager_growth(params: list, device: torch.device) -> tuple[int, int]:
+    """``(bytes, count)``: what the parameters on ``device`` among ``params`` that train outside
+    every compiled graph will still allocate there: each one's gradient where it has none yet, and
+    its optimizer's state where that optimizer holds none for it yet (two tensors of its size for
+    Adam-like optimizers, one for Adagrad and for SGD or RMSprop with momentum, two for optimizers
+    not known here)."""
+    from protrain_fx.runtime.optimizer_lookup import _optimizers
+
+    trained = [p for p in params if p is not None and p.requires_grad and p.device == device]
+    if not trained:
+        return 0, 0
+    ids = {id(p) for p in trained}
+    holders = {}
+    for o in _optimizers():
+        for g in o.param_groups:
+            for p in g["params"]:
+                if id(p) in ids:
+                    holders[id(p)] = (o, g)
+    total = 0
+    for p in trained:
+        if store_of(p) is not None:
+            continue  # placed by a plan
+        total += p.nbytes if p.grad is None else 0
+        o, g = holders.get(id(p), (None, None))
+        if o is None or o.state.get(p):
+            continue
+        name = type(o).__name__
+        n = _STATE_TENSORS.get(name, 2)
+        if name in ("SGD", "RMSprop"):
+            n = int(bool(g.get("momentum"))) + int(bool(g.get("centered")))
+        n += int(bool(g.get("amsgrad")))
+        total += n * p.nbytes
+    return total, len(trained)
+
+
 def host_freed_bytes(params: list) -> int:
     """Host bytes that the plan of a graph with parameters ``params`` counts as its own: the host
     values (host_init's) its store frees as it takes each chunk over, and what the stores they

@@ -317,6 +317,45 @@ def test_19_1_regional_compilation_hf_llama(placement, use_cache):
     parity(base, opts, compile_fn=regional("model.layers"), loss_fn=loss_fn, data=hf_data()).check()
 
 
+def test_19_1_regional_compilation_of_a_host_init_model(caplog):
+    """Built under ``host_init`` (every parameter an empty shell, its value on the host), its
+    decoder layers compiled one by one: the embedding, final norm and tied head run eagerly, where
+    they read their shells (before: ``setStorage ... out of bounds for storage of size 0`` at the
+    first forward, found on an H100 by benchmarks/distill.py's ``regional`` row). Their values go
+    to the device at their first eager call (one line says so); losses and parameters as eager's,
+    the layers' chunks offloaded."""
+    import transformers
+    from hf_models import llama_config
+
+    from protrain_fx.runtime.param_values import HOST_VALUES
+
+    ref = hf_llama(seed=0)
+    with protrain_fx.host_init("cpu"):
+        model = transformers.LlamaForCausalLM(llama_config()).train()
+    model.load_state_dict(ref.state_dict())
+    assert all(p in HOST_VALUES for p in model.parameters())
+    for layer in model.model.layers:
+        layer.compile(backend="protrain", options=offload(ref))
+    o_ref, o_mine = adamw(ref.parameters()), adamw(model.parameters())
+    expected, losses = [], []
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        for x, _ in hf_data():
+            for m, o, out in ((ref, o_ref, expected), (model, o_mine, losses)):
+                loss = hf_loss_no_cache(m, x)
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                out.append(loss.item())
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+    said = [m for m in caplog.messages if "built under host_init" in m]
+    assert len(said) == 1 and "Embedding" in said[0], caplog.messages
+    assert model.model.embed_tokens.weight not in HOST_VALUES
+    assert "host" in placements(model.model.layers[0])
+    mine = {k: v for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(mine[k], v, rtol=0, atol=1e-5, msg=k)
+
+
 def test_19_1_regional_compilation_offloaded_inductor():
     # Inductor's own caches as a user has them (on). A rare 3.46e-5 loss difference here was the
     # in-backward CPU step finishing while the chunk's slot was reserved (see

@@ -241,6 +241,34 @@ def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
     for p in plans:
         assert p.measured["loop_bytes"] == LOOP, p.measured
         assert "divided by the 2 blocks" in p.predicted["budget"], p.predicted["budget"]
+        # the tied embedding and the final norm train eagerly: their gradients are to come again
+        assert "the 2 parameters outside the compiled blocks" in p.predicted["budget"]
+
+
+def test_the_parameters_outside_blocks_compiled_one_by_one_are_budgeted_as_they_will_grow():
+    """What the embedding (tied to the head) and the final norm of an HF Llama whose layers are
+    compiled one by one will allocate: their gradients while they have none, and AdamW's two
+    moments while it holds none for them; nothing for the layers' parameters."""
+    from protrain_fx.graph import regional
+
+    model = hf_llama(seed=0, num_hidden_layers=2)
+    layers = list(model.model.layers)
+    outside = regional.outside_params(layers[0], layers)
+    assert {id(p) for p in outside} == {
+        id(model.model.embed_tokens.weight),
+        id(model.model.norm.weight),
+    }
+    nbytes = sum(p.nbytes for p in outside)
+    cpu = torch.device("cpu")
+    assert budgets.eager_growth(outside, cpu) == (nbytes, 2)  # no optimizer: gradients only
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert budgets.eager_growth(outside, cpu) == (3 * nbytes, 2)
+    model(input_ids=data(1)[0], labels=data(1)[0]).loss.backward()
+    opt.step()
+    assert budgets.eager_growth(outside, cpu) == (0, 2)  # all there now
+    opt.zero_grad()
+    assert budgets.eager_growth(outside, cpu) == (nbytes, 2)  # the gradients come back
+    assert budgets.eager_growth(outside, torch.device("meta")) == (0, 0)
 
 
 def own_loss_step(model, opt, x, meter: Meter, held: int) -> float:

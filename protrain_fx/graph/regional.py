@@ -7,7 +7,9 @@ the end of forward at once, while the plan of one block's graph sees one block. 
 plan of such a graph is chosen for the block's share of the budget: ``1/N`` of it for ``N`` blocks
 of that structure in the block's container, with the parameters of all ``N`` counted as placed by
 the plan (not as memory of others). What runs outside the blocks (embedding, head, loss) is not
-planned under regional compilation; the plan's notes say so.
+planned under regional compilation; the plan's notes say so, and the gradients and optimizer
+state that the parameters outside the blocks will hold once they train eagerly are taken out of the
+budget first (:func:`outside_params`, ``budgets.eager_growth``).
 
 The container is found from the block itself (the ``_modules`` dict that holds it, through the
 garbage collector's referrers), since a module does not know its parent.
@@ -55,3 +57,28 @@ def siblings(root) -> list[nn.Module]:
     same = [m for k, m in list(modules.items()) if k.isdigit() and isinstance(m, nn.Module)]
     same = [m for m in same if m is root or _signature(m) == sig]
     return same if len(same) > 1 else [root]
+
+
+def _owner_of(modules: dict) -> nn.Module | None:
+    """The module whose ``_modules`` dict is ``modules``."""
+    for d in gc.get_referrers(modules):
+        if isinstance(d, dict) and d.get("_modules") is modules:
+            for m in gc.get_referrers(d):
+                if isinstance(m, nn.Module) and m.__dict__ is d:
+                    return m
+    return None
+
+
+def outside_params(root: nn.Module, blocks: list) -> list:
+    """The parameters of the outermost module holding ``root`` (found upwards through the
+    containers) that none of ``blocks`` holds: the embedding, final norm and head of a model whose
+    blocks are compiled one by one."""
+    top, seen = root, {id(root)}
+    while (found := _container_of(top)) is not None:
+        owner = _owner_of(found[0])
+        if owner is None or id(owner) in seen:
+            break
+        top = owner
+        seen.add(id(top))
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    return [p for p in top.parameters() if id(p) not in inside]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 
 import torch
@@ -17,6 +18,8 @@ import torch.nn as nn
 from protrain_fx._weakmap import IdentityWeakMap
 from protrain_fx.errors import ProtrainError
 from protrain_fx.runtime.chunk_store import device_shell, store_of
+
+log = logging.getLogger("protrain_fx")
 
 # host_init's parameters before a ChunkStore takes them: parameter -> host tensor
 HOST_VALUES = IdentityWeakMap()
@@ -179,6 +182,41 @@ def host_init(device="cuda"):
         if buf is not None:
             module._buffers[name] = buf.to(device)
     install_hooks(owners)
+    for module in dict.fromkeys(owners):  # once each, in order
+        module.register_forward_pre_hook(_shells_run_eagerly)
+
+
+_SAID_EAGER = False
+
+
+def _shells_run_eagerly(module: nn.Module, args) -> None:
+    """Forward pre-hook of the modules owning :func:`host_init`'s parameters. Traced by dynamo it
+    does nothing (the graph's code places them); run eagerly (a module outside every compiled
+    block of a regional compilation, the code of a graph break, a forward before any compile) its
+    parameters that are still empty shells get their host values copied to their device, where
+    eager PyTorch reads them (before, it read the shell: ``setStorage ... out of bounds for storage
+    of size 0``). No plan placed them: the plans made later count them as memory of others."""
+    global _SAID_EAGER
+    if torch.compiler.is_compiling():
+        return
+    shells = [p for p in module._parameters.values() if p is not None and p in HOST_VALUES]
+    if not shells:
+        return
+    nbytes = 0
+    for p in shells:
+        p.data = HOST_VALUES.pop(p).to(p.device)
+        nbytes += p.nbytes
+    if not _SAID_EAGER:
+        _SAID_EAGER = True
+        log.warning(
+            "protrain: %s (built under host_init) ran outside protrain's compiled graphs, so its "
+            "parameters' values were copied to %s (%.1f MiB; so for every such module, said "
+            "once): compile the modules that hold most parameters with backend='protrain' "
+            "(a whole model places all of them)",
+            type(module).__name__,
+            shells[0].device,
+            nbytes / 2**20,
+        )
 
 
 def placement_snapshot(params) -> "callable":
