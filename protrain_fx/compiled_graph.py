@@ -19,6 +19,7 @@ from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
 from protrain_fx.graph.fx import copy_graph_module, fake_mode_for
 from protrain_fx.graph.inputs import replanning
 from protrain_fx.machine import allocator
+from protrain_fx.model_instances import other_model
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
 from protrain_fx.profiling import kept_grads, loop_memory
@@ -75,15 +76,17 @@ class ProtrainGraph:
         compile_graph,
         root=None,
     ):
-        # backend._compile: (gm, examples, graph inputs, params, opts, options, failed_peaks=,
-        # graph_name=, grads_held=) -> (compiled, plan, device, choice)
+        # backend._compile: (gm, examples, graph inputs, params, opts, options, **) -> (compiled,
+        # plan, device, choice)
         self._compile = compile_graph
-        # the module dynamo traced (held weakly), for the state-dict hooks of stores the binding
-        # makes
+        self.plan = self.choice = self.device = self.binding = None  # install() sets them
+        # the module dynamo traced (weakly), for the state-dict hooks of stores the binding makes
         self._root = weakref.ref(root) if isinstance(root, torch.nn.Module) else None
         self._eager_graph = eager_graph  # as dynamo traced it: for re-planning
         self._graph_inputs = graph_inputs
         self._params = [None if p is None else weakref.ref(p) for p in params]
+        self.anchor = next((k for k, p in enumerate(params) if p is not None), None)  # 1st param
+        self.instances: dict = {}  # other models' graphs, by their first parameter's id
         # a graph with symbolic sizes (dynamic shapes) is re-planned as it was compiled: under
         # dynamo's tracing context (its fake mode knows the example inputs' symbolic sizes) on its
         # example inputs (the parameters among them held weakly); a re-plan from a call's concrete
@@ -96,20 +99,16 @@ class ProtrainGraph:
         # the compile: converted anew, they got new symbols (a re-planned evaluation graph of an HF
         # Llama at another batch size failed in Inductor, "expected [s52] to have been codegen-ed")
         self._fakes = _compat.traced_fakes(self._tracing, self._examples)
-        # the user's dict (get_plan finds plans by it) and it over the defaults; their optimizer
-        # (given or found) held weakly
+        # the user's dict (get_plan finds it), it over the defaults; the optimizer (weakly)
         self._options, self._merged = options, merged
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self.replans = 0
-        # a backward ran out of memory: re-plan before the next forward
-        self._pending: str | None = None
+        self._pending: str | None = None  # a backward ran out of memory: re-plan before a forward
         # why the loop keeps gradients between steps, once a forward saw it (_kept_grads), and
         # whether no re-plan could count them (the plan then goes on as it was)
-        self._grads_held: str | None = None
-        self._held_unpriced = False
+        self._grads_held, self._held_unpriced = None, False
         # the graph's resident parameters that need gradients (weakly), found at its second call
-        self._resident: list | None = None
-        self._called = False
+        self._resident, self._called = None, False
         # the most the loop held of its own between this graph's forward and backward (None: no
         # window closed yet; profiling/loop_memory.py), and why the next call re-plans for it
         self.loop_bytes, self._loop_pending = None, None
@@ -149,6 +148,8 @@ class ProtrainGraph:
         self._shared_seen = budgets.shared_version
 
     def __call__(self, *args):
+        if (other := other_model(self, args)) is not None:
+            return other(*args)
         loop_memory.call_started(self)
         try:
             out = self._call(args)
@@ -466,7 +467,7 @@ class ProtrainGraph:
                 e.min_host_bytes,
             ) from None
 
-    def _recompile(self, args, peaks: tuple, note: str) -> None:
+    def _recompile(self, args, peaks: tuple, note: str, graph_name: str | None = None) -> None:
         """Plan and compile the graph again for ``args`` (``peaks``: predicted peaks of plans that
         ran out of memory) and install it; ``note`` goes into the new plan's notes."""
         import gc
@@ -505,7 +506,7 @@ class ProtrainGraph:
                 opts,
                 self._options,
                 failed_peaks=peaks,
-                graph_name=self.plan.graph_name,
+                graph_name=graph_name or self.plan.graph_name,
                 grads_held=self._grads_held,
                 loop_bytes=self.loop_bytes,
                 # the entry its next run's first plan reads (autoplan.choose)

@@ -78,3 +78,37 @@ def test_a_second_trained_model_makes_room_on_the_device_the_first_took(
     while cause is not None and not isinstance(cause, NoPlanFits):
         cause = cause.__cause__ or cause.__context__
     assert cause is not None, e.value
+
+
+def test_twins_of_one_shape_get_a_graph_each(shared_cpu, caplog):
+    """Two HF Llamas of one configuration (seeds 0 and 1), each with its AdamW (other learning rates
+    and betas): dynamo runs the first's graph for the second (one code object, the same guards).
+    Before, the second ran that graph eagerly, none of its parameters placed (on a GPU its whole
+    state on the device). Now the second gets a graph of its own, planned beside the first (its
+    chunk stores, its optimizer); one line says so. Losses and parameters as eager's."""
+    refs = [hf_llama(seed=0), hf_llama(seed=1)]
+    mine = [copy.deepcopy(m) for m in refs]
+    hyper = [dict(lr=1e-3), dict(lr=3e-3, betas=(0.8, 0.95))]
+    o_refs = [torch.optim.AdamW(m.parameters(), **h) for m, h in zip(refs, hyper)]
+    o_mine = [torch.optim.AdamW(m.parameters(), **h) for m, h in zip(mine, hyper)]
+    compiled = [torch.compile(m, backend="protrain", options={"compiler": "eager"}) for m in mine]
+
+    def step(model, opt, x):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        for x in data():
+            for k in (0, 1):
+                a, b = step(refs[k], o_refs[k], x), step(compiled[k], o_mine[k], x)
+                assert abs(a - b) <= 1e-5 * abs(a), (k, a, b)
+    said = [m for m in caplog.messages if "another model of the same structure" in m]
+    assert len(said) == 1, caplog.messages
+    assert not [m for m in caplog.messages if "runs eagerly" in m], caplog.messages
+    for k in (0, 1):
+        assert protrain_fx.testing.stores_of(mine[k]), k
+        for (name, p), q in zip(mine[k].named_parameters(), refs[k].parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5, msg=name)

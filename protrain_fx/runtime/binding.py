@@ -114,6 +114,9 @@ class GraphBinding:
             if len(t.entries) == len({id(p) for p in params}):
                 self._template = weakref.ref(t)
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        # parameters in no store get stores like the graph's own (a block's graph), not a graph
+        # of their own (protrain_fx/model_instances.py)
+        self.makes_like_its_own = self._template is not None
         self._eager_graph = eager_graph
         self._said = False
         # each store's placement when the graph was bound (runtime/replacement.py moves it)
