@@ -58,7 +58,7 @@ from protrain_fx.machine import allocator
 from protrain_fx.options import Options, forget_optimizer
 from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
-from protrain_fx.profiling import static
+from protrain_fx.profiling import loop_memory, static
 from protrain_fx.report.dump import GraphDump
 from protrain_fx.runtime import distributed, loss_ops, ops, replacement, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
 from protrain_fx.runtime.binding import on_error, runtime_guard
@@ -460,7 +460,7 @@ def _compile(
                 )
             return compiled, plan
 
-        def choose():
+        def choose(loop=loop_bytes):
             return autoplan.choose(
                 gm,
                 example_inputs,
@@ -474,11 +474,11 @@ def _compile(
                 regions=split,
                 grads_held=grads_held,
                 cache_path=cache_path,
-                loop_bytes=loop_bytes,
+                loop_bytes=loop,
             )
 
         try:
-            choice = choose()
+            choice = loop_memory.choose_beside_prior(choose, gm, loop_bytes)
         except NoPlanFits as e:  # another trained model took the device: it makes room
             if (made := trained_peers.make_room(live, opts, device, e, root)) is None:
                 raise

@@ -352,3 +352,24 @@ def test_a_prior_far_above_what_the_loop_holds_is_planned_again_and_not_served_a
     assert not [m for m in caplog.messages if "the training loop held up to" in m], caplog.messages
     assert plans[0].predicted["loop_prior_bytes"] == 0, plans[0].predicted
     assert plans[0].predicted["loop_bytes"] == 10_000
+
+
+def test_a_prior_no_plan_fits_beside_is_dropped_until_measured(meter, caplog):
+    """Logits of 5 x 64 tokens: beside the graph's own logits and their backward, the 1.97 MB an
+    fp32 cross-entropy is assumed to hold on them leaves no plan room in the 5.72 MiB device: the
+    plan is made as if the loop held nothing until measured (as before the prior), one line says
+    so; the run trains as eager's."""
+    batches = [x for x, _ in random_batches(2, 5, 64, vocab=HF_VOCAB, seed=1)]
+    ref = hf_llama(seed=0)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    expected = [own_loss_step(ref, o_ref, x, Meter(), 0) for x in batches]
+    model = torch.compile(hf_llama(seed=0), backend="protrain", options={"compiler": "eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        losses = [own_loss_step(model, opt, x, meter, 1000) for x in batches]
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+    said = [m for m in caplog.messages if "no plan leaves room for the" in m]
+    assert len(said) == 1 and "planned without it until the loop is measured" in said[0]
+    plan = protrain_fx.get_plan(model)
+    assert any("no plan leaves room for the" in n for n in plan.notes), plan.notes
+    assert plan.predicted["loop_prior_bytes"] == 0 and plan.measured["loop_bytes"] == 1000

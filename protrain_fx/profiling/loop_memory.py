@@ -37,13 +37,17 @@ first calls: a loop reading ``torch.cuda.max_memory_allocated`` reads it since t
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 
 from protrain_fx import _compat
+from protrain_fx.errors import NoPlanFits
 from protrain_fx.options import format_bytes
 from protrain_fx.runtime import distributed
+
+log = logging.getLogger("protrain_fx")
 
 LOOKS = 2  # training calls of a plan whose windows are measured (before the step meter's reset)
 # an fp32 cross-entropy's fp32 tensors per element of its input, at most, before its backward
@@ -251,6 +255,26 @@ def budgeted(
         return loop, max(0, loop - allowance_bytes), prior if loop == prior else 0
     loop = max(seen or 0, measured.get("loop_bytes") or 0)
     return loop, max(0, loop - allowance_bytes), 0
+
+
+def choose_beside_prior(choose, gm: torch.fx.GraphModule, loop_bytes: int | None):
+    """``choose(loop_bytes)`` (autoplan.choose); where the loop was not measured yet and no plan
+    fits beside the prior, ``choose(0)``: the plan as if the loop held nothing of its own until it
+    is measured, as before the prior (one line and a note say so)."""
+    try:
+        return choose(loop_bytes)
+    except NoPlanFits as e:
+        if loop_bytes is not None or not (prior := prior_bytes(gm)):
+            raise
+        why = str(e).splitlines()[0][:200]
+    choice = choose(0)
+    note = (
+        f"no plan leaves room for the {format_bytes(prior)} a loss of the loop's own on the "
+        f"graph's outputs may hold ({why}); planned without it until the loop is measured"
+    )
+    log.warning("protrain: %s", note)
+    choice.notes.append(note)
+    return choice
 
 
 def room_unused(pred: dict, nbytes: int) -> bool:
