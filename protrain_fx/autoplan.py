@@ -177,6 +177,7 @@ def choose(
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
     placed = params + [p for m in peers if m is not root for p in m.parameters()]
     budget, budget_why = device_budget(opts, device, placed)
+    growth = 0
     if n_peers > 1:
         # the embedding, norm and head train eagerly: their gradients and optimizer state to come
         growth, n_out = budgets.eager_growth(regional.outside_params(root, peers), device)
@@ -447,7 +448,7 @@ def choose(
         )
         min_dev, min_host = e.min_device_bytes, e.min_host_bytes
         if n_peers > 1 and min_dev is not None:  # in terms of the whole budget the user sets
-            min_dev = min_dev * n_peers
+            min_dev = min_dev * n_peers + growth
             hint += (
                 f"; for all {n_peers} blocks of this regional compilation the budget must be at "
                 f"least {format_bytes(min_dev)} ({min_dev} bytes)"
