@@ -180,7 +180,7 @@ def choose(
     growth = 0
     if n_peers > 1:
         # the embedding, norm and head train eagerly: their gradients and optimizer state to come
-        growth, n_out = budgets.eager_growth(regional.outside_params(root, peers), device)
+        growth, n_out = budgets.eager_growth(regional.outside_params(peers), device)
         if growth:
             budget -= growth
             budget_why += (

@@ -247,21 +247,22 @@ def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
 
 def test_the_parameters_outside_blocks_compiled_one_by_one_are_budgeted_as_they_will_grow():
     """What the embedding (tied to the head) and the final norm of an HF Llama whose layers are
-    compiled one by one will allocate: their gradients while they have none, and AdamW's two
-    moments while it holds none for them; nothing for the layers' parameters."""
+    compiled one by one (found as what the layers' optimizer holds besides them) will allocate:
+    their gradients while they have none, and AdamW's two moments while it holds none for them;
+    nothing for the layers' parameters."""
     from protrain_fx.graph import regional
 
     model = hf_llama(seed=0, num_hidden_layers=2)
     layers = list(model.model.layers)
-    outside = regional.outside_params(layers[0], layers)
+    assert regional.outside_params(layers) == []  # found through the optimizer: none yet
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outside = regional.outside_params(layers)
     assert {id(p) for p in outside} == {
         id(model.model.embed_tokens.weight),
         id(model.model.norm.weight),
     }
     nbytes = sum(p.nbytes for p in outside)
     cpu = torch.device("cpu")
-    assert budgets.eager_growth(outside, cpu) == (nbytes, 2)  # no optimizer: gradients only
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     assert budgets.eager_growth(outside, cpu) == (3 * nbytes, 2)
     model(input_ids=data(1)[0], labels=data(1)[0]).loss.backward()
     opt.step()

@@ -59,26 +59,20 @@ def siblings(root) -> list[nn.Module]:
     return same if len(same) > 1 else [root]
 
 
-def _owner_of(modules: dict) -> nn.Module | None:
-    """The module whose ``_modules`` dict is ``modules``."""
-    for d in gc.get_referrers(modules):
-        if isinstance(d, dict) and d.get("_modules") is modules:
-            for m in gc.get_referrers(d):
-                if isinstance(m, nn.Module) and m.__dict__ is d:
-                    return m
-    return None
+def outside_params(blocks: list) -> list:
+    """The parameters that the optimizers holding ``blocks``' parameters hold besides those: the
+    embedding, final norm and head of a model whose blocks are compiled one by one (one pass over
+    the live optimizers; a model is not found from its blocks without the garbage collector's
+    referrers, 0.6 s a time on an HF Llama of 16 layers)."""
+    from protrain_fx.runtime.optimizer_lookup import _optimizers
 
-
-def outside_params(root: nn.Module, blocks: list) -> list:
-    """The parameters of the outermost module holding ``root`` (found upwards through the
-    containers) that none of ``blocks`` holds: the embedding, final norm and head of a model whose
-    blocks are compiled one by one."""
-    top, seen = root, {id(root)}
-    while (found := _container_of(top)) is not None:
-        owner = _owner_of(found[0])
-        if owner is None or id(owner) in seen:
-            break
-        top = owner
-        seen.add(id(top))
     inside = {id(p) for b in blocks for p in b.parameters()}
-    return [p for p in top.parameters() if id(p) not in inside]
+    out, seen = [], set(inside)
+    for o in _optimizers():
+        held = [p for g in o.param_groups for p in g["params"]]
+        if any(id(p) in inside for p in held):
+            for p in held:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
