@@ -19,6 +19,10 @@ each its own process (``--row``):
   ``labels=``): plain PyTorch on the whole device, and protrain under ``--cap``. Both distillation
   orders and this one allocate gigabytes of their own between the forward and the backward, which
   protrain measures in the first step and budgets (profiling/loop_memory.py).
+- ``twins_reference`` / ``twins``: two students of the same shape, each with its AdamW (learning
+  rates 1e-4 and 3e-4), stepped in turn with ``labels=``: dynamo runs the first's graph for the
+  second, which gets a graph of its own (protrain_fx/model_instances.py), planned beside the first
+  (protrain_fx/trained_peers.py). Both twins' losses are compared.
 - ``regional``: the student alone compiled block by block (``layer.compile(backend="protrain")``),
   HF's own loss (``labels=``, the same cross-entropy as ``own_loss``'s, against its reference): the
   embedding, head and loss run outside the compiled blocks.
@@ -53,6 +57,8 @@ ROWS = [
     "own_loss_reference",
     "own_loss",
     "regional",
+    "twins_reference",
+    "twins",
 ]
 BF16_REL = 2**-6  # oom_sweep.BF16_REL
 
@@ -80,10 +86,18 @@ def run_row(name: str, args) -> dict:
     t0 = time.perf_counter()
     host = not name.endswith("reference")
     alone = name.startswith("own_loss") or name == "regional"  # no teacher
-    t_model = None if alone else build(MODELS[args.teacher], args.seq, host=host)
-    t_model = t_model.eval().requires_grad_(False) if t_model is not None else None
+    twins = name.startswith("twins")  # a second student of the same shape, trained beside
+    t_model = (
+        None
+        if alone
+        else build(MODELS[args.student if twins else args.teacher], args.seq, host=host)
+    )
+    if t_model is not None and not twins:
+        t_model = t_model.eval().requires_grad_(False)
     s_model = build(MODELS[args.student], args.seq, host=host)
     opt = torch.optim.AdamW(s_model.parameters(), lr=1e-4, fused=True)
+    # the twin: its own AdamW, another learning rate
+    opt2 = torch.optim.AdamW(t_model.parameters(), lr=3e-4, fused=True) if twins else None
     if host:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.cap * 2**30 / total)
@@ -102,6 +116,12 @@ def run_row(name: str, args) -> dict:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if name == "regional":
                 return _finish(student(input_ids=x, labels=x).loss)
+            if twins:  # each twin's step in turn; the first's loss reported, the second's kept
+                first = _finish(student(input_ids=x, labels=x).loss)
+                row.setdefault("twin_losses", []).append(
+                    _finish(teacher(input_ids=x, labels=x).loss, opt2)
+                )
+                return first
             if alone:
                 logits = student(input_ids=x).logits.float()
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
@@ -116,10 +136,10 @@ def run_row(name: str, args) -> dict:
             loss = out.loss + F.kl_div(log_p, target, reduction="batchmean")
         return _finish(loss)
 
-    def _finish(loss) -> float:
+    def _finish(loss, optimizer=opt) -> float:
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
         return loss.item()
 
     losses, times = [], []
@@ -185,10 +205,17 @@ def evaluate(rows: list[dict]) -> None:
     refs = {r["row"]: r for r in rows if r["row"].endswith("reference") and "losses" in r}
     for r in rows:
         own = r["row"] in ("own_loss", "regional")
-        ref = refs.get("own_loss_reference" if own else "reference")
+        ref = refs.get(
+            "own_loss_reference"
+            if own
+            else "twins_reference"
+            if r["row"] == "twins"
+            else "reference"
+        )
         if ref is None or "cap_gib" not in r or not r.get("losses") or "error" in r:
             continue
         pairs = list(zip(r["losses"], ref["losses"]))
+        pairs += list(zip(r.get("twin_losses", []), ref.get("twin_losses", [])))
         r["max_loss_rel_vs_reference"] = max(abs(a - b) / abs(b) for a, b in pairs)
         r["within_bf16_tolerance"] = r["max_loss_rel_vs_reference"] <= BF16_REL
         r["within_cap"] = r["peak_reserved_gib"] <= r["cap_gib"]

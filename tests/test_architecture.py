@@ -38,6 +38,7 @@ LAYERS = [
             "code_cache",
             "region_program",
             "backend",
+            "model_instances",
             "compiled_graph",
             "testing",
             "__init__",
