@@ -150,13 +150,13 @@ class ProtrainGraph:
     def __call__(self, *args):
         if (other := other_model(self, args)) is not None:
             return other(*args)
-        loop_memory.call_started(self)
+        loop_memory.call_started(self, args)
         try:
             out = self._call(args)
         except BaseException:
             loop_memory.abandon()
             raise
-        loop_memory.call_returned(self, out)
+        loop_memory.call_returned(self, out, args)
         return out
 
     def loop_seen(self, nbytes: int) -> None:

@@ -211,8 +211,9 @@ def test_the_window_cuts_out_protrain_calls_and_closes_at_the_backward(monkeypat
     assert c.seen == [0]  # a window of its own: the 500 came before it
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
 def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
-    meter, shared_cpu, caplog
+    meter, shared_cpu, caplog, use_cache
 ):
     """Regional compilation (``layer.compile``): the head and HF's loss run outside the compiled
     blocks, between the last block's forward and the backward, with the loop's own tensors. Every
@@ -220,9 +221,13 @@ def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
     share (before, a re-plan lost dynamo's frame, took its block for the whole model and planned it
     for the whole budget). Here no plan leaves that room (this model's smallest plan per block,
     everything offloaded, is above its first): said once per block, and the plans that ran go on,
-    measured no more. Losses as eager's."""
-    ref = hf_llama(seed=0, num_hidden_layers=2)
-    model = hf_llama(seed=0, num_hidden_layers=2)
+    measured no more. Losses as eager's. Without the KV cache (``use_cache=False``, as training
+    scripts pass it) dynamo runs one graph for the three layers: the window counts the other
+    layers' calls as protrain calls inside it, not as the member's next forward (before, the
+    second layer's call closed it, the third's another, and the looks were spent on what lies
+    between layers: the ``regional`` row of benchmarks/results/distill_h100_run88.md read 0)."""
+    ref = hf_llama(seed=0, num_hidden_layers=3, use_cache=use_cache)
+    model = hf_llama(seed=0, num_hidden_layers=3, use_cache=use_cache)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for layer in model.model.layers:
@@ -232,15 +237,17 @@ def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
         for x in data(4):
             a, b = step(ref, o_ref, x), step(model, opt, x, meter)
             assert abs(a - b) <= 1e-5 * abs(a), (a, b)
-    plans = [protrain_fx.get_plan(layer) for layer in model.model.layers]
+    # one graph for all layers: its plan is found from the first, whose call compiled it
+    plans = [protrain_fx.get_plan(layer) for layer in model.model.layers[: 3 if use_cache else 1]]
     said = [m for m in caplog.messages if "the training loop held up to" in m]
     no_room = [m for m in caplog.messages if "no plan leaves the loop that room" in m]
-    assert len(said) == len(no_room) == 2, caplog.messages
-    # each block's re-plan was one of 2 blocks' share of the device less the loop's excess
-    assert all("divided by the 2 blocks of this structure, less" in m for m in no_room), no_room
+    graphs = 3 if use_cache else 1  # a graph per layer (each guards its layer_idx), or one
+    assert len(said) == len(no_room) == graphs, caplog.messages
+    # each block's re-plan was one of 3 blocks' share of the device less the loop's excess
+    assert all("divided by the 3 blocks of this structure, less" in m for m in no_room), no_room
     for p in plans:
         assert p.measured["loop_bytes"] == LOOP, p.measured
-        assert "divided by the 2 blocks" in p.predicted["budget"], p.predicted["budget"]
+        assert "divided by the 3 blocks" in p.predicted["budget"], p.predicted["budget"]
         # the tied embedding and the final norm train eagerly: their gradients are to come again
         assert "the 2 parameters outside the compiled blocks" in p.predicted["budget"]
 

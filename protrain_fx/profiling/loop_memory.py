@@ -11,7 +11,10 @@ distillation loop ran out of memory there, in its own code, where protrain canno
 automatic plan's graph on a device whose budget is what the process may use (CUDA without a
 ``memory_budget``; one process, not data parallel), a *window* opens at the forward's return and
 closes when the backward reaches the graph (a hook on its outputs: the loop's own backward ran by
-then) or at its next forward: the device's peak allocated bytes in it (the allocator's peak counter,
+then) or at its next forward on the same parameters (one graph that dynamo runs for every block of
+a regional compilation is called for the other blocks inside the window: those calls are cut out
+like other protrain calls, and a window is one look however many blocks it spans): the device's
+peak allocated bytes in it (the allocator's peak counter,
 reset at the window's start) less what was allocated at its start is what the loop held at most.
 Calls of protrain graphs inside the window (a teacher's forward, the other blocks of a regional
 compilation) are cut out: their own peaks are not read, and what they leave allocated (placed
@@ -80,6 +83,8 @@ class _Window:
         self.base = at  # allocated at the first forward's return, plus what protrain calls left
         self.loop_peak = 0  # the most the loop held above base, over the segments so far
         self.members: list = []  # the graphs whose forwards it spans (weakly)
+        # (graph, first parameter) of those forwards: one graph may run for several blocks
+        self.calls: set = set()
         self.inside_from: int | None = None  # allocated at a protrain call's start, inside one
 
     def segment_peak(self) -> None:
@@ -106,19 +111,27 @@ def measures(graph) -> bool:
     )
 
 
-def call_started(graph) -> None:
+def _call_key(graph, args) -> tuple:
+    """A graph's call told apart from its calls for other blocks (one graph dynamo runs for every
+    block of a regional compilation): the graph and its first parameter input."""
+    k = getattr(graph, "anchor", None)
+    first = args[graph._graph_inputs[k].index] if k is not None and args is not None else None
+    return id(graph), id(first)
+
+
+def call_started(graph, args=None) -> None:
     """A protrain graph's call begins: a segment of the open window ends before it; a member's
-    next forward closes the window (no backward came between)."""
+    next forward on the same parameters closes the window (no backward came between)."""
     w = _OPEN
     if w is None or w.device != getattr(graph, "device", None):
         return
-    if any(r() is graph for r in w.members):
+    if _call_key(graph, args) in w.calls:
         return _close(w)
     w.segment_peak()
     w.inside_from = w.meter.allocated(w.device)
 
 
-def call_returned(graph, out) -> None:
+def call_returned(graph, out, args=None) -> None:
     """A protrain graph's call returned ``out``: what it left allocated is not the loop's; a
     measuring training graph's forward opens the window, or joins it; a new segment starts."""
     global _OPEN
@@ -130,11 +143,13 @@ def call_returned(graph, out) -> None:
         outs = out if isinstance(out, (list, tuple)) else [out]
         wanting = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
         if wanting:
-            graph.loop_looks += 1
             if w is None:
                 meter = METERS[graph.device.type]
                 w = _OPEN = _Window(graph.device, meter, meter.allocated(graph.device))
-            w.members.append(weakref.ref(graph))
+            if not any(r() is graph for r in w.members):  # a window a look, however many blocks
+                graph.loop_looks += 1
+                w.members.append(weakref.ref(graph))
+            w.calls.add(_call_key(graph, args))
             closing = _closing(w)  # fires once the loop's own backward reached the graph
             for t in wanting:
                 t.register_hook(closing)
