@@ -21,6 +21,15 @@ def data(n=4, seed=1):
     return [x for x, _ in random_batches(n, 2, 16, vocab=HF_VOCAB, seed=seed)]
 
 
+def step(model, opt, x) -> float:
+    """One training step with HF's own loss (``labels=``)."""
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def test_a_second_trained_model_makes_room_on_the_device_the_first_took(
     shared_cpu, monkeypatch, caplog
 ):
@@ -43,13 +52,6 @@ def test_a_second_trained_model_makes_room_on_the_device_the_first_took(
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (g_ref, d_ref, g, d)]
         cg = torch.compile(g, backend="protrain", options={"compiler": "eager"})
         cd = torch.compile(d, backend="protrain", options={"compiler": "eager"})
-
-        def step(model, opt, x):
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.item()
 
         for x in data():
             for ref, mine in ((g_ref, cg), (d_ref, cd)):
@@ -92,13 +94,6 @@ def test_twins_of_one_shape_get_a_graph_each(shared_cpu, caplog):
     o_refs = [torch.optim.AdamW(m.parameters(), **h) for m, h in zip(refs, hyper)]
     o_mine = [torch.optim.AdamW(m.parameters(), **h) for m, h in zip(mine, hyper)]
     compiled = [torch.compile(m, backend="protrain", options={"compiler": "eager"}) for m in mine]
-
-    def step(model, opt, x):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
 
     with caplog.at_level("WARNING", logger="protrain_fx"):
         for x in data():
