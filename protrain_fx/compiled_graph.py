@@ -165,7 +165,7 @@ class ProtrainGraph:
         before it was measured, the next call re-plans."""
         self.loop_bytes = max(self.loop_bytes or 0, nbytes)
         why = loop_memory.replan_why(self.plan, self.loop_bytes)
-        if self.replans < self.MAX_REPLANS:
+        if why and self.replans < self.MAX_REPLANS:
             self._loop_pending = why
         if self.choice.cache_path:
             plan_cache.save_plan(self.choice.cache_path, self.plan)
