@@ -441,10 +441,8 @@ def choose(
         hint = (
             (
                 "; every chunk was kept resident because protrain has no optimizer to step "
-                "offloaded ones: "
-                "create the torch.optim.Adam/AdamW before the model's first call (protrain finds "
-                "it) or pass "
-                "options={'optimizer': opt} to let the plan offload chunks"
+                "offloaded ones: it steps torch.optim.Adam and AdamW, found when created before "
+                "the model's first call or passed as options={'optimizer': opt}"
             )
             if all_resident
             else ""

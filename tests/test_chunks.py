@@ -536,6 +536,21 @@ def test_offloading_without_the_optimizer_is_exact():
         protrain_fx.Options.from_dict({"optimizer": torch.optim.SGD(gpt().parameters(), lr=0.1)})
 
 
+def test_a_budget_error_names_the_optimizer_found_that_cannot_offload():
+    """The automatic plan under a budget that needs offloading, with only an SGD over the model:
+    the error says which optimizer was found and that protrain steps Adam and AdamW."""
+    model = gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    compiled = torch.compile(
+        model, backend="protrain", options={"compiler": "eager", "memory_budget": 1}
+    )
+    with pytest.raises(
+        Exception, match=r"the optimizer\(s\) over this graph's parameters \(SGD\) cannot step"
+    ):
+        compiled(*random_batches(1, 2, 16)[0])
+    del opt
+
+
 @pytest.mark.usefixtures("whole_graph")
 def test_dumps_show_chunk_ops(tmp_path):
     model = gpt()
