@@ -551,6 +551,18 @@ def test_a_budget_error_names_the_optimizer_found_that_cannot_offload():
     del opt
 
 
+@pytest.mark.parametrize("flag", ["capturable", "differentiable"])
+def test_an_adam_flag_protrain_cannot_honour_says_why_and_what_to_do(flag):
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **{flag: True})
+    compiled = torch.compile(
+        model, backend="protrain", options={"compiler": "eager", "n_persist": 0}
+    )
+    with pytest.raises(Exception, match=rf"AdamW\({flag}=True\) is not supported: .*{flag}=False"):
+        compiled(*random_batches(1, 2, 16)[0])
+    del opt
+
+
 @pytest.mark.usefixtures("whole_graph")
 def test_dumps_show_chunk_ops(tmp_path):
     model = gpt()

@@ -59,10 +59,9 @@ from protrain_fx.runtime.chunk_adam import (
 )
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
 from protrain_fx.runtime.optim_state import TorchStateView
+from protrain_fx.runtime.optimizer_lookup import SUPPORTED, UNSUPPORTED_FLAGS
 from protrain_fx.runtime.overlap import Overlap, OverlapControl
 from protrain_fx.runtime.worker import WORKER
-
-SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def handle_of(opt: torch.optim.Optimizer) -> "HybridOptimizer | None":
@@ -130,10 +129,11 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
                 "offloaded parameters through device views of host memory (exact, slower)"
             )
         for g in opt.param_groups:
-            for flag in ("capturable", "differentiable"):
+            for flag, why in UNSUPPORTED_FLAGS.items():
                 if g.get(flag):
                     raise ProtrainError(
-                        f"protrain: {type(opt).__name__}({flag}=True) is not supported"
+                        f"protrain: {type(opt).__name__}({flag}=True) is not supported: {why}; "
+                        f"create it with {flag}=False"
                     )
         self._opt = _WeakOpt(opt)
         self.decoupled = isinstance(opt, torch.optim.AdamW)

@@ -18,6 +18,11 @@ import gc
 import torch
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
+# the flags protrain cannot honour on the optimizers it steps, and why
+UNSUPPORTED_FLAGS = {
+    "capturable": "offloaded chunks step on the host's cores, outside any CUDA graph",
+    "differentiable": "offloaded chunks step outside autograd, so the step has no gradient",
+}
 
 
 def _optimizers() -> list[torch.optim.Optimizer]:
