@@ -52,7 +52,7 @@ from protrain_fx.profiling.frugal import oom_need_bytes, profile_frugal  # noqa:
 from protrain_fx.profiling.profiler import graph_profile, profile_from_dict, profile_to_dict
 from protrain_fx.runtime import distributed, replacement
 from protrain_fx.runtime.chunk_store import store_of
-from protrain_fx.runtime.optimizer_lookup import _optimizers
+from protrain_fx.runtime.optimizer_lookup import live_optimizers
 
 log = logging.getLogger("protrain_fx")
 # a plan that ran out of memory (or its cache entry's record of one) makes the next search keep its
@@ -181,7 +181,7 @@ def choose(
     growth = 0
     if n_peers > 1:
         # the embedding, norm and head train eagerly: their gradients and optimizer state to come
-        live_opts = _optimizers()  # one pass over the process's objects for both
+        live_opts = live_optimizers()  # one pass over the process's objects for both
         outside = regional.outside_params(peers, live_opts)
         growth, n_out = budgets.eager_growth(outside, device, live_opts)
         if growth:

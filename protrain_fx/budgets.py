@@ -98,22 +98,18 @@ def device_usage(device: torch.device, params: list, optimizer=None) -> tuple[in
 _STATE_TENSORS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1}
 
 
-def eager_growth(
-    params: list, device: torch.device, optimizers: list | None = None
-) -> tuple[int, int]:
+def eager_growth(params: list, device: torch.device, optimizers: list) -> tuple[int, int]:
     """``(bytes, count)``: what the parameters on ``device`` among ``params`` that train outside
     every compiled graph will still allocate there: each one's gradient where it has none yet, and
     its optimizer's state where that optimizer holds none for it yet (two tensors of its size for
     Adam-like optimizers, one for Adagrad and for SGD or RMSprop with momentum, two for optimizers
-    not known here). ``optimizers``: the live ones, when the caller has them."""
-    from protrain_fx.runtime.optimizer_lookup import _optimizers
-
+    not known here). ``optimizers``: the live ones (``optimizer_lookup.live_optimizers()``)."""
     trained = [p for p in params if p is not None and p.requires_grad and p.device == device]
     if not trained:
         return 0, 0
     ids = {id(p) for p in trained}
     holders = {}
-    for o in _optimizers() if optimizers is None else optimizers:
+    for o in optimizers:
         for g in o.param_groups:
             for p in g["params"]:
                 if id(p) in ids:

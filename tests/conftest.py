@@ -56,7 +56,7 @@ def shared_cpu(monkeypatch):
     from protrain_fx.plan import plan as plans
     from protrain_fx.runtime import chunk_buffers, chunk_store
     from protrain_fx.runtime.chunk_store import live_stores
-    from protrain_fx.runtime.optimizer_lookup import _optimizers
+    from protrain_fx.runtime.optimizer_lookup import live_optimizers
 
     size = budgets.reserve_bytes(1 << 30) + SHARED
     gc.collect()  # the models of tests before: gone, as the device's allocations would be
@@ -71,7 +71,7 @@ def shared_cpu(monkeypatch):
         mine = {id(p) for p in params if p is not None}
         own = [s for s in live_stores() if any(p is not None and id(p) in mine for p in s.params)]
         held = chunk_buffers.held_by(live_stores(), device) - chunk_buffers.held_by(own, device)
-        states = [o.state for o in _optimizers()]
+        states = [o.state for o in live_optimizers()]
         for s in live_stores():
             for p in s.params if s not in own else ():
                 if p is not None and not s.param_is_offloaded(p):

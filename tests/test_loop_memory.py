@@ -15,6 +15,7 @@ from hf_models import HF_VOCAB, hf_llama
 import protrain_fx
 from protrain_fx import budgets
 from protrain_fx.profiling import loop_memory
+from protrain_fx.runtime.optimizer_lookup import live_optimizers
 from protrain_fx.testing import random_batches
 
 ALLOWANCE = 100_000  # of the reserve, what the loop may hold without a plan counting it
@@ -261,22 +262,27 @@ def test_the_parameters_outside_blocks_compiled_one_by_one_are_budgeted_as_they_
 
     model = hf_llama(seed=0, num_hidden_layers=2)
     layers = list(model.model.layers)
-    assert regional.outside_params(layers) == []  # found through the optimizer: none yet
+    assert (
+        regional.outside_params(layers, live_optimizers()) == []
+    )  # found through the optimizer: none yet
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    outside = regional.outside_params(layers)
+    outside = regional.outside_params(layers, live_optimizers())
     assert {id(p) for p in outside} == {
         id(model.model.embed_tokens.weight),
         id(model.model.norm.weight),
     }
     nbytes = sum(p.nbytes for p in outside)
     cpu = torch.device("cpu")
-    assert budgets.eager_growth(outside, cpu) == (3 * nbytes, 2)
+    assert budgets.eager_growth(outside, cpu, live_optimizers()) == (3 * nbytes, 2)
     model(input_ids=data(1)[0], labels=data(1)[0]).loss.backward()
     opt.step()
-    assert budgets.eager_growth(outside, cpu) == (0, 2)  # all there now
+    assert budgets.eager_growth(outside, cpu, live_optimizers()) == (0, 2)  # all there now
     opt.zero_grad()
-    assert budgets.eager_growth(outside, cpu) == (nbytes, 2)  # the gradients come back
-    assert budgets.eager_growth(outside, torch.device("meta")) == (0, 0)
+    assert budgets.eager_growth(outside, cpu, live_optimizers()) == (
+        nbytes,
+        2,
+    )  # the gradients come back
+    assert budgets.eager_growth(outside, torch.device("meta"), live_optimizers()) == (0, 0)
 
 
 def own_loss_step(model, opt, x, meter: Meter, held: int) -> float:

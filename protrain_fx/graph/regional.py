@@ -59,17 +59,15 @@ def siblings(root) -> list[nn.Module]:
     return same if len(same) > 1 else [root]
 
 
-def outside_params(blocks: list, optimizers: list | None = None) -> list:
+def outside_params(blocks: list, optimizers: list) -> list:
     """The parameters that the optimizers holding ``blocks``' parameters hold besides those: the
     embedding, final norm and head of a model whose blocks are compiled one by one (one pass over
     the live optimizers; a model is not found from its blocks without the garbage collector's
-    referrers, 0.6 s a time on an HF Llama of 16 layers). ``optimizers``: the live ones, when the
-    caller has them."""
-    from protrain_fx.runtime.optimizer_lookup import _optimizers
-
+    referrers, 0.6 s a time on an HF Llama of 16 layers). ``optimizers``: the live ones
+    (``optimizer_lookup.live_optimizers()``)."""
     inside = {id(p) for b in blocks for p in b.parameters()}
     out, seen = [], set(inside)
-    for o in _optimizers() if optimizers is None else optimizers:
+    for o in optimizers:
         held = [p for g in o.param_groups for p in g["params"]]
         if any(id(p) in inside for p in held):
             for p in held:

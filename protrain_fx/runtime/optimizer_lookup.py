@@ -25,7 +25,7 @@ UNSUPPORTED_FLAGS = {
 }
 
 
-def _optimizers() -> list[torch.optim.Optimizer]:
+def live_optimizers() -> list[torch.optim.Optimizer]:
     return [o for o in gc.get_objects() if torch.optim.Optimizer in type(o).__mro__]
 
 
@@ -36,7 +36,9 @@ def find_optimizer(params: list) -> tuple[torch.optim.Optimizer | None, str | No
     if not ids:
         return None, None
     holders = [
-        o for o in _optimizers() if any(id(p) in ids for g in o.param_groups for p in g["params"])
+        o
+        for o in live_optimizers()
+        if any(id(p) in ids for g in o.param_groups for p in g["params"])
     ]
     if not holders:
         return None, None
