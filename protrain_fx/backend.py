@@ -330,7 +330,7 @@ def protrain_backend(
         # the failed compile's frames (a profiled step that ran out of device memory, say) hold
         # its device tensors; drop them first, so that putting the parameters back fits
         release_frames(e)
-        if isinstance(e, NoPlanFits) and found_note:  # which optimizer was found, and why not
+        if isinstance(e, NoPlanFits) and found_note and opts.optimizer is None:  # found, why not
             e.args = (f"{e.args[0]}; {found_note}", *e.args[1:])
         gc.collect()
         if torch.cuda.is_available():
