@@ -195,8 +195,9 @@ def choose(
         notes.append(
             f"regional compilation: this graph's module is one of {n_peers} blocks of one "
             f"structure, so its plan is chosen for 1/{n_peers} of the budget "
-            f"({format_bytes(budget)}); code outside the compiled blocks is not planned and must "
-            "fit in the reserve"
+            f"({format_bytes(budget)}; what the blocks share, the chunk buffers and the working "
+            f"set of the block running, counts 1/{n_peers} in each); code outside the compiled "
+            "blocks is not planned and must fit in the reserve"
         )
     hw_profile = measure.hardware_profile(device)
     key = plan_cache.key(
@@ -363,6 +364,8 @@ def choose(
     if grads_held:  # resident gradients through the whole step
         hw = dataclasses.replace(hw, grads_held=True)
         notes.append(f"{grads_held}: resident gradients priced through the whole step")
+    if n_peers > 1:  # each block's peak counts its share of what they share
+        hw = dataclasses.replace(hw, budget_shares=n_peers)
     if micro[0] > 1:  # forward and backward that often per optimizer step (plan/accumulation.py)
         hw = dataclasses.replace(hw, micro_steps=micro[0])
         notes.append(f"{micro[0]} micro-steps per optimizer step ({micro[1]}): so priced")

@@ -317,6 +317,27 @@ def test_19_1_regional_compilation_hf_llama(placement, use_cache):
     parity(base, opts, compile_fn=regional("model.layers"), loss_fn=loss_fn, data=hf_data()).check()
 
 
+def test_19_1_regional_compilation_under_a_budget_the_blocks_share():
+    """Eight decoder layers compiled one by one under a 8 MiB budget (their fp32 weights alone are
+    18 MiB): each layer's plan takes 1/8 of what is left once the eagerly trained embedding's
+    gradient and moments are taken out, and counts 1/8 of what the layers share (the chunk and
+    gradient buffers of one chunk size, the working set of the layer running). Before, each layer
+    counted the shared buffers and working set whole: no plan fitted (the smallest needed 2.61 MiB
+    a layer, 22 MiB in all). Losses and weights as eager's, the chunks on the host."""
+    base = hf_llama(num_hidden_layers=8, hidden_size=256, intermediate_size=512)
+    p = parity(
+        base,
+        {"compiler": "eager", "memory_budget": 8 << 20},
+        compile_fn=regional("model.layers"),
+        loss_fn=hf_loss_no_cache,
+        data=hf_data(seq=32),
+    ).check()
+    plan = protrain_fx.get_plan(p.mine.model.layers[0])
+    assert "divided by the 8 blocks" in plan.predicted["budget"], plan.predicted["budget"]
+    assert plan.predicted["peak_bytes"] <= plan.predicted["budget_bytes"] < 1 << 20
+    assert "host" in placements(p.mine.model.layers[0])
+
+
 def test_19_1_regional_compilation_of_a_host_init_model(caplog):
     """Built under ``host_init`` (every parameter an empty shell, its value on the host), its
     decoder layers compiled one by one: the embedding, final norm and tied head run eagerly, where

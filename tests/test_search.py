@@ -85,6 +85,8 @@ HW2 = dataclasses.replace(HW, world_size=2, collective_bytes_per_s=100e9)
 # gradient accumulation (plan/accumulation.py): added on the device, or by the host worker
 HW_MICRO = dataclasses.replace(HW, micro_steps=3, grads_added_on_device=True)
 HW_MICRO_HOST = dataclasses.replace(HW, micro_steps=2, host_bytes_per_s=20e9)
+# one of 4 blocks compiled alike (regional compilation): a share of what they share
+HW_SHARES = dataclasses.replace(HW, budget_shares=4)
 
 
 @SETTINGS
@@ -92,7 +94,7 @@ HW_MICRO_HOST = dataclasses.replace(HW, micro_steps=2, host_bytes_per_s=20e9)
     profs=profiles(),
     budget_mib=st.integers(100, 12000),
     host_gib=st.one_of(st.none(), st.integers(1, 40)),
-    hw=st.sampled_from([HW, HW2, HW_MICRO, HW_MICRO_HOST]),
+    hw=st.sampled_from([HW, HW2, HW_MICRO, HW_MICRO_HOST, HW_SHARES]),
     copies=st.booleans(),
 )
 def test_search_matches_brute_force_and_fits(profs, budget_mib, host_gib, hw, copies):
@@ -242,6 +244,38 @@ def test_gradients_kept_between_steps_count_through_the_whole_step():
     assert freed == states + max(saved, grads)  # an untied table: its gradient is the dense one
     assert held == states + max(saved + grads, grads + table)
     assert held > freed
+
+
+def test_blocks_compiled_alike_count_their_share_of_what_they_share():
+    """Regional compilation: each of ``n`` blocks compiled alike is planned for 1/n of the budget.
+    The chunk and gradient buffers (one pool per chunk size), the working set of the one block
+    running and the allocator's fixed bytes are the n blocks' together: each counts 1/n of them,
+    its own resident states, saved activations and gradients in full, so n shares add up to the
+    process's peak. Before, each counted them whole (an H100 regional run's re-plan found no plan
+    within 835 MiB per layer: its process peaked at 16.4 of 24 GiB)."""
+    from protrain_fx.plan.cost_model import LayoutCosts
+    from protrain_fx.plan.timeline import peak_parts
+
+    n = 8
+    prof = dataclasses.replace(_blocks_profile(10 * MiB, 0), fragmentation_bytes=8 * MiB)
+    shared = dataclasses.replace(HW, budget_shares=n)
+    for n_persist in (0, 1, 2):  # the start of backward the larger end, then its end
+        parts = peak_parts(LayoutCosts(prof, HW, 2, 0, 0), n_persist)
+        theirs = (
+            parts["chunk and gradient buffers"]
+            + parts["other buffers (device steps' scratch, upload staging)"]
+        )
+        at_start = "saved activations" in parts
+        if at_start:
+            theirs += parts["backward's largest working set (logits, loss)"]
+        theirs += 8 * MiB  # the allocator's fixed bytes (fragmentation 1.0)
+        knobs = Knobs(prof.chunk_size, n_persist, 2, 0, 0)
+        whole = predict(prof, HW, knobs).peak_bytes
+        share = predict(prof, shared, knobs).peak_bytes
+        assert theirs > 0 and at_start == (n_persist == 0)
+        assert share == pytest.approx(whole - theirs + theirs / n, abs=n)
+        # the search plans one block's share: it fits where the whole would not
+        assert search([prof], shared, share, n_persist=n_persist).best.peak_bytes <= share < whole
 
 
 def test_prediction_terms():

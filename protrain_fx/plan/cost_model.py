@@ -181,15 +181,17 @@ class _ProfileArrays:
 
     def static_parts(self, p: int) -> dict[str, int]:
         """The model states and buffers with ``p`` resident chunks, by part (timeline.py adds the
-        rest): resident parameters and their moments, chunk and gradient buffers, the rest."""
-        te, me = self.prof.transfer_elem, self.prof.master_elem
+        rest): resident parameters and their moments, chunk and gradient buffers, the rest. The
+        buffers are shared by the stores of one chunk size: one of ``hw.budget_shares`` blocks
+        compiled alike counts its share of them."""
+        te, me, n = self.prof.transfer_elem, self.prof.master_elem, self.hw.budget_shares
         scratch = self.device_step_scratch if self.device_steps()[p][0] else 0
+        staging = self.prof.upload_staging_bytes if p < len(self.numel) - 1 else 0
+        buffers = self.n_buffer * self.buffer_numel[p] * te + GRAD_BUFFERS * self.grad_numel[p] * me
         return {
             "resident states": self.resident_bytes[p] * (1 + ADAM_STATES),
-            "chunk and gradient buffers": self.n_buffer * self.buffer_numel[p] * te
-            + GRAD_BUFFERS * self.grad_numel[p] * me,
-            "other buffers (device steps' scratch, upload staging)": scratch
-            + (self.prof.upload_staging_bytes if p < len(self.numel) - 1 else 0),
+            "chunk and gradient buffers": buffers // n,
+            "other buffers (device steps' scratch, upload staging)": (scratch + staging) // n,
         }
 
     def static_bytes(self) -> list[int]:
@@ -213,10 +215,9 @@ class _ProfileArrays:
         """A peak no plan of this (n_swap, n_checkpoint) goes under, in O(1): the activations its
         policies keep plus backward's transient, times the profile's allocator factor (every
         n_persist adds to it)."""
-        act = self.activation_bytes(n_swap, n_checkpoint)
+        act, prof, n = self.activation_bytes(n_swap, n_checkpoint), self.prof, self.hw.budget_shares
         return int(
-            (act + self.prof.transient_bytes) * self.prof.fragmentation
-            + self.prof.fragmentation_bytes
+            (act + prof.transient_bytes // n) * prof.fragmentation + prof.fragmentation_bytes / n
         )
 
     def lower_bound_s(
@@ -258,8 +259,9 @@ class _ProfileArrays:
         host = (fwd + total * cpu, cast - cpu + gpu)
         room = math.inf
         if device_budget is not None:
-            act = self.activation_bytes(n_swap, n_checkpoint) + prof.transient_bytes
-            room = (device_budget - prof.fragmentation_bytes) / prof.fragmentation - act
+            shares = hw.budget_shares  # of what the blocks compiled alike share
+            act = self.activation_bytes(n_swap, n_checkpoint) + prof.transient_bytes // shares
+            room = (device_budget - prof.fragmentation_bytes / shares) / prof.fragmentation - act
         # a sharded parameter: its device step on the device's side (its collectives may hide
         # behind compute), no CPU step (ranks_cost.py)
         n = hw.world_size
@@ -347,10 +349,13 @@ class LayoutCosts:
         # the host)
         self.keep_fraction = (n_blocks - n_swap - n_checkpoint) / n_blocks if n_blocks else 1.0
         self.checkpoint_fraction = n_checkpoint / n_blocks if n_blocks else 0.0
-        self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window)
+        # the one block running's working set and the allocator's fixed bytes: one of several
+        # blocks compiled alike counts its share (Hardware.budget_shares)
+        shares = hw.budget_shares
+        self.transient_bytes = max(prof.transient_bytes, recompute_peak, swap_window) // shares
         self.cast_per_param, self.pack_per_param = A.cast_per_param, A.pack_per_param
         self.fragmentation = prof.fragmentation * (SWAP_FRAGMENTATION if n_swap else 1.0)
-        self.fragmentation_bytes = prof.fragmentation_bytes
+        self.fragmentation_bytes = prof.fragmentation_bytes // shares
         self.swap_stall_s = swap_stall_s(prof, hw, n_swap, n_checkpoint) if n_swap else 0.0
 
     # ------------------------------------------------------------------------------ per n_persist

@@ -238,6 +238,11 @@ class Hardware:
     cpu_adam_masters_params_per_s: float = 0.0
     # the host's memory bandwidth (HardwareProfile.host_triad_bytes_per_s); 0: unknown
     host_bytes_per_s: float = 0.0
+    # blocks of one structure this graph runs for (regional compilation: graph/regional.py), each
+    # planned for its share of the budget: what they share (the chunk, gradient and scratch buffers
+    # of one chunk size, the working set of the one block running, the allocator's fixed bytes)
+    # counts 1/n in each one's peak, what each holds (resident states, saved activations) in full
+    budget_shares: int = 1
 
     def upload_bytes_per_s(self, transfer_copies: bool = True) -> float:
         """The rate an offloaded chunk's gather goes up at: as steps on this machine measured it
