@@ -178,7 +178,7 @@ def choose(
     alloc = allocator.prepare(device)  # before anything of the plan is allocated
     placed = params + [p for m in peers if m is not root for p in m.parameters()]
     budget, budget_why = device_budget(opts, device, placed)
-    growth = 0
+    growth, outside = 0, []
     if n_peers > 1:
         # the embedding, norm and head train eagerly: their gradients and optimizer state to come
         live_opts = live_optimizers()  # one pass over the process's objects for both
@@ -207,15 +207,23 @@ def choose(
     # rank 0's cache decides for every rank
     raw = plan_cache.read(path)
     allowance = budgets.loop_allowance(opts, device)
-    # before the loop was measured: what a loss of its own on the graph's outputs would hold (not
-    # for one of several blocks, whose outputs feed the next block; not for ranks, never measured)
-    prior = loop_memory.prior_bytes(gm) if n_peers == 1 and distributed.world().size == 1 else 0
+    # before the loop was measured: what a loss of its own on the graph's outputs would hold (for
+    # one of several blocks, whose outputs feed the next block: on the head's logits after the last;
+    # not for ranks, never measured)
+    prior = 0
+    if distributed.world().size == 1:
+        prior = (
+            loop_memory.prior_bytes(gm)
+            if n_peers == 1
+            else loop_memory.head_prior_bytes(gm, outside)
+        )
     loop, loop_excess, prior = loop_memory.budgeted(raw, loop_bytes, allowance, prior)
+    where = "graph's outputs" if n_peers == 1 else "logits of the head after the blocks"
     if loop_excess:  # the loop's own tensors beside the step: out of the budget
         budget -= loop_excess // n_peers
         budget_why += (
             f", less {format_bytes(loop_excess)} the loop holds beyond the reserve's half"
-            + (" (assumed from the graph's outputs until measured)" if prior else "")
+            + (f" (assumed from the {where} until measured)" if prior else "")
         )
     looped = dict(
         loop_bytes=loop,
@@ -458,7 +466,7 @@ def choose(
                 f"least {format_bytes(min_dev)} ({min_dev} bytes)"
             )
             min_host = min_host * n_peers if min_host is not None else None
-        failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host)
+        failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host, prior)
         outcome = distributed.broadcast_object(("failed", failure))
     else:
         outcome = distributed.broadcast_object(

@@ -480,7 +480,7 @@ def _compile(
             )
 
         try:
-            choice = loop_memory.choose_beside_prior(choose, gm, loop_bytes)
+            choice = loop_memory.choose_beside_prior(choose, loop_bytes)
         except NoPlanFits as e:  # another trained model took the device: it makes room
             if (made := trained_peers.make_room(live, opts, device, e, root)) is None:
                 raise

@@ -20,11 +20,18 @@ class OptionsError(ProtrainError, ValueError):
 
 class NoPlanFits(ProtrainError):
     def __init__(
-        self, message: str, min_device_bytes: int | None = None, min_host_bytes: int | None = None
+        self,
+        message: str,
+        min_device_bytes: int | None = None,
+        min_host_bytes: int | None = None,
+        loop_prior_bytes: int = 0,
     ):
         super().__init__(message)
         self.min_device_bytes = min_device_bytes
         self.min_host_bytes = min_host_bytes
+        # the room for the training loop's own tensors the budget was short of, assumed before
+        # they were measured (profiling/loop_memory.py)
+        self.loop_prior_bytes = loop_prior_bytes
 
 
 def release_frames(exc: BaseException) -> None:

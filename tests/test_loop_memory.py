@@ -253,6 +253,26 @@ def test_blocks_compiled_one_by_one_see_the_code_between_them_and_the_backward(
         assert "the 2 parameters outside the compiled blocks" in p.predicted["budget"]
 
 
+def test_blocks_compiled_one_by_one_leave_the_head_s_loss_its_room_from_the_first_plan(meter):
+    """Regional compilation: the blocks' graph returns hidden states that feed the next block, and
+    HF's loss on the head's logits runs eagerly after the last block, in the window. Before it is
+    measured the first plan budgets an fp32 cross-entropy on logits of the table outside the blocks
+    (the tied embedding: 2 x 16 tokens x 512 words, 12 bytes each), less the allowance, shared by
+    the 3 blocks (before: nothing, and on a GPU only the reserve and the blocks' overcounted
+    shared buffers held it)."""
+    model = hf_llama(seed=0, num_hidden_layers=3, use_cache=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for layer in model.model.layers:
+        layer.compile(backend="protrain", options={"compiler": "eager"})
+    step(model, opt, data(1)[0])
+    pred = protrain_fx.get_plan(model.model.layers[0]).predicted
+    prior = 2 * 16 * HF_VOCAB * 12
+    assert pred["loop_prior_bytes"] == prior, pred
+    assert pred["loop_excess_bytes"] == prior - ALLOWANCE
+    assert "assumed from the logits of the head after the blocks" in pred["budget"], pred["budget"]
+    assert "divided by the 3 blocks" in pred["budget"]
+
+
 def test_the_parameters_outside_blocks_compiled_one_by_one_are_budgeted_as_they_will_grow():
     """What the embedding (tied to the head) and the final norm of an HF Llama whose layers are
     compiled one by one (found as what the layers' optimizer holds besides them) will allocate:

@@ -32,9 +32,12 @@ taken to feed a loss the loop computes of its own, and an fp32 cross-entropy hol
 :data:`PRIOR_FP32_COPIES` fp32 copies of its input plus its gradient in the input's dtype: 14 bytes
 per element of bf16 logits (the ``own_loss`` row of benchmarks/results/distill_h100_run83.md
 measured 13.98). So a loop computing its own loss on 128k-vocabulary logits has its room at its
-first step. Once a window measured the loop the prior is dropped: where the plan budgeted much more
-than that (:func:`room_unused`: a loop that reads the logits lightly), it is planned again for what
-was measured, in this run and from the next run's first plan. The peak counter is reset in those
+first step. A block compiled on its own (regional compilation) returns hidden states that feed the
+next block; the head and loss run eagerly after the last block, inside its window: its prior is
+that loss on the logits of the table outside the blocks (:func:`head_prior_bytes`). Once a window
+measured the loop the prior is dropped: where the plan budgeted much more than that
+(:func:`room_unused`: a loop that reads the logits lightly), it is planned again for what was
+measured, in this run and from the next run's first plan. The peak counter is reset in those
 first calls: a loop reading ``torch.cuda.max_memory_allocated`` reads it since then.
 """
 
@@ -245,6 +248,29 @@ def prior_bytes(gm: torch.fx.GraphModule) -> int:
     return largest
 
 
+def head_prior_bytes(gm: torch.fx.GraphModule, outside: list) -> int:
+    """:func:`prior_bytes` for one of several blocks compiled alike (regional compilation), whose
+    output feeds the next block: the model's head and loss run eagerly after the last block, in the
+    window. An fp32 cross-entropy on logits as wide as the widest parameter ``outside`` the blocks
+    whose rows are as wide as the block's output (the embedding, tied or not, or the head), for as
+    many tokens as that output has rows; 0 where no parameter outside is such a table."""
+    outs = [n for n in gm.graph.nodes if n.op == "output"]
+    vals = [
+        n.meta.get("example_value", n.meta.get("val")) for o in outs for n in _flat_nodes(o.args)
+    ]
+    hidden = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim]
+    if not hidden:
+        return 0
+    out = max(hidden, key=_compat.numel_hint)
+    width = int(out.shape[-1])
+    rows = max((p.shape[0] for p in outside if p.ndim == 2 and p.shape[1] == width), default=0)
+    # the logits in 16 bits where the block computes in 16 bits (autocast)
+    values = (n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes)
+    low = any(isinstance(v, torch.Tensor) and v.dtype.itemsize == 2 for v in values)
+    per_element = 4 * PRIOR_FP32_COPIES + (2 if low else 0)
+    return _compat.numel_hint(out) // max(1, width) * int(rows) * per_element
+
+
 def _flat_nodes(arg) -> list:
     if isinstance(arg, torch.fx.Node):
         return [arg]
@@ -272,20 +298,21 @@ def budgeted(
     return loop, max(0, loop - allowance_bytes), 0
 
 
-def choose_beside_prior(choose, gm: torch.fx.GraphModule, loop_bytes: int | None):
+def choose_beside_prior(choose, loop_bytes: int | None):
     """``choose(loop_bytes)`` (autoplan.choose); where the loop was not measured yet and no plan
-    fits beside the prior, ``choose(0)``: the plan as if the loop held nothing of its own until it
-    is measured, as before the prior (one line and a note say so)."""
+    fits beside the prior (the error's ``loop_prior_bytes``), ``choose(0)``: the plan as if the
+    loop held nothing of its own until it is measured, as before the prior (one line and a note
+    say so)."""
     try:
         return choose(loop_bytes)
     except NoPlanFits as e:
-        if loop_bytes is not None or not (prior := prior_bytes(gm)):
+        if loop_bytes is not None or not (prior := e.loop_prior_bytes):
             raise
         why = str(e).splitlines()[0][:200]
     choice = choose(0)
     note = (
         f"no plan leaves room for the {format_bytes(prior)} a loss of the loop's own on the "
-        f"graph's outputs may hold ({why}); planned without it until the loop is measured"
+        f"model's outputs may hold ({why}); planned without it until the loop is measured"
     )
     log.warning("protrain: %s", note)
     choice.notes.append(note)
