@@ -107,6 +107,7 @@ def choose(
     grads_held: str | None = None,
     cache_path: str | None = None,
     loop_bytes: int | None = None,
+    prior_cap: int | None = None,
 ) -> Choice:
     """See the module docstring. ``compile_profiling(gm, opts) -> (compiled, plan)`` compiles a copy
     of the graph under the profiling plan with the given options and block structure (the graph's,
@@ -121,7 +122,8 @@ def choose(
     (kept gradients, micro-steps, a placement that fits) is what its next run's first plan reads,
     whatever the budget left now (the key's). ``loop_bytes``: the most the training loop held of its
     own between this graph's forward and backward, measured in this process (None: not yet;
-    profiling/loop_memory.py)."""
+    profiling/loop_memory.py); ``prior_cap``: at most that much of what it is assumed to hold
+    until measured (loop_memory.choose_beside_prior)."""
     live = [p for p in params if p is not None]
     device = live[0].device
     existing = {id(s): s for s in (store_of(p) for p in live) if s is not None}
@@ -217,6 +219,7 @@ def choose(
             if n_peers == 1
             else loop_memory.head_prior_bytes(gm, outside)
         )
+    prior = prior if prior_cap is None else min(prior, prior_cap)
     loop, loop_excess, prior = loop_memory.budgeted(raw, loop_bytes, allowance, prior)
     where = "graph's outputs" if n_peers == 1 else "logits of the head after the blocks"
     if loop_excess:  # the loop's own tensors beside the step: out of the budget
@@ -466,7 +469,8 @@ def choose(
                 f"least {format_bytes(min_dev)} ({min_dev} bytes)"
             )
             min_host = min_host * n_peers if min_host is not None else None
-        failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host, prior)
+        searched = budget * n_peers + growth if n_peers > 1 else budget  # as min_dev counts
+        failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host, prior, searched)
         outcome = distributed.broadcast_object(("failed", failure))
     else:
         outcome = distributed.broadcast_object(

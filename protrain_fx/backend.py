@@ -462,7 +462,7 @@ def _compile(
                 )
             return compiled, plan
 
-        def choose(loop=loop_bytes):
+        def choose(loop=loop_bytes, prior_cap=None):
             return autoplan.choose(
                 gm,
                 example_inputs,
@@ -477,6 +477,7 @@ def _compile(
                 grads_held=grads_held,
                 cache_path=cache_path,
                 loop_bytes=loop,
+                prior_cap=prior_cap,
             )
 
         try:

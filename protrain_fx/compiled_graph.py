@@ -177,9 +177,9 @@ class ProtrainGraph:
             try:  # the failed plans' peaks stay out of reach
                 note = "re-planned: the loop's own memory budgeted"
                 self._recompile(args, tuple(self.choice.failed_peaks), note)
-            except NoPlanFits as e:  # the plan that ran goes on, measured no more
+            except NoPlanFits as e:  # the plan that ran goes on, measured no more (or raises)
                 self.loop_looks = loop_memory.LOOKS
-                log.warning(loop_memory.no_plan_line(self.plan, str(e).splitlines()[0]))
+                loop_memory.no_room(self.plan, e)
         if self._shared_seen != budgets.shared_version:
             self._shared_beside(args)
         if self.binding.placement_moved():

@@ -25,10 +25,12 @@ class NoPlanFits(ProtrainError):
         min_device_bytes: int | None = None,
         min_host_bytes: int | None = None,
         loop_prior_bytes: int = 0,
+        budget_bytes: int | None = None,
     ):
         super().__init__(message)
         self.min_device_bytes = min_device_bytes
         self.min_host_bytes = min_host_bytes
+        self.budget_bytes = budget_bytes  # the device budget searched, as min_device_bytes counts
         # the room for the training loop's own tensors the budget was short of, assumed before
         # they were measured (profiling/loop_memory.py)
         self.loop_prior_bytes = loop_prior_bytes

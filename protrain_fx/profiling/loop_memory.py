@@ -218,12 +218,45 @@ def replan_line(plan, nbytes: int) -> str:
     )
 
 
-def no_plan_line(plan, why: str) -> str:
-    return (
-        f"protrain: graph {plan.graph_name}: no plan leaves the loop that room ({why}); going on "
-        "under the plan as it is: out of memory in protrain's graphs a step is redone, in the "
-        "loop's own code it is not (make the loop's own tensors smaller, or give a memory_budget)"
+def no_room(plan, e: NoPlanFits) -> None:
+    """After the re-plan for the measured loop found no plan (``e``): where even the smallest plan
+    is over the budget left beside the loop by more than the reserve's unbudgeted half, out of
+    memory in the loop's own code is certain (H100 run 93: a regional compilation at a 12 GiB cap,
+    HF's fp32 loss on 128k-vocabulary logits out of memory at step 2): raised as a NoPlanFits that
+    says so and what to do. Else the plan that ran goes on (one line)."""
+    why = str(e).splitlines()[0]
+    need, left = e.min_device_bytes, e.budget_bytes
+    if (
+        need is None
+        or left is None
+        or need - left <= (plan.predicted or {}).get("loop_allowance_bytes", 0)
+    ):
+        log.warning(
+            f"protrain: graph {plan.graph_name}: no plan leaves the loop that room ({why}); going "
+            "on under the plan as it is: out of memory in protrain's graphs a step is redone, in "
+            "the loop's own code it is not (make the loop's own tensors smaller, or give a "
+            "memory_budget)"
+        )
+        return
+    kept = (
+        " Blocks compiled one by one keep the chunks their first plans kept resident."
+        if (plan.predicted or {}).get("budget_shares", 1) > 1
+        else ""
     )
+    raise NoPlanFits(
+        f"graph {plan.graph_name}: the training loop holds up to "
+        f"{format_bytes(plan.measured['loop_bytes'])} of its own on the device between this "
+        "graph's forward and its backward (a loss on the model's logits, a distillation term), "
+        f"and beside it no plan fits: the smallest needs {format_bytes(need)} where "
+        f"{format_bytes(left)} is left, so the loop's own code would run out of memory, where "
+        "protrain cannot redo the step. Make the loop's own tensors smaller (a smaller batch; "
+        "compile the whole model rather than its blocks one by one, so that its head and loss "
+        "are planned), or give a memory_budget (the loop's own tensors are then yours to fit "
+        f"beside it).{kept} ({why})",
+        need,
+        e.min_host_bytes,
+        budget_bytes=left,
+    ) from None
 
 
 def prior_bytes(gm: torch.fx.GraphModule) -> int:
@@ -300,19 +333,33 @@ def budgeted(
 
 def choose_beside_prior(choose, loop_bytes: int | None):
     """``choose(loop_bytes)`` (autoplan.choose); where the loop was not measured yet and no plan
-    fits beside the prior (the error's ``loop_prior_bytes``), ``choose(0)``: the plan as if the
-    loop held nothing of its own until it is measured, as before the prior (one line and a note
-    say so)."""
+    fits beside the prior (the error's ``loop_prior_bytes``), the plan beside as much of it as
+    fits: the smallest plan, which leaves the loop the most room until it is measured (H100 run
+    93: the plan made as if the loop held nothing kept chunks resident that blocks compiled one by
+    one cannot move, and the loss ran out of memory); where not even that fits, as if the loop held
+    nothing (one line and a note say which)."""
     try:
         return choose(loop_bytes)
     except NoPlanFits as e:
         if loop_bytes is not None or not (prior := e.loop_prior_bytes):
             raise
         why = str(e).splitlines()[0][:200]
-    choice = choose(0)
+        short = (
+            e.min_device_bytes - e.budget_bytes
+            if e.min_device_bytes is not None and e.budget_bytes is not None
+            else prior
+        )
+    part, choice = prior - short - max(4096, short // 1000), None  # the budget's rounding
+    if part > 0:
+        try:
+            choice = choose(None, prior_cap=part)
+        except NoPlanFits:
+            pass
+    kept = f"planned beside {format_bytes(part)} of it" if choice else "planned without it"
+    choice = choice or choose(0)
     note = (
         f"no plan leaves room for the {format_bytes(prior)} a loss of the loop's own on the "
-        f"model's outputs may hold ({why}); planned without it until the loop is measured"
+        f"model's outputs may hold ({why}); {kept} until the loop is measured"
     )
     log.warning("protrain: %s", note)
     choice.notes.append(note)
