@@ -335,6 +335,7 @@ def test_19_1_regional_compilation_under_a_budget_the_blocks_share():
     plan = protrain_fx.get_plan(p.mine.model.layers[0])
     assert "divided by the 8 blocks" in plan.predicted["budget"], plan.predicted["budget"]
     assert plan.predicted["peak_bytes"] <= plan.predicted["budget_bytes"] < 1 << 20
+    assert "(one of 8 blocks compiled alike: " in plan.summary(), plan.summary()
     assert "host" in placements(p.mine.model.layers[0])
 
 

@@ -155,6 +155,12 @@ class Plan:
         graph returns logits beside its loss (the plan's own peak keeps them through backward)."""
         pred = self.predicted or {}
         dropped, peak = pred.get("peak_bytes_output_dropped"), pred.get("peak_bytes")
+        n = pred.get("budget_shares") or 1
+        if n > 1 and peak is not None:  # blocks compiled one by one (regional compilation)
+            return (
+                f" (one of {n} blocks compiled alike: {format_bytes(peak * n)} for the {n}, the "
+                "code outside them not included)"
+            )
         if dropped is None or peak is None or dropped >= peak:
             return ""
         return f" ({format_bytes(dropped)} if the loop drops the model's output before backward)"
