@@ -469,8 +469,8 @@ def choose(
                 f"least {format_bytes(min_dev)} ({min_dev} bytes)"
             )
             min_host = min_host * n_peers if min_host is not None else None
-        searched = budget * n_peers + growth if n_peers > 1 else budget  # as min_dev counts
-        failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host, prior, searched)
+        budget_all = budget * n_peers + growth if n_peers > 1 else budget  # as min_dev counts
+        failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host, prior, budget_all)
         outcome = distributed.broadcast_object(("failed", failure))
     else:
         outcome = distributed.broadcast_object(

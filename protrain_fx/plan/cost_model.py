@@ -217,7 +217,7 @@ class _ProfileArrays:
         n_persist adds to it)."""
         act, prof, n = self.activation_bytes(n_swap, n_checkpoint), self.prof, self.hw.budget_shares
         return int(
-            (act + prof.transient_bytes // n) * prof.fragmentation + prof.fragmentation_bytes / n
+            (act + prof.transient_bytes // n) * prof.fragmentation + prof.fragmentation_bytes // n
         )
 
     def lower_bound_s(
@@ -261,7 +261,7 @@ class _ProfileArrays:
         if device_budget is not None:
             shares = hw.budget_shares  # of what the blocks compiled alike share
             act = self.activation_bytes(n_swap, n_checkpoint) + prof.transient_bytes // shares
-            room = (device_budget - prof.fragmentation_bytes / shares) / prof.fragmentation - act
+            room = (device_budget - prof.fragmentation_bytes // shares) / prof.fragmentation - act
         # a sharded parameter: its device step on the device's side (its collectives may hide
         # behind compute), no CPU step (ranks_cost.py)
         n = hw.world_size

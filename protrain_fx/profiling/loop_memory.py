@@ -60,6 +60,7 @@ LOOKS = 2  # training calls of a plan whose windows are measured (before the ste
 # reaches the graph: the upcast (or the saved log-softmax), the gradient of the log-softmax and of
 # its input
 PRIOR_FP32_COPIES = 3
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # logits in 2 bytes under autocast
 # a prior budgeted more than the measured loop by this share of the budget: planned again
 UNUSED_SHARE = 0.05
 
@@ -299,7 +300,7 @@ def head_prior_bytes(gm: torch.fx.GraphModule, outside: list) -> int:
     rows = max((p.shape[0] for p in outside if p.ndim == 2 and p.shape[1] == width), default=0)
     # the logits in 16 bits where the block computes in 16 bits (autocast)
     values = (n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes)
-    low = any(isinstance(v, torch.Tensor) and v.dtype.itemsize == 2 for v in values)
+    low = any(isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION for v in values)
     per_element = 4 * PRIOR_FP32_COPIES + (2 if low else 0)
     return _compat.numel_hint(out) // max(1, width) * int(rows) * per_element
 
