@@ -290,6 +290,25 @@ def test_blocks_compiled_one_by_one_leave_the_head_s_loss_its_room_from_the_firs
     assert "divided by the 3 blocks" in pred["budget"]
 
 
+def test_a_head_s_prior_far_above_what_the_loop_holds_is_planned_again(meter, caplog):
+    """Blocks compiled one by one under a 2048-word vocabulary: the head's prior (786 KB of fp32
+    cross-entropy) is more than 5% of the device above what this loop holds (its tensors are not on
+    the meter: nothing): after the first window the blocks' graph is planned again without it, and
+    the line names the head's loss."""
+    model = hf_llama(seed=0, num_hidden_layers=3, use_cache=False, vocab_size=2048)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for layer in model.model.layers:
+        layer.compile(backend="protrain", options={"compiler": "eager"})
+    batches = [x for x, _ in random_batches(2, 2, 16, vocab=2048, seed=1)]
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        for x in batches:
+            step(model, opt, x)
+    again = [m for m in caplog.messages if "assumed before it was measured" in m]
+    assert len(again) == 1 and "(the head's loss after the blocks compiled" in again[0], again
+    pred = protrain_fx.get_plan(model.model.layers[0]).predicted
+    assert pred["loop_prior_bytes"] == 0 and pred["loop_excess_bytes"] == 0, pred
+
+
 def test_the_parameters_outside_blocks_compiled_one_by_one_are_budgeted_as_they_will_grow():
     """What the embedding (tied to the head) and the final norm of an HF Llama whose layers are
     compiled one by one (found as what the layers' optimizer holds besides them) will allocate:

@@ -379,9 +379,14 @@ def room_unused(pred: dict, nbytes: int) -> bool:
 
 def unused_line(plan, nbytes: int) -> str:
     pred = plan.predicted or {}
+    what = (
+        "the head's loss after the blocks compiled one by one"
+        if (pred.get("budget_shares") or 1) > 1
+        else "a loss on the returned logits"
+    )
     return (
         f"protrain: graph {plan.graph_name}: the training loop held up to {format_bytes(nbytes)} "
         f"of its own between this graph's forward and its backward, less than the "
-        f"{format_bytes(pred.get('loop_prior_bytes') or 0)} assumed before it was measured (a loss "
-        "on the returned logits in fp32); planning it again with the room it needs"
+        f"{format_bytes(pred.get('loop_prior_bytes') or 0)} assumed before it was measured ({what} "
+        "in fp32); planning it again with the room it needs"
     )
