@@ -26,6 +26,8 @@ class NoPlanFits(ProtrainError):
         min_host_bytes: int | None = None,
         loop_prior_bytes: int = 0,
         budget_bytes: int | None = None,
+        loop_allowance_bytes: int = 0,
+        budget_shares: int = 1,
     ):
         super().__init__(message)
         self.min_device_bytes = min_device_bytes
@@ -34,6 +36,9 @@ class NoPlanFits(ProtrainError):
         # the room for the training loop's own tensors the budget was short of, assumed before
         # they were measured (profiling/loop_memory.py)
         self.loop_prior_bytes = loop_prior_bytes
+        # what of the reserve the loop may hold without a plan counting it (budgets.loop_allowance)
+        self.loop_allowance_bytes = loop_allowance_bytes
+        self.budget_shares = budget_shares  # blocks compiled alike, each planned for 1/n of it
 
 
 def release_frames(exc: BaseException) -> None:

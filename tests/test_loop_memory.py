@@ -424,13 +424,19 @@ def test_a_prior_far_above_what_the_loop_holds_is_planned_again_and_not_served_a
     assert plans[0].predicted["loop_bytes"] == 10_000
 
 
-def test_a_prior_no_plan_fits_beside_leaves_the_loop_what_room_it_can_until_measured(meter, caplog):
+def test_a_prior_no_plan_fits_beside_leaves_the_loop_what_room_it_can_until_measured(
+    meter, caplog, monkeypatch
+):
     """Logits of 5 x 64 tokens: beside the graph's own logits and their backward, the 1.97 MB an
-    fp32 cross-entropy is assumed to hold on them leaves no plan room in the 5.72 MiB device: the
-    plan is made beside as much of it as fits (the smallest plan, the most room for the loop until
-    it is measured; before, as if the loop held nothing, which on an H100 kept chunks resident that
-    the loss then lacked room beside: run 93), one line says so. Measured at 1000 bytes, the loop
-    is far under that: planned again for what it holds. The run trains as eager's."""
+    fp32 cross-entropy is assumed to hold on them leaves no plan room in the 5.72 MiB device, short
+    by 0.93 MB, within the 1 MB of the reserve the loop may hold unplanned here: the plan is made
+    beside as much of it as fits (the smallest plan, the most room for the loop until it is
+    measured; before, as if the loop held nothing, which on an H100 kept chunks resident that the
+    loss then lacked room beside: run 93), one line says so. Measured at 1000 bytes, the loop is
+    far under that: planned again for what it holds. The run trains as eager's."""
+    monkeypatch.setattr(
+        budgets, "loop_allowance", lambda opts, d: None if opts.memory_budget else 1_000_000
+    )
     batches = [x for x, _ in random_batches(2, 5, 64, vocab=HF_VOCAB, seed=1)]
     ref = hf_llama(seed=0)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -454,3 +460,57 @@ def test_a_prior_no_plan_fits_beside_leaves_the_loop_what_room_it_can_until_meas
     assert len(again) == 1, caplog.messages
     assert last.predicted["loop_prior_bytes"] == 0 and last.measured["loop_bytes"] == 1000
     assert last.predicted["budget_bytes"] > first.predicted["budget_bytes"]
+
+
+@pytest.mark.parametrize("regional", [False, True])
+def test_a_prior_short_by_more_than_the_reserve_s_half_is_refused_before_the_first_step(
+    meter, regional
+):
+    """The same logits with 100 KB of the reserve for the loop: even the smallest plan leaves the
+    assumed loss 0.93 MB short, so the loop's own code would run out of memory in the first step
+    (H100 run 95: blocks compiled one by one at an 8 GiB cap, out of memory in HF's loss at step
+    1, after a warning). Now a NoPlanFits at the first call says so and what to do, before anything
+    runs: the weights are as built; with a ``memory_budget`` (the escape for a loop that holds less
+    than assumed) the same model trains as eager's. Whole model (the loop's own loss on the returned
+    logits) and regional (HF's loss after the blocks)."""
+    from protrain_fx.errors import NoPlanFits
+
+    batches = [x for x, _ in random_batches(2, 5, 64, vocab=HF_VOCAB, seed=1)]
+    ref = hf_llama(seed=0, use_cache=False)
+    model = hf_llama(seed=0, use_cache=False)
+    built = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if regional:
+        for layer in model.model.layers:
+            layer.compile(backend="protrain", options={"compiler": "eager"})
+        call = model
+    else:
+        call = torch.compile(model, backend="protrain", options={"compiler": "eager"})
+    with pytest.raises(Exception) as raised:
+        (step if regional else own_loss_step)(call, opt, batches[0], meter, *[0][: not regional])
+    err = raised.value
+    while err is not None and not isinstance(err, NoPlanFits):  # dynamo wraps backend errors
+        err = err.__cause__ or err.__context__
+    msg = str(err)
+    assert "no plan leaves room for the 1.88 MiB" in msg, msg
+    assert "the loop's own code would run out of memory in the first step" in msg, msg
+    assert err.loop_prior_bytes == 5 * 64 * HF_VOCAB * 12
+    fix = "compile the whole model rather than its blocks" if regional else "pass labels="
+    assert fix in msg and "a memory_budget" in msg, msg
+    for k, v in model.named_parameters():
+        torch.testing.assert_close(v.detach(), built[k], rtol=0, atol=0, msg=k)
+    torch._dynamo.reset()
+    budget = {"compiler": "eager", "memory_budget": 5_600_000}
+    if regional:
+        for layer in model.model.layers:
+            layer.compile(backend="protrain", options=budget)
+    else:
+        call = torch.compile(model, backend="protrain", options=budget)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for x in batches:
+        if regional:
+            a, b = step(ref, o_ref, x), step(call, opt, x)
+        else:
+            a, b = own_loss_step(ref, o_ref, x, Meter(), 0), own_loss_step(call, opt, x, meter, 0)
+        assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    assert protrain_fx.get_plan(model.model.layers[0] if regional else call).predicted

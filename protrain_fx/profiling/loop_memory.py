@@ -32,7 +32,9 @@ taken to feed a loss the loop computes of its own, and an fp32 cross-entropy hol
 :data:`PRIOR_FP32_COPIES` fp32 copies of its input plus its gradient in the input's dtype: 14 bytes
 per element of bf16 logits (the ``own_loss`` row of benchmarks/results/distill_h100_run83.md
 measured 13.98). So a loop computing its own loss on 128k-vocabulary logits has its room at its
-first step. A block compiled on its own (regional compilation) returns hidden states that feed the
+first step; where even the smallest plan leaves that loss short by more than the reserve's
+unbudgeted half, the first call raises NoPlanFits instead (:func:`choose_beside_prior`). A block
+compiled on its own (regional compilation) returns hidden states that feed the
 next block; the head and loss run eagerly after the last block, inside its window: its prior is
 that loss on the logits of the table outside the blocks (:func:`head_prior_bytes`). Once a window
 measured the loop the prior is dropped: where the plan budgeted much more than that
@@ -338,7 +340,9 @@ def choose_beside_prior(choose, loop_bytes: int | None):
     fits: the smallest plan, which leaves the loop the most room until it is measured (H100 run
     93: the plan made as if the loop held nothing kept chunks resident that blocks compiled one by
     one cannot move, and the loss ran out of memory); where not even that fits, as if the loop held
-    nothing (one line and a note say which)."""
+    nothing (one line and a note say which). Where the smallest plan leaves the loss short by more
+    than the reserve's unbudgeted half, the NoPlanFits of :func:`_prior_no_room`, before the first
+    step (run 95: out of memory in HF's loss at step 1)."""
     try:
         return choose(loop_bytes)
     except NoPlanFits as e:
@@ -350,6 +354,9 @@ def choose_beside_prior(choose, loop_bytes: int | None):
             if e.min_device_bytes is not None and e.budget_bytes is not None
             else prior
         )
+        # over the reserve's unbudgeted half, for the loss alone (without it a plan fits)
+        if e.loop_allowance_bytes < short <= prior - e.loop_allowance_bytes:
+            raise _prior_no_room(e, prior, short, why) from None
     part, choice = prior - short - max(4096, short // 1000), None  # the budget's rounding
     if part > 0:
         try:
@@ -365,6 +372,45 @@ def choose_beside_prior(choose, loop_bytes: int | None):
     log.warning("protrain: %s", note)
     choice.notes.append(note)
     return choice
+
+
+def _prior_no_room(e: NoPlanFits, prior: int, short: int, why: str) -> NoPlanFits:
+    """Not even the smallest plan leaves the loss assumed on the model's outputs room but for
+    ``short`` bytes, more than the reserve's unbudgeted half: the loop's own code would run out of
+    memory in the first step, where protrain cannot redo it (H100 run 95: blocks of a Llama-3.2-1B
+    shape compiled one by one at an 8 GiB cap, HF's loss on 6.41 GiB of logits). Said before the
+    first step, with what would do; a loop that holds far less than assumed gives a
+    ``memory_budget``."""
+    regional = e.budget_shares > 1
+    what = (
+        "HF's loss on the logits of the head after the blocks compiled one by one"
+        if regional
+        else "a loss of the loop's own on the logits the model returns"
+    )
+    fix = (
+        "compile the whole model rather than its blocks one by one (its head and loss are then "
+        "planned, the loss over chunks of tokens)"
+        if regional
+        else "compute the loss inside the compiled model (a Hugging Face model: pass labels=), "
+        "where protrain plans it over chunks of tokens"
+    )
+    return NoPlanFits(
+        f"no plan leaves room for the {format_bytes(prior)} that {what} is assumed to hold in "
+        "fp32 between forward and backward (not measured yet): beside it even the smallest plan "
+        f"is {format_bytes(short)} over the budget, more than the "
+        f"{format_bytes(e.loop_allowance_bytes)} of the reserve the loop may hold unplanned, so "
+        "the loop's own code would run out of memory in the first step, where protrain cannot "
+        f"redo it. To train: {fix}; or a smaller batch; or "
+        f"{format_bytes(short - e.loop_allowance_bytes)} more device memory; or, where the loop "
+        "holds far less than assumed, a memory_budget (the loop's own tensors are then yours to "
+        f"fit beside it). ({why})",
+        e.min_device_bytes,
+        e.min_host_bytes,
+        loop_prior_bytes=prior,
+        budget_bytes=e.budget_bytes,
+        loop_allowance_bytes=e.loop_allowance_bytes,
+        budget_shares=e.budget_shares,
+    )
 
 
 def room_unused(pred: dict, nbytes: int) -> bool:
