@@ -17,14 +17,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from protrain_fx.graph.fx import example_value
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import block_timer, ops
 
 
 def _is_tensor(node) -> bool:
-    val = (
-        node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
-    )
+    val = example_value(node)
     return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 

@@ -46,6 +46,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from protrain_fx import config
+from protrain_fx.graph.fx import example_value
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import loss_ops  # noqa: F401  (registers the ops)
 
@@ -67,9 +68,7 @@ _CE_SIGNATURE = (
 
 
 def _val(node):
-    return (
-        node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
-    )
+    return example_value(node)
 
 
 def _ce_arguments(node: fx.Node) -> dict | None:

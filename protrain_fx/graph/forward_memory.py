@@ -19,10 +19,11 @@ import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from protrain_fx import _compat
+from protrain_fx.graph.fx import example_value
 
 
 def _tensors(node: fx.Node) -> list[torch.Tensor]:
-    val = node.meta.get("example_value", node.meta.get("val"))
+    val = example_value(node)
     return [t for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
 
 

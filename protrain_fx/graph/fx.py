@@ -17,6 +17,15 @@ for _op in ops.SIDE_EFFECT_OPS:
     fx.node.has_side_effect(_op)
 
 
+def example_value(node):
+    """The value a node stands for while tracing: dynamo's ``example_value`` (a graph as dynamo
+    gives it), else the fake ``val`` (a graph aot_autograd or a pass made); None for what is not a
+    node or has neither."""
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def fake_mode_of(gm: fx.GraphModule):
     for node in gm.graph.nodes:
         val = node.meta.get("val")

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from protrain_fx.graph.blocks import Block, BlockStructure
+from protrain_fx.graph.fx import example_value
 from protrain_fx.graph.inputs import GraphInput
 from protrain_fx.graph.shorten import _node_key, _value_key
 
@@ -70,7 +71,7 @@ class Region:
                     )
                 )
                 continue
-            val = node.meta.get("example_value", node.meta.get("val"))
+            val = example_value(node)
             is_tensor = isinstance(val, torch.Tensor)
             static = is_tensor and all(isinstance(s, int) for s in val.shape)
             out.append(
@@ -154,7 +155,7 @@ def _signature(gm: fx.GraphModule) -> tuple:
     nodes = list(gm.graph.nodes)
     local = {x: i for i, x in enumerate(nodes)}
     return tuple(
-        ("placeholder", _value_key(x.meta.get("example_value", x.meta.get("val"))))
+        ("placeholder", _value_key(example_value(x)))
         if x.op == "placeholder"  # named after the parameter it is: blocks differ by name only
         else _node_key(x, local)
         for x in nodes
@@ -186,7 +187,7 @@ def split(gm: fx.GraphModule, structure: BlockStructure) -> tuple[RegionSplit | 
             return None, f"region {name} reads values other than nodes"
         grads = []
         for p, t in zip(placeholders, top_inputs):
-            val = p.meta.get("example_value", p.meta.get("val"))
+            val = example_value(p)
             grads.append(t is None and isinstance(val, torch.Tensor) and val.requires_grad)
         out = next(iter(sub.graph.find_nodes(op="output")))
         returns_tuple = isinstance(out.args[0], (tuple, list))

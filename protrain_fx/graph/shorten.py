@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from protrain_fx.graph.blocks import BlockStructure
-from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.graph.fx import copy_graph_module, example_value
 
 KEPT = 3  # the first, a middle and the last block
 
@@ -62,7 +62,7 @@ def _node_key(node: fx.Node, local: dict[fx.Node, int]) -> tuple:
         if isinstance(a, fx.Node):
             if a in local:
                 return ("local", local[a])
-            return ("outside", a.op, _value_key(a.meta.get("example_value", a.meta.get("val"))))
+            return ("outside", a.op, _value_key(example_value(a)))
         if isinstance(a, (list, tuple)):
             return (type(a).__name__, tuple(arg(x) for x in a))
         if isinstance(a, dict):
@@ -83,7 +83,7 @@ def _node_key(node: fx.Node, local: dict[fx.Node, int]) -> tuple:
         str(target),
         arg(node.args),
         arg(node.kwargs),
-        _value_key(node.meta.get("example_value", node.meta.get("val"))),
+        _value_key(example_value(node)),
     )
 
 

@@ -52,6 +52,7 @@ import torch
 
 from protrain_fx import _compat
 from protrain_fx.errors import NoPlanFits
+from protrain_fx.graph.fx import example_value
 from protrain_fx.options import format_bytes
 from protrain_fx.runtime import distributed
 
@@ -273,7 +274,7 @@ def prior_bytes(gm: torch.fx.GraphModule) -> int:
         return 0
     largest = 0
     for node in _flat_nodes(outs[0].args):
-        v = node.meta.get("example_value", node.meta.get("val"))
+        v = example_value(node)
         if not isinstance(v, torch.Tensor) or not v.requires_grad or not v.is_floating_point():
             continue
         n = _compat.numel_hint(v)
@@ -291,9 +292,7 @@ def head_prior_bytes(gm: torch.fx.GraphModule, outside: list) -> int:
     whose rows are as wide as the block's output (the embedding, tied or not, or the head), for as
     many tokens as that output has rows; 0 where no parameter outside is such a table."""
     outs = [n for n in gm.graph.nodes if n.op == "output"]
-    vals = [
-        n.meta.get("example_value", n.meta.get("val")) for o in outs for n in _flat_nodes(o.args)
-    ]
+    vals = [example_value(n) for o in outs for n in _flat_nodes(o.args)]
     hidden = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim]
     if not hidden:
         return 0
@@ -301,7 +300,7 @@ def head_prior_bytes(gm: torch.fx.GraphModule, outside: list) -> int:
     width = int(out.shape[-1])
     rows = max((p.shape[0] for p in outside if p.ndim == 2 and p.shape[1] == width), default=0)
     # the logits in 16 bits where the block computes in 16 bits (autocast)
-    values = (n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes)
+    values = (example_value(n) for n in gm.graph.nodes)
     low = any(isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION for v in values)
     per_element = 4 * PRIOR_FP32_COPIES + (2 if low else 0)
     return _compat.numel_hint(out) // max(1, width) * int(rows) * per_element
