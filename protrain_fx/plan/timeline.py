@@ -38,7 +38,7 @@ def peak_parts(lc, p: int) -> dict[str, int]:
     is made of (tests/test_search.py checks that the parts add up to the peak)."""
     start = {
         "saved activations": lc.activation_bytes + _beside_saved(lc, p),
-        "backward's largest working set (logits, loss)": lc.transient_bytes,
+        "backward's largest working set (beyond what forward saved)": lc.transient_bytes,
     }
     end = {
         "resident gradients": lc.resident_bytes[p],
