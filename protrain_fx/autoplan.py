@@ -212,13 +212,14 @@ def choose(
     # before the loop was measured: what a loss of its own on the graph's outputs would hold (for
     # one of several blocks, whose outputs feed the next block: on the head's logits after the last;
     # not for ranks, never measured)
-    prior = 0
+    prior, prior_certain = 0, True
     if distributed.world().size == 1:
         prior = (
             loop_memory.prior_bytes(gm)
             if n_peers == 1
             else loop_memory.head_prior_bytes(gm, outside)
         )
+        prior_certain = n_peers == 1 or loop_memory.head_prior_certain(gm, outside)
     prior = prior if prior_cap is None else min(prior, prior_cap)
     loop, loop_excess, prior = loop_memory.budgeted(raw, loop_bytes, allowance, prior)
     where = "graph's outputs" if n_peers == 1 else "logits of the head after the blocks"
@@ -471,7 +472,7 @@ def choose(
             min_host = min_host * n_peers if min_host is not None else None
         budget_all = budget * n_peers + growth if n_peers > 1 else budget  # as min_dev counts
         failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host, prior, budget_all)
-        failure += (allowance or 0, n_peers)
+        failure += (allowance or 0, n_peers, prior_certain)
         outcome = distributed.broadcast_object(("failed", failure))
     else:
         outcome = distributed.broadcast_object(

@@ -28,6 +28,7 @@ class NoPlanFits(ProtrainError):
         budget_bytes: int | None = None,
         loop_allowance_bytes: int = 0,
         budget_shares: int = 1,
+        loop_prior_certain: bool = True,
     ):
         super().__init__(message)
         self.min_device_bytes = min_device_bytes
@@ -39,6 +40,8 @@ class NoPlanFits(ProtrainError):
         # what of the reserve the loop may hold without a plan counting it (budgets.loop_allowance)
         self.loop_allowance_bytes = loop_allowance_bytes
         self.budget_shares = budget_shares  # blocks compiled alike, each planned for 1/n of it
+        # the loss the prior assumes is surely the loop's (not a guess among several tables)
+        self.loop_prior_certain = loop_prior_certain
 
 
 def release_frames(exc: BaseException) -> None:

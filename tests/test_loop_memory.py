@@ -514,3 +514,24 @@ def test_a_prior_short_by_more_than_the_reserve_s_half_is_refused_before_the_fir
             a, b = own_loss_step(ref, o_ref, x, Meter(), 0), own_loss_step(call, opt, x, meter, 0)
         assert abs(a - b) <= 1e-5 * abs(a), (a, b)
     assert protrain_fx.get_plan(model.model.layers[0] if regional else call).predicted
+
+
+def test_a_head_prior_among_tables_of_other_rows_is_not_refused_on(meter, caplog):
+    """GPT-2's blocks compiled one by one: beside its 1024-word table the position table (64 rows)
+    is as wide as the blocks' output, so which table the head's logits come from is a guess (a
+    classifier's head beside an embedding is the same case): where the assumed loss (3.75 MiB) fits
+    beside no plan by 1.3 MB, more than the 100 KB of the reserve for the loop, the first call warns
+    and plans beside what fits, as before, rather than refusing."""
+    from hf_models import hf_gpt2
+
+    batches = [x for x, _ in random_batches(2, 5, 64, vocab=1024, seed=1)]
+    model = hf_gpt2(seed=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, vocab_size=1024)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for block in model.transformer.h:
+        block.compile(backend="protrain", options={"compiler": "eager"})
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        loss = model(input_ids=batches[0], labels=batches[0]).loss
+    said = [m for m in caplog.messages if "no plan leaves room for the 3.75 MiB" in m]
+    assert said and all("until the loop is measured" in m for m in said), caplog.messages
+    loss.backward()
+    opt.step()

@@ -291,19 +291,37 @@ def head_prior_bytes(gm: torch.fx.GraphModule, outside: list) -> int:
     window. An fp32 cross-entropy on logits as wide as the widest parameter ``outside`` the blocks
     whose rows are as wide as the block's output (the embedding, tied or not, or the head), for as
     many tokens as that output has rows; 0 where no parameter outside is such a table."""
-    outs = [n for n in gm.graph.nodes if n.op == "output"]
-    vals = [example_value(n) for o in outs for n in _flat_nodes(o.args)]
-    hidden = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim]
-    if not hidden:
+    out, rows = _head_tables(gm, outside)
+    if out is None:
         return 0
-    out = max(hidden, key=_compat.numel_hint)
     width = int(out.shape[-1])
-    rows = max((p.shape[0] for p in outside if p.ndim == 2 and p.shape[1] == width), default=0)
+    rows = max(rows, default=0)
     # the logits in 16 bits where the block computes in 16 bits (autocast)
     values = (example_value(n) for n in gm.graph.nodes)
     low = any(isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION for v in values)
     per_element = 4 * PRIOR_FP32_COPIES + (2 if low else 0)
     return _compat.numel_hint(out) // max(1, width) * int(rows) * per_element
+
+
+def head_prior_certain(gm: torch.fx.GraphModule, outside: list) -> bool:
+    """Whether the head :func:`head_prior_bytes` assumes is the only table outside the blocks as
+    wide as their output (a tied embedding, or an embedding and an untied head of the same rows):
+    not where another is narrower in rows (GPT-2's position table; a classifier's head beside the
+    embedding), whose logits may be far smaller."""
+    return len(_head_tables(gm, outside)[1]) == 1
+
+
+def _head_tables(gm: torch.fx.GraphModule, outside: list) -> tuple:
+    """``(the block's widest floating output, the row counts of the 2-D parameters outside the
+    blocks as wide as it)``; ``(None, set())`` where the block returns no such tensor."""
+    outs = [n for n in gm.graph.nodes if n.op == "output"]
+    vals = [example_value(n) for o in outs for n in _flat_nodes(o.args)]
+    hidden = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim]
+    if not hidden:
+        return None, set()
+    out = max(hidden, key=_compat.numel_hint)
+    width = int(out.shape[-1])
+    return out, {int(p.shape[0]) for p in outside if p.ndim == 2 and p.shape[1] == width}
 
 
 def _flat_nodes(arg) -> list:
@@ -353,8 +371,10 @@ def choose_beside_prior(choose, loop_bytes: int | None):
             if e.min_device_bytes is not None and e.budget_bytes is not None
             else prior
         )
-        # over the reserve's unbudgeted half, for the loss alone (without it a plan fits)
-        if e.loop_allowance_bytes < short <= prior - e.loop_allowance_bytes:
+        # over the reserve's unbudgeted half, for the loss alone (without it a plan fits), where
+        # the loss assumed is surely there
+        sure = e.loop_prior_certain
+        if sure and e.loop_allowance_bytes < short <= prior - e.loop_allowance_bytes:
             raise _prior_no_room(e, prior, short, why) from None
     part, choice = prior - short - max(4096, short // 1000), None  # the budget's rounding
     if part > 0:
@@ -382,7 +402,7 @@ def _prior_no_room(e: NoPlanFits, prior: int, short: int, why: str) -> NoPlanFit
     ``memory_budget``."""
     regional = e.budget_shares > 1
     what = (
-        "HF's loss on the logits of the head after the blocks compiled one by one"
+        "a loss on the logits of the model's head after the blocks compiled one by one"
         if regional
         else "a loss of the loop's own on the logits the model returns"
     )
@@ -409,6 +429,7 @@ def _prior_no_room(e: NoPlanFits, prior: int, short: int, why: str) -> NoPlanFit
         budget_bytes=e.budget_bytes,
         loop_allowance_bytes=e.loop_allowance_bytes,
         budget_shares=e.budget_shares,
+        loop_prior_certain=True,
     )
 
 
