@@ -422,7 +422,7 @@ def _prior_no_room(e: NoPlanFits, prior: int, short: int, why: str) -> NoPlanFit
         f"redo it. To train: {fix}; or a smaller batch; or "
         f"{format_bytes(short - e.loop_allowance_bytes)} more device memory; or, where the loop "
         "holds far less than assumed, a memory_budget (the loop's own tensors are then yours to "
-        f"fit beside it). ({why})",
+        f"fit beside it). ({why.split(';')[0]})",
         e.min_device_bytes,
         e.min_host_bytes,
         loop_prior_bytes=prior,
