@@ -358,8 +358,9 @@ def choose_beside_prior(choose, loop_bytes: int | None):
     93: the plan made as if the loop held nothing kept chunks resident that blocks compiled one by
     one cannot move, and the loss ran out of memory); where not even that fits, as if the loop held
     nothing (one line and a note say which). Where the smallest plan leaves the loss short by more
-    than the reserve's unbudgeted half, the NoPlanFits of :func:`_prior_no_room`, before the first
-    step (run 95: out of memory in HF's loss at step 1)."""
+    than the reserve's unbudgeted half and that loss is sure (``loop_prior_certain``), the
+    NoPlanFits of :func:`_prior_no_room`, before the first step (run 95: out of memory in HF's loss
+    at step 1)."""
     try:
         return choose(loop_bytes)
     except NoPlanFits as e:
@@ -373,8 +374,8 @@ def choose_beside_prior(choose, loop_bytes: int | None):
         )
         # over the reserve's unbudgeted half, for the loss alone (without it a plan fits), where
         # the loss assumed is surely there
-        sure = e.loop_prior_certain
-        if sure and e.loop_allowance_bytes < short <= prior - e.loop_allowance_bytes:
+        refuse = e.loop_allowance_bytes < short <= prior - e.loop_allowance_bytes
+        if refuse and e.loop_prior_certain:
             raise _prior_no_room(e, prior, short, why) from None
     part, choice = prior - short - max(4096, short // 1000), None  # the budget's rounding
     if part > 0:
