@@ -826,7 +826,12 @@ def write(path: str, rows: list[dict], meta: dict) -> None:
 def selected(grid: list[dict], have: set, only: list[str], models: list[str]) -> list[dict]:
     """The rows to run, in order: those ``only`` names (in its order), else those of ``models``
     (in its order), else the grid; never one ``have`` holds. Issue 25's host-scale rows run when
-    ``only`` or ``models`` names them, the peers' rows only when ``only`` does."""
+    ``only`` or ``models`` names them, the peers' rows only when ``only`` does. A row id ``only``
+    names that the grid lacks is an error (run 97 asked for a cap the grid has not and ran nothing
+    of it, saying nothing)."""
+    ids = {r["id"] for r in grid}
+    if unknown := [x for x in only if x not in ids]:
+        raise SystemExit(f"oom_sweep: no such row: {', '.join(unknown)} (see the grid's ids)")
     todo = [
         r
         for r in grid

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
 import oom_sweep  # noqa: E402
@@ -212,3 +214,5 @@ def test_rows_outside_the_grid_run_only_when_named():
     assert [r["id"] for r in named] == [fsdp, qwen]
     assert [r["id"] for r in oom_sweep.selected(grid, set(), [], ["qwen2.5-14b"])] == [qwen]
     assert not oom_sweep.selected(grid, {qwen}, [qwen], [])
+    with pytest.raises(SystemExit, match="no such row: llama3.2-1b/b4s1024/cap8/default"):
+        oom_sweep.selected(grid, set(), [qwen, "llama3.2-1b/b4s1024/cap8/default"], [])
