@@ -471,8 +471,16 @@ def choose(
             )
             min_host = min_host * n_peers if min_host is not None else None
         budget_all = budget * n_peers + growth if n_peers > 1 else budget  # as min_dev counts
-        failure = (f"{e} (budget: {budget_why}){hint}", min_dev, min_host, prior, budget_all)
-        failure += (allowance or 0, n_peers, prior_certain)
+        failure = (  # NoPlanFits' arguments, in its order
+            f"{e} (budget: {budget_why}){hint}",
+            min_dev,
+            min_host,
+            prior,
+            budget_all,
+            allowance or 0,
+            n_peers,
+            prior_certain,
+        )
         outcome = distributed.broadcast_object(("failed", failure))
     else:
         outcome = distributed.broadcast_object(
