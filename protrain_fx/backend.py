@@ -54,6 +54,7 @@ from protrain_fx.graph.blocks import detect_blocks, refuse_untraced_checkpointin
 from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.fx import copy_graph_module, saved_activation_bytes, saved_names
 from protrain_fx.graph.inputs import capture_graph_inputs, has_symbolic_shape, traced_root
+from protrain_fx.inference_mode import never_inference_tensors
 from protrain_fx.machine import allocator
 from protrain_fx.options import Options, forget_optimizer
 from protrain_fx.placement import autocast_dtypes, bind_chunks
@@ -291,6 +292,7 @@ def _compile_plan(
     return compiled
 
 
+@never_inference_tensors
 def protrain_backend(
     gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None
 ):

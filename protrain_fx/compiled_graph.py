@@ -18,6 +18,7 @@ from protrain_fx import _compat, autoplan, budgets, inference_placement, plan_ca
 from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
 from protrain_fx.graph.fx import copy_graph_module, fake_mode_for
 from protrain_fx.graph.inputs import replanning
+from protrain_fx.inference_mode import never_inference_tensors
 from protrain_fx.machine import allocator
 from protrain_fx.model_instances import other_model
 from protrain_fx.options import Options, format_bytes
@@ -44,19 +45,19 @@ class ProtrainGraph:
     gradients and optimizer state, protrain_fx/runtime/replacement.py, where the store allows it,
     else the placement stays), and the forward is redone on the same inputs; one line says so.
 
-    A backward is redone the same way. A training call of a graph whose inputs other than
-    parameters need no gradient (a whole model's: token ids, labels, masks) runs as one
+    A backward is redone the same way. A training call of a graph whose inputs other than parameters
+    need no gradient (a whole model's: token ids, labels, masks) runs as one
     ``step_redo.RedoableCall``: it keeps the call's inputs, random-number state and autocast state,
     and its backward runs the compiled backward itself, recording which chunks' gradients it hands
-    over. Out of memory there, the plan is marked failed, the graph is
-    re-planned, the forward replayed on the same inputs with the same random numbers, and the
-    backward run again, handing over only the chunks not handed over before; resident parameters'
-    gradients reach ``.grad`` only when a backward completes. The user's ``loss.backward()`` returns
-    as if nothing happened, one line says what did; nothing is lost or applied twice. A graph fed
-    activations that need gradients (regional compilation, a graph break) cannot be replayed without
-    keeping them: there, and after ``MAX_REPLANS`` re-plans, :class:`StepOutOfMemory` (a
-    ``torch.OutOfMemoryError``) says that the step's gradients are incomplete and the batch can be
-    redone after ``opt.zero_grad()``, and the next forward re-plans first.
+    over. Out of memory there, the plan is marked failed, the graph is re-planned, the forward
+    replayed on the same inputs with the same random numbers, and the backward run again, handing
+    over only the chunks not handed over before; resident parameters' gradients reach ``.grad`` only
+    when a backward completes. The user's ``loss.backward()`` returns as if nothing happened, one
+    line says what did; nothing is lost or applied twice. A graph fed activations that need
+    gradients (regional compilation, a graph break) cannot be replayed without keeping them: there,
+    and after ``MAX_REPLANS`` re-plans, :class:`StepOutOfMemory` (a ``torch.OutOfMemoryError``) says
+    that the step's gradients are incomplete and the batch can be redone after ``opt.zero_grad()``,
+    and the next forward re-plans first.
 
     Every call is seen by profiling/loop_memory.py, which measures in a plan's first steps what the
     loop holds of its own between the forward and the backward; where the plan lacks room for it,
@@ -147,6 +148,7 @@ class ProtrainGraph:
         plan.on_backward_oom = weakref.WeakMethod(self._backward_ran_out)
         self._shared_seen = budgets.shared_version
 
+    @never_inference_tensors
     def __call__(self, *args):
         if (other := other_model(self, args)) is not None:
             return other(*args)
@@ -291,13 +293,8 @@ class ProtrainGraph:
         other input does (those are activations of code outside the graph, which a replay would
         have to keep)."""
         params = {gi.index for gi, r in zip(self._graph_inputs, self._params) if r is not None}
-        wants = False
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and a.requires_grad:
-                if i not in params:
-                    return False
-                wants = True
-        return wants
+        wants = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        return bool(wants) and all(i in params for i in wants)
 
     def _backward(self, call: "step_redo.CallRecord", grads) -> None:
         """The backward of one ``step_redo.RedoableCall``: see the class docstring."""

@@ -38,6 +38,7 @@ LAYERS = [
             "code_cache",
             "region_program",
             "backend",
+            "inference_mode",
             "model_instances",
             "compiled_graph",
             "testing",

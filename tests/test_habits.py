@@ -501,6 +501,54 @@ def test_19_2_plan_after_a_no_grad_eval_is_the_training_plan():
     assert [c.placement for c in evaluation.chunks] == [c.placement for c in trained.chunks]
 
 
+def eval_first(grad_mode):
+    """HF's own loss; an evaluation in eval mode under ``grad_mode`` before every step, the first
+    before the model ever trained (its graph is placed first, protrain_fx/inference_placement.py).
+    Returns eval and train losses interleaved."""
+
+    def habit(call, module, opts, data):
+        trace = []
+        for x, _ in data:
+            module.eval()
+            with grad_mode():
+                trace.append(hf_loss(call, x).item())
+            module.train()
+            loss = hf_loss(call, x)
+            loss.backward()
+            trace.append(loss.item())
+            opts[0].step()
+            opts[0].zero_grad()
+        return trace
+
+    return habit
+
+
+@pytest.mark.parametrize(
+    "grad_mode, budget",
+    [(torch.no_grad, 1.5e6), (torch.inference_mode, 1.5e6), (torch.inference_mode, 3e6)],
+)
+def test_19_2_an_evaluation_before_the_first_step_leaves_the_training_plan_what_it_needs(
+    grad_mode, budget
+):
+    """Evaluated first under a budget that forces offloading, the HF Llama's chunks are placed for
+    the evaluation (some resident), then its training graph is planned beside that placement.
+    Under ``torch.inference_mode()`` the chunk buffers the evaluation made were inference tensors
+    that training could not fill at 3 MB ("Inplace update to inference tensor outside
+    InferenceMode"); and the training graph was profiled and planned beside the evaluation's
+    resident chunks, its profile counting views of them as block activations, so at 1.5 MB, where
+    training alone plans and trains, no plan fitted (NoPlanFits naming 1.53 MiB)."""
+    base = hf_llama()
+    options = {"compiler": "eager", "memory_budget": int(budget)}
+    p = parity(base, options, habit=eval_first(grad_mode), data=hf_data(3))
+    assert "host" in placements(p.compiled)
+    p.check()
+    # the evaluation's placement was released, so that the training plan placed the parameters
+    # afresh (the optimizer was attached to the stores made for the evaluation's repeated blocks,
+    # which kept them)
+    notes = protrain_fx.get_plan(p.compiled).notes
+    assert any("without gradients made" in n and "released" in n for n in notes), notes
+
+
 def seeded_steps(call, module, opts, data):
     """HF's own loss, each step after ``torch.manual_seed(step)``: dropout draws the same masks in
     the eager and the protrain run when protrain draws them as eager does."""

@@ -193,7 +193,9 @@ class GraphBinding:
         store.template = weakref.ref(template)
         store.for_inference = template.for_inference
         opt = self._optimizer() if self._optimizer is not None else None
-        if store.offloaded_chunks and opt is not None:
+        # a store for a graph without gradients steps nothing (as placement.py's), so that training
+        # may release it (inference_placement.release_for_training)
+        if store.offloaded_chunks and opt is not None and not store.for_inference:
             hybrid_optim.attach(opt, store)
             device_steps.assign(store, template.device_step_share)
         root = self._root() if self._root is not None else None
