@@ -313,8 +313,9 @@ def test_profiled_blocks_give_a_measured_timeline(monkeypatch, tmp_path):
 def test_a_new_shape_that_does_not_fit_beside_the_placement_moves_resident_chunks(
     monkeypatch, caplog
 ):
-    """A longer sequence after two steps, which no plan with the first graph's resident chunks fits
-    under the budget: its plan moves resident chunks to the host, with their gradients and Adam
+    """A longer sequence and a larger batch after two steps, which no plan with the first graph's
+    resident chunks fits under the budget (a longer sequence alone fits since the profile no
+    longer counts the resident parameters' saved views as activations): its plan moves resident chunks to the host, with their gradients and Adam
     state (runtime/replacement.py), instead of failing; training (HF Llama, its ``labels=`` loss)
     stays eager's through both shapes and back."""
     import copy
@@ -327,7 +328,7 @@ def test_a_new_shape_that_does_not_fit_beside_the_placement_moves_resident_chunk
     data = [  # the token ids are the labels too
         (x, x)
         for x, _ in random_batches(2, 2, 16, vocab=HF_VOCAB)
-        + random_batches(2, 2, 64, vocab=HF_VOCAB, seed=1)
+        + random_batches(2, 4, 64, vocab=HF_VOCAB, seed=1)
         + random_batches(1, 2, 16, vocab=HF_VOCAB, seed=2)
     ]
     ref_losses = train_steps(ref, ref, data, opt=make_adamw(ref))

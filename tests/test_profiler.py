@@ -5,6 +5,7 @@ import pytest
 import torch
 from models import GPT, GPTConfig
 
+import protrain_fx
 from protrain_fx import _compat, backend, pipeline
 from protrain_fx.graph.fx import saved_activation_bytes
 from protrain_fx.profiling.static import saved_bytes_by_block
@@ -190,3 +191,66 @@ def test_an_offloaded_chunk_is_priced_no_faster_than_the_profiled_host_queued_it
     line = _host_bound_lines({"block_fwd_host_ms": [3.5] * n, "block_fwd_ms": [2.0] * n})
     assert line and "forward in 14.0 ms" in line[0] and "ran 8.0 ms" in line[0]
     assert _host_bound_lines({"block_fwd_host_ms": [1.0] * n, "block_fwd_ms": [2.0] * n}) == []
+
+
+def test_a_resident_parameter_saved_for_backward_is_no_block_activation(monkeypatch):
+    """Forward saves views of resident parameters for backward (an HF Llama's regions keep
+    ``t(t(weight))`` of projections): no memory of their own, and the cost model prices resident
+    chunks itself. A graph profiled beside an earlier graph's placement (a new sequence length
+    after a plan that keeps the embedding and block 0's first chunk resident) counted them as
+    block 0's activations, 96 KiB over the others' (the same block), so it was priced higher than
+    profiled with every chunk offloaded, as a first plan is, and could refuse budgets that fit."""
+    from hf_models import HF_VOCAB, hf_llama, hf_loss
+
+    from protrain_fx import autoplan
+    from protrain_fx.profiling.profiler import graph_profile
+
+    kept = []
+
+    def spy(step, static, *args, **kw):
+        kept.append(static.saved.keep)
+        return graph_profile(step, static, *args, **kw)
+
+    monkeypatch.setattr(autoplan, "graph_profile", spy)
+    model = hf_llama()
+    opt = torch.optim.AdamW(model.parameters())
+    options = {"compiler": "eager", "memory_budget": 3_000_000, "optimizer": opt}
+    compiled = torch.compile(model, backend="protrain", dynamic=False, options=options)
+    for seq in (16, 24):
+        kept.clear()
+        hf_loss(compiled, torch.randint(0, HF_VOCAB, (2, seq))).backward()
+        opt.step()
+        opt.zero_grad()
+        if seq == 16:
+            placements = [c.placement for c in protrain_fx.get_plan(compiled).chunks]
+            assert "device" in placements and "host" in placements, placements
+        assert kept and all(len(set(k)) == 1 for k in kept), (seq, kept)  # the blocks are alike
+
+
+def test_the_profiled_backward_holds_no_gradient_of_a_parameter_it_reaches():
+    """The profiled step's backward drops a parameter's gradient as it comes, as the stores drop
+    an offloaded chunk's: a chunk an earlier graph placed resident gives its parameters gradients
+    in autograd's ``.grad``, which the measured peak would otherwise hold (the search prices
+    resident gradients itself). The user's gradients are as they were afterwards."""
+    from protrain_fx.profiling.profiler import profile_step
+
+    w1, w2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    seen = []
+
+    class Look(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(w1.grad)  # w1's gradient came before this node's backward
+            return g
+
+    def step(w1, w2, x):
+        return (Look.apply(w2 * x).sum() * w1).sum()
+
+    w1.grad = torch.full((4,), 7.0)
+    profile_step(step, [w1, w2, torch.ones(4)], [], 0, torch.device("cpu"))
+    assert len(seen) == 3 and all(g is None for g in seen), seen  # warm-up and two timed runs
+    assert torch.equal(w1.grad, torch.full((4,), 7.0)) and w2.grad is None

@@ -194,6 +194,10 @@ def _grad_outputs(outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return leaves, [torch.ones_like(o) for o in leaves]
 
 
+def _drop_grad(t: torch.Tensor) -> None:
+    t.grad = None
+
+
 def profile_step(
     compiled, inputs: list, stores, n_blocks: int, device: torch.device, runs: int = 2
 ) -> StepProfile:
@@ -215,6 +219,10 @@ def profile_step(
     ]
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
     grads = [t.grad for t in leaves]
+    # dropped as they come, as offloaded chunks' are: a chunk an earlier graph placed resident (an
+    # evaluation before the first step, another shape) keeps its gradient on the device, which the
+    # search prices itself; held here, it would count again in the measured working set
+    drops = [t.register_post_accumulate_grad_hook(_drop_grad) for t in leaves]
     snapshot = [
         (t, t.detach().clone())
         for t in inputs
@@ -285,6 +293,8 @@ def profile_step(
         for s in stores:
             s.profiling = False
         rec.clear()
+        for h in drops:
+            h.remove()
         for t, g in zip(leaves, grads):
             t.grad = g
         with torch.no_grad():

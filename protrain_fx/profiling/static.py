@@ -22,7 +22,13 @@ import torch.utils._pytree as pytree
 
 from protrain_fx import _compat
 from protrain_fx.graph.annotation import annotation_of
-from protrain_fx.graph.fx import copy_graph_module, saved_values, tensor_bytes
+from protrain_fx.graph.fx import (
+    cast_dtype,
+    copy_graph_module,
+    is_view_op,
+    saved_values,
+    tensor_bytes,
+)
 from protrain_fx.passes.recompute import tag_blocks_for_recompute, untag_blocks
 from protrain_fx.runtime import ops
 
@@ -58,13 +64,27 @@ def _is_activation_input(node: fx.Node) -> bool:
     return _input_kind(node) is not None
 
 
+def _of_an_input(node: fx.Node) -> bool:
+    """A view of an input of the graph that is not another region's activation (no memory of its
+    own), or a parameter's compute-dtype cast: a parameter is a placeholder only where its chunk
+    is resident (an earlier graph's placement; offloaded ones are gathered), and the cost model
+    prices a resident chunk's values and casts itself (``resident_cast_elem``), never as a block's
+    activations."""
+    cast = False
+    while node.op == "call_function" and (is_view_op(node.target) or cast_dtype(node)):
+        cast, node = cast or cast_dtype(node) is not None, node.args[0]
+    ann = annotation_of(node)
+    param = ann is not None and ann.input_kind == "param"
+    return node.op == "placeholder" and not _is_activation_input(node) and (param or not cast)
+
+
 def _saved(fw: fx.GraphModule, bw: fx.GraphModule) -> list[fx.Node]:
     """What forward saves for backward, as the graph without profiling marks would save it
     (inputs of the graph only where they are another region's activations)."""
     seen, out = set(), []
     for n in saved_values(fw, bw):
         n = _unmarked(n)
-        if (n.op != "placeholder" or _is_activation_input(n)) and n not in seen:
+        if not _of_an_input(n) and n not in seen:
             seen.add(n)
             out.append(n)
     return out
