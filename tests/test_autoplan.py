@@ -315,9 +315,10 @@ def test_a_new_shape_that_does_not_fit_beside_the_placement_moves_resident_chunk
 ):
     """A longer sequence and a larger batch after two steps, which no plan with the first graph's
     resident chunks fits under the budget (a longer sequence alone fits since the profile no
-    longer counts the resident parameters' saved views as activations): its plan moves resident chunks to the host, with their gradients and Adam
-    state (runtime/replacement.py), instead of failing; training (HF Llama, its ``labels=`` loss)
-    stays eager's through both shapes and back."""
+    longer counts the resident parameters' saved views as activations): its plan moves resident
+    chunks to the host, with their gradients and Adam state (runtime/replacement.py), instead of
+    failing; training (HF Llama, its ``labels=`` loss) stays eager's through both shapes and
+    back."""
     import copy
 
     from hf_models import HF_VOCAB, LossOnly, hf_llama
