@@ -8,9 +8,10 @@ process (``--row``):
 - ``reference``: plain PyTorch on the whole device (eager, fused AdamW): the evaluation loss of the
   evaluation batch, ``--steps`` training steps, the evaluation loss again.
 - ``eval_first``: protrain under ``--cap`` GiB (``set_per_process_memory_fraction``), the loop
-  evaluating under ``torch.no_grad()`` before its first training step, then training, then
-  evaluating again. Before the inference placement the evaluation graph kept every chunk resident:
-  12 GiB of parameters in a 12 GiB cap.
+  evaluating under ``torch.no_grad()`` (``--grad-mode inference_mode``: under
+  ``torch.inference_mode()``, as PyTorch Lightning validates, before training by default) before
+  its first training step, then training, then evaluating again. Before the inference placement
+  the evaluation graph kept every chunk resident: 12 GiB of parameters in a 12 GiB cap.
 - ``teacher``: the same model frozen (``requires_grad_(False)``, eval mode), as a distillation
   teacher or a DPO reference model is, under ``--teacher-cap`` GiB: two forwards under no_grad.
 - ``teacher_min``: the frozen model with ``memory_budget="1GiB"``: the NoPlanFits that names the
@@ -47,13 +48,16 @@ def _data(spec, batch, seq):
     return train, held_out
 
 
+GRAD_MODE = "no_grad"  # --grad-mode: what every evaluation runs under
+
+
 def _eval(model, x) -> tuple[float, float]:
     """(loss, reserved peak GiB over the call)."""
     import torch
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    with getattr(torch, GRAD_MODE)(), torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(input_ids=x, labels=x).loss.item()
     return loss, torch.cuda.max_memory_reserved() / 2**30
 
@@ -67,7 +71,9 @@ def run_row(name: str, args) -> dict:
 
     spec = MODELS[args.model]
     train, held_out = _data(spec, args.batch, args.seq)
-    row = {"row": name}
+    global GRAD_MODE
+    GRAD_MODE = args.grad_mode
+    row = {"row": name, "grad_mode": args.grad_mode}
     t0 = time.perf_counter()
     model = build(spec, args.seq, host=name != "reference")
     cap = {"eval_first": args.cap, "teacher": args.teacher_cap}.get(name)
@@ -147,8 +153,9 @@ def table(rows: list[dict], meta: dict) -> str:
         f"# Inference graphs under a cap ({meta['device']}, torch {meta['torch']}, {meta['date']})",
         "",
         f"`{meta['command']}`: {meta['model']} shape, batch {meta['batch']} x {meta['seq']}, bf16 "
-        "autocast, `labels=` loss; losses against plain PyTorch on the whole device "
-        f"(tolerance {BF16_REL:.4f} relative).",
+        "autocast, `labels=` loss, evaluations under "
+        f"`torch.{meta.get('grad_mode', 'no_grad')}()`; losses against plain PyTorch on the whole "
+        f"device (tolerance {BF16_REL:.4f} relative).",
         "",
         "| row | cap GiB | first evaluation: plan | predicted peak GiB | reserved peak GiB "
         "(err) | losses rel vs reference | after training: plan | eval loss before / after | "
@@ -186,7 +193,8 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=12)
     ap.add_argument("--teacher-cap", type=float, default=6)
     ap.add_argument("--steps", type=int, default=6)
-    rows_main(__file__, ap, ROWS, run_row, evaluate, table, ("model",))
+    ap.add_argument("--grad-mode", choices=["no_grad", "inference_mode"], default="no_grad")
+    rows_main(__file__, ap, ROWS, run_row, evaluate, table, ("model", "grad_mode"))
 
 
 if __name__ == "__main__":
