@@ -11,40 +11,48 @@ makes one graph per length, and past dynamo's recompile limit (8) the frame runs
 with ``TORCH_LOGS=recompiles`` to see why each graph was compiled.
 """
 
-import sys, os, torch
+import os
+import sys
 
-sys.path.insert(0, "tests")
-sys.path.insert(0, "examples")
-sys.path.insert(0, "benchmarks")
-import torch._dynamo.utils as du
-from hf_models import hf_llama, HF_VOCAB
+import torch
 
-which = sys.argv[1]
-if which.startswith("tiny"):
-    m = hf_llama(attn_implementation="sdpa").cuda()
-    V = HF_VOCAB
-    lens = (16, 12, 14, 10)
-else:
-    from oom_sweep import MODELS, build
+HERE = os.path.dirname(os.path.abspath(__file__))
+for d in ("tests", "examples", "benchmarks"):
+    sys.path.insert(0, os.path.join(HERE, "..", d))
 
-    spec = MODELS["llama3.2-1b"]
-    m = build(spec, 256, host=which.endswith("host"))
-    V = spec["vocab"]
-    lens = (256, 192, 224)
-opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-bk = "protrain" if "protrain" in which else "inductor"
-c = torch.compile(
-    m,
-    backend=bk,
-    options={"memory_budget": "3GiB"}
-    if bk == "protrain" and not which.startswith("tiny")
-    else None,
-)
-for n in lens:
-    x = torch.randint(0, V, (2, n), device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = c(input_ids=x, labels=x).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-print("RESULT", which, "graphs:", du.counters["stats"]["unique_graphs"], flush=True)
+import torch._dynamo.utils as du  # noqa: E402
+from hf_models import HF_VOCAB, hf_llama  # noqa: E402
+
+
+def main() -> None:
+    which = sys.argv[1]
+    if which.startswith("tiny"):
+        model, vocab, lengths = (
+            hf_llama(attn_implementation="sdpa").cuda(),
+            HF_VOCAB,
+            (16, 12, 14, 10),
+        )
+    else:
+        from oom_sweep import MODELS, build
+
+        spec = MODELS["llama3.2-1b"]
+        model = build(spec, 256, host=which.endswith("host"))
+        vocab, lengths = spec["vocab"], (256, 192, 224)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    backend = "protrain" if "protrain" in which else "inductor"
+    options = (
+        {"memory_budget": "3GiB"} if backend == "protrain" and which.startswith("big") else None
+    )
+    compiled = torch.compile(model, backend=backend, options=options)
+    for n in lengths:
+        x = torch.randint(0, vocab, (2, n), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print("RESULT", which, "graphs:", du.counters["stats"]["unique_graphs"], flush=True)
+
+
+if __name__ == "__main__":
+    main()
