@@ -424,17 +424,23 @@ def test_19_1_graph_break_inside_block_loop(placement):
 
 # ------------------------------------------------------- 19.2 a chunk buffer read after it was
 # reused
+def hf_step(call, opt, x) -> float:
+    """One training step with HF's own loss (labels=): backward, ``opt.step()``, ``zero_grad()``;
+    the loss."""
+    loss = hf_loss(call, x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def train_and_eval(call, module, opts, data):
     """HF's own loss (labels=); after every step an evaluation of ``data[-1]`` in eval mode under
     torch.no_grad(). Returns train and eval losses interleaved."""
     trace = []
     *train, (x_eval, _) = data
     for x, _ in train:
-        loss = hf_loss(call, x)
-        loss.backward()
-        trace.append(loss.item())
-        opts[0].step()
-        opts[0].zero_grad()
+        trace.append(hf_step(call, opts[0], x))
         module.eval()
         with torch.no_grad():
             trace.append(hf_loss(call, x_eval).item())
@@ -513,11 +519,7 @@ def eval_first(grad_mode):
             with grad_mode():
                 trace.append(hf_loss(call, x).item())
             module.train()
-            loss = hf_loss(call, x)
-            loss.backward()
-            trace.append(loss.item())
-            opts[0].step()
-            opts[0].zero_grad()
+            trace.append(hf_step(call, opts[0], x))
         return trace
 
     return habit
@@ -555,11 +557,7 @@ def seeded_steps(call, module, opts, data):
     losses = []
     for step, (x, _) in enumerate(data):
         torch.manual_seed(100 + step)
-        loss = hf_loss(call, x)
-        loss.backward()
-        losses.append(loss.item())
-        opts[0].step()
-        opts[0].zero_grad()
+        losses.append(hf_step(call, opts[0], x))
     return losses
 
 

@@ -71,7 +71,7 @@ def _of_an_input(node: fx.Node) -> bool:
     prices a resident chunk's values and casts itself (``resident_cast_elem``), never as a block's
     activations."""
     cast = False
-    while node.op == "call_function" and (is_view_op(node.target) or cast_dtype(node)):
+    while node.op == "call_function" and (is_view_op(node.target) or cast_dtype(node) is not None):
         cast, node = cast or cast_dtype(node) is not None, node.args[0]
     ann = annotation_of(node)
     param = ann is not None and ann.input_kind == "param"
