@@ -8,11 +8,14 @@ makes one graph per length, and past dynamo's recompile limit (8) the frame runs
 ``tiny_*``: the tests' HF Llama (4 layers, width 128, sdpa) on the GPU, lengths 16, 12, 14, 10;
 ``big_protrain_host``: the Llama-3.2-1B shape built under ``host_init``, a 3 GiB budget, lengths
 256, 192, 224. bf16 autocast, ``labels=`` loss, AdamW. Prints ``RESULT <case> graphs: N``; run
-with ``TORCH_LOGS=recompiles`` to see why each graph was compiled.
+with ``TORCH_LOGS=recompiles`` to see why each graph was compiled, and with ``--trace-guards`` to
+print, for every guard or specialization dynamo's shape environment records, the stack frames of
+this project that asked for it (what turns a symbolic size into a constant).
 """
 
 import os
 import sys
+import traceback
 
 import torch
 
@@ -23,12 +26,56 @@ for d in ("tests", "examples", "benchmarks"):
 import torch._dynamo.utils as du  # noqa: E402
 from hf_models import HF_VOCAB, hf_llama  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU to check the probe itself
+
+
+def trace_guards() -> None:
+    """Print this project's frames under every guard and replacement the shape environment adds."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def ours() -> str:
+        frames = [
+            f"{f.filename}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-2]
+            if "protrain_fx" in f.filename or "/passes/" in f.filename
+        ]
+        return " <- ".join(reversed(frames[-6:])) or "(no protrain frame)"
+
+    log_guard, set_replacement = ShapeEnv._log_guard, ShapeEnv._set_replacement
+
+    def node_run() -> str:
+        """The innermost FX node an interpreter is running, and the frames between it and here."""
+        frame, below = sys._getframe(2), []
+        while frame is not None:
+            n = frame.f_locals.get("n") if frame.f_code.co_name == "run_node" else None
+            if isinstance(n, torch.fx.Node):
+                return f"node {n.format_node()}; under it: " + " <- ".join(below[:40])
+            code = frame.f_code
+            below.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+            frame = frame.f_back
+        return "no node"
+
+    def _log_guard(self, prefix, g, forcing_spec):
+        print(f"GUARD {prefix} {g} spec={forcing_spec} at {ours()}", flush=True)
+        if "suppressed" not in prefix:
+            print(f"  RUNNING {node_run()}", flush=True)
+        return log_guard(self, prefix, g, forcing_spec)
+
+    def _set_replacement(self, a, tgt, msg):
+        if getattr(tgt, "is_number", False):
+            print(f"SPECIALIZE {a} = {tgt} ({msg}) at {ours()}", flush=True)
+        return set_replacement(self, a, tgt, msg)
+
+    ShapeEnv._log_guard, ShapeEnv._set_replacement = _log_guard, _set_replacement
+
 
 def main() -> None:
     which = sys.argv[1]
+    if "--trace-guards" in sys.argv:
+        trace_guards()
     if which.startswith("tiny"):
         model, vocab, lengths = (
-            hf_llama(attn_implementation="sdpa").cuda(),
+            hf_llama(attn_implementation="sdpa").to(DEVICE),
             HF_VOCAB,
             (16, 12, 14, 10),
         )
@@ -45,8 +92,8 @@ def main() -> None:
     )
     compiled = torch.compile(model, backend=backend, options=options)
     for n in lengths:
-        x = torch.randint(0, vocab, (2, n), device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        x = torch.randint(0, vocab, (2, n), device=DEVICE)
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = compiled(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()

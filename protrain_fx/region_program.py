@@ -22,8 +22,9 @@ in order), each region a :class:`RegionCall` of its variant. When the plan profi
 (the automatic plan's profiling step, ``PROTRAIN_PROFILE_BLOCKS=1``), a block's call wraps what it
 reads and returns in ``protrain::mark`` with the block's index in the whole graph, so one step
 times every block (protrain_fx/runtime/block_timer.py). Example values for each region's inputs
-come from running the top graph on fake tensors (the region's uncompiled code), in the fake mode of
-the compile: dynamo's, or a re-plan's own.
+are the fake values dynamo traced (symbolic sizes included: one compile serves every sequence
+length); a re-plan in a fake mode of its own runs the top graph on fake tensors (the regions'
+uncompiled code) for them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from protrain_fx import _compat, code_cache, progress
 from protrain_fx.errors import ProtrainError
 from protrain_fx.graph import regions
 from protrain_fx.graph.build_plan import make_plan
-from protrain_fx.graph.fx import copy_graph_module
+from protrain_fx.graph.fx import copy_graph_module, example_value
 from protrain_fx.graph.regions import Region, RegionSplit
 from protrain_fx.machine import pinned
 from protrain_fx.options import Options, format_bytes
@@ -223,14 +224,48 @@ class RegionProgram:
 
 
 def _fake_examples(split: RegionSplit, example_inputs: list) -> list[list]:
-    """Each region's example inputs: parameters as they are, everything else as fake tensors
-    from running the uncompiled regions in the compile's fake mode (module docstring)."""
+    """Each region's example inputs: the graph's own inputs as they are, the values regions pass
+    each other as the compile's fake mode traced them (module docstring)."""
+    mode = torch._guards.detect_fake_mode(example_inputs)
+    traced = mode and _traced_examples(split, example_inputs, mode)
+    return traced or _propagated_examples(split, example_inputs, mode)
+
+
+def _traced_examples(split: RegionSplit, example_inputs: list, mode) -> list[list] | None:
+    """The values dynamo traced (its placeholders' example values, symbolic sizes included) as fakes
+    of ``mode``, when every one is of ``mode``'s shape environment (dynamo hands its backend a fake
+    mode of its own over the tracer's shape environment): running the regions again on fakes
+    would be a second trace, and ops that read a symbolic size as an int there (on CUDA, in the
+    pre-block region of an HF Llama) turned it into a constant, one graph per sequence length
+    (benchmarks/dynamic_lengths_probe.py)."""
+    shape_env = mode.shape_env
+    out = []
+    for r in split.regions:
+        args = []
+        for p, t in zip(r.gm.graph.find_nodes(op="placeholder"), r.top_inputs):
+            val = example_inputs[t] if t is not None else example_value(p)
+            if t is None:
+                if isinstance(val, torch.Tensor):
+                    if getattr(getattr(val, "fake_mode", None), "shape_env", None) is not shape_env:
+                        return None
+                    val = mode.from_tensor(val)  # the same symbolic sizes, the same shape env
+                elif isinstance(val, torch.SymInt):
+                    if val.node.shape_env is not shape_env:
+                        return None
+                elif not isinstance(val, (int, float, bool)):
+                    return None
+            args.append(val)
+        out.append(args)
+    return out
+
+
+def _propagated_examples(split: RegionSplit, example_inputs: list, mode) -> list[list]:
+    """The values regions pass each other from running the uncompiled regions in ``mode`` (a
+    re-plan's own fake mode, whose values dynamo's trace does not hold)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(
-        allow_non_fake_inputs=True
-    )
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
     vals: dict[str, Any] = {}
 
     class Prop(FakeTensorProp):

@@ -102,3 +102,65 @@ def test_a_dynamic_graph_replanned_after_an_oom_stays_dynamic(monkeypatch):
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
     plan = protrain_fx.get_plan(compiled)
     assert any("re-planned after running out of device memory" in n for n in plan.notes)
+
+
+def _in_python_dispatcher() -> bool:
+    return torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+
+
+@torch._dynamo.allow_in_graph
+def positions(h):
+    """Position offsets, read as a C++ kernel reads them: run on fake tensors outside dynamo's and
+    aot_autograd's tracing (which run under the python dispatcher), the size becomes an int and a
+    guard. On CUDA, HF Llama's rotary ``inv_freq @ position_ids`` matmul does this (run 103)."""
+    if not _in_python_dispatcher():
+        int(h.shape[1])
+    return torch.arange(h.shape[1], dtype=h.dtype, device=h.device)[None, :, None] * 1e-3
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(h))
+
+
+class PositionsNet(torch.nn.Module):
+    def __init__(self, vocab=64, d=32, n_layer=3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(Layer(d) for _ in range(n_layer))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = h + positions(h)
+        for layer in self.layers:
+            h = layer(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def test_regions_compile_on_the_sizes_dynamo_traced_not_on_a_second_trace(monkeypatch):
+    """A graph compiled in regions takes its regions' example inputs from dynamo's trace: running
+    the regions again on fake tensors specialized a size a kernel read as an int, one graph per
+    sequence length (4 compiles for 4 lengths, where plain torch.compile makes 2)."""
+    torch.manual_seed(0)
+    base = PositionsNet()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt, opt = make_adamw(ref), make_adamw(mine)
+    compiles = count_compiles(monkeypatch)
+    budget = 3 * sum(p.numel() * 4 for p in base.parameters())
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": opt, "memory_budget": budget, "n_persist": 0},
+    )
+    data = [random_batches(1, 2, seq, vocab=64, seed=seq)[0] for seq in (16, 12, 14, 10)]
+    ref_losses, losses = train(ref, ref_opt, data), train(compiled, opt, data)
+    assert len(compiles) == 2, f"{len(compiles)} compiles for 4 lengths"
+    assert "regions" in protrain_fx.get_plan(compiled).summary()
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    sd, ref_sd = mine.state_dict(), ref.state_dict()
+    assert max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd) <= 1e-3
