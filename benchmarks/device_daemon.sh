@@ -37,8 +37,8 @@ end=$((SECONDS + seconds))
 # back what the daemon had written
 while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do
   sleep 5
-  cp "$dir"/*.json "$dir"/*.md "$dir/log" "$OUT"/ 2>/dev/null
+  cp "$dir"/*.json "$dir"/*.md "$dir"/*.log "$dir/log" "$OUT"/ 2>/dev/null
 done
 kill -0 "$pid" 2>/dev/null && echo "daemon $pid still running" || echo "daemon $pid done"
-cp "$dir"/*.json "$dir"/*.md "$dir/log" "$OUT"/ 2>/dev/null
+cp "$dir"/*.json "$dir"/*.md "$dir"/*.log "$dir/log" "$OUT"/ 2>/dev/null
 grep -v '^step ' "$dir/log" | tail -c 6000

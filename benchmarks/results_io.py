@@ -44,7 +44,8 @@ def row_processes(script: str, args, run_row) -> list[dict] | None:
     """Rows run one process each: in the child (``--row NAME --result FILE``) ``run_row(name,
     args)``'s row (an error row where it raised) goes to FILE and None is returned; in the parent
     each row of ``--only`` runs ``script`` with the parent's arguments in a child (one Inductor and
-    protrain cache shared), its row read back (an error row where the child left none) and echoed.
+    protrain cache shared), its row read back (an error row where the child left none) and echoed,
+    its whole stderr kept in ``<--out>.<row>.log``.
     The parent's rows are returned."""
     import os
     import subprocess
@@ -68,6 +69,9 @@ def row_processes(script: str, args, run_row) -> list[dict] | None:
         cmd = [sys.executable, script, *sys.argv[1:], "--row", name, "--result", result]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stderr.write(proc.stderr[-3000:])
+        if args.out:  # the child's whole log beside the results (TORCH_LOGS output included)
+            with open(f"{args.out}.{name.replace('/', '_')}.log", "w") as f:
+                f.write(proc.stderr)
         try:
             with open(result) as f:
                 rows.append(json.load(f))
