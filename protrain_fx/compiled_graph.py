@@ -25,6 +25,7 @@ from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.plan import Plan
 from protrain_fx.profiling import kept_grads, loop_memory
 from protrain_fx.profiling.frugal import oom_request_bytes
+from protrain_fx.profiling.longer_inputs import LongerInputs
 from protrain_fx.profiling.step_meter import StepMeter
 from protrain_fx.runtime import distributed, replacement, step_redo
 from protrain_fx.runtime.binding import GraphBinding
@@ -59,9 +60,9 @@ class ProtrainGraph:
     that the step's gradients are incomplete and the batch can be redone after ``opt.zero_grad()``,
     and the next forward re-plans first.
 
-    Every call is seen by profiling/loop_memory.py, which measures in a plan's first steps what the
-    loop holds of its own between the forward and the backward; where the plan lacks room for it,
-    the next call re-plans with it budgeted (``loop_seen``)."""
+    Every call is seen by profiling/loop_memory.py (what the loop holds of its own between forward
+    and backward, budgeted by a re-plan where the plan lacks room: ``loop_seen``), and a dynamic
+    graph's by profiling/longer_inputs.py (inputs larger than its plan's)."""
 
     MAX_REPLANS = 3
 
@@ -90,8 +91,7 @@ class ProtrainGraph:
         self.instances: dict = {}  # other models' graphs, by their first parameter's id
         # a graph with symbolic sizes (dynamic shapes) is re-planned as it was compiled: under
         # dynamo's tracing context (its fake mode knows the example inputs' symbolic sizes) on its
-        # example inputs (the parameters among them held weakly); a re-plan from a call's concrete
-        # inputs would specialize it
+        # example inputs (parameters held weakly); a call's concrete inputs would specialize it
         self._symbolic = any(isinstance(e, torch.SymInt) for e in example_inputs)
         param_positions = {gi.index for gi, p in zip(graph_inputs, params) if p is not None}
         self._examples = [None if i in param_positions else e for i, e in enumerate(example_inputs)]
@@ -100,6 +100,7 @@ class ProtrainGraph:
         # the compile: converted anew, they got new symbols (a re-planned evaluation graph of an HF
         # Llama at another batch size failed in Inductor, "expected [s52] to have been codegen-ed")
         self._fakes = _compat.traced_fakes(self._tracing, self._examples)
+        self._longer = LongerInputs(self._examples, param_positions) if self._symbolic else None
         # the user's dict (get_plan finds it), it over the defaults; the optimizer (weakly)
         self._options, self._merged = options, merged
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
@@ -173,6 +174,8 @@ class ProtrainGraph:
             plan_cache.save_plan(self.choice.cache_path, self.plan)
 
     def _call(self, args):
+        if self._longer is not None and torch.is_grad_enabled():
+            self._longer.seen(self.plan, args)
         if self._loop_pending:
             log.warning(self._loop_pending)
             self._loop_pending, self.replans = None, self.replans + 1

@@ -164,3 +164,27 @@ def test_regions_compile_on_the_sizes_dynamo_traced_not_on_a_second_trace(monkey
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
     sd, ref_sd = mine.state_dict(), ref.state_dict()
     assert max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd) <= 1e-3
+
+
+def test_a_call_larger_than_the_dynamic_graphs_plan_is_told_once_per_new_largest(caplog):
+    """The dynamic graph is planned at the length dynamo traced it at (the second); a longer call
+    runs on that plan, and one line (and the plan's notes) says its peak may pass the prediction,
+    once per new largest call, none for shorter ones."""
+    base = gpt()
+    mine = copy.deepcopy(base)
+    opt = make_adamw(mine)
+    budget = 3 * sum(p.numel() * 4 for p in base.parameters())
+    compiled = torch.compile(
+        mine,
+        backend="protrain",
+        options={"compiler": "eager", "optimizer": opt, "memory_budget": budget, "n_persist": 0},
+    )
+    data = [random_batches(1, 2, seq, vocab=64, seed=seq)[0] for seq in (8, 12, 16, 10, 18, 16)]
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        train(compiled, opt, data)
+    told = [r.getMessage() for r in caplog.records if "its plan was made for" in r.getMessage()]
+    # x and y of 2 x 12 planned: 48 elements; 2 x 16 and 2 x 18 are told
+    assert len(told) == 2, told
+    assert "inputs of 64 elements, 1.33x the 48" in told[0] and "inputs of 72" in told[1]
+    notes = protrain_fx.get_plan(compiled).notes
+    assert [n for n in notes if n.startswith("inputs of ")] == [told[1].split(": ", 2)[2]]
