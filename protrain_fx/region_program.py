@@ -262,6 +262,7 @@ def _traced_examples(split: RegionSplit, example_inputs: list, mode) -> list[lis
 def _propagated_examples(split: RegionSplit, example_inputs: list, mode) -> list[list]:
     """The values regions pass each other from running the uncompiled regions in ``mode`` (a
     re-plan's own fake mode, whose values dynamo's trace does not hold)."""
+    from torch._dispatch.python import enable_python_dispatcher
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -274,9 +275,10 @@ def _propagated_examples(split: RegionSplit, example_inputs: list, mode) -> list
             vals[n.name] = out
             return out
 
-    # dynamo's fake mode hands back the fakes it traced with (symbolic sizes included)
     fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    with _compat.allow_non_fake_inputs(mode):
+    # under the python dispatcher, as dynamo and aot_autograd trace: outside it, C++ kernels that
+    # read sizes as ints specialize symbolic ones (_traced_examples)
+    with _compat.allow_non_fake_inputs(mode), enable_python_dispatcher():
         Prop(split.top, mode).propagate_dont_convert_inputs(*fakes)
     out = []
     for r in split.regions:
