@@ -50,19 +50,26 @@ def train(call, opt, data):
     return losses
 
 
-# Inductor: 4 compiles of ~1 min each on 2 cores, outside CI
-@pytest.mark.parametrize("compiler", ["eager"])
-def test_sixteen_lengths_compile_a_few_times_and_match_eager(monkeypatch, compiler):
-    base = gpt()
+def offloaded_pair(base, compiler="eager"):
+    """An eager copy of ``base`` and its AdamW, and a protrain-compiled copy (every chunk on the
+    host, a budget of three times the parameters) and its AdamW: (ref, ref_opt, mine, opt,
+    compiled)."""
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     ref_opt, opt = make_adamw(ref), make_adamw(mine)
-    compiles = count_compiles(monkeypatch)
     budget = 3 * sum(p.numel() * 4 for p in base.parameters())
     compiled = torch.compile(
         mine,
         backend="protrain",
         options={"compiler": compiler, "optimizer": opt, "memory_budget": budget, "n_persist": 0},
     )
+    return ref, ref_opt, mine, opt, compiled
+
+
+# Inductor: 4 compiles of ~1 min each on 2 cores, outside CI
+@pytest.mark.parametrize("compiler", ["eager"])
+def test_sixteen_lengths_compile_a_few_times_and_match_eager(monkeypatch, compiler):
+    compiles = count_compiles(monkeypatch)
+    ref, ref_opt, mine, opt, compiled = offloaded_pair(gpt(), compiler)
     data = sweep_data()
     ref_losses, losses = train(ref, ref_opt, data), train(compiled, opt, data)
     assert len(compiles) <= 3, f"{len(compiles)} compiles for 16 shapes"
@@ -74,15 +81,7 @@ def test_sixteen_lengths_compile_a_few_times_and_match_eager(monkeypatch, compil
 
 
 def test_a_dynamic_graph_replanned_after_an_oom_stays_dynamic(monkeypatch):
-    base = gpt()
-    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
-    ref_opt, opt = make_adamw(ref), make_adamw(mine)
-    budget = 3 * sum(p.numel() * 4 for p in base.parameters())
-    compiled = torch.compile(
-        mine,
-        backend="protrain",
-        options={"compiler": "eager", "optimizer": opt, "memory_budget": budget, "n_persist": 0},
-    )
+    ref, ref_opt, mine, opt, compiled = offloaded_pair(gpt())
     data = sweep_data()
     losses = train(compiled, opt, data[:3])  # the third shape compiles the dynamic graph
     real, state = ChunkStore.gather, {"n": 0}
@@ -147,16 +146,8 @@ def test_regions_compile_on_the_sizes_dynamo_traced_not_on_a_second_trace(monkey
     the regions again on fake tensors specialized a size a kernel read as an int, one graph per
     sequence length (4 compiles for 4 lengths, where plain torch.compile makes 2)."""
     torch.manual_seed(0)
-    base = PositionsNet()
-    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
-    ref_opt, opt = make_adamw(ref), make_adamw(mine)
     compiles = count_compiles(monkeypatch)
-    budget = 3 * sum(p.numel() * 4 for p in base.parameters())
-    compiled = torch.compile(
-        mine,
-        backend="protrain",
-        options={"compiler": "eager", "optimizer": opt, "memory_budget": budget, "n_persist": 0},
-    )
+    ref, ref_opt, mine, opt, compiled = offloaded_pair(PositionsNet())
     data = [random_batches(1, 2, seq, vocab=64, seed=seq)[0] for seq in (16, 12, 14, 10)]
     ref_losses, losses = train(ref, ref_opt, data), train(compiled, opt, data)
     assert len(compiles) == 2, f"{len(compiles)} compiles for 4 lengths"
@@ -170,15 +161,7 @@ def test_a_call_larger_than_the_dynamic_graphs_plan_is_told_once_per_new_largest
     """The dynamic graph is planned at the length dynamo traced it at (the second); a longer call
     runs on that plan, and one line (and the plan's notes) says its peak may pass the prediction,
     once per new largest call, none for shorter ones."""
-    base = gpt()
-    mine = copy.deepcopy(base)
-    opt = make_adamw(mine)
-    budget = 3 * sum(p.numel() * 4 for p in base.parameters())
-    compiled = torch.compile(
-        mine,
-        backend="protrain",
-        options={"compiler": "eager", "optimizer": opt, "memory_budget": budget, "n_persist": 0},
-    )
+    _, _, _, opt, compiled = offloaded_pair(gpt())
     data = [random_batches(1, 2, seq, vocab=64, seed=seq)[0] for seq in (8, 12, 16, 10, 18, 16)]
     with caplog.at_level("WARNING", logger="protrain_fx"):
         train(compiled, opt, data)
