@@ -3,7 +3,8 @@
 dynamic sizes, so two graphs serve every length; a backend whose compile specializes the sizes
 makes one graph per length, and past dynamo's recompile limit (8) the frame runs eagerly.
 
-    python benchmarks/dynamic_lengths_probe.py tiny_inductor|tiny_protrain|big_protrain_host
+    python benchmarks/dynamic_lengths_probe.py tiny_inductor|tiny_protrain|big_protrain_host \
+        [--trace-guards] [--lengths 64,48,56]
 
 ``tiny_*``: the tests' HF Llama (4 layers, width 128, sdpa) on the GPU, lengths 16, 12, 14, 10;
 ``big_protrain_host``: the Llama-3.2-1B shape built under ``host_init``, a 3 GiB budget, lengths
@@ -85,6 +86,8 @@ def main() -> None:
         spec = MODELS["llama3.2-1b"]
         model = build(spec, 256, host=which.endswith("host"))
         vocab, lengths = spec["vocab"], (256, 192, 224)
+    if "--lengths" in sys.argv:  # e.g. --lengths 64,48,56: the loop's lengths instead
+        lengths = tuple(int(n) for n in sys.argv[sys.argv.index("--lengths") + 1].split(","))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     backend = "protrain" if "protrain" in which else "inductor"
     options = (
