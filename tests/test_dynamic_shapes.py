@@ -9,7 +9,7 @@ import torch
 from models import build
 
 import protrain_fx
-from protrain_fx import backend
+from protrain_fx import backend, region_program
 from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.testing import make_adamw, random_batches
 
@@ -141,10 +141,15 @@ class PositionsNet(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
-def test_regions_compile_on_the_sizes_dynamo_traced_not_on_a_second_trace(monkeypatch):
+@pytest.mark.parametrize("examples", ["traced", "propagated"])
+def test_regions_compile_on_the_sizes_dynamo_traced_not_on_a_second_trace(monkeypatch, examples):
     """A graph compiled in regions takes its regions' example inputs from dynamo's trace: running
     the regions again on fake tensors specialized a size a kernel read as an int, one graph per
-    sequence length (4 compiles for 4 lengths, where plain torch.compile makes 2)."""
+    sequence length (4 compiles for 4 lengths, where plain torch.compile makes 2). Where the
+    regions do run again (``propagated``: a re-plan's own fake mode), they run under the python
+    dispatcher, as dynamo traced them, and specialize nothing either."""
+    if examples == "propagated":
+        monkeypatch.setattr(region_program, "_traced_examples", lambda *a: None)
     torch.manual_seed(0)
     compiles = count_compiles(monkeypatch)
     ref, ref_opt, mine, opt, compiled = offloaded_pair(PositionsNet())
