@@ -5,13 +5,17 @@ makes one graph per length, and past dynamo's recompile limit (8) the frame runs
 
     python benchmarks/dynamic_lengths_probe.py tiny_inductor|tiny_protrain|big_protrain_host \
         [--trace-guards] [--lengths 64,48,56]
+    python benchmarks/dynamic_lengths_probe.py tiny_fake_prop
 
 ``tiny_*``: the tests' HF Llama (4 layers, width 128, sdpa) on the GPU, lengths 16, 12, 14, 10;
 ``big_protrain_host``: the Llama-3.2-1B shape built under ``host_init``, a 3 GiB budget, lengths
 256, 192, 224. bf16 autocast, ``labels=`` loss, AdamW. Prints ``RESULT <case> graphs: N``; run
 with ``TORCH_LOGS=recompiles`` to see why each graph was compiled, and with ``--trace-guards`` to
 print, for every guard or specialization dynamo's shape environment records, the stack frames of
-this project that asked for it (what turns a symbolic size into a constant).
+this project that asked for it (what turns a symbolic size into a constant). ``tiny_fake_prop``
+runs the tiny model through a backend that propagates fake tensors over each dynamic graph with
+and without the python dispatcher and prints what each specialized (runs 103: on CUDA, without it,
+HF Llama's rotary matmul; nothing on the CPU).
 """
 
 import os
@@ -70,6 +74,41 @@ def trace_guards() -> None:
     ShapeEnv._log_guard, ShapeEnv._set_replacement = _log_guard, _set_replacement
 
 
+def fake_prop_backend(gm, example_inputs):
+    """``tiny_fake_prop``'s backend: for a graph with symbolic sizes, run ``FakeTensorProp`` over it
+    twice, under the python dispatcher (as dynamo and aot_autograd trace) and without it, and print
+    the sizes each run turned into constants and at which node; then run the graph as it is."""
+    import contextlib
+
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = torch._guards.detect_fake_mode(example_inputs)
+    env = mode.shape_env
+    if any(isinstance(e, torch.SymInt) for e in example_inputs):
+        for dispatcher in (True, False):
+            before = dict(env.replacements)
+
+            class Prop(FakeTensorProp):
+                def run_node(self, n):
+                    k = len(env.replacements)
+                    out = super().run_node(n)
+                    if len(env.replacements) != k:
+                        print(f"SPECIALIZED_AT python_dispatcher={dispatcher}: {n.format_node()}")
+                    return out
+
+            fakes = [
+                mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
+            ]
+            ctx = enable_python_dispatcher() if dispatcher else contextlib.nullcontext()
+            mode.allow_non_fake_inputs = True
+            with ctx, mode:
+                Prop(gm, mode).propagate_dont_convert_inputs(*fakes)
+            new = {str(k): str(v) for k, v in env.replacements.items() if k not in before}
+            print(f"PROP python_dispatcher={dispatcher} new replacements {new}", flush=True)
+    return gm.forward
+
+
 def main() -> None:
     which = sys.argv[1]
     if "--trace-guards" in sys.argv:
@@ -90,6 +129,8 @@ def main() -> None:
         lengths = tuple(int(n) for n in sys.argv[sys.argv.index("--lengths") + 1].split(","))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     backend = "protrain" if "protrain" in which else "inductor"
+    if which.endswith("fake_prop"):
+        backend = fake_prop_backend
     options = (
         {"memory_budget": "3GiB"} if backend == "protrain" and which.startswith("big") else None
     )
