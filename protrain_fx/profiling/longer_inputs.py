@@ -53,5 +53,5 @@ class LongerInputs:
             f"{format_bytes(peak) if peak else 'one'}; it re-plans if it runs out of memory"
         )
         log.warning("protrain: graph %s: %s", plan.graph_name, msg)
-        plan.notes = [n for n in plan.notes if not n.startswith("inputs of ")] + [msg]
+        plan.notes = [note for note in plan.notes if not note.startswith("inputs of ")] + [msg]
         return msg
