@@ -8,8 +8,13 @@ first graph's placement, its resident chunks kept, and profiled beside them). Ro
 process (``--only``):
 
 - ``reference``: plain PyTorch on the whole device (eager).
+- ``compile``: plain ``torch.compile(model)`` on the whole device: the graphs dynamo compiles for
+  these lengths without protrain.
 - ``protrain``: ``torch.compile(model, backend="protrain")`` under ``--cap`` GiB
   (``set_per_process_memory_fraction``), the same init, data and loop.
+
+``--lengths`` replaces ``LENGTHS``: a longer length after the dynamic graph's (the second) is one
+its plan was not made for (profiling/longer_inputs.py re-plans at it where the plan has no room).
 
 Per row: the losses (against the reference's, bf16 tolerance), the reserved peak against the cap,
 the plans (graphs and their resident chunks), the wall time. Writes ``OUT.json`` and ``OUT.md``.
@@ -29,7 +34,7 @@ sys.path.insert(0, HERE)
 
 from results_io import rows_main  # noqa: E402
 
-ROWS = ["reference", "protrain"]
+ROWS = ["reference", "compile", "protrain"]
 BF16_REL = 2**-6  # oom_sweep.BF16_REL
 LENGTHS = [1024, 768, 896, 640, 1024, 512, 1000, 832]
 
@@ -41,15 +46,18 @@ def run_row(name: str, args) -> dict:
 
     spec = MODELS[args.model]
     g = torch.Generator().manual_seed(1)
+    lengths = lengths_of(args)
     data = [
         torch.randint(0, spec["vocab"], (args.batch, n), generator=g).cuda()
-        for n in LENGTHS * args.rounds
+        for n in lengths * args.rounds
     ]
     row = {"row": name, "lengths": [x.shape[1] for x in data]}
     t0 = time.perf_counter()
-    model = build(spec, max(LENGTHS), host=name != "reference")
+    model = build(spec, max(lengths), host=name == "protrain")
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     run = model
+    if name == "compile":
+        run = torch.compile(model)
     if name == "protrain":
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.cap * 2**30 / total)
@@ -62,6 +70,7 @@ def run_row(name: str, args) -> dict:
     except Exception as e:  # the steps taken stay in the row
         row["error"] = f"step {len(row['losses'])}: {type(e).__name__}: {str(e)[:600]}"
     row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+    row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     if name == "protrain":
         from protrain_fx.plan.plan import training_plans
@@ -70,9 +79,14 @@ def run_row(name: str, args) -> dict:
         row["plans"] = [
             f"{p.graph_name}: {p.n_persist} of {len(p.chunks)} chunks resident, predicted peak "
             f"{(p.predicted or {}).get('peak_bytes', 0) / 2**30:.2f} GiB"
+            + "".join(f"; {n[:200]}" for n in p.notes if n.startswith(("re-planned", "inputs of")))
             for p in plans
         ]
     return row
+
+
+def lengths_of(args) -> list[int]:
+    return [int(n) for n in args.lengths.split(",")] if args.lengths else LENGTHS
 
 
 def evaluate(rows: list[dict]) -> None:
@@ -90,17 +104,20 @@ def table(rows: list[dict], meta: dict) -> str:
         f"# Padded lengths under a cap ({meta['device']}, torch {meta['torch']}, {meta['date']})",
         "",
         f"`{meta['command']}`: {meta['model']} shape, batch {meta['batch']}, sequence lengths "
-        f"{', '.join(map(str, LENGTHS))} (x{meta['rounds']}), bf16 autocast, `labels=` loss, "
+        f"{meta['lengths'] or ', '.join(map(str, LENGTHS))} (x{meta['rounds']}), bf16 autocast, "
+        "`labels=` loss, "
         f"fused AdamW; losses against plain PyTorch on the whole device (tolerance "
         f"{BF16_REL:.4f} relative).",
         "",
-        "| row | cap GiB | steps | losses rel vs reference | reserved peak GiB | wall s | error |",
-        "|---|---|---|---|---|---|---|",
+        "| row | cap GiB | steps | graphs | losses rel vs reference | reserved peak GiB | wall s "
+        "| error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rel = r.get("max_loss_rel_vs_reference")
         lines.append(
             f"| {r['row']} | {r.get('cap_gib', '-')} | {len(r.get('losses', []))} | "
+            f"{r.get('graphs', '-')} | "
             f"{'-' if rel is None else f'{rel:.1e}'} | {r.get('peak_reserved_gib', '-')} | "
             f"{r.get('wall_s', '-')} | {r.get('error', '')} |"
         )
@@ -118,7 +135,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama3.2-1b")
     ap.add_argument("--cap", type=float, default=12)
     ap.add_argument("--rounds", type=int, default=1)
-    rows_main(__file__, ap, ROWS, run_row, evaluate, table, ("model", "rounds"))
+    ap.add_argument("--lengths", default="", help="comma-separated (default: LENGTHS)")
+    rows_main(__file__, ap, ROWS, run_row, evaluate, table, ("model", "rounds", "lengths"))
 
 
 if __name__ == "__main__":

@@ -253,37 +253,6 @@ def real_tensor_mode():
     return unset_fake_temporarily()
 
 
-def size_hint(x, fallback: int = 1):
-    """A concrete value for a size that may be symbolic (dynamic shapes), without adding a guard: an
-    int as is, a SymInt by its hint (``int()`` on it would specialize the graph to that size)."""
-    if isinstance(x, int):
-        return x
-    node = getattr(x, "node", None)
-    hint = getattr(node, "hint", None)
-    if hint is not None:
-        return int(hint)
-    try:
-        from torch.fx.experimental.symbolic_shapes import optimization_hint  # torch 2.13
-
-        return int(optimization_hint(x, fallback=fallback))
-    except (ImportError, TypeError):
-        pass
-    try:
-        from torch.fx.experimental.symbolic_shapes import hint_int  # older releases
-
-        return int(hint_int(x, fallback=fallback))
-    except (ImportError, TypeError):
-        return fallback
-
-
-def numel_hint(t: torch.Tensor) -> int:
-    """Elements of a (possibly symbolically shaped) tensor, at its hint sizes."""
-    n = 1
-    for d in t.shape:
-        n *= size_hint(d)
-    return n
-
-
 def eager_backward_compile():
     """Compile the backward graph with the forward instead of at the first backward call (which,
     inside a dynamo compile, would record compile metrics twice). A no-op where torch has no such

@@ -8,6 +8,7 @@ host and is redone. The compile itself is protrain_fx/backend.py's, handed in.""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import weakref
 
@@ -16,6 +17,7 @@ import torch._guards
 
 from protrain_fx import _compat, autoplan, budgets, inference_placement, plan_cache
 from protrain_fx.errors import NoPlanFits, ProtrainError, release_frames
+from protrain_fx.graph import sizes
 from protrain_fx.graph.fx import copy_graph_module, fake_mode_for
 from protrain_fx.graph.inputs import replanning
 from protrain_fx.inference_mode import never_inference_tensors
@@ -62,7 +64,8 @@ class ProtrainGraph:
 
     Every call is seen by profiling/loop_memory.py (what the loop holds of its own between forward
     and backward, budgeted by a re-plan where the plan lacks room: ``loop_seen``), and a dynamic
-    graph's by profiling/longer_inputs.py (inputs larger than its plan's)."""
+    graph's by profiling/longer_inputs.py (inputs larger than its plan's: planned again at their
+    sizes where the plan lacks room for them)."""
 
     MAX_REPLANS = 3
 
@@ -96,11 +99,10 @@ class ProtrainGraph:
         param_positions = {gi.index for gi, p in zip(graph_inputs, params) if p is not None}
         self._examples = [None if i in param_positions else e for i, e in enumerate(example_inputs)]
         self._tracing = torch._guards.TracingContext.try_get() if self._symbolic else None
-        # and the fakes dynamo traced its other tensor inputs as, which its fake mode forgets after
-        # the compile: converted anew, they got new symbols (a re-planned evaluation graph of an HF
-        # Llama at another batch size failed in Inductor, "expected [s52] to have been codegen-ed")
+        # and the fakes dynamo traced its other tensor inputs as (its fake mode forgets them; made
+        # anew they had new symbols, Inductor: "expected [s52] to have been codegen-ed")
         self._fakes = _compat.traced_fakes(self._tracing, self._examples)
-        self._longer = LongerInputs(self._examples, param_positions) if self._symbolic else None
+        self._longer = self._symbolic and LongerInputs(self._examples, self._fakes, param_positions)
         # the user's dict (get_plan finds it), it over the defaults; the optimizer (weakly)
         self._options, self._merged = options, merged
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
@@ -174,14 +176,14 @@ class ProtrainGraph:
             plan_cache.save_plan(self.choice.cache_path, self.plan)
 
     def _call(self, args):
-        if self._longer is not None and torch.is_grad_enabled():
-            self._longer.seen(self.plan, args)
+        if self._longer and torch.is_grad_enabled():
+            self._longer.seen(self, args)
         if self._loop_pending:
             log.warning(self._loop_pending)
             self._loop_pending, self.replans = None, self.replans + 1
             try:  # the failed plans' peaks stay out of reach
                 note = "re-planned: the loop's own memory budgeted"
-                self._recompile(args, tuple(self.choice.failed_peaks), note)
+                self.recompile(args, tuple(self.choice.failed_peaks), note)
             except NoPlanFits as e:  # the plan that ran goes on, measured no more (or raises)
                 self.loop_looks = loop_memory.LOOKS
                 loop_memory.no_room(self.plan, e)
@@ -191,7 +193,7 @@ class ProtrainGraph:
             msg = "protrain: graph %s: resident chunks of its parameters moved to the host "
             log.warning(msg + "(another graph's re-plan); planning it again", self.plan.graph_name)
             failed = tuple(self.choice.failed_peaks) if self.choice is not None else ()
-            self._recompile(args, failed, "re-planned: resident chunks moved to the host")
+            self.recompile(args, failed, "re-planned: resident chunks moved to the host")
         if self._pending is not None:
             detail, self._pending = self._pending, None
             try:
@@ -220,7 +222,7 @@ class ProtrainGraph:
             )
             log.warning(msg, self.plan.graph_name)
             note = "re-planned: leaving room for a frozen model on the device"
-            self._recompile(args, tuple(self.choice.failed_peaks), note)
+            self.recompile(args, tuple(self.choice.failed_peaks), note)
 
     def _forward(self, args):
         # a call without gradients (an evaluation, a frozen model's forward) outside any training
@@ -289,7 +291,7 @@ class ProtrainGraph:
             chunks,
             format_bytes(nbytes),
         )
-        self._recompile(args, (), f"compiled again after running out of device memory ({detail})")
+        self.recompile(args, (), f"compiled again after running out of device memory ({detail})")
 
     def _replayable(self, args) -> bool:
         """Whether a backward of this call can be redone: some parameter needs a gradient and no
@@ -343,8 +345,7 @@ class ProtrainGraph:
             self._pending = detail
         return StepOutOfMemory(
             f"protrain: out of device memory in the backward of graph {self.plan.graph_name} "
-            f"({detail}); the plan "
-            "(predicted peak "
+            f"({detail}); the plan (predicted peak "
             + format_bytes((self.plan.predicted or {}).get("peak_bytes"))
             + ") is marked failed"
             + (
@@ -403,7 +404,7 @@ class ProtrainGraph:
             why,
         )
         try:
-            self._recompile(args, tuple(self.choice.failed_peaks), why)
+            self.recompile(args, tuple(self.choice.failed_peaks), why)
         except NoPlanFits as e:  # nothing fits beside the kept gradients
             self._held_unpriced = True
             self.plan.measured = dict(self.plan.measured or {}, grads_held=why)
@@ -424,7 +425,6 @@ class ProtrainGraph:
         failed = (self.plan.predicted or {}).get("peak_bytes")
         if where == "forward":
             self._mark_failed(detail)
-        if where == "forward":
             then = "redoing the forward on the same inputs"
         elif handed_over is not None:
             then = (
@@ -446,7 +446,7 @@ class ProtrainGraph:
         )
         peaks = tuple(self.choice.failed_peaks) + ((failed,) if failed else ())
         try:
-            self._recompile(
+            self.recompile(
                 args,
                 peaks,
                 f"re-planned after running out of device memory in the {where} ({detail})",
@@ -467,11 +467,9 @@ class ProtrainGraph:
                 e.min_host_bytes,
             ) from None
 
-    def _recompile(self, args, peaks: tuple, note: str, graph_name: str | None = None) -> None:
+    def recompile(self, args, peaks: tuple, note: str, graph_name: str | None = None) -> None:
         """Plan and compile the graph again for ``args`` (``peaks``: predicted peaks of plans that
         ran out of memory) and install it; ``note`` goes into the new plan's notes."""
-        import gc
-
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -509,8 +507,10 @@ class ProtrainGraph:
                 graph_name=graph_name or self.plan.graph_name,
                 grads_held=self._grads_held,
                 loop_bytes=self.loop_bytes,
-                # the entry its next run's first plan reads (autoplan.choose)
-                cache_path=self.choice.cache_path if self.choice is not None else None,
+                # the entry its next run's first plan reads (autoplan.choose); a size's own there
+                cache_path=None
+                if sizes.planned_key() or not self.choice
+                else self.choice.cache_path,
             )
         plan.notes.append(note)
         self.install(compiled, plan, device, choice, opts)

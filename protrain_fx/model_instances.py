@@ -71,5 +71,5 @@ def _compile_for(graph, args, name: str):
         graph._compile,
     )
     note = "compiled for another model of the same structure, which dynamo runs through one graph"
-    child._recompile(args, (), note, graph_name=name)
+    child.recompile(args, (), note, graph_name=name)
     return child

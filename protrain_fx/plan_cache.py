@@ -23,6 +23,7 @@ import torch
 
 from protrain_fx import config
 from protrain_fx._version import __version__
+from protrain_fx.graph import sizes
 from protrain_fx.machine import profile
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.runtime import distributed
@@ -108,6 +109,7 @@ def key(
             # PROTRAIN_DEVICE_STEPS=0 rules out plans that step chunks on the device (a plan made
             # with them was served to a run that had turned them off: H200, oom_sweep run 6)
             budget is None or config.settings().device_steps,
+            sizes.planned_key(),  # a dynamic graph planned at a larger call's sizes: those
         ],
         default=str,
     )

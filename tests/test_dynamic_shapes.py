@@ -10,6 +10,7 @@ from models import build
 
 import protrain_fx
 from protrain_fx import backend, region_program
+from protrain_fx.profiling.longer_inputs import LongerInputs
 from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.testing import make_adamw, random_batches
 
@@ -81,6 +82,8 @@ def test_sixteen_lengths_compile_a_few_times_and_match_eager(monkeypatch, compil
 
 
 def test_a_dynamic_graph_replanned_after_an_oom_stays_dynamic(monkeypatch):
+    # the out-of-memory re-plan alone (not those at larger calls' sizes, tested below)
+    monkeypatch.setattr(LongerInputs, "MAX_REPLANS", 0)
     ref, ref_opt, mine, opt, compiled = offloaded_pair(gpt())
     data = sweep_data()
     losses = train(compiled, opt, data[:3])  # the third shape compiles the dynamic graph
@@ -176,3 +179,58 @@ def test_a_call_larger_than_the_dynamic_graphs_plan_is_told_once_per_new_largest
     assert "inputs of 64 elements, 1.33x the 48" in told[0] and "inputs of 72" in told[1]
     notes = protrain_fx.get_plan(compiled).notes
     assert [n for n in notes if n.startswith("inputs of ")] == [told[1].split(": ", 2)[2]]
+
+
+def long_pair(budget_params: int):
+    """An eager GPT of block size 64 and a protrain copy under ``budget_params`` times its
+    parameters' bytes, the placement the search's."""
+    torch.manual_seed(0)
+    base = build("gpt", n_layer=2, n_embd=32, n_head=2, block_size=64, vocab_size=64)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt, opt = make_adamw(ref), make_adamw(mine)
+    budget = budget_params * sum(p.numel() * 4 for p in base.parameters())
+    options = {"compiler": "eager", "optimizer": opt, "memory_budget": budget}
+    return ref, ref_opt, mine, opt, torch.compile(mine, backend="protrain", options=options)
+
+
+def test_a_call_the_dynamic_plan_has_no_room_for_is_planned_at_its_sizes_first(monkeypatch, caplog):
+    """The dynamic graph is planned at 4 x 12 tokens; a call of 4 x 60, whose activations the plan
+    has no room for under the budget, is planned for first, at its own sizes (profiled on its
+    inputs: the bytes saved for backward grow with them; the new plan's peak is within the budget);
+    calls no longer than it then run on that plan; dynamo compiles nothing again; losses and
+    parameters as eager's."""
+    compiles = count_compiles(monkeypatch)
+    ref, ref_opt, mine, opt, compiled = long_pair(8)
+    data = [random_batches(1, 4, seq, vocab=64, seed=seq)[0] for seq in (8, 12, 60, 40, 60)]
+    losses = train(compiled, opt, data[:2])
+    first = protrain_fx.get_plan(compiled)
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        losses += train(compiled, opt, data[2:])
+    said = [r.getMessage() for r in caplog.records if "its plan was made for" in r.getMessage()]
+    assert len(said) == 1 and "planning it again at these sizes" in said[0], said
+    assert len(compiles) == 3, compiles  # the two dynamo graphs, one plan at the longer sizes
+    plan = protrain_fx.get_plan(compiled)
+    assert plan is not first and any(n.startswith("re-planned: inputs of 480") for n in plan.notes)
+    # what the blocks and the rest save for backward, as profiled: 5x the tokens, 5x the bytes
+    saved = lambda p: sum(p.predicted["profiled"]["saved_keep"])  # noqa: E731
+    assert saved(plan) >= 4 * saved(first) > 0, (saved(plan), saved(first))
+    assert plan.predicted["peak_bytes"] <= plan.predicted["budget_bytes"]
+    ref_losses = train(ref, ref_opt, data)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
+    sd, ref_sd = mine.state_dict(), ref.state_dict()
+    assert max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd) <= 1e-5
+
+
+def test_no_plan_at_a_longer_calls_sizes_goes_on_under_the_plan_and_tries_no_more(caplog):
+    """Where no plan fits the budget at the longer call's sizes, the graph goes on under its plan
+    (running out of memory would be survived as for any plan), says so once, and tries no other
+    size; the training is eager's."""
+    ref, ref_opt, mine, opt, compiled = long_pair(6)
+    data = [random_batches(1, 4, seq, vocab=64, seed=seq)[0] for seq in (8, 12, 60, 64)]
+    with caplog.at_level("WARNING", logger="protrain_fx"):
+        losses = train(compiled, opt, data)
+    said = [r.getMessage() for r in caplog.records if "these sizes" in r.getMessage()]
+    assert len(said) == 2 and "no plan fits these sizes" in said[1], said
+    assert "it re-plans if it runs out of memory" in protrain_fx.get_plan(compiled).notes[-1]
+    ref_losses = train(ref, ref_opt, data)
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5

@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from protrain_fx import _compat
+from protrain_fx.graph import sizes
 from protrain_fx.graph.fx import example_value
 
 
@@ -30,9 +30,9 @@ def _tensors(node: fx.Node) -> list[torch.Tensor]:
 def _storage_bytes(t: torch.Tensor) -> int:
     """At the hint where the size is symbolic (``int()`` would specialize the graph to it)."""
     try:
-        return _compat.size_hint(t.untyped_storage().nbytes())
+        return sizes.size_hint(t.untyped_storage().nbytes())
     except Exception:  # no storage to ask
-        return _compat.numel_hint(t) * t.element_size()
+        return sizes.numel_hint(t) * t.element_size()
 
 
 def forward_peak_bytes(gm: fx.GraphModule, skip: set[str]) -> int:

@@ -200,11 +200,11 @@ def saved_values(fw, bw) -> list:
 
 def tensor_bytes(node) -> int:
     """Bytes of a node's tensor value (at the hint sizes when its shape is symbolic)."""
-    from protrain_fx import _compat
+    from protrain_fx.graph import sizes
 
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return _compat.numel_hint(val) * val.element_size()
+        return sizes.numel_hint(val) * val.element_size()
     return 0
 
 

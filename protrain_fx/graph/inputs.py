@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from protrain_fx import _compat
 
-# a re-plan's root module (compiled_graph.ProtrainGraph._recompile: dynamo's frame is gone then)
+# a re-plan's root module (compiled_graph.ProtrainGraph.recompile: dynamo's frame is gone then)
 _REPLAN_ROOT: contextvars.ContextVar = contextvars.ContextVar("protrain_replan_root", default=None)
 # "L['self']", "L['args'][0]", "G['model']": the root of a dynamo source name.
 _ROOT_RE = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")

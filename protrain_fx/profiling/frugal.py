@@ -17,6 +17,7 @@ import torch
 
 from protrain_fx import config, progress
 from protrain_fx.errors import NoPlanFits
+from protrain_fx.graph import sizes
 from protrain_fx.graph.fx import copy_graph_module
 from protrain_fx.graph.shorten import shorten
 from protrain_fx.machine import allocator
@@ -106,7 +107,9 @@ def profile_frugal(
     stores = list({id(s): s for s in (store_of(p) for p in live) if s is not None}.values())
     try:
         with prog.phase("profiling", "profiling one step (1 + 2 runs)"):
-            step = profile_step(compiled, list(example_inputs), stores, n_profiled, device)
+            step = profile_step(
+                compiled, sizes.profiled_inputs(example_inputs), stores, n_profiled, device
+            )
         grad_elem = {k: v for s in stores for k, v in s.oversized_grad_elems().items()}
         tied = {k: v for s in stores for k, v in s.row_tables(tied=True).items()}
         tables = {k: v for s in stores for k, v in s.row_tables().items()}

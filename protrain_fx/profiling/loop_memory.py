@@ -50,8 +50,8 @@ import weakref
 
 import torch
 
-from protrain_fx import _compat
 from protrain_fx.errors import NoPlanFits
+from protrain_fx.graph import sizes
 from protrain_fx.graph.fx import example_value
 from protrain_fx.options import format_bytes
 from protrain_fx.runtime import distributed
@@ -277,7 +277,7 @@ def prior_bytes(gm: torch.fx.GraphModule) -> int:
         v = example_value(node)
         if not isinstance(v, torch.Tensor) or not v.requires_grad or not v.is_floating_point():
             continue
-        n = _compat.numel_hint(v)
+        n = sizes.numel_hint(v)
         if n == 1:
             return 0  # a loss the graph computes: the loop calls its backward
         per_element = 4 * PRIOR_FP32_COPIES + (v.dtype.itemsize if v.dtype.itemsize < 4 else 0)
@@ -300,7 +300,7 @@ def head_prior_bytes(gm: torch.fx.GraphModule, outside: list) -> int:
     values = (example_value(n) for n in gm.graph.nodes)
     low = any(isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION for v in values)
     per_element = 4 * PRIOR_FP32_COPIES + (2 if low else 0)
-    return _compat.numel_hint(out) // max(1, width) * int(rows) * per_element
+    return sizes.numel_hint(out) // max(1, width) * int(rows) * per_element
 
 
 def head_prior_certain(gm: torch.fx.GraphModule, outside: list) -> bool:
@@ -319,7 +319,7 @@ def _head_tables(gm: torch.fx.GraphModule, outside: list) -> tuple:
     hidden = [v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim]
     if not hidden:
         return None, set()
-    out = max(hidden, key=_compat.numel_hint)
+    out = max(hidden, key=sizes.numel_hint)
     width = int(out.shape[-1])
     return out, {int(p.shape[0]) for p in outside if p.ndim == 2 and p.shape[1] == width}
 

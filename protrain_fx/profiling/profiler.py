@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from protrain_fx import _compat, config
+from protrain_fx import config
+from protrain_fx.graph import sizes
 from protrain_fx.plan.layout import pack
 from protrain_fx.plan.profiles import FRAGMENTATION, BlockProfile, ChunkProfile, GraphProfile
 from protrain_fx.profiling.static import SavedBytes, StaticProfile
@@ -210,7 +211,7 @@ def profile_step(
     # graph break) must not be backpropagated into that graph's real backward, nor have its version
     # bumped by the restore below (its graph saved it); sizes at their hints (dynamic shapes)
     inputs = [
-        _compat.size_hint(t)
+        sizes.size_hint(t)
         if isinstance(t, torch.SymInt)
         else t.data.requires_grad_(t.requires_grad)
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)

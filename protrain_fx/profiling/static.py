@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from protrain_fx import _compat
+from protrain_fx.graph import sizes
 from protrain_fx.graph.annotation import annotation_of
 from protrain_fx.graph.fx import (
     cast_dtype,
@@ -168,7 +168,7 @@ def node_flops(node: fx.Node) -> int:
         fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)
     )
     try:  # at the sizes' hints: int() on a symbolic count would specialize the graph to one shape
-        return _compat.size_hint(formula(*args, **kwargs, out_val=node.meta.get("val")), fallback=0)
+        return sizes.size_hint(formula(*args, **kwargs, out_val=node.meta.get("val")), fallback=0)
     except Exception:  # noqa: BLE001  (a formula that cannot read missing shapes: count none)
         return 0
 
