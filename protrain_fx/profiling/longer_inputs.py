@@ -7,8 +7,8 @@ example inputs: the profile, the chosen knobs and the predicted peak are that sh
 with larger inputs (a longer sequence, a larger batch) brings more activations than that plan
 counted. :class:`LongerInputs` counts the elements of a call's tensor inputs other than parameters
 and, once per new largest call of an automatic plan, estimates the plan's peak at that size: the
-predicted peak plus the growth of what grows with the inputs (activations, the working set, the
-loss's tail), in proportion. Where that passes the plan's budget, the graph is planned again at
+predicted peak plus the growth of what grows with the inputs (the saved activations, backward's
+working set), in proportion. Where that passes the plan's budget, the graph is planned again at
 the call's sizes before the call runs (compiled_graph.ProtrainGraph; graph/sizes.py reads the
 symbolic sizes at that call's values and profiles on its inputs; the code stays symbolic, so
 nothing is compiled by dynamo again), at most ``MAX_REPLANS`` times a graph; where it fits, one
@@ -27,8 +27,10 @@ from protrain_fx.options import format_bytes
 
 log = logging.getLogger("protrain_fx")
 
-# what grows with the inputs, among the predicted breakdown's bytes (plan/cost_model.py)
-GROWING = ("activation_bytes", "transient_bytes", "tail_bytes")
+# what grows with the inputs, among the predicted breakdown's bytes (plan/cost_model.py): the saved
+# activations and backward's working set (logits, loss), not the tail (the embedding's dense
+# gradient: the table's size)
+GROWING = ("activation_bytes", "transient_bytes")
 
 
 def elements(args, params: set[int]) -> int:
