@@ -73,7 +73,10 @@ def run_row(name: str, args) -> dict:
     row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     if name == "protrain":
+        import protrain_fx
         from protrain_fx.plan.plan import training_plans
+
+        row["package"] = os.path.dirname(protrain_fx.__file__)  # which protrain_fx ran
 
         plans = [p for p, _ in training_plans()]
         row["plans"] = [
