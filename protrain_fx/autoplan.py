@@ -40,6 +40,7 @@ from protrain_fx.budgets import device_budget, host_freed_bytes, reserve_bytes  
 from protrain_fx.errors import NoPlanFits, ProtrainError
 from protrain_fx.graph import regional
 from protrain_fx.graph.build_plan import chunked_params, default_chunk_size
+from protrain_fx.graph.sizes import planned_key
 from protrain_fx.machine import allocator, measure, memory, pinned, step_rates
 from protrain_fx.options import Options, format_bytes
 from protrain_fx.plan.layout import pack
@@ -156,9 +157,9 @@ def choose(
             and replacement.may_offload(live, opts.optimizer)
         ):
             max_persist = resident
-            # a re-plan (out of memory, kept gradients) searches every placement up to the kept
-            # one; a new shape keeps it unless nothing fits beside it
-            offload_first = bool(failed_peaks or grads_held or loop_bytes)
+            # a re-plan (out of memory, kept gradients, a larger call: graph/sizes.py) searches
+            # every placement up to the kept one; a new shape keeps it unless nothing fits beside it
+            offload_first = bool(failed_peaks or grads_held or loop_bytes or planned_key())
         fixed.update(
             chunk_size=store.layout.chunk_size,
             n_persist=None if offload_first else resident,

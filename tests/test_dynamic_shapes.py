@@ -234,3 +234,28 @@ def test_no_plan_at_a_longer_calls_sizes_goes_on_under_the_plan_and_tries_no_mor
     assert "it re-plans if it runs out of memory" in protrain_fx.get_plan(compiled).notes[-1]
     ref_losses = train(ref, ref_opt, data)
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
+
+
+def test_a_second_run_takes_the_plan_at_the_longer_sizes_from_the_plan_cache(monkeypatch, tmp_path):
+    """The plan made at a longer call's sizes has a plan cache entry of its own (keyed by those
+    sizes): a second run of the loop profiles nothing and is served it, placement included."""
+    from protrain_fx import plan_cache
+    from protrain_fx.profiling import frugal
+
+    monkeypatch.setenv("PROTRAIN_PLAN_CACHE", "1")
+    monkeypatch.setattr(plan_cache, "path_of", lambda key: str(tmp_path / f"{key}.json"))
+    monkeypatch.setattr(plan_cache, "profile_path", lambda key: str(tmp_path / f"{key}.profile"))
+    data = [random_batches(1, 4, seq, vocab=64, seed=seq)[0] for seq in (8, 12, 60)]
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        _, _, _, opt, compiled = long_pair(8)
+        runs.append(train(compiled, opt, data))
+        plan = protrain_fx.get_plan(compiled)
+        assert any(n.startswith("re-planned: inputs of 480") for n in plan.notes)
+
+        def no_profiling(*a, **k):
+            raise AssertionError("profiled in the second run")
+
+        monkeypatch.setattr(frugal, "profile_step", no_profiling)
+    assert plan.predicted["from_cache"] and runs[0] == runs[1]
