@@ -253,6 +253,32 @@ def real_tensor_mode():
     return unset_fake_temporarily()
 
 
+def symint_hint(x, fallback: int = 1) -> int:
+    """A SymInt's hint without adding a guard (graph/sizes.py reads every size through it)."""
+    hint = getattr(getattr(x, "node", None), "hint", None)
+    if hint is not None:
+        return int(hint)
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint  # torch 2.13
+
+        return int(optimization_hint(x, fallback=fallback))
+    except (ImportError, TypeError):
+        pass
+    try:
+        from torch.fx.experimental.symbolic_shapes import hint_int  # older releases
+
+        return int(hint_int(x, fallback=fallback))
+    except (ImportError, TypeError):
+        return fallback
+
+
+def shape_env_hints(node) -> dict:
+    """symbol -> value of the shape environment of a SymInt's node (``backed_var_to_val`` from
+    torch 2.13, ``var_to_val`` before)."""
+    env = getattr(node, "shape_env", None)
+    return getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", None) or {}
+
+
 def eager_backward_compile():
     """Compile the backward graph with the forward instead of at the first backward call (which,
     inside a dynamo compile, would record compile metrics twice). A no-op where torch has no such

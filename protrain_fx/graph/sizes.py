@@ -16,6 +16,8 @@ import contextvars
 
 import torch
 
+from protrain_fx import _compat
+
 # (symbol -> value, the call's inputs) while planning at a call's sizes (planned_at)
 _AT: contextvars.ContextVar[tuple[dict, list] | None] = contextvars.ContextVar(
     "protrain_planned_at", default=None
@@ -30,21 +32,7 @@ def size_hint(x, fallback: int = 1) -> int:
     at = _AT.get()
     if at is not None and node is not None and (v := _evaluated(node, at[0])) is not None:
         return v
-    hint = getattr(node, "hint", None)
-    if hint is not None:
-        return int(hint)
-    try:
-        from torch.fx.experimental.symbolic_shapes import optimization_hint  # torch 2.13
-
-        return int(optimization_hint(x, fallback=fallback))
-    except (ImportError, TypeError):
-        pass
-    try:
-        from torch.fx.experimental.symbolic_shapes import hint_int  # older releases
-
-        return int(hint_int(x, fallback=fallback))
-    except (ImportError, TypeError):
-        return fallback
+    return _compat.symint_hint(x, fallback)
 
 
 def numel_hint(t: torch.Tensor) -> int:
@@ -63,9 +51,8 @@ def _evaluated(node, values: dict) -> int | None:
         return None
     import sympy
 
-    env = getattr(node, "shape_env", None)
-    hints = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", None) or {}
-    v = expr.xreplace({k: sympy.Integer(n) for k, n in values.items()}).xreplace(hints)
+    v = expr.xreplace({k: sympy.Integer(n) for k, n in values.items()})
+    v = v.xreplace(_compat.shape_env_hints(node))
     try:
         return int(v)
     except TypeError:  # a symbol neither the call nor the shape environment gives a value
