@@ -1,9 +1,14 @@
-"""A weak map keyed by object identity (tensors compare elementwise, so WeakKeyDictionary cannot
-hold them)."""
+"""Weak references the runtime keeps: a map keyed by object identity (tensors compare elementwise,
+so WeakKeyDictionary cannot hold them), one that raises once its object is gone, and methods set on
+an object that do not keep it alive (a bound method kept in the object's own attributes is a
+reference cycle: the object then outlives its last user reference until the garbage collector
+runs)."""
 
 from __future__ import annotations
 
 import weakref
+
+from protrain_fx.errors import ProtrainError
 
 
 class IdentityWeakMap:
@@ -41,3 +46,36 @@ class IdentityWeakMap:
     def items(self) -> list[tuple[object, object]]:
         """The live keys and their values."""
         return [(k, v) for ref, v in list(self._data.values()) if (k := ref()) is not None]
+
+
+class WeakBound:
+    """``func`` bound to ``obj`` without a reference to it, to set as ``obj.name``; has
+    ``__func__`` as a bound method does (torch's LR schedulers wrap ``opt.step`` through it)."""
+
+    def __init__(self, func, obj):
+        self.__func__ = func
+        self._ref = weakref.ref(obj)
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self._ref(), *args, **kwargs)
+
+
+def weakly(method, obj):
+    """A callable giving ``method`` back, holding it weakly where it is bound to ``obj``."""
+    if getattr(method, "__self__", None) is obj:
+        return weakref.WeakMethod(method)
+    return lambda: method
+
+
+class WeakOrRaise:
+    """A weak reference to ``obj`` whose call raises once ``obj`` is gone (``_ref()`` is the plain
+    reference)."""
+
+    def __init__(self, obj, what: str):
+        self._ref, self._what = weakref.ref(obj), what
+
+    def __call__(self):
+        obj = self._ref()
+        if obj is None:
+            raise ProtrainError(f"protrain: the {self._what} was freed")
+        return obj

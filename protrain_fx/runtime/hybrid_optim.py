@@ -19,8 +19,9 @@ change the result. So such a step is provisional until ``opt.step()`` commits it
   the step is taken back and redone with the new values;
 * taken back as well when anything writes the chunk's gradients before ``opt.step()`` (clipping,
   unscaling: the gradient views call back first, protrain_fx/runtime/mapped.py), when another
-  backward adds to them (more micro-steps than learned), and when ``opt.zero_grad()`` comes without
-  ``opt.step()`` (a skipped step: an exception, a non-finite loss);
+  backward adds to them (more micro-steps than learned), when ``opt.zero_grad()`` comes without
+  ``opt.step()`` (a skipped step), another optimizer steps them (runtime/foreign_steps.py) or the
+  user resets ``opt.state`` (``_take_user_state``);
 * after a hyperparameter change between backward and step has been seen once, chunks step at
   ``opt.step()`` from then on (every step would otherwise be taken back); after clipping that
   changed the gradients, while it goes on: once clipping has been a multiply by one for a few steps
@@ -42,15 +43,15 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from protrain_fx._weakmap import WeakBound, WeakOrRaise, weakly
 from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import step_rates
-from protrain_fx.runtime import clip, overlap
+from protrain_fx.runtime import clip, foreign_steps, overlap
 from protrain_fx.runtime.chunk_adam import (
     ChunkAdam,
     ChunkOptState,
@@ -135,7 +136,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
                         f"protrain: {type(opt).__name__}({flag}=True) is not supported: {why}; "
                         f"create it with {flag}=False"
                     )
-        self._opt = _WeakOpt(opt)
+        self._opt = WeakOrRaise(opt, "optimizer")  # its hooks hold the handle, not it
         self.decoupled = isinstance(opt, torch.optim.AdamW)
         self.stores: list[ChunkStore] = []
         self.states: dict[tuple[int, int], ChunkOptState] = {}
@@ -153,23 +154,24 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         self._lock = threading.Lock()
         # nothing of protrain's may hold the optimizer
         self._orig_zero_grad = weakref.WeakMethod(opt.zero_grad)
-        # instance attributes: the class stays untouched
-        opt.zero_grad = types.MethodType(_zero_grad, opt)
-        prev_step = opt.step
+        # instance attributes (the class stays untouched) bound weakly: an optimizer the user
+        # drops is freed at once, as in eager, not stepping its chunks in the next backward
+        opt.zero_grad = WeakBound(_zero_grad, opt)
+        prev, lr_sched = weakly(opt.step, opt), getattr(opt.step, "_wrapped_by_lr_sched", False)
 
         def step(o, closure=None):
-            return _step(o, prev_step, closure)
+            return _step(o, prev(), closure)
 
-        # an LR scheduler's counter stays visible to it
-        if getattr(prev_step, "_wrapped_by_lr_sched", False):
-            step._wrapped_by_lr_sched = True
-        opt.step = types.MethodType(step, opt)
+        opt.step = WeakBound(step, opt)
+        if lr_sched:  # an LR scheduler's counter stays visible to it
+            opt.step._wrapped_by_lr_sched = True
         opt.register_step_pre_hook(lambda o, args, kwargs: handle_of(o)._before_step())
         opt.register_step_post_hook(lambda o, args, kwargs: handle_of(o)._after_step())
         opt.register_state_dict_post_hook(lambda o, sd: handle_of(o)._state_dict_post(sd))
         opt.register_load_state_dict_pre_hook(lambda o, sd: handle_of(o)._load_state_dict_pre(sd))
         opt.register_load_state_dict_post_hook(lambda o: handle_of(o)._republish())
         overlap.install()
+        foreign_steps.install()
 
     @property
     def opt(self) -> torch.optim.Optimizer:
@@ -276,7 +278,12 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
             return
         st.arrivals += 1
         st.in_backward += 1
-        if not self._may_step_in_backward(st) or st.arrivals != st.learned:
+        # (one whose opt.state the user reset steps at opt.step())
+        if (
+            st.arrivals != st.learned
+            or not self._may_step_in_backward(st)
+            or self._state_changed(st)
+        ):
             return
         self._refresh_members()
         entries = [i for i in st.members if store.has_grad(i)]
@@ -383,6 +390,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         t1 = time.perf_counter()
         self.timers.step_wait_s += t1 - t0
         self._refresh_members()
+        self._take_user_state()  # opt.state.clear(), say
         for store in self.stores:
             for c in store.offloaded_chunks:
                 store.fold_foreign_grads(c)
@@ -485,20 +493,6 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
                 continue
             e = store.entry(p)
             yield p, self.states[(store.id, e.chunk)], store.entry_index(p), e
-
-
-class _WeakOpt:
-    """A weak reference to the optimizer (its hooks hold the handle; the handle must not hold
-    it)."""
-
-    def __init__(self, opt):
-        self._ref = weakref.ref(opt)
-
-    def __call__(self):
-        opt = self._ref()
-        if opt is None:
-            raise ProtrainError("protrain: the optimizer was freed")
-        return opt
 
 
 def _step(opt, prev_step, closure=None):

@@ -91,6 +91,41 @@ class TorchStateView:
         entry = self.opt.state.get(p)
         return entry is not None and self._published.get(id(p)) is entry
 
+    # ------------------------------------------------------------------- state the user changed
+    def _state_changed(self, st: ChunkOptState) -> list[int]:
+        """Entries of the chunk with state whose ``opt.state`` entry is no longer the one protrain
+        published: the user removed it (``opt.state.clear()``, ``del opt.state[p]``, a new
+        ``opt.state``: a reset, as torch then starts the parameter afresh) or set their own."""
+        store = st.store
+        if not store.aliased:
+            return []
+        return [i for i in st.steps if (p := store.param(i)) is not None and not self._ours(p)]
+
+    def _take_user_state(self) -> None:
+        """Before ``opt.step()``: state the user removed or set since protrain published it is
+        taken as they left it (fresh moments and step count, or their entry imported), after a
+        provisional step that used the old one is taken back."""
+        for st in self.states.values():
+            changed = self._state_changed(st)
+            if not changed:
+                continue
+            store = st.store
+            given = {i: self.opt.state.get(store.param(i)) for i in changed}
+            if st.provisional is not None:
+                self._undo(st)
+            for i in changed:
+                p = store.param(i)
+                self.opt.state.pop(p, None)
+                self._published.pop(id(p), None)
+                st.steps.pop(i, None)
+                part = store.host_slices(i)
+                moments = (st.exp_avg, st.exp_avg_sq, st.max_exp_avg_sq)
+                for m in moments if part is not None else ():
+                    if m is not None:
+                        m[part[0]].zero_()
+                if given[i]:
+                    self._import_state(st, i, given[i])
+
     # ------------------------------------------------------------------------------ state dicts
     def _indexed_params(self) -> list[torch.Tensor]:
         """Parameters in torch's state_dict index order (param groups in order)."""

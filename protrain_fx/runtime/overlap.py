@@ -26,8 +26,12 @@ what changed.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from protrain_fx.runtime import grad_scale, mapped
+
+if TYPE_CHECKING:
+    from protrain_fx.runtime.chunk_store import ChunkStore
 
 log = logging.getLogger("protrain_fx")
 
@@ -149,6 +153,21 @@ class OverlapControl:
                     if st is not None and st.provisional is not None:
                         self._undo(st)
                     break
+
+    def foreign_step(self, store: ChunkStore, chunks, who: str) -> None:
+        """Another optimizer (``who``) is about to step parameters of these offloaded chunks
+        (runtime/foreign_steps.py): a provisional step of them is taken back first, as eager steps
+        a parameter only when an optimizer holding it steps; if one was, chunks step at this
+        optimizer's own ``opt.step()`` from then on (each such step would be taken back)."""
+        from protrain_fx.runtime.worker import WORKER
+
+        WORKER.wait()
+        pending = [st for c in chunks if (st := self.states.get((store.id, c))) is not None]
+        pending = [st for st in pending if st.provisional is not None]
+        for st in pending:
+            self._undo(st)
+        if pending:
+            self._disable_overlap(f"another optimizer (a {who}) steps parameters of these chunks")
 
     def on_grad_identity(self, keys: set) -> None:
         """Gradients of these were multiplied by exactly one (clipping under ``max_norm``)."""
