@@ -62,7 +62,7 @@ from protrain_fx.plan.plan import Plan, register_plan
 from protrain_fx.profiling import loop_memory, static
 from protrain_fx.report.dump import GraphDump
 from protrain_fx.runtime import distributed, loss_ops, ops, replacement, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
-from protrain_fx.runtime.binding import on_error, runtime_guard
+from protrain_fx.runtime.binding import on_error, refuse_converted, runtime_guard
 from protrain_fx.runtime.optimizer_lookup import find_optimizer
 from protrain_fx.runtime.param_values import placement_snapshot
 
@@ -318,6 +318,7 @@ def protrain_backend(
             opts = dataclasses.replace(opts, optimizer=found)
             del found
     refuse_untraced_checkpointing(traced_root(graph_inputs), live)
+    refuse_converted(live)  # model.to(dtype) after a compiled step, say
     progress.begin(_graph_name())
     # as dynamo traced it: what a call with other parameters runs
     eager_graph = copy_graph_module(gm)

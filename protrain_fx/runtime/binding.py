@@ -205,6 +205,30 @@ class GraphBinding:
             hook_owners_of(root, [p for _, p in named])
 
 
+def refuse_converted(params: list) -> None:
+    """Parameters converted after protrain placed them (``model.to(dtype or device)``, ``.half()``:
+    each given a tensor of another dtype or device) make dynamo compile the model again, but their
+    chunk stores hold the old dtype and place, and a training step would hand autograd gradients
+    of the old dtype. Refused for training, saying what to do; evaluation and generation of the
+    converted model run as they are."""
+    if not torch.is_grad_enabled():
+        return
+    for p in params:
+        s = store_of(p)
+        if s is None or not p.requires_grad:
+            continue
+        if p.dtype != s.master_dtype or p.device != s.device:
+            raise ProtrainError(
+                f"protrain: parameter {s.entry(p).fqn!r} is now {p.dtype} on {p.device}, but "
+                f"protrain holds it in a chunk of {s.master_dtype} on {s.device}: the model was "
+                "converted after its first compiled call (model.to(...), .half(), .bfloat16()). "
+                "protrain cannot train the converted model in the chunks made for the old one: "
+                "convert the model before compiling it, or build and compile the converted model "
+                "anew (a fresh model, load_state_dict, torch.compile(..., backend='protrain')); "
+                "evaluating or generating with the converted model works as it is"
+            )
+
+
 def placement_signature(params: list, unplaced: bool = False) -> tuple | None:
     """How ``params`` sit in chunks, relative to one another: per offloaded parameter (group,
     offset, transfer dtype, chunk size), where group numbers the distinct (store, chunk) pairs in
