@@ -339,6 +339,36 @@ def test_19_1_regional_compilation_under_a_budget_the_blocks_share():
     assert "host" in placements(p.mine.model.layers[0])
 
 
+def test_19_1_blocks_compiled_by_replacing_them_share_the_budget_as_compiled_in_place():
+    """``layers[i] = torch.compile(layers[i], ...)`` puts each block inside torch.compile's
+    wrapper, which sits in the list: each block's plan was chosen for the whole budget, as if it
+    were the model (8 blocks, 8 budgets); now it takes its share, as ``layer.compile()`` does."""
+    base = hf_llama(num_hidden_layers=8, hidden_size=256, intermediate_size=512)
+
+    def replaced(model, options):
+        layers = model.model.layers
+        for i in range(len(layers)):
+            layers[i] = torch.compile(layers[i], backend="protrain", options=options)
+        return model
+
+    budgets = {}
+    for how, compile_fn in (("method", regional("model.layers")), ("replace", replaced)):
+        p = parity(
+            base,
+            {"compiler": "eager", "memory_budget": 8 << 20},
+            compile_fn=compile_fn,
+            loss_fn=hf_loss_no_cache,
+            data=hf_data(seq=32),
+        )
+        assert rel_err(p.trace, p.ref_trace) <= LOSS_REL, (p.trace, p.ref_trace)
+        mine = {k.replace("._orig_mod", ""): v for k, v in p.mine.state_dict().items()}
+        assert sd_diff(mine, p.ref.state_dict()) <= PARAM_ABS
+        budgets[how] = protrain_fx.get_plan(p.mine.model.layers[0]).predicted
+        assert "host" in placements(p.mine.model.layers[0])
+    assert "divided by the 8 blocks" in budgets["replace"]["budget"], budgets["replace"]["budget"]
+    assert budgets["replace"]["budget_bytes"] == budgets["method"]["budget_bytes"]
+
+
 def test_19_1_regional_compilation_of_a_host_init_model(caplog):
     """Built under ``host_init`` (every parameter an empty shell, its value on the host), its
     decoder layers compiled one by one: the embedding, final norm and tied head run eagerly, where

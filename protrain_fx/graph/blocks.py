@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from protrain_fx.errors import ProtrainError
+from protrain_fx.graph import regional
 from protrain_fx.graph.inputs import module_path
 from protrain_fx.runtime.chunk_store import store_of
 
@@ -97,12 +98,16 @@ def detect_blocks(gm: fx.GraphModule, root=None) -> BlockStructure:
     """Find the repeated blocks of the forward graph ``gm`` (a dynamo graph or a joint graph).
     ``root``: the module dynamo traced, when known; a module compiled on its own
     (``module.compile()``: regional compilation) whose graph holds no repeated children is one block
-    (:class:`WholeGraphBlock`)."""
+    (:class:`WholeGraphBlock`), and so is one of several blocks of one structure each compiled
+    apart (``layers[i] = torch.compile(layers[i])``: the module inside torch.compile's wrapper)."""
     found = _detect(gm)
     if (
         not found.blocks
         and root is not None
-        and getattr(root, "_compiled_call_impl", None) is not None
+        and (
+            getattr(root, "_compiled_call_impl", None) is not None
+            or len(regional.siblings(root)) > 1
+        )
     ):
         return WholeGraphBlock(_class_name(type(root)))
     return found

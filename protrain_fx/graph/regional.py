@@ -12,7 +12,10 @@ state that the parameters outside the blocks will hold once they train eagerly a
 budget first (:func:`outside_params`, ``budgets.eager_growth``).
 
 The container is found from the block itself (the ``_modules`` dict that holds it, through the
-garbage collector's referrers), since a module does not know its parent.
+garbage collector's referrers), since a module does not know its parent. A block compiled as
+``layers[i] = torch.compile(layers[i], ...)`` sits in its list inside the wrapper torch.compile
+made (as its ``_orig_mod``): the wrapper's container is the list, and the blocks are the wrapped
+modules there (before, each such block was planned for the whole budget).
 """
 
 from __future__ import annotations
@@ -26,19 +29,26 @@ def _signature(m: nn.Module) -> tuple:
     return (type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()))
 
 
-def _container_of(module: nn.Module) -> tuple[dict, str] | None:
+def _container_of(module: nn.Module) -> tuple[dict, str, dict] | None:
     """The ``_modules`` dict of the module that holds ``module`` (the first found), with its key
-    there. (A ``_modules`` dict is referred to by its owner's ``__dict__``, whose ``_modules`` entry
-    it is.)"""
+    there and the holder's ``__dict__``. (A ``_modules`` dict is referred to by its owner's
+    ``__dict__``, whose ``_modules`` entry it is.)"""
     for ref in gc.get_referrers(module):
         if not isinstance(ref, dict):
             continue
         key = next((k for k, v in ref.items() if v is module), None)
         if key is None:
             continue
-        if any(isinstance(o, dict) and o.get("_modules") is ref for o in gc.get_referrers(ref)):
-            return ref, key
+        for o in gc.get_referrers(ref):
+            if isinstance(o, dict) and o.get("_modules") is ref:
+                return ref, key, o
     return None
+
+
+def _unwrapped(m):
+    """The module torch.compile wrapped (``OptimizedModule._orig_mod``), or ``m``."""
+    inner = m.__dict__.get("_modules", {}).get("_orig_mod") if isinstance(m, nn.Module) else None
+    return inner if inner is not None and type(m).__name__ == "OptimizedModule" else m
 
 
 def siblings(root) -> list[nn.Module]:
@@ -48,14 +58,17 @@ def siblings(root) -> list[nn.Module]:
     if not isinstance(root, nn.Module) or not any(True for _ in root.parameters()):
         return [root] if root is not None else []
     found = _container_of(root)
+    if found is not None and found[1] == "_orig_mod":  # layers[i] = torch.compile(layers[i])
+        holder = [w for w in gc.get_referrers(found[2]) if getattr(w, "__dict__", None) is found[2]]
+        found = _container_of(holder[0]) if holder else None
     if found is None:
         return [root]
-    modules, key = found
+    modules, key, _ = found
     if not key.isdigit():  # an attribute (model.head), not an entry of a list of blocks
         return [root]
     sig = _signature(root)
-    same = [m for k, m in list(modules.items()) if k.isdigit() and isinstance(m, nn.Module)]
-    same = [m for m in same if m is root or _signature(m) == sig]
+    same = [_unwrapped(m) for k, m in list(modules.items()) if k.isdigit()]
+    same = [m for m in same if isinstance(m, nn.Module) and (m is root or _signature(m) == sig)]
     return same if len(same) > 1 else [root]
 
 
