@@ -7,10 +7,11 @@ copies).
 Each case trains a copy of one model eagerly and one through backend="protrain" (Inductor, offloaded
 chunks and a swapped block) with the same habit (a clip, a weight read and written between steps,
 two forwards, an exception in backward, the learning rate set between backward and step, last
-step's gradients kept across zero_grad), and reports the largest loss and parameter
-differences. Then, clipping every step, the 2-norms of offloaded gradients that backward computed
-and ``clip_grad_norm_`` is served (protrain_fx/runtime/grad_scale.py), against the norm of each
-gradient's view read over the link: how many equal bit for bit.
+step's gradients kept across zero_grad, the optimizer replaced or its state cleared mid-run), and
+reports the largest loss and parameter differences. Then, clipping every step, the 2-norms of
+offloaded gradients that backward computed and ``clip_grad_norm_`` is served
+(protrain_fx/runtime/grad_scale.py), against the norm of each gradient's view read over the link:
+how many equal bit for bit.
 """
 
 from __future__ import annotations
@@ -201,6 +202,47 @@ def run_case(name: str, steps: int, regional: bool = False) -> dict:
     }
 
 
+def run_rebuilt(variant: str, steps: int) -> dict:
+    """The optimizer replaced at step 2 (protrain_fx/runtime/foreign_steps.py): ``old_alive``
+    keeps the old one referenced (its in-backward steps taken back, the new one steps the
+    offloaded parameters through their views), ``old_dropped`` drops it (freed at once; the new
+    one takes the chunks over after its first step, its device state moved to the host);
+    ``state_clear`` calls ``opt.state.clear()`` instead (fresh moments and step counts)."""
+    from protrain_fx.runtime.hybrid_optim import handle_of
+
+    torch._dynamo.reset()
+    base = model()
+    got = {}
+    t0 = time.perf_counter()
+    for kind in ("eager", "protrain"):
+        m = copy.deepcopy(base)
+        opt = torch.optim.AdamW(m.parameters(), lr=LR)
+        call = m if kind == "eager" else torch.compile(m, backend="protrain", options=OPTIONS)
+        kept, losses = [], []
+        for i, (x, y) in enumerate(batches(steps)):
+            if i == 2 and variant == "state_clear":
+                opt.state.clear()
+            elif i == 2:
+                kept += [opt] if variant == "old_alive" else []
+                opt = torch.optim.AdamW(m.parameters(), lr=LR)
+            loss = call(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        got[kind] = (m.state_dict(), losses, handle_of(opt) is not None)
+    (rs, theirs, _), (ms, ours, owned) = got["eager"], got["protrain"]
+    return {
+        "case": f"optimizer {variant}",
+        "steps": steps,
+        "max_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs)),
+        "max_param_abs": max((rs[k] - ms[k]).abs().max().item() for k in rs),
+        "max_update": max((rs[k] - base.state_dict()[k]).abs().max().item() for k in rs),
+        "protrain_steps_the_chunks": owned,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
 def served_norms(steps: int, micro: int = 1) -> dict:
     """Clipping every step: each offloaded gradient's 2-norm as ``clip_grad_norm_`` gets it (from
     backward, from the second step on) against ``torch.linalg.vector_norm`` of its view with the
@@ -248,13 +290,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--only", help="comma-separated: run only these (case names, 'rebuilt')")
     args = ap.parse_args()
+    if args.only:
+        only = args.only.split(",")
+        variants = ("old_alive", "old_dropped", "state_clear") if "rebuilt" in only else ()
+        rows = [run_rebuilt(v, args.steps + 2) for v in variants]
+        rows += [run_case(n, args.steps) for n in only if n in CASES]
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        return
     rows = []
     for name in CASES:
         rows.append(run_case(name, args.steps))
         print(json.dumps(rows[-1]), flush=True)
     rows.append(run_case("plain", args.steps, regional=True))
     print(json.dumps(rows[-1]), flush=True)
+    for variant in ("old_alive", "old_dropped", "state_clear"):
+        rows.append(run_rebuilt(variant, args.steps + 2))
+        print(json.dumps(rows[-1]), flush=True)
     rows.append(served_norms(args.steps))
     print(json.dumps(rows[-1]), flush=True)
     rows.append(served_norms(args.steps, micro=2))
