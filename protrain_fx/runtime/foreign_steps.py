@@ -91,21 +91,32 @@ def _before_any_step(opt, args, kwargs) -> None:
         owner.foreign_step(store, chunks, type(opt).__name__)
         _say_views(opt, owner)
     if adopt and _can_own(opt):
-        _to_adopt[opt] = adopt
+        if len(args) > 1 or kwargs.get("closure") is not None:
+            _to_adopt[opt] = adopt  # the closure's backward comes first: after this step
+        else:
+            _adopt(opt, adopt, "this step")
 
 
 def _after_any_step(opt, args, kwargs) -> None:
+    _adopt(opt, _to_adopt.pop(opt, ()), "its next step")
+
+
+def _adopt(opt, stores, when: str) -> None:
+    """``opt`` takes over the stores left without an optimizer: taken in its step pre-hook, the
+    hybrid's own pre-hook (registered now, run next) steps their chunks on the host's cores in
+    this very step, so torch's step never makes their moments on the compute device."""
     from protrain_fx.runtime.hybrid_optim import attach
 
-    for ref in _to_adopt.pop(opt, ()):
+    for ref in stores:
         store = ref()
         if store is not None and store.live_optimizer() is None:
             attach(opt, store)
             log.info(
-                "protrain: the %s stepping %s's offloaded chunks takes them over (their optimizer "
-                "is gone): they step on the host's cores from its next step",
+                "protrain: the %s stepping store %d's offloaded chunks takes them over (their "
+                "optimizer is gone): they step on the host's cores from %s",
                 type(opt).__name__,
-                f"store {store.id}",
+                store.id,
+                when,
             )
 
 
