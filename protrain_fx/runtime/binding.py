@@ -217,10 +217,11 @@ def refuse_converted(params: list) -> None:
         s = store_of(p)
         if s is None or not p.requires_grad:
             continue
-        if p.dtype != s.master_dtype or p.device != s.device:
+        if p.dtype != s.master_dtype or p.device != s.device or p.shape != s.entry(p).shape:
             raise ProtrainError(
-                f"protrain: parameter {s.entry(p).fqn!r} is now {p.dtype} on {p.device}, but "
-                f"protrain holds it in a chunk of {s.master_dtype} on {s.device}: the model was "
+                f"protrain: parameter {s.entry(p).fqn!r} is now {p.dtype} {tuple(p.shape)} on "
+                f"{p.device}, but protrain holds it in a chunk of {s.master_dtype} "
+                f"{tuple(s.entry(p).shape)} on {s.device}: the model was "
                 "converted after its first compiled call (model.to(...), .half(), .bfloat16()). "
                 "protrain cannot train the converted model in the chunks made for the old one: "
                 "convert the model before compiling it, or build and compile the converted model "

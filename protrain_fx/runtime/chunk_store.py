@@ -417,25 +417,6 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
             self.transfer[chunk].copy_(self.master[chunk])
         self.invalidate(chunk)
 
-    def sync_writes(self, chunk: int) -> bool:
-        """Take in what eager code wrote into the chunk's parameters (``p.mul_(0.9)`` under no_grad,
-        a ``load_state_dict``, another optimizer): the parameters are views of the master, so only
-        the transfer copy and the device copies are stale. Returns whether anything was written."""
-        if not self.aliased:
-            return False
-        changed = False
-        for i in self._chunk_entries[chunk]:
-            p = self._params[i]()
-            if p is not None and p._version != self._synced.get(i):
-                self._synced[i] = p._version
-                changed = True
-        if changed:
-            if self.is_cuda:  # the write may still be queued on the device
-                torch.cuda.current_stream(self.device).synchronize()
-            self._stats["transfer_refreshes"] += 1
-            self.refresh_transfer(chunk)
-        return changed
-
     def written_since(self, index: int, version: int) -> bool:
         p = self._params[index]()
         return p is not None and p._version != version

@@ -14,7 +14,7 @@ import torch
 
 from protrain_fx import config
 from protrain_fx.plan.profiles import UPLOAD_PIECE
-from protrain_fx.runtime import block_timer, distributed
+from protrain_fx.runtime import block_timer, distributed, mapped
 from protrain_fx.runtime.worker import WORKER
 
 # debugging aid: PROTRAIN_DEBUG_SYNC=1 synchronizes the device around every chunk operation (no
@@ -112,6 +112,49 @@ class ChunkTransfers:
             return 0 if self.home_on_device(chunk) else src.numel() * src.element_size()
 
         return fill
+
+    def sync_writes(self, chunk: int) -> bool:
+        """Take in what eager code wrote into the chunk's parameters (``p.mul_(0.9)`` under no_grad,
+        a ``load_state_dict``, another optimizer): the parameters are views of the master, so only
+        the transfer copy and the device copies are stale. A parameter given another tensor
+        (``p.data = t``, ``p.set_(t)``, ``module.double().float()``) has its values copied into the
+        master and is made its view again; before, the graph went on training the master, the new
+        values ignored and the parameter left behind. Returns whether anything was written."""
+        if not self.aliased:
+            return False
+        changed = False
+        for i in self._chunk_entries[chunk]:
+            p = self._params[i]()
+            if p is not None and p.numel() and p.data_ptr() != self._master_ptr(i):
+                changed |= self._take_rebound(i, p)
+            elif p is not None and p._version != self._synced.get(i):
+                self._synced[i] = p._version
+                changed = True
+        if changed:
+            if self.is_cuda:  # the write may still be queued on the device
+                torch.cuda.current_stream(self.device).synchronize()
+            self._stats["transfer_refreshes"] += 1
+            self.refresh_transfer(chunk)
+        return changed
+
+    def _master_ptr(self, i: int) -> int:
+        e = self.entries[i]
+        master = self.master[e.chunk]
+        return master.data_ptr() + e.offset * master.element_size()
+
+    def _take_rebound(self, i: int, p: torch.Tensor) -> bool:
+        """Its new tensor's values into the master, the parameter its view again; not for a tensor
+        of another dtype or shape (``model.to(dtype)``: dynamo compiles the model again, which
+        refuses training it, binding.refuse_converted; evaluating it reads the chunks)."""
+        e, new = self.entries[i], p.data
+        if new.dtype != self.master_dtype or new.shape != e.shape:
+            return False
+        view = mapped.device_view(self.master[e.chunk], e.offset, e.shape, self.device)
+        with torch.no_grad():
+            view.copy_(new)
+        p.data = view
+        self._synced[i] = p._version
+        return True
 
     def _ready_for_copy(self, chunk: int) -> None:
         WORKER.wait_chunk((self.id, chunk))  # a CPU step of the chunk may still be running
