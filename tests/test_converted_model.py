@@ -78,3 +78,48 @@ def test_a_parameter_given_another_tensor_between_steps_trains_on_it_as_in_eager
     assert all(
         torch.equal(a, b) for a, b in zip(ref.state_dict().values(), mine.state_dict().values())
     )
+
+
+@pytest.mark.parametrize("returns", [True, False])
+def test_a_gradient_hook_on_an_offloaded_parameter_gets_its_gradient(returns):
+    """``p.register_hook(fn)`` on an offloaded parameter got ``None`` (protrain makes its gradient
+    inside the graph): a hook scaling the gradient crashed with a TypeError, one that tolerated
+    None was skipped (parameters 6e-4 off). Now it runs on the real gradient, and what it returns
+    replaces it (runtime/param_hooks.py); a hook that scales the gradient in place works too."""
+    base = gpt()
+    data = random_batches(3, 2, 16, vocab=256, seed=0)
+    seen = {"eager": [], "protrain": []}
+
+    def hook(kind):
+        def fn(g):
+            seen[kind].append(None if g is None else float(g.norm()))
+            if returns:
+                return g * 0.25
+            g.mul_(0.25)
+
+        return fn
+
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = offloaded(mine)
+    for kind, model, call in (("eager", ref, ref), ("protrain", mine, compiled)):
+        model.blocks[0].mlp.fc.weight.register_hook(hook(kind))
+        opt = adamw(model.parameters())
+        for x, y in data:
+            call(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert seen["protrain"] == seen["eager"] and None not in seen["eager"]
+    assert all(
+        torch.equal(a, b) for a, b in zip(ref.state_dict().values(), mine.state_dict().values())
+    )
+
+
+def test_a_post_accumulate_grad_hook_on_an_offloaded_parameter_is_refused_before_the_step():
+    """Its accumulation ends on the host worker after backward moved on: refused at the call
+    (before, backward raised that the parameter got gradients from outside the graph)."""
+    base = gpt()
+    ((x, y),) = random_batches(1, 2, 16, vocab=256, seed=0)
+    compiled = offloaded(base)
+    base.blocks[0].mlp.fc.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(ProtrainError, match="post-accumulate-grad hook"):
+        compiled(x, y)

@@ -34,6 +34,7 @@ from protrain_fx.runtime import (
     chunk_grads,
     device_steps,
     hybrid_optim,
+    param_hooks,
     replacement,
     swap_pool,
 )
@@ -134,6 +135,8 @@ class GraphBinding:
 
     def __call__(self, compiled, args):
         params = [args[i] for i in self.positions]
+        if torch.is_grad_enabled() and any(param_hooks.hooked(p) for p in params):
+            param_hooks.prepare(params)  # p.register_hook on offloaded parameters
         if len(params) == len(self._last) and all(r() is p for r, p in zip(self._last, params)):
             return compiled(*args)
         if self._bind(params):

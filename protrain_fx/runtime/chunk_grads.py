@@ -29,6 +29,7 @@ from protrain_fx.machine import pinned
 from protrain_fx.plan.profiles import N_OVERSIZED_STAGING
 from protrain_fx.plan.profiles import STAGING as N_STAGING
 from protrain_fx.runtime import distributed, grad_add, grad_scale, kept_grads, mapped, step_redo
+from protrain_fx.runtime.param_hooks import with_param_hooks
 from protrain_fx.runtime.worker import WORKER
 
 # the staging buffers, as many as the cost model prices: N_STAGING of packed gradients (master
@@ -285,6 +286,8 @@ class ChunkGrads:
         record = step_redo.first_time((self.id, chunk, tuple(members)))
         if record is None:  # a redone backward: handed over before it ran out
             return
+        if grads and self.aliased:  # the parameters' own gradient hooks (runtime/param_hooks.py)
+            grads = with_param_hooks([self._params[i]() for i in members], grads)
         self.forget_grad_norms(self._chunk_entries[chunk])
         if self.live_optimizer() is not None:
             # takes back a step of this chunk not yet committed
