@@ -1,8 +1,8 @@
-"""A model converted after its first compiled step (``model.to(dtype)``, ``.half()``): dynamo
-compiles it again, but protrain's chunks hold the old dtype. Training it raised autograd's
-"attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'" from
-inside backward; now the compile refuses it with what to do (runtime/binding.py
-``refuse_converted``), and evaluating the converted model gives eager's numbers."""
+"""Parameters changed or asked for in ways protrain's chunks must follow: a model converted after
+its first compiled step (``model.to(dtype)``: refused for training, evaluated as eager), a
+parameter given another tensor (``p.data = t``: trained on as in eager), gradient hooks on
+offloaded parameters (run on the real gradient), ``backward(inputs=...)`` (only those accumulate)
+and ``torch.autograd.grad`` (refused over offloaded parameters)."""
 
 import copy
 
@@ -123,3 +123,30 @@ def test_a_post_accumulate_grad_hook_on_an_offloaded_parameter_is_refused_before
     base.blocks[0].mlp.fc.weight.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(ProtrainError, match="post-accumulate-grad hook"):
         compiled(x, y)
+
+
+def test_backward_with_inputs_accumulates_only_those_and_autograd_grad_is_refused():
+    """``loss.backward(inputs=[...])`` accumulates only into those parameters in eager; every
+    offloaded parameter got its gradient before (15 of 28 against 12, 0.01 off after a step).
+    ``torch.autograd.grad`` over an offloaded parameter, whose gradient is made inside the graph,
+    raises a ProtrainError (before: torch's 'not used in the graph', or None with allow_unused,
+    the gradient accumulated into p.grad all the same)."""
+    base = gpt()
+    data = random_batches(3, 2, 16, vocab=256, seed=0)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = offloaded(mine)
+    for model, call in ((ref, ref), (mine, compiled)):
+        opt = adamw(model.parameters())
+        for x, y in data:
+            call(x, y).backward(inputs=list(model.blocks[1].parameters()))
+            assert {n for n, p in model.named_parameters() if p.grad is not None} == {
+                n for n, _ in model.named_parameters() if n.startswith("blocks.1.")
+            }
+            opt.step()
+            opt.zero_grad()
+    assert all(
+        torch.equal(a, b) for a, b in zip(ref.state_dict().values(), mine.state_dict().values())
+    )
+    x, y = data[0]
+    with pytest.raises(ProtrainError, match="torch.autograd.grad was asked"):
+        torch.autograd.grad(compiled(x, y), [mine.wte.weight], allow_unused=True)

@@ -29,7 +29,7 @@ from protrain_fx.machine import pinned
 from protrain_fx.plan.profiles import N_OVERSIZED_STAGING
 from protrain_fx.plan.profiles import STAGING as N_STAGING
 from protrain_fx.runtime import distributed, grad_add, grad_scale, kept_grads, mapped, step_redo
-from protrain_fx.runtime.param_hooks import with_param_hooks
+from protrain_fx.runtime.param_hooks import only_accumulated, with_param_hooks
 from protrain_fx.runtime.worker import WORKER
 
 # the staging buffers, as many as the cost model prices: N_STAGING of packed gradients (master
@@ -283,6 +283,10 @@ class ChunkGrads:
             if rows is not None:
                 self.row_grad_chunks.add(chunk)
             return
+        if self.aliased and (grads or rows is not None):  # backward(inputs=...), autograd.grad
+            members, grads = only_accumulated(self, members, grads, rows is not None)
+            if not members:
+                return
         record = step_redo.first_time((self.id, chunk, tuple(members)))
         if record is None:  # a redone backward: handed over before it ran out
             return

@@ -1,4 +1,5 @@
-"""Gradient hooks on offloaded parameters (``p.register_hook(fn)``).
+"""Gradient hooks on offloaded parameters (``p.register_hook(fn)``), and backward passes that
+do not accumulate into them (``backward(inputs=...)``, ``torch.autograd.grad``).
 
 protrain makes an offloaded parameter's gradient inside the compiled graph (``chunk_grad`` packs it
 and sends it to the host) and hands autograd none for it, so autograd calls the parameter's hooks
@@ -10,11 +11,22 @@ order, taking what they return (:func:`with_param_hooks`), before the gradient i
 order (a hook runs on the parameter's whole gradient before it is accumulated).
 ``register_post_accumulate_grad_hook`` on an offloaded parameter is refused: its accumulation
 finishes on the host worker, after backward has moved on.
+
+Eager accumulates into ``p.grad`` only what the backward pass was asked for:
+``backward(inputs=[...])`` leaves the other parameters alone and ``torch.autograd.grad``
+accumulates nothing. The chunk's gradient path asks autograd's engine whether it runs each
+parameter's accumulation in the pass under way (:func:`only_accumulated`): a parameter it does not
+is left alone (before, every offloaded parameter got its gradient, 0.01 off after one step at lr
+1e-2); one that ``torch.autograd.grad`` was asked for raises a ``ProtrainError`` (its gradient is
+made inside the graph, not returned through it).
 """
 
 from __future__ import annotations
 
 import functools
+
+import torch
+from torch.autograd.graph import get_gradient_edge
 
 from protrain_fx.errors import ProtrainError
 
@@ -67,3 +79,39 @@ def with_param_hooks(params: list, grads: list) -> list:
                 if result is not None:
                     out[k] = result
     return out
+
+
+def only_accumulated(store, members: list, grads: list, rows: bool) -> tuple[list, list]:
+    """The store entries ``members`` (with their ``grads``) whose accumulation the backward pass
+    under way runs; none where one of several with ``rows`` (an embedding's) is left out."""
+    keep = []
+    for i in members:
+        p = store.param(i)
+        if p is None or not p.requires_grad:
+            keep.append(False)
+            continue
+        try:
+            keep.append(torch._C._will_engine_execute_node(_accumulate_node(p)))
+        except RuntimeError:  # captured: torch.autograd.grad was asked for this parameter
+            raise ProtrainError(
+                f"protrain: torch.autograd.grad was asked for the gradient of "
+                f"{store.entries[i].fqn!r}, an offloaded parameter, whose gradient protrain makes "
+                "inside the compiled graph and accumulates into p.grad on the host, not returned "
+                "through autograd; use loss.backward() (or backward(inputs=[...])) and read p.grad"
+            ) from None
+    if all(keep):
+        return members, grads
+    if rows or not any(keep):
+        return [], []
+    return [i for i, k in zip(members, keep) if k], [g for g, k in zip(grads, keep) if k]
+
+
+def _accumulate_node(p):
+    """``p``'s AccumulateGrad node, from the autograd node running now (the compiled graph's
+    backward, whose inputs ``p`` is one of): below autograd ``get_gradient_edge`` cannot make
+    it."""
+    node = torch._C._current_autograd_node()
+    for fn, _ in node.next_functions if node is not None else ():
+        if fn is not None and getattr(fn, "variable", None) is p:
+            return fn
+    return get_gradient_edge(p).node
