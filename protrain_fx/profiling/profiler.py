@@ -199,6 +199,9 @@ def _drop_grad(t: torch.Tensor) -> None:
     t.grad = None
 
 
+_drop_grad.protrain_own = True  # not a user's hook (runtime/param_hooks.py)
+
+
 def profile_step(
     compiled, inputs: list, stores, n_blocks: int, device: torch.device, runs: int = 2
 ) -> StepProfile:

@@ -223,9 +223,9 @@ def average_resident_grads(params, optimizer=None) -> None:
         if p in _HOOKED or not p.requires_grad:
             continue
         _HOOKED[p] = True
-        p.register_post_accumulate_grad_hook(
-            functools.partial(_average_hook, size=w.size, wait=optimizer is None)
-        )
+        hook = functools.partial(_average_hook, size=w.size, wait=optimizer is None)
+        hook.protrain_own = True  # not a user's hook (runtime/param_hooks.py)
+        p.register_post_accumulate_grad_hook(hook)
 
 
 def _average_hook(param: torch.Tensor, size: int, wait: bool) -> None:

@@ -32,6 +32,8 @@ from protrain_fx.errors import ProtrainError
 
 
 def hooked(p) -> bool:
+    """Whether ``p`` has gradient hooks (protrain's own post-accumulate hooks, marked
+    ``protrain_own``, among them: the profiler's, data parallel's)."""
     return bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
 
 
@@ -43,14 +45,15 @@ def prepare(params: list) -> None:
         s = store_of(p)
         if not hooked(p) or s is None or not s.param_is_offloaded(p):
             continue
-        if getattr(p, "_post_accumulate_grad_hooks", None):
+        post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        if any(not getattr(fn, "protrain_own", False) for fn in post.values()):
             raise ProtrainError(
                 f"protrain: parameter {s.entry(p).fqn!r} is offloaded to the host and has a "
                 "post-accumulate-grad hook: its gradient is accumulated on the host after "
                 "backward has moved on; use p.register_hook(fn) (fn gets the gradient) or change "
                 "p.grad after backward()"
             )
-        hooks = p._backward_hooks
+        hooks = p._backward_hooks or {}
         for key, fn in list(hooks.items()):
             if not getattr(fn, "_protrain_wrapped", False):
                 hooks[key] = _on_real_gradient_only(fn)
