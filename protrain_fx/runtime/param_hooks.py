@@ -109,12 +109,23 @@ def only_accumulated(store, members: list, grads: list, rows: bool) -> tuple[lis
     return [i for i, k in zip(members, keep) if k], [g for g, k in zip(grads, keep) if k]
 
 
+_NEXT: list = [None, {}]  # the autograd node running last asked about, its inputs' nodes by leaf
+
+
 def _accumulate_node(p):
     """``p``'s AccumulateGrad node, from the autograd node running now (the compiled graph's
     backward, whose inputs ``p`` is one of): below autograd ``get_gradient_edge`` cannot make
-    it."""
+    it. The node's inputs are indexed once per node and backward (every chunk of a graph asks: a
+    scan per parameter was quadratic in the graph's inputs)."""
     node = torch._C._current_autograd_node()
-    for fn, _ in node.next_functions if node is not None else ():
-        if fn is not None and getattr(fn, "variable", None) is p:
-            return fn
-    return get_gradient_edge(p).node
+    if node is not None and _NEXT[0] is not node:
+        by_leaf = {id(fn.variable): fn for fn, _ in node.next_functions if hasattr(fn, "variable")}
+        _NEXT[:] = [node, by_leaf]
+        # dropped when this backward ends: the nodes hold their parameters
+        torch.autograd.Variable._execution_engine.queue_callback(_forget_nodes)
+    fn = _NEXT[1].get(id(p)) if node is not None else None
+    return fn if fn is not None else get_gradient_edge(p).node
+
+
+def _forget_nodes() -> None:
+    _NEXT[:] = [None, {}]
