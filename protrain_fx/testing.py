@@ -102,6 +102,21 @@ def train_steps(
     return losses
 
 
+def steps_with(call, opts: list, data, loss_fn=lambda call, x, y: call(x, y)) -> list[float]:
+    """One step per batch of ``data``, every optimizer of ``opts`` stepping (in order) and zeroing
+    after backward; the losses."""
+    losses = []
+    for x, y in data:
+        loss = loss_fn(call, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
+    return losses
+
+
 @dataclass
 class ParityResult:
     ref_losses: list[float]

@@ -11,7 +11,7 @@ import torch
 from test_foreign_steps import adamw, gpt, offloaded
 
 from protrain_fx.errors import ProtrainError
-from protrain_fx.testing import random_batches
+from protrain_fx.testing import random_batches, train_steps
 
 
 def test_a_model_converted_after_a_compiled_step_evaluates_as_eager_and_refuses_training():
@@ -54,24 +54,18 @@ def test_a_parameter_given_another_tensor_between_steps_trains_on_it_as_in_eager
     data = random_batches(4, 2, 16, vocab=256, seed=0)
 
     def loop(call, model):
-        opt, losses = adamw(model.parameters()), []
-        for i, (x, y) in enumerate(data):
-            if i == 2:
-                w = model.blocks[0].mlp.fc.weight
-                with torch.no_grad():
-                    if how == "data":
-                        w.data = w.data.clone() * 0.5
-                    elif how == "set_":
-                        w.set_(w.detach().clone() * 0.5)
-                    else:
-                        model.blocks[0].double()
-                        model.blocks[0].float()
-            loss = call(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        return losses
+        opt = adamw(model.parameters())
+        losses = train_steps(model, call, data[:2], opt=opt)
+        w = model.blocks[0].mlp.fc.weight
+        with torch.no_grad():
+            if how == "data":
+                w.data = w.data.clone() * 0.5
+            elif how == "set_":
+                w.set_(w.detach().clone() * 0.5)
+            else:
+                model.blocks[0].double()
+                model.blocks[0].float()
+        return losses + train_steps(model, call, data[2:], opt=opt)
 
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     assert loop(offloaded(mine), mine) == loop(ref, ref)

@@ -17,7 +17,7 @@ from models import build
 
 import protrain_fx
 from protrain_fx.runtime.hybrid_optim import handle_of
-from protrain_fx.testing import random_batches
+from protrain_fx.testing import random_batches, steps_with
 
 LR = 1e-2
 
@@ -47,15 +47,7 @@ def run(call, model, phases, data):
     for steps, make in phases:
         opts = make(model, opts)
         for _ in range(steps):
-            x, y = next(it)
-            loss = call(x, y)
-            loss.backward()
-            losses.append(loss.item())
-            for o in opts:
-                o.step()
-            for o in opts:
-                o.zero_grad()
-            del o  # no reference to a phase's optimizer beyond the phase
+            losses += steps_with(call, opts, [next(it)])
             params.append({k: v.clone() for k, v in model.state_dict().items()})
     return losses, params, opts
 

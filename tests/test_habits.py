@@ -37,7 +37,7 @@ from hf_models import (
 from models import GPT, GPTBlock, GPTConfig, build
 
 import protrain_fx
-from protrain_fx.testing import random_batches, stores_of
+from protrain_fx.testing import random_batches, steps_with, stores_of
 
 LR = 1e-2
 LOSS_REL, PARAM_ABS, MIN_UPDATE = 1e-5, 1e-3, 1e-4
@@ -97,16 +97,7 @@ def regional(container: str):
 
 
 def plain_step(call, module, opts, data, loss_fn):
-    losses = []
-    for x, y in data:
-        loss = loss_fn(call, x, y)
-        loss.backward()
-        losses.append(loss.item())
-        for o in opts:
-            o.step()
-        for o in opts:
-            o.zero_grad()
-    return losses
+    return steps_with(call, opts, data, loss_fn)
 
 
 def sd_diff(a, b):
