@@ -292,6 +292,15 @@ def eager_backward_compile():
     return config.patch(force_non_lazy_backward_lowering=True)
 
 
+def keep_saved_tensors() -> None:
+    """The graph's backward donates none of its saved tensors (aot_autograd's donated buffers,
+    cleared in place): compiled with the forward (eager_backward_compile), not at its first call
+    as torch does, it could not run twice (``backward(retain_graph=True)``, then another)."""
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    if getattr(meta, "bw_donated_idxs", None):
+        meta.bw_donated_idxs.clear()
+
+
 class SeveralGraphs:
     """Several aot_autograd graphs compiled under one tracing context (a graph compiled in regions,
     protrain_fx/region_program.py), as dynamo's DDPOptimizer compiles its buckets: where torch
@@ -412,10 +421,9 @@ _CACHE_ATTRS = (
 
 @functools.lru_cache(maxsize=None)
 def aot_cache_supported() -> bool:
-    """Whether this torch serves aot_autograd's cache to a custom compiler the way
-    protrain_fx/code_cache.py needs: a ``SerializableAOTDispatchCompiler``, and a loaded entry
-    whose ``wrap_post_compile(args, aot_config, fx_config)`` calls its forward's and backward's
-    ``post_compile`` (torch 2.11 and 2.13), where protrain's run-time guards go around them."""
+    """Whether this torch serves aot_autograd's cache to a custom compiler as code_cache.py needs:
+    a ``SerializableAOTDispatchCompiler``, and a loaded entry whose ``wrap_post_compile(args,
+    aot_config, fx_config)`` calls the ``post_compile`` protrain's guards go around (2.11, 2.13)."""
     try:
         from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult
         from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa

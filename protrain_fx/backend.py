@@ -149,6 +149,7 @@ class GraphCompiler:
         return fw, bw
 
     def forward(self, gm: fx.GraphModule, example_inputs: Sequence):
+        _compat.keep_saved_tensors()  # its backward may run twice: backward(retain_graph=True)
         return self._compile("forward", "fw", gm, example_inputs)
 
     def backward(self, gm: fx.GraphModule, example_inputs: Sequence):
@@ -296,8 +297,7 @@ def _compile_plan(
 def protrain_backend(
     gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None
 ):
-    """torch.compile backend "protrain" (registered through the ``torch_dynamo_backends`` entry
-    point)."""
+    """torch.compile backend "protrain" (its entry point: ``torch_dynamo_backends``)."""
     if mode not in (None, "default"):
         raise OptionsError(
             f"backend='protrain' takes no mode= (got {mode!r}); pass options={{...}} instead"

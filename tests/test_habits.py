@@ -779,6 +779,32 @@ def test_19_4_contrastive_pair_swapped():
 
 
 # ------------------------------------------------------------- 19.5 torch.distributed.checkpoint
+def two_losses_retained(call, module, opts, data):
+    """Two losses over one graph, each with its own backward: the first keeps the graph
+    (``retain_graph=True``), the second runs the whole backward again (a multi-task loss, an
+    auxiliary loss logged on its own)."""
+    losses = []
+    for x, y in data:
+        out = call(input_ids=x, labels=y)
+        aux = out.logits.float().pow(2).mean() * 0.01
+        out.loss.backward(retain_graph=True)
+        aux.backward()
+        losses.append(out.loss.item())
+        opts[0].step()
+        opts[0].zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("policy", [dict(n_swap=2), dict(n_checkpoint=4)])
+def test_19_4_two_backwards_through_one_retained_graph_offloaded(policy):
+    """Before: aot_autograd's donated-buffers RuntimeError at the first backward (protrain compiles
+    the backward with the forward; torch.compile's own lazy compile sees ``retain_graph``)."""
+    base = hf_llama()
+    p = parity(base, offload(base, **policy), habit=two_losses_retained, data=hf_data(3))
+    assert set(placements(p.compiled)) == {"host"}
+    p.check()
+
+
 def assert_state_close(mine, ref, rtol=1e-4, atol=1e-9, path="state"):
     """Nested dicts/lists of tensors and numbers (an optimizer state dict) equal up to rounding."""
     if isinstance(ref, dict):
