@@ -7,11 +7,11 @@ copies).
 Each case trains a copy of one model eagerly and one through backend="protrain" (Inductor, offloaded
 chunks and a swapped block) with the same habit (a clip, a weight read and written between steps,
 two forwards, an exception in backward, the learning rate set between backward and step, last
-step's gradients kept across zero_grad, the optimizer replaced or its state cleared mid-run), and
-reports the largest loss and parameter differences. Then, clipping every step, the 2-norms of
-offloaded gradients that backward computed and ``clip_grad_norm_`` is served
-(protrain_fx/runtime/grad_scale.py), against the norm of each gradient's view read over the link:
-how many equal bit for bit.
+step's gradients kept across zero_grad, two backwards through one graph, the optimizer replaced or
+its state cleared mid-run), and reports the largest loss and parameter differences. Then, clipping
+every step, the 2-norms of offloaded gradients that backward computed and ``clip_grad_norm_`` is
+served (protrain_fx/runtime/grad_scale.py), against the norm of each gradient's view read over the
+link: how many equal bit for bit.
 """
 
 from __future__ import annotations
@@ -159,6 +159,21 @@ def kept(m, call, opt, data, i):
     return out
 
 
+def two_losses_retained(m, call, opt, data, i):
+    """Two losses over one graph, a backward each: the first keeps the graph
+    (``retain_graph=True``), the second runs the whole backward again (its swapped block's
+    activations come back from the host a second time)."""
+    x, y = data[i]
+    logits = call(x)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    aux = logits.float().pow(2).mean() * 0.01
+    loss.backward(retain_graph=True)
+    aux.backward()
+    opt.step()
+    opt.zero_grad()
+    return [loss.item(), aux.item()]
+
+
 CASES = {
     "plain": plain,
     "clip": clip,
@@ -169,6 +184,7 @@ CASES = {
     "exception": exception,
     "lr_between_backward_and_step": hyper_between,
     "kept_across_zero_grad": kept,
+    "two_losses_retained": two_losses_retained,
 }
 
 
