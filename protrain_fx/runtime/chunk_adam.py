@@ -40,6 +40,8 @@ class Provisional:
     entries: list  # the entries it stepped
     whole: bool  # one call over the flat chunk
     param_versions: dict  # entry -> the parameter's version after it
+    # entry -> its gradient view's version when it read it (runtime/overlap.py)
+    grad_versions: dict = field(default_factory=dict)
 
 
 def _pin_moments(st) -> None:

@@ -296,6 +296,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
             entries,
             False,
             {},
+            overlap.grad_versions(store, entries),
         )
         st.provisional = rec
         WORKER.submit((store.id, chunk), self._provisional_step, st, rec)
@@ -391,6 +392,9 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         self.timers.step_wait_s += t1 - t0
         self._refresh_members()
         self._take_user_state()  # opt.state.clear(), say
+        for st in list(self.states.values()):
+            if st.provisional is not None:  # p.grad = None, a write through p.grad.detach()
+                self.take_back_rewritten(st)
         for store in self.stores:
             for c in store.offloaded_chunks:
                 store.fold_foreign_grads(c)

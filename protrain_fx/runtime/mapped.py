@@ -54,6 +54,7 @@ class _CudaInterface:
         }
 
 
+@torch.enable_grad()  # a view made in backward (grad mode off) could not be written with it on
 def device_view(host: torch.Tensor, offset: int, shape, device: torch.device) -> torch.Tensor:
     """A tensor on ``device`` of ``shape`` over the memory of the contiguous host tensor ``host``
     from element ``offset`` on (pinned when ``device`` is CUDA). It has a storage of its own that
@@ -104,6 +105,8 @@ class HostGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if args and isinstance(args[0], HostGrad) and (own := _own_meaning(func, args)):
+            return own()
         if func is torch.linalg.vector_norm and HostGrad.cached_norm is not None:
             out = HostGrad.cached_norm(args, kwargs)
             if out is not None:
@@ -119,9 +122,11 @@ class HostGrad(torch.Tensor):
         if _writes(func) and args:
             written = [a for a in tree_flatten(args[0])[0] if isinstance(a, HostGrad)]
         scale = _scale(func, args) if written else None
-        if HostGrad.forget_norms is not None and (written and scale != 1.0 or "out" in kwargs):
-            out = [a for a in tree_flatten(kwargs.get("out"))[0] if isinstance(a, HostGrad)]
+        out = [a for a in tree_flatten(kwargs.get("out"))[0] if isinstance(a, HostGrad)]
+        if HostGrad.forget_norms is not None and (written and scale != 1.0 or out):
             HostGrad.forget_norms(written + out)
+        if HostGrad.on_write is not None and out:
+            HostGrad.on_write(out)
         if HostGrad.on_write is not None and written:
             if scale != 1.0:
                 HostGrad.on_write(written)
@@ -129,14 +134,45 @@ class HostGrad(torch.Tensor):
                     if HostGrad.defer_scale(written, scale):
                         return _the_others(func, args, kwargs)
             else:
+                out = _unchanged(func, args, kwargs, written)
                 if HostGrad.on_identity is not None:
                     HostGrad.on_identity(written)
-                return _unchanged(func, args, kwargs, written)
+                return out
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if held and HostGrad.on_alias is not None:
             _note_aliases(out, held)
         return out
+
+
+def _own_meaning(func, args):
+    """What a HostGrad does itself, as a thunk, where torch's own would lose its memory or fail
+    on a view: ``g.data`` is ``g.detach()`` (its writes then share the view's version counter,
+    which is how a provisional step learns of them, runtime/overlap.py), ``g.data = t`` copies
+    ``t`` into the host gradient (as a write through the view), ``g.detach_()`` of a gradient
+    without autograd history changes nothing (torch refuses it of a view)."""
+    name = getattr(func, "__name__", "")
+    g = args[0]
+    if name in ("__get__", "__set__") and getattr(func, "__self__", None) is torch.Tensor.data:
+        if name == "__get__":
+            return g.detach
+        t = args[1]
+        if not isinstance(t, torch.Tensor) or t.shape != g.shape or t.dtype != g.dtype:
+            from protrain_fx.errors import ProtrainError
+
+            raise ProtrainError(
+                "protrain: `.grad.data = t` of an offloaded parameter takes a tensor of the "
+                "gradient's shape and dtype (its values are copied into the host gradient)"
+            )
+        return lambda: _copy_into(g, t)
+    if name == "detach_" and not g.requires_grad:
+        return lambda: g
+    return None
+
+
+@torch.no_grad()
+def _copy_into(g, t) -> None:
+    g.copy_(t)
 
 
 def _note_aliases(out, held) -> None:
@@ -150,6 +186,9 @@ def _note_aliases(out, held) -> None:
     for g, t in zip(shared, tensors):
         if g is not None:
             HostGrad.on_alias(g, t)
+    shared = [g for g in shared if g is not None]
+    if shared and HostGrad.on_write is not None:  # its writes would come unseen: as one now
+        HostGrad.on_write(shared)
 
 
 def _scale(func, args) -> float | None:
@@ -233,5 +272,8 @@ def _writes(func) -> bool:
 
 
 def host_grad(view: torch.Tensor) -> HostGrad:
-    """Wrap a gradient view (sharing its storage and version counter) as a :class:`HostGrad`."""
-    return view.as_subclass(HostGrad)
+    """Wrap a gradient view (sharing its storage and version counter) as a :class:`HostGrad`.
+    Both made with grad mode on, though backward runs without it: ``p.grad.add_(p)`` (weight decay
+    by hand, grad mode on) is then allowed, as of eager's leaf gradient."""
+    with torch.enable_grad():
+        return view.as_subclass(HostGrad)

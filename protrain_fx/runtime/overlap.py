@@ -170,8 +170,54 @@ class OverlapControl:
             self._disable_overlap(f"another optimizer (a {who}) steps parameters of these chunks")
 
     def on_grad_identity(self, keys: set) -> None:
-        """Gradients of these were multiplied by exactly one (clipping under ``max_norm``)."""
+        """Gradients of these were multiplied by exactly one (clipping under ``max_norm``): their
+        versions moved, their values did not (:meth:`take_back_rewritten`)."""
         self._overlap.identity_write()
+        for st in self.states.values():
+            rec = st.provisional
+            if rec is not None:
+                rec.grad_versions.update(grad_versions(st.store, rec.grad_versions, keys))
+
+    def take_back_rewritten(self, st) -> None:
+        """Before ``opt.step()`` commits a provisional step: a gradient it read that eager code
+        replaced (``p.grad = None``, ``p.grad = p.grad * 0.5``) takes it back, as a write through
+        the view does (:meth:`on_grad_write`; the host gradient it inverts with is still there).
+        Writes through the view, an alias of it (``detach()``, ``.data``, a slice: took it back
+        when made) or ``out=`` are seen as they come; one that moved the view's version counter
+        unseen could not be taken back exactly: an error."""
+        store, rec = st.store, st.provisional
+        now = grad_versions(store, rec.grad_versions)
+        replaced = {
+            (store.id, i)
+            for i in rec.grad_versions
+            if (p := store.param(i)) is not None and p.grad is not store._grad_alias.get(i)
+        }
+        if replaced:
+            self.on_grad_write(replaced)
+            return
+        for i, version in rec.grad_versions.items():
+            if now.get(i) != version:
+                from protrain_fx.errors import ProtrainError
+
+                raise ProtrainError(
+                    f"protrain: the gradient of {store.entries[i].fqn!r} (offloaded) was written "
+                    "between backward() and opt.step() in a way protrain did not see, after its "
+                    "chunk had stepped inside backward; write gradients through `p.grad` or a "
+                    "view of it made after backward()"
+                )
+
+
+def grad_versions(store: ChunkStore, entries, keys=None) -> dict:
+    """Entry -> the version counter of its gradient view (``param.grad`` of an aliased store), for
+    those of ``entries`` (and, given, among the (store id, entry) ``keys``)."""
+    if not store.aliased:
+        return {}
+    return {
+        i: view._version
+        for i in entries
+        if (keys is None or (store.id, i) in keys)
+        and (view := store._grad_plain.get(i)) is not None
+    }
 
 
 def install() -> None:
