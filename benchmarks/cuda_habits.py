@@ -6,9 +6,10 @@ copies).
 
 Each case trains a copy of one model eagerly and one through backend="protrain" (Inductor, offloaded
 chunks and a swapped block) with the same habit (a clip, a weight read and written between steps,
-two forwards, an exception in backward, the learning rate set between backward and step, last
-step's gradients kept across zero_grad, two backwards through one graph, the optimizer replaced or
-its state cleared mid-run), and reports the largest loss and parameter differences. Then, clipping
+two forwards, an exception in backward, gradients edited by hand, the learning rate set between
+backward and step, last step's gradients kept across zero_grad, two backwards through one graph,
+the optimizer replaced or its state cleared mid-run), and reports the largest loss and parameter
+differences. Then, clipping
 every step, the 2-norms of offloaded gradients that backward computed and ``clip_grad_norm_`` is
 served (protrain_fx/runtime/grad_scale.py), against the norm of each gradient's view read over the
 link: how many equal bit for bit.
@@ -174,6 +175,26 @@ def two_losses_retained(m, call, opt, data, i):
     return [loss.item(), aux.item()]
 
 
+def grads_edited(m, call, opt, data, i):
+    """Gradients changed by hand between backward and step, past ``p.grad`` itself: one block's
+    set to None (not stepped), one's halved through ``.data``, a row of one's doubled through a
+    slice, the head's scaled with ``out=``."""
+
+    def edit(m, opt):
+        with torch.no_grad():
+            for p in m.blocks[0].parameters():
+                p.grad = None
+            for p in m.blocks[1].parameters():
+                p.grad.data.mul_(0.5)
+            for p in m.blocks[2].parameters():
+                p.grad[:1].mul_(2.0)
+            for p in m.blocks[3].parameters():
+                torch.mul(p.grad, 0.9, out=p.grad)
+        return []
+
+    return step(m, call, opt, data, i, edit)
+
+
 CASES = {
     "plain": plain,
     "clip": clip,
@@ -185,6 +206,7 @@ CASES = {
     "lr_between_backward_and_step": hyper_between,
     "kept_across_zero_grad": kept,
     "two_losses_retained": two_losses_retained,
+    "grads_edited": grads_edited,
 }
 
 
