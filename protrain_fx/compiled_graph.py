@@ -310,7 +310,7 @@ class ProtrainGraph:
             try:
                 self._redoing = True
                 with step_redo.handing_over(call.handed_over):
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    step_redo.run_backward(call, pairs)
                 return
             except torch.OutOfMemoryError as e:
                 if self.replans >= self.MAX_REPLANS or isinstance(e, StepOutOfMemory):

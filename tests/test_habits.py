@@ -795,13 +795,18 @@ def two_losses_retained(call, module, opts, data):
     return losses
 
 
-@pytest.mark.parametrize("policy", [dict(n_swap=2), dict(n_checkpoint=4)])
+@pytest.mark.parametrize("policy", [dict(n_swap=2), dict(n_checkpoint=4), "automatic"])
 def test_19_4_two_backwards_through_one_retained_graph_offloaded(policy):
     """Before: aot_autograd's donated-buffers RuntimeError at the first backward (protrain compiles
-    the backward with the forward; torch.compile's own lazy compile sees ``retain_graph``)."""
+    the backward with the forward; torch.compile's own lazy compile sees ``retain_graph``); under
+    an automatic plan (a redoable call, step_redo.py) a ProtrainError refused the second one."""
     base = hf_llama()
-    p = parity(base, offload(base, **policy), habit=two_losses_retained, data=hf_data(3))
-    assert set(placements(p.compiled)) == {"host"}
+    if policy == "automatic":
+        options = {"compiler": "eager", "memory_budget": 3_000_000}
+    else:
+        options = offload(base, **policy)
+    p = parity(base, options, habit=two_losses_retained, data=hf_data(3))
+    assert "host" in placements(p.compiled)
     p.check()
 
 

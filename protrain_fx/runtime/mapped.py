@@ -141,7 +141,8 @@ class HostGrad(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if held and HostGrad.on_alias is not None:
-            _note_aliases(out, held)
+            # an attribute (torch's own ``._base`` while it fakes a tensor) is no alias to write
+            _note_aliases(out, held, getattr(func, "__name__", "") != "__get__")
         return out
 
 
@@ -175,8 +176,9 @@ def _copy_into(g, t) -> None:
     g.copy_(t)
 
 
-def _note_aliases(out, held) -> None:
-    """Tell of each HostGrad among ``held`` whose memory a plain tensor of ``out`` shares."""
+def _note_aliases(out, held, writable: bool) -> None:
+    """Tell of each HostGrad among ``held`` whose memory a plain tensor of ``out`` shares (and,
+    ``writable``, that eager code may write it through that tensor)."""
     tensors = [t for t in tree_flatten(out)[0] if type(t) is torch.Tensor]
     if not tensors:
         return
@@ -187,7 +189,7 @@ def _note_aliases(out, held) -> None:
         if g is not None:
             HostGrad.on_alias(g, t)
     shared = [g for g in shared if g is not None]
-    if shared and HostGrad.on_write is not None:  # its writes would come unseen: as one now
+    if writable and shared and HostGrad.on_write is not None:  # writes would come unseen
         HostGrad.on_write(shared)
 
 

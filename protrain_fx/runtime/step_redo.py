@@ -136,18 +136,36 @@ class RedoableCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        call, ctx.call = ctx.call, None
-        if call is None:
+        # a backward that keeps the graph (retain_graph=True) keeps the call's for the next one,
+        # which hands over its gradients anew
+        call = ctx.call
+        if call is None:  # the graph went with the last backward, as eager's would
             raise ProtrainError(
-                "protrain: a second backward through the same call of a compiled graph "
-                "(retain_graph=True) is not supported under an automatic plan; run the forward "
-                "again"
+                "protrain: trying to backward through the graph a second time (its saved values "
+                "were freed by the last backward): pass retain_graph=True to the first one"
             )
+        call.retain = keep_graph()
+        if not call.retain:
+            ctx.call = None
+        call.handed_over = set()
         try:
             ctx.graph._backward(call, grads)
         finally:
-            call.outputs = None
+            if not call.retain:
+                call.outputs = None
         return (None,) * (1 + len(call.args))
+
+
+def keep_graph() -> bool:
+    """Whether the backward running now keeps its graph (``retain_graph=True``)."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+def run_backward(call: CallRecord, pairs) -> None:
+    """The compiled call's own backward from ``pairs`` (gradient handle, gradient), its graph kept
+    for another where the caller's backward keeps its own."""
+    retain = getattr(call, "retain", False)
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=retain)
 
 
 def handles(outputs) -> list:
