@@ -1070,6 +1070,47 @@ def test_gradients_changed_between_backward_and_step_offloaded(edit):
     p.check()
 
 
+def nonfinite_batch(then_step: bool, factor: float):
+    """The third batch's loss is made non-finite (a bad batch, an overflow) and back-propagated;
+    the loop then skips the step (``zero_grad()``, as guards on the loss or the gradient norm do)
+    or steps anyway (eager's parameters turn NaN); training goes on."""
+
+    def habit(call, module, opts, data):
+        losses = []
+        for k, (x, y) in enumerate(data):
+            loss = hf_loss(call, x, y)
+            if k == 2:
+                loss = loss * factor
+            loss.backward()
+            if k != 2 or then_step:
+                opts[0].step()
+            opts[0].zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    return habit
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_nonfinite_loss_back_propagated_then_skipped_offloaded(factor):
+    """Before: the chunks' in-backward steps with NaN gradients could not be taken back: every
+    offloaded parameter NaN after the skipped step, every later loss NaN."""
+    base = hf_llama()
+    data = hf_data(5)
+    p = parity(base, offload(base), habit=nonfinite_batch(False, factor), data=data)
+    assert set(placements(p.compiled)) == {"host"}
+    p.trace, p.ref_trace = p.trace[:2] + p.trace[3:], p.ref_trace[:2] + p.ref_trace[3:]
+    p.check()
+
+
+def test_a_nan_loss_stepped_anyway_turns_parameters_nan_as_in_eager():
+    base = hf_llama()
+    p = parity(base, offload(base), habit=nonfinite_batch(True, float("nan")), data=hf_data(4))
+    for (name, a), b in zip(p.mine.named_parameters(), p.ref.parameters()):
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), name
+    assert all(torch.isnan(a).all() for a in p.ref.parameters())
+
+
 # -------------------------------------------------------------- 20.3 hyperparameters and step
 # variants
 def change_hyperparameters(opt, i):

@@ -61,6 +61,26 @@ _SOURCE = r"""
       if (OUT) out[i] = to_bf16(pi);                                      \
     }
 
+/* Guarded (a step taken inside backward, which may have to be taken back): a block of BLOCK
+   elements with a gradient that is not finite, or so large its square overflows, is left as it was
+   and counted (the inverse below skips the same blocks), instead of turning the block's state into
+   NaN that no inverse can undo. */
+#define BLOCK 16384
+#define UNSAFE(x) (!(fabs((double)(x)) <= 1.0e18))
+#define ADAM_GUARDED(L2, OUT)                                             \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(+:skipped)") \
+    for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {                           \
+      int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n;                       \
+      int bad = 0;                                                        \
+      for (int64_t i = b0; i < b1; i++) bad |= UNSAFE(g[i]);              \
+      if (bad) { skipped++; continue; }                                   \
+      _Pragma("omp simd")                                                 \
+      for (int64_t i = b0; i < b1; i++) {                                 \
+        ADAM_BODY(L2)                                                     \
+        if (OUT) out[i] = to_bf16(pi);                                    \
+      }                                                                   \
+    }
+
 static inline uint16_t to_bf16(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
@@ -69,16 +89,25 @@ static inline uint16_t to_bf16(float f) {
   return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
 }
 
-void protrain_adam_bf16(float* restrict p, const float* restrict g, float* restrict m, float*
+int64_t protrain_adam_bf16(float* restrict p, const float* restrict g, float* restrict m, float*
 restrict v,
                         uint16_t* restrict out, int64_t n, float grad_scale, float grad_sign,
                         float decay_factor,
                         float l2, float exp_avg_coef, float beta2, float exp_avg_sq_coef, float
-                        neg_step_size, float bc2_sqrt, float eps, int nthreads) {
+                        neg_step_size, float bc2_sqrt, float eps, int nthreads, int guard) {
+  int64_t skipped = 0;
+  if (guard) {
+    if (out && l2 != 0.0f) { ADAM_GUARDED(1, 1) }
+    else if (out)          { ADAM_GUARDED(0, 1) }
+    else if (l2 != 0.0f)   { ADAM_GUARDED(1, 0) }
+    else                   { ADAM_GUARDED(0, 0) }
+    return skipped;
+  }
   if (out && l2 != 0.0f) { ADAM_LOOP(1, 1) }
   else if (out)          { ADAM_LOOP(0, 1) }
   else if (l2 != 0.0f)   { ADAM_LOOP(1, 0) }
   else                   { ADAM_LOOP(0, 0) }
+  return skipped;
 }
 
 /* The step above taken back, in double (hybrid_optim's take-back of a provisional step): the same
@@ -89,8 +118,13 @@ void protrain_adam_inverse(float* restrict p, const float* restrict g, float* re
                            double bc2_sqrt, double eps, double decay_divisor, double l2,
                            double one_minus_beta1, double beta1, double one_minus_beta2,
                            double beta2, int nthreads) {
-  _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 16384)")
-  for (int64_t i = 0; i < n; i++) {
+  _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")
+  for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
+   int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n;
+   int bad = 0;
+   for (int64_t i = b0; i < b1; i++) bad |= UNSAFE(g[i]);
+   if (bad) continue;  /* a block the guarded step left as it was */
+   for (int64_t i = b0; i < b1; i++) {
     double p1 = p[i], m1 = m[i], v1 = v[i], gr = (double)g[i] * grad_sign;
     double update = step_scale * m1 / (sqrt(v1) / bc2_sqrt + eps);
     double p0 = p1 + update;
@@ -101,6 +135,7 @@ void protrain_adam_inverse(float* restrict p, const float* restrict g, float* re
     p[i] = (float)p0;
     m[i] = (float)m0;
     v[i] = (float)(v0 < 0.0 ? 0.0 : v0);
+   }
   }
 }
 
@@ -167,8 +202,10 @@ def _build() -> ctypes.CDLL:
             os.replace(path + f".{os.getpid()}.tmp", path)
     lib = ctypes.CDLL(path)
     fn = lib.protrain_adam_bf16
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 10 + [ctypes.c_int]
+    fn.restype = ctypes.c_int64
+    fn.argtypes = (
+        [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 10 + [ctypes.c_int] * 2
+    )
     inverse_fn = lib.protrain_adam_inverse
     inverse_fn.restype = None
     inverse_fn.argtypes = (
@@ -237,11 +274,13 @@ def adam_step(
     decoupled: bool,
     maximize: bool,
     grad_scale: float = 1.0,
-) -> None:
+    guard: bool = False,
+) -> int:
     """One Adam/AdamW step (``step`` is the count after this step, as torch increments before use)
     on flat, contiguous fp32 CPU tensors, writing ``out_bf16`` (same length, bfloat16) when given.
     ``grad_scale``: the gradient is multiplied by it (in float32, rounded once, as ``grad.mul_``
-    would) as it is read; ``grad`` itself is not written."""
+    would) as it is read; ``grad`` itself is not written. ``guard``: blocks whose gradient is not
+    finite (or above 1e18) are left as they were; returns how many (see the source)."""
     tensors = (param, grad, exp_avg, exp_avg_sq)
     n = param.numel()
     _check_flat("adam_step", tensors, n)
@@ -251,7 +290,7 @@ def adam_step(
         raise ValueError("out_bf16 must be a contiguous bfloat16 tensor of the parameter's length")
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    _lib.protrain_adam_bf16(
+    return _lib.protrain_adam_bf16(
         param.data_ptr(),
         grad.data_ptr(),
         exp_avg.data_ptr(),
@@ -269,6 +308,7 @@ def adam_step(
         bias_correction2**0.5,
         eps,
         torch.get_num_threads(),
+        int(guard),
     )
 
 

@@ -79,6 +79,7 @@ class ChunkOptState:
     per_backward: int | None = None
     in_backward: int = 0
     moments_pinned: bool = False  # by _pin_moments (pageable until a device step needs them)
+    skipped: bool = False  # the guarded kernel left blocks of a non-finite gradient (_step_chunk)
     provisional: Provisional | None = None
     # offloaded in the middle of a cycle, its gradient so far folded in (runtime/replacement.py):
     # the arrivals of this cycle are not a cycle's, so opt.step() learns nothing from them
@@ -90,13 +91,17 @@ class ChunkAdam:
     them): it provides ``timers`` and the step-count bookkeeping ``_set_step`` / ``_clear_step``
     (protrain_fx/runtime/optim_state.py)."""
 
-    def _step_chunk(self, st: ChunkOptState, entries: list[int], groups: dict[int, dict]) -> bool:
+    def _step_chunk(
+        self, st: ChunkOptState, entries: list[int], groups: dict[int, dict], guard: bool = False
+    ) -> bool | None:
         """Adam on the chunk's master copy for ``entries`` (store entries with a gradient), with the
         hyperparameters ``groups``. When every parameter of the chunk is in one param group, has a
         gradient and has taken the same number of steps (the usual case), one call runs over the
         whole flat chunk (padding included, which nothing reads), with cpu_adam's one-pass kernel
         where it applies. Otherwise one call per param group over the parameters. Returns whether it
-        was the whole-chunk call."""
+        was the whole-chunk call. ``guard`` (a provisional step): a gradient that is not finite
+        (a NaN loss's) leaves the chunk as it was and returns None; Adam's NaN state could not be
+        taken back if the loop then skips the step, as eager loops do (:func:`_nonfinite`)."""
         store = st.store
         store.wait_copies(st.chunk)  # a prefetch may still be reading the values stepped here
         master, grad = store.master[st.chunk], store.grad[st.chunk]
@@ -110,6 +115,8 @@ class ChunkAdam:
             and len(step_counts) == 1
             and master.dtype == torch.float32
         )
+        if guard and _nonfinite(self, st, whole, groups):
+            return None
         if whole:
             ((gi, idxs),) = by_group.items()
             step = torch.tensor(step_counts.pop(), dtype=torch.float32)
@@ -123,7 +130,9 @@ class ChunkAdam:
                 store.settle_grad_scale(store.chunk_entry_indices(st.chunk))
                 scale = 1.0
             # both write the transfer copy themselves
-            if not (self._device_step(st, step, g) or self._one_pass_step(st, step, g, scale)):
+            if not (
+                self._device_step(st, step, g) or self._one_pass_step(st, step, g, scale, guard)
+            ):
                 vmax = [st.max_exp_avg_sq] if st.max_exp_avg_sq is not None else []
                 _adam(
                     g,
@@ -138,6 +147,11 @@ class ChunkAdam:
                 store.refresh_transfer(st.chunk)
             else:
                 store.invalidate(st.chunk)
+            if st.skipped:  # the kernel left blocks of a NaN gradient as they were: back, all
+                st.skipped = False
+                _adam_inverse(g, float(step), master, grad, st.exp_avg, st.exp_avg_sq)
+                store.refresh_transfer(st.chunk)
+                return None
             for i in idxs:  # every parameter took this step
                 self._set_step(st, i, float(step))
             self.timers.whole_chunk_steps += 1
@@ -235,7 +249,9 @@ class ChunkAdam:
             or _impl(store, g) != "fused"
         )
 
-    def _one_pass_step(self, st: ChunkOptState, step: torch.Tensor, g: dict, scale: float) -> bool:
+    def _one_pass_step(
+        self, st: ChunkOptState, step: torch.Tensor, g: dict, scale: float, guard: bool = False
+    ) -> bool:
         """The whole-chunk step with protrain_fx/machine/cpu_adam.py's kernel, which also writes the
         bf16 transfer copy (one pass over the chunk instead of two) and multiplies the gradients by
         ``scale`` as it reads them (a pending clip, runtime/grad_scale.py); it advances ``step``.
@@ -247,7 +263,7 @@ class ChunkAdam:
         step += 1  # torch counts the step before using it
         beta1, beta2 = g["betas"]
         t0 = time.perf_counter()
-        cpu_adam.adam_step(
+        st.skipped = 0 < cpu_adam.adam_step(
             master,
             store.grad[st.chunk],
             st.exp_avg,
@@ -262,6 +278,7 @@ class ChunkAdam:
             decoupled=g["decoupled_weight_decay"],
             maximize=g["maximize"],
             grad_scale=scale,
+            guard=guard,
         )
         self.timers.kernel_s += time.perf_counter() - t0
         self.timers.kernel_params += master.numel()
@@ -273,6 +290,8 @@ class ChunkAdam:
         ``bookkeeping``: also put the step counts back (not once the optimizer is gone)."""
         WORKER.wait_chunk((st.store.id, st.chunk))
         rec, st.provisional = st.provisional, None
+        if rec is None:  # the step met a NaN gradient and was never taken
+            return
         store = st.store
         store.wait_copies(st.chunk)
         master, grad = store.master[st.chunk], store.grad[st.chunk]
@@ -362,6 +381,16 @@ def _adam(g: dict, params, grads, m, v, vmax, steps, *, impl: str) -> None:
     if on_device:
         for s, c in zip(steps, counts):
             s.copy_(c)
+
+
+def _nonfinite(opt, st: ChunkOptState, whole: bool, groups) -> bool:
+    """Whether a provisional step must not be taken (its gradient is not finite), checked before
+    it (a pass over the gradient) where the one-pass kernel, which checks as it reads, will not
+    run the step."""
+    kernel = whole and opt._one_pass_applies(st, next(iter(groups.values())))
+    if kernel and st.chunk not in st.store.device_step_chunks:
+        return False
+    return not bool(torch.isfinite(st.store.grad[st.chunk]).all())
 
 
 def _adam_inverse(

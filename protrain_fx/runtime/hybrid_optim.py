@@ -338,7 +338,10 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
     def _provisional_step(self, st: ChunkOptState, rec: Provisional) -> None:
         t, t0 = self.timers, time.perf_counter()
         on_device = t.device_step_params
-        rec.whole = self._step_chunk(st, rec.entries, rec.groups)
+        rec.whole = self._step_chunk(st, rec.entries, rec.groups, guard=True)
+        if rec.whole is None:  # a NaN gradient: steps at opt.step(), if the loop does not skip
+            st.provisional = None
+            return
         rec.param_versions = {i: st.store.param_version(i) for i in rec.entries}
         dt = time.perf_counter() - t0
         t.worker_step_s += dt
