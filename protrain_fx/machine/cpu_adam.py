@@ -61,24 +61,28 @@ _SOURCE = r"""
       if (OUT) out[i] = to_bf16(pi);                                      \
     }
 
-/* Guarded (a step taken inside backward, which may have to be taken back): a block of BLOCK
-   elements with a gradient that is not finite, or so large its square overflows, is left as it was
-   and counted (the inverse below skips the same blocks), instead of turning the block's state into
-   NaN that no inverse can undo. */
-#define BLOCK 16384
-#define UNSAFE(x) (!(fabs((double)(x)) <= 1.0e18))
+/* Guarded (a step taken inside backward, which may have to be taken back): an element whose
+   gradient is not finite, or so large its square overflows, is left as it was and counted (the
+   inverse below skips the same elements), instead of turning into NaN that no inverse can undo. */
+#define UNSAFE(x) (!(fabsf(x) <= 1.0e18f))
 #define ADAM_GUARDED(L2, OUT)                                             \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(+:skipped)") \
-    for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {                           \
-      int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n;                       \
-      int bad = 0;                                                        \
-      for (int64_t i = b0; i < b1; i++) bad |= UNSAFE(g[i]);              \
-      if (bad) { skipped++; continue; }                                   \
-      _Pragma("omp simd")                                                 \
-      for (int64_t i = b0; i < b1; i++) {                                 \
-        ADAM_BODY(L2)                                                     \
-        if (OUT) out[i] = to_bf16(pi);                                    \
-      }                                                                   \
+_Pragma("omp parallel for simd num_threads(nthreads) schedule(dynamic,16384) reduction(+:nbad)") \
+    for (int64_t i = 0; i < n; i++) {                                     \
+      float g0 = g[i], p0 = p[i], m0 = m[i], v0 = v[i];                   \
+      float gi = g0 * grad_scale * grad_sign;                             \
+      float pi = p0 * decay_factor;                                       \
+      if (L2) gi = gi + pi * l2;                                          \
+      float mi = fmaf(exp_avg_coef, gi - m0, m0);                         \
+      float vi = v0 * beta2 + (exp_avg_sq_coef * gi) * gi;                \
+      float denom = sqrtf(vi) / bc2_sqrt + eps;                           \
+      pi = pi + neg_step_size * mi / denom;                               \
+      int bad = UNSAFE(g0);                                               \
+      pi = bad ? p0 : pi;                                                 \
+      m[i] = bad ? m0 : mi;                                               \
+      v[i] = bad ? v0 : vi;                                               \
+      p[i] = pi;                                                          \
+      nbad += bad;                                                        \
+      if (OUT) out[i] = to_bf16(pi);                                      \
     }
 
 static inline uint16_t to_bf16(float f) {
@@ -95,19 +99,19 @@ restrict v,
                         float decay_factor,
                         float l2, float exp_avg_coef, float beta2, float exp_avg_sq_coef, float
                         neg_step_size, float bc2_sqrt, float eps, int nthreads, int guard) {
-  int64_t skipped = 0;
+  int64_t nbad = 0;
   if (guard) {
     if (out && l2 != 0.0f) { ADAM_GUARDED(1, 1) }
     else if (out)          { ADAM_GUARDED(0, 1) }
     else if (l2 != 0.0f)   { ADAM_GUARDED(1, 0) }
     else                   { ADAM_GUARDED(0, 0) }
-    return skipped;
+    return nbad;
   }
   if (out && l2 != 0.0f) { ADAM_LOOP(1, 1) }
   else if (out)          { ADAM_LOOP(0, 1) }
   else if (l2 != 0.0f)   { ADAM_LOOP(1, 0) }
   else                   { ADAM_LOOP(0, 0) }
-  return skipped;
+  return nbad;
 }
 
 /* The step above taken back, in double (hybrid_optim's take-back of a provisional step): the same
@@ -118,13 +122,9 @@ void protrain_adam_inverse(float* restrict p, const float* restrict g, float* re
                            double bc2_sqrt, double eps, double decay_divisor, double l2,
                            double one_minus_beta1, double beta1, double one_minus_beta2,
                            double beta2, int nthreads) {
-  _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")
-  for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
-   int64_t b1 = b0 + BLOCK < n ? b0 + BLOCK : n;
-   int bad = 0;
-   for (int64_t i = b0; i < b1; i++) bad |= UNSAFE(g[i]);
-   if (bad) continue;  /* a block the guarded step left as it was */
-   for (int64_t i = b0; i < b1; i++) {
+  _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 16384)")
+  for (int64_t i = 0; i < n; i++) {
+    if (UNSAFE(g[i])) continue;  /* left as it was by the guarded step */
     double p1 = p[i], m1 = m[i], v1 = v[i], gr = (double)g[i] * grad_sign;
     double update = step_scale * m1 / (sqrt(v1) / bc2_sqrt + eps);
     double p0 = p1 + update;
@@ -135,7 +135,6 @@ void protrain_adam_inverse(float* restrict p, const float* restrict g, float* re
     p[i] = (float)p0;
     m[i] = (float)m0;
     v[i] = (float)(v0 < 0.0 ? 0.0 : v0);
-   }
   }
 }
 
@@ -279,7 +278,7 @@ def adam_step(
     """One Adam/AdamW step (``step`` is the count after this step, as torch increments before use)
     on flat, contiguous fp32 CPU tensors, writing ``out_bf16`` (same length, bfloat16) when given.
     ``grad_scale``: the gradient is multiplied by it (in float32, rounded once, as ``grad.mul_``
-    would) as it is read; ``grad`` itself is not written. ``guard``: blocks whose gradient is not
+    would) as it is read; ``grad`` itself is not written. ``guard``: elements whose gradient is not
     finite (or above 1e18) are left as they were; returns how many (see the source)."""
     tensors = (param, grad, exp_avg, exp_avg_sq)
     n = param.numel()

@@ -79,7 +79,7 @@ class ChunkOptState:
     per_backward: int | None = None
     in_backward: int = 0
     moments_pinned: bool = False  # by _pin_moments (pageable until a device step needs them)
-    skipped: bool = False  # the guarded kernel left blocks of a non-finite gradient (_step_chunk)
+    skipped: bool = False  # the guarded kernel left elements of a non-finite gradient (_step_chunk)
     provisional: Provisional | None = None
     # offloaded in the middle of a cycle, its gradient so far folded in (runtime/replacement.py):
     # the arrivals of this cycle are not a cycle's, so opt.step() learns nothing from them
@@ -147,7 +147,7 @@ class ChunkAdam:
                 store.refresh_transfer(st.chunk)
             else:
                 store.invalidate(st.chunk)
-            if st.skipped:  # the kernel left blocks of a NaN gradient as they were: back, all
+            if st.skipped:  # the kernel left elements of a NaN gradient as they were: back, all
                 st.skipped = False
                 _adam_inverse(g, float(step), master, grad, st.exp_avg, st.exp_avg_sq)
                 store.refresh_transfer(st.chunk)
