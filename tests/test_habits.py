@@ -1111,6 +1111,38 @@ def test_a_nan_loss_stepped_anyway_turns_parameters_nan_as_in_eager():
     assert all(torch.isnan(a).all() for a in p.ref.parameters())
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_after_steps_trains_on_as_eager():
+    """Before: the child's first backward waited forever for the parent's host worker thread (a
+    forked child has none)."""
+    base = hf_llama()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt, opt = adamw(ref.parameters()), adamw(mine.parameters())
+    compiled = torch.compile(mine, backend="protrain", options=offload(mine))
+    data = hf_data(3)
+    steps_with(ref, [ref_opt], data[:2], hf_loss)
+    steps_with(compiled, [opt], data[:2], hf_loss)
+    expected = steps_with(ref, [ref_opt], data[2:], hf_loss)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one more step, its loss through the pipe
+        import faulthandler
+
+        faulthandler.dump_traceback_later(120, exit=True)
+        torch.set_num_threads(1)  # as DataLoader's workers: the parent's OpenMP team is not here
+        try:
+            os.write(write, repr(steps_with(compiled, [opt], data[2:], hf_loss)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.time() + 180
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        assert time.time() < deadline, "the forked child hangs"
+        time.sleep(0.2)
+    got = eval(os.read(read, 4096).decode() or "None")
+    assert got is not None and rel_err(got, expected) <= LOSS_REL, (got, expected)
+
+
 # -------------------------------------------------------------- 20.3 hyperparameters and step
 # variants
 def change_hyperparameters(opt, i):

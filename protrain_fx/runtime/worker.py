@@ -7,11 +7,13 @@ Tasks are tagged with the chunk they touch; :meth:`Worker.wait_chunk` waits for 
 queued on the compute device (an Adam step run there, runtime/device_steps.py): it registers the
 event that ends it (:meth:`Worker.pending`), and both waits synchronize with it too, so the worker
 goes on to the next chunk while the device and the copies work. The thread exists while some chunk
-store uses it and stops when the last one is gone, so a deleted model leaves no thread behind.
+store uses it and stops when the last one is gone, so a deleted model leaves no thread behind; a
+forked child starts its own.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -89,6 +91,14 @@ class Worker:
     def busy(self) -> bool:
         return any(not f.done() for f in list(self._futures))
 
+    def after_fork(self) -> None:
+        """In a child forked from a process whose thread existed (a DataLoader worker, a
+        ``multiprocessing`` fork): that thread is not there, so what it had queued is dropped and a
+        thread of the child's own starts at its first task (before, the child's first backward
+        waited for the parent's thread forever)."""
+        self._executor, self._lock = None, threading.Lock()
+        self._futures, self._last, self._events = deque(), {}, {}
+
     def shutdown(self) -> None:
         ex, self._executor = self._executor, None
         if ex is not None:  # never wait for itself (a store collected on the worker thread)
@@ -99,3 +109,5 @@ class Worker:
 
 
 WORKER = Worker()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=WORKER.after_fork)
