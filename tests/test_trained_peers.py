@@ -107,3 +107,27 @@ def test_twins_of_one_shape_get_a_graph_each(shared_cpu, caplog):
         assert protrain_fx.testing.stores_of(mine[k]), k
         for (name, p), q in zip(mine[k].named_parameters(), refs[k].parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-5, msg=name)
+
+
+def test_models_made_trained_and_deleted_in_turn_leave_no_graph_behind(shared_cpu):
+    """A sweep's loop (a model of one configuration built, compiled, trained two steps and deleted,
+    again and again): dynamo routes each new model through the first one's graph, which compiles a
+    graph for it. Before, those graphs stayed when their models were freed (4 MiB of process
+    memory a model); now the graph's entry goes with its model's parameters."""
+    from protrain_fx.compiled_graph import ProtrainGraph
+
+    def live_graphs():
+        gc.collect()
+        return [g for g in gc.get_objects() if isinstance(g, ProtrainGraph)]
+
+    seen = []
+    for seed in range(5):
+        model = hf_llama(seed=seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        compiled = torch.compile(model, backend="protrain", options={"compiler": "eager"})
+        for x in data(2):
+            step(compiled, opt, x)
+        del model, opt, compiled
+        graphs = live_graphs()
+        seen.append((len(graphs), sum(len(getattr(g, "instances", {})) for g in graphs)))
+    assert seen[-1] == seen[1] and seen[-1][1] == 0, seen
