@@ -304,12 +304,22 @@ class ChunkAdam:
                 if store.host_slices(i) is not None
             ]
         )
+        # parameters the loop wrote since (a checkpoint loaded to roll back, a re-initialization)
+        # keep what it wrote: only their moments are taken back
+        written = [
+            (sl, master[sl].clone())
+            for i in rec.entries
+            if store.written_since(i, rec.param_versions.get(i, -1))
+            and (sl := (store.host_slices(i) or (None,))[0]) is not None
+        ]
         for lo, hi, idxs in spans:
             g = rec.groups[st.group_of[idxs[0]]]
             t = rec.steps_before[idxs[0]] + 1
             for a in range(lo, hi, _UNDO_PIECE):
                 b = min(hi, a + _UNDO_PIECE)
                 _adam_inverse(g, t, master[a:b], grad[a:b], st.exp_avg[a:b], st.exp_avg_sq[a:b])
+        for sl, values in written:
+            master[sl].copy_(values)
         for i in rec.entries if bookkeeping else ():
             before = rec.steps_before[i]
             if before == 0:
