@@ -81,6 +81,7 @@ class CallRecord:
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.outputs = None
         self.handed_over: set = set()
+        self.retain = False  # the backward running keeps the graph (retain_graph=True)
 
     @contextlib.contextmanager
     def ambient(self):
@@ -164,8 +165,7 @@ def keep_graph() -> bool:
 def run_backward(call: CallRecord, pairs) -> None:
     """The compiled call's own backward from ``pairs`` (gradient handle, gradient), its graph kept
     for another where the caller's backward keeps its own."""
-    retain = getattr(call, "retain", False)
-    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=retain)
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=call.retain)
 
 
 def handles(outputs) -> list:
