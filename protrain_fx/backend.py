@@ -61,7 +61,7 @@ from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
 from protrain_fx.profiling import loop_memory, static
 from protrain_fx.report.dump import GraphDump
-from protrain_fx.runtime import distributed, loss_ops, ops, replacement, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
+from protrain_fx.runtime import distributed, loss_ops, ops, replacement, step_redo, strided_params  # noqa: F401  (ops: registers the protrain:: custom ops)
 from protrain_fx.runtime.binding import on_error, refuse_converted, runtime_guard
 from protrain_fx.runtime.optimizer_lookup import find_optimizer
 from protrain_fx.runtime.param_values import placement_snapshot
@@ -305,14 +305,14 @@ def protrain_backend(
     # protrain_fx.configure() and PROTRAIN_MEMORY_BUDGET under them
     merged = config.with_defaults(options)
     opts = Options.from_dict(merged)
-    for d in (options, merged):
-        # dynamo keeps the options dict: it must not keep the optimizer (and the model)
+    for d in (options, merged):  # dynamo keeps the options: not the optimizer (and the model)
         forget_optimizer(d)
     graph_inputs, params = capture_graph_inputs(gm, example_inputs)  # before dynamo drops grapharg
     live = [p for p in params if p is not None]
+    if strided := strided_params.non_contiguous(graph_inputs, params):  # as traced, this once
+        return strided_params.eager_once_then_contiguous(gm, strided)
     found_note = None
-    if opts.optimizer is None and torch.is_grad_enabled():
-        # the user's Adam/AdamW, when the options name none
+    if opts.optimizer is None and torch.is_grad_enabled():  # the user's Adam/AdamW, if not named
         found, found_note = find_optimizer(live)
         if found is not None:
             opts = dataclasses.replace(opts, optimizer=found)

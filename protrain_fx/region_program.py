@@ -360,8 +360,12 @@ def compile_program(
                 for k, t in enumerate(r.top_inputs)
             ]
             live = [p for p in params if p is not None]
+            # some of them placed by an earlier region (a tied head, a layer shared by two blocks):
+            # a code of its own, so the unplaced ones are not bound to another region's code
             placed = (
-                placement_signature(live) if any(chunk_store.store_of(p) for p in live) else None
+                placement_signature(live, unplaced=True)
+                if any(chunk_store.store_of(p) for p in live)
+                else None
             )
             grads = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in ex)
             key = (r.signature, grads, policy, n_local if placed is None else None, placed)

@@ -85,6 +85,14 @@ class ChunkOptState:
     # the arrivals of this cycle are not a cycle's, so opt.step() learns nothing from them
     partial: bool = False
 
+    def with_max_exp_avg_sq(self) -> torch.Tensor:
+        """AMSGrad's running maximum, made (zeros, as torch makes it for a parameter's first step)
+        where a param group turned amsgrad on after the chunk's state was made (a group added
+        with it, a loaded optimizer state that has it)."""
+        if self.max_exp_avg_sq is None:
+            self.max_exp_avg_sq = torch.zeros_like(self.exp_avg_sq)
+        return self.max_exp_avg_sq
+
 
 class ChunkAdam:
     """The chunk steps of :class:`protrain_fx.runtime.hybrid_optim.HybridOptimizer` (which inherits
@@ -108,6 +116,8 @@ class ChunkAdam:
         by_group: dict[int, list[int]] = {}
         for i in entries:
             by_group.setdefault(st.group_of[i], []).append(i)
+        if any(groups[gi]["amsgrad"] for gi in by_group):
+            st.with_max_exp_avg_sq()
         step_counts = {float(st.steps[i]) if i in st.steps else 0.0 for i in entries}
         whole = (
             len(by_group) == 1

@@ -38,8 +38,9 @@ class TorchStateView:
             with torch.no_grad():
                 st.exp_avg[sl].copy_(state["exp_avg"].reshape(-1)[flat])
                 st.exp_avg_sq[sl].copy_(state["exp_avg_sq"].reshape(-1)[flat])
-                if st.max_exp_avg_sq is not None and "max_exp_avg_sq" in state:
-                    st.max_exp_avg_sq[sl].copy_(state["max_exp_avg_sq"].reshape(-1)[flat])
+                if "max_exp_avg_sq" in state:
+                    vmax = st.with_max_exp_avg_sq()
+                    vmax[sl].copy_(state["max_exp_avg_sq"].reshape(-1)[flat])
         if "step" in state:
             self._set_step(st, i, float(state["step"]))
 
@@ -70,7 +71,11 @@ class TorchStateView:
         if p is None or not store.aliased:
             return
         entry = self.opt.state.get(p)
-        if entry is not None and entry.get("step") is st.steps[i]:
+        if (
+            entry is not None
+            and entry.get("step") is st.steps[i]
+            and ("max_exp_avg_sq" in entry) == (st.max_exp_avg_sq is not None)
+        ):
             return
         e = store.entries[i]
         view = {
