@@ -51,7 +51,7 @@ import torch
 from protrain_fx._weakmap import WeakBound, WeakOrRaise, weakly
 from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import step_rates
-from protrain_fx.runtime import clip, foreign_steps, overlap
+from protrain_fx.runtime import clip, foreign_steps, overlap, step_hooks
 from protrain_fx.runtime.chunk_adam import (
     ChunkAdam,
     ChunkOptState,
@@ -165,8 +165,9 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
         opt.step = WeakBound(step, opt)
         if lr_sched:  # an LR scheduler's counter stays visible to it
             opt.step._wrapped_by_lr_sched = True
-        opt.register_step_pre_hook(lambda o, args, kwargs: handle_of(o)._before_step())
-        opt.register_step_post_hook(lambda o, args, kwargs: handle_of(o)._after_step())
+        pre = opt.register_step_pre_hook(lambda o, args, kwargs: handle_of(o)._before_step())
+        post = opt.register_step_post_hook(lambda o, args, kwargs: handle_of(o)._after_step())
+        self.hook_ids = (pre.id, post.id)  # kept innermost (runtime/step_hooks.py)
         opt.register_state_dict_post_hook(lambda o, sd: handle_of(o)._state_dict_post(sd))
         opt.register_load_state_dict_pre_hook(lambda o, sd: handle_of(o)._load_state_dict_pre(sd))
         opt.register_load_state_dict_post_hook(lambda o: handle_of(o)._republish())
@@ -505,6 +506,7 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
 def _step(opt, prev_step, closure=None):
     """``opt.step`` with a closure: evaluate it first (its backward hands protrain the gradients),
     then step, as torch's Adam does."""
+    step_hooks.keep_innermost(opt, getattr(handle_of(opt), "hook_ids", None))
     if closure is None:
         return prev_step()
     with torch.enable_grad():
