@@ -169,13 +169,14 @@ def test_inverse_matches_the_float64_tensor_inverse(monkeypatch, decoupled, wd, 
     """The kernel's take-back of a step (hybrid_optim's provisional steps) gives the values
     chunk_adam's float64 tensor code gives, bit for bit, moments at the clamp included; and it
     takes a kernel step back close to where it started (not exactly: rounding loses bits that no
-    inverse recovers, most visibly in second moments near zero)."""
+    inverse recovers, most visibly in second moments near zero), moments that were zero exactly."""
     from protrain_fx.runtime import chunk_adam
 
     torch.manual_seed(0)
     n = 100_003
     p, m, v = torch.randn(n), torch.randn(n) * 1e-2, torch.rand(n) * 1e-4
     v[:100] = 0.0  # the clamp at zero
+    m[100:300], v[100:300] = 0.0, 0.0  # elements first stepped now: their moments come back 0
     g = torch.randn(n) * 1e-2
     group = dict(
         betas=(0.9, 0.95),
@@ -196,6 +197,8 @@ def test_inverse_matches_the_float64_tensor_inverse(monkeypatch, decoupled, wd, 
     for a, b, orig in zip(with_kernel, with_tensors, before):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, orig, rtol=1e-5, atol=1e-8)
+    # exactly: a rounding residue left there would grow into full updates at later steps
+    assert not with_kernel[1][100:300].any() and not with_kernel[2][100:300].any()
 
 
 def test_grad_scale_is_a_multiply_before_the_step():

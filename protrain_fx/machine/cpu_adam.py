@@ -114,6 +114,8 @@ restrict v,
   return nbad;
 }
 
+#define SNAP 4.76837158203125e-07 /* 2^-21: four float32 units in the last place */
+
 /* The step above taken back, in double (hybrid_optim's take-back of a provisional step): the same
    operations, in the same order, as chunk_adam._adam_inverse's float64 tensors, so the same values;
    the scalars come computed as Python computes them there. */
@@ -130,8 +132,13 @@ void protrain_adam_inverse(float* restrict p, const float* restrict g, float* re
     double p0 = p1 + update;
     if (decay_divisor != 1.0) p0 = p0 / decay_divisor;
     if (l2 != 0.0) gr = gr + l2 * p0;
-    double m0 = (m1 - one_minus_beta1 * gr) / beta1;
-    double v0 = (v1 - one_minus_beta2 * gr * gr) / beta2;
+    /* a moment that was 0 (an element first stepped now) comes back as the step's float32
+       rounding: within SNAP of the moment it is 0, as no later step may grow it into an update */
+    double gm = one_minus_beta1 * gr, gv = one_minus_beta2 * gr * gr;
+    double dm = m1 - gm, dv = v1 - gv;
+    double size = fabs((double)g[i]) + fabs(l2 * p0); /* of the terms of L2's gradient sum */
+    double m0 = fabs(dm) <= SNAP * fmax(fabs(m1), one_minus_beta1 * size) ? 0.0 : dm / beta1;
+    double v0 = fabs(dv) <= SNAP * fmax(v1, one_minus_beta2 * size * size) ? 0.0 : dv / beta2;
     p[i] = (float)p0;
     m[i] = (float)m0;
     v[i] = (float)(v0 < 0.0 ? 0.0 : v0);

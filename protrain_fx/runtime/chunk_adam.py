@@ -28,6 +28,7 @@ from protrain_fx.runtime.chunk_store import ChunkStore
 from protrain_fx.runtime.worker import WORKER
 
 HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+SNAP = 2.0**-21  # four float32 units in the last place (_adam_inverse)
 _UNDO_PIECE = 1 << 22  # elements the float64 inverse works on at a time
 
 
@@ -428,6 +429,7 @@ def _adam_inverse(
         cpu_adam.adam_inverse(p, grad, m, v, t, g)
         return
     p1, m1, v1, gr = p.double(), m.double(), v.double(), grad.double()
+    size = gr.abs()  # of the terms of L2's gradient sum (the rounding the moments saw)
     if g["maximize"]:
         gr = -gr
     bc1, bc2 = 1 - beta1**t, 1 - beta2**t
@@ -438,8 +440,16 @@ def _adam_inverse(
         p0 = p1 + update
         if wd != 0:
             gr = gr + wd * p0
-    m0 = (m1 - (1 - beta1) * gr) / beta1
-    v0 = ((v1 - (1 - beta2) * gr * gr) / beta2).clamp_(min=0)
+            size = size + (wd * p0).abs()
+    # a moment that was 0 (an element first stepped now) comes back as the float32 step's
+    # rounding: within SNAP of the moment it is 0 (cpu_adam's inverse does the same)
+    gm, gv = (1 - beta1) * gr, (1 - beta2) * gr * gr
+    dm, dv = m1 - gm, v1 - gv
+    m0 = torch.where(
+        dm.abs() <= SNAP * torch.maximum(m1.abs(), (1 - beta1) * size), 0.0, dm / beta1
+    )
+    floor_v = SNAP * torch.maximum(v1, (1 - beta2) * size * size)
+    v0 = torch.where(dv.abs() <= floor_v, 0.0, dv / beta2).clamp_(min=0)
     p.copy_(p0)
     m.copy_(m0)
     v.copy_(v0)
