@@ -253,6 +253,8 @@ def placement_snapshot(params) -> "callable":
                 p.data = value.detach().to(devices[id(p)], copy=True)
             p.grad = None
         for s in new_stores.values():
+            if s.optimizer is not None:  # its chunks' state goes with it (dynamo's restarts)
+                s.optimizer.remove_store(s)
             s.unregister()
             s.master, s.transfer, s.grad = {}, {}, {}
 
