@@ -94,10 +94,15 @@ class WeakOptimizer:
         return self._ref()
 
     def __getattr__(self, name):
+        if name.startswith("__") or name == "_ref":  # copy/pickle probes, an object made bare
+            raise AttributeError(name)
         opt = self._ref()
         if opt is None:
             raise AttributeError(f"the optimizer was freed ({name})")
         return getattr(opt, name)
+
+    def __deepcopy__(self, memo):  # a copied compiled model names the same optimizer
+        return self
 
     def __repr__(self) -> str:
         return f"WeakOptimizer({self._ref()!r})"
