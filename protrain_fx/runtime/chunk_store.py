@@ -196,6 +196,10 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
         self._grad_scale = PendingScales()  # entry -> a multiply pending (grad_scale.py)
         # entry -> the parameter's version when protrain last read it
         self._synced: dict[int, int] = {}
+        # entry -> the storage of the view protrain gave the parameter, and, after ``p.data = t``
+        # while a tensor sharing the old view was held, (that storage, its values) (chunk_transfers)
+        self._installed: dict[int, torch.UntypedStorage] = {}
+        self._held_aside: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}
         self._has_grad: set[int] = set()  # sharded stores: entries whose gradient is present
         self._params = [weakref.ref(p) for p in params_in_order]
         try:
@@ -299,7 +303,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
                 if self.aliased:
                     e = self.entries[i]
                     p.data = mapped.device_view(master, e.offset, e.shape, self.device)
-                    self._synced[i] = p._version
+                    self._synced[i], self._installed[i] = p._version, p.untyped_storage()
                 else:
                     p.data = device_shell(p.shape, p.dtype, self.device)
             # a dissolved store's chunk: its pinned block goes back to the OS now

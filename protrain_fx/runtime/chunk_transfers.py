@@ -127,6 +127,8 @@ class ChunkTransfers:
             p = self._params[i]()
             if p is not None and p.numel() and p.data_ptr() != self._master_ptr(i):
                 changed |= self._take_rebound(i, p)
+            elif p is not None and self._given_back(i, p):
+                changed |= self._take_given_back(i, p)
             elif p is not None and p._version != self._synced.get(i):
                 self._synced[i] = p._version
                 changed = True
@@ -150,10 +152,47 @@ class ChunkTransfers:
         if new.dtype != self.master_dtype or new.shape != e.shape:
             return False
         view = mapped.device_view(self.master[e.chunk], e.offset, e.shape, self.device)
+        old = self._installed.get(i)
+        if old is not None and _held_elsewhere(old):
+            # ``saved = p.data; p.data = t`` (an EMA's weights swapped in for an evaluation): the
+            # saved tensor shares the master, which now takes t's values; eager's keeps the old
+            # ones, kept aside here for when it is given back (_take_given_back)
+            self._held_aside[i] = (old, view.clone())
         with torch.no_grad():
             view.copy_(new)
+        self._install(i, p, view)
+        return True
+
+    def _install(self, i: int, p: torch.Tensor, view: torch.Tensor) -> None:
         p.data = view
-        self._synced[i] = p._version
+        self._synced[i], self._installed[i] = p._version, p.untyped_storage()
+
+    def _given_back(self, i: int, p: torch.Tensor) -> bool:
+        """Whether ``p`` was given back a tensor saved before an earlier ``p.data = t``."""
+        aside = self._held_aside.get(i)
+        return aside is not None and p.untyped_storage()._cdata == aside[0]._cdata
+
+    def _take_given_back(self, i: int, p: torch.Tensor) -> bool:
+        """``p.data = saved``: the values the saved tensor holds in eager PyTorch back into the
+        master. Where the tensor protrain gave the parameter since is itself held elsewhere
+        (``p.data, q.data = q.data, p.data`` twice: q would share the master and show the
+        parameter's values, where eager's shows its own), that cannot be exact: refused."""
+        from protrain_fx.errors import ProtrainError
+
+        e = self.entries[i]
+        since = self._installed.get(i)
+        if since is not None and _held_elsewhere(since):
+            raise ProtrainError(
+                f"protrain: parameter {e.fqn!r} had its .data swapped with another tensor's "
+                "(p.data, q.data = q.data, p.data): an offloaded parameter's data is a view of its "
+                "chunk, so the other tensor would share it. Copy values instead: under "
+                "torch.no_grad(), tmp = p.detach().clone(); p.copy_(q); q.copy_(tmp)"
+            )
+        _, values = self._held_aside.pop(i)
+        view = mapped.device_view(self.master[e.chunk], e.offset, e.shape, self.device)
+        with torch.no_grad():
+            view.copy_(values)
+        self._install(i, p, view)
         return True
 
     def _ready_for_copy(self, chunk: int) -> None:
@@ -211,3 +250,8 @@ class ChunkTransfers:
             WORKER.wait()
         except Exception:  # the graph's own error is the one that matters
             pass
+
+
+def _held_elsewhere(storage: torch.UntypedStorage) -> bool:
+    """Whether a tensor outside protrain shares ``storage`` (protrain holds one reference)."""
+    return torch._C._storage_Use_Count(storage._cdata) > 1

@@ -177,6 +177,8 @@ def _put_back(store, moved: range, old: int) -> None:
             if alias is not None and p.grad is alias:
                 p.grad = plain.to(store.device, copy=True)
             store._synced.pop(i, None)
+            store._installed.pop(i, None)
+            store._held_aside.pop(i, None)
         for table in (store.master, store.transfer, store.grad):
             table.pop(c, None)
     store.n_persist = old
