@@ -132,13 +132,16 @@ void protrain_adam_inverse(float* restrict p, const float* restrict g, float* re
     double p0 = p1 + update;
     if (decay_divisor != 1.0) p0 = p0 / decay_divisor;
     if (l2 != 0.0) gr = gr + l2 * p0;
-    /* a moment that was 0 (an element first stepped now) comes back as the step's float32
-       rounding: within SNAP of the moment it is 0, as no later step may grow it into an update */
+    /* moments that were 0 (an element first stepped now) come back as the step's float32
+       rounding: where both are within SNAP of the rounding of the terms they are computed from,
+       both are 0, as no later step may grow them into an update (one alone is a real moment) */
     double gm = one_minus_beta1 * gr, gv = one_minus_beta2 * gr * gr;
     double dm = m1 - gm, dv = v1 - gv;
     double size = fabs((double)g[i]) + fabs(l2 * p0); /* of the terms of L2's gradient sum */
-    double m0 = fabs(dm) <= SNAP * fmax(fabs(m1), one_minus_beta1 * size) ? 0.0 : dm / beta1;
-    double v0 = fabs(dv) <= SNAP * fmax(v1, one_minus_beta2 * size * size) ? 0.0 : dv / beta2;
+    int first = fabs(dm) <= SNAP * fmax(fabs(m1), one_minus_beta1 * size) &&
+                fabs(dv) <= SNAP * fmax(v1, one_minus_beta2 * fabs(gr) * size);
+    double m0 = first ? 0.0 : dm / beta1;
+    double v0 = first ? 0.0 : dv / beta2;
     p[i] = (float)p0;
     m[i] = (float)m0;
     v[i] = (float)(v0 < 0.0 ? 0.0 : v0);

@@ -419,7 +419,7 @@ def _adam_inverse(
 ) -> None:
     """Undo the Adam step number ``t`` with hyperparameters ``g`` on (p, m, v), in place, in
     float64 (with cpu_adam's kernel where it applies: the same values in one pass)."""
-    beta1, beta2 = g["betas"]
+    beta1, beta2 = (float(b) for b in g["betas"])  # as cpu_adam.adam_inverse takes them
     lr, wd, eps = float(g["lr"]), float(g["weight_decay"]), float(g["eps"])
     flat = all(
         x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous()
@@ -441,15 +441,16 @@ def _adam_inverse(
         if wd != 0:
             gr = gr + wd * p0
             size = size + (wd * p0).abs()
-    # a moment that was 0 (an element first stepped now) comes back as the float32 step's
-    # rounding: within SNAP of the moment it is 0 (cpu_adam's inverse does the same)
+    # moments that were 0 (an element first stepped now) come back as the float32 step's
+    # rounding: where both are within SNAP of the rounding of the terms they are computed from,
+    # both are 0 (one alone is a real moment beside a rounded one); cpu_adam's inverse does the same
     gm, gv = (1 - beta1) * gr, (1 - beta2) * gr * gr
     dm, dv = m1 - gm, v1 - gv
-    m0 = torch.where(
-        dm.abs() <= SNAP * torch.maximum(m1.abs(), (1 - beta1) * size), 0.0, dm / beta1
+    first = (dm.abs() <= SNAP * torch.maximum(m1.abs(), (1 - beta1) * size)) & (
+        dv.abs() <= SNAP * torch.maximum(v1, (1 - beta2) * gr.abs() * size)
     )
-    floor_v = SNAP * torch.maximum(v1, (1 - beta2) * size * size)
-    v0 = torch.where(dv.abs() <= floor_v, 0.0, dv / beta2).clamp_(min=0)
+    m0 = torch.where(first, 0.0, dm / beta1)
+    v0 = torch.where(first, 0.0, dv / beta2).clamp_(min=0)
     p.copy_(p0)
     m.copy_(m0)
     v.copy_(v0)
