@@ -310,6 +310,11 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
             if dropped_pinned:
                 pinned.release_cached_pinned_memory()
 
+    def forget_views(self) -> None:
+        """Drop the storages of the views given to parameters (each keeps a master alive)."""
+        self._installed.clear()
+        self._held_aside.clear()
+
     def _give_values_back(self, params_in_order: list, host_values: dict | None) -> None:
         """A store that failed half-built: put the values of its finished offloaded chunks back into
         ``host_values`` (views of their masters), so the parameters keep their values. Resident ones
@@ -486,6 +491,7 @@ def _forget_store(store_id: int) -> None:
     store.master.clear()
     store.transfer.clear()
     store.grad.clear()
+    store.forget_views()
     store._grad_alias.clear()
     store._grad_plain.clear()
     store._staging, store._oversized, store.optimizer = None, {}, None

@@ -129,6 +129,8 @@ class ChunkTransfers:
                 changed |= self._take_rebound(i, p)
             elif p is not None and self._given_back(i, p):
                 changed |= self._take_given_back(i, p)
+            elif i in self._held_aside and not _held_elsewhere(self._held_aside[i][0]):
+                del self._held_aside[i]  # the saved tensor is gone: nothing to give back
             elif p is not None and p._version != self._synced.get(i):
                 self._synced[i] = p._version
                 changed = True
@@ -156,8 +158,9 @@ class ChunkTransfers:
         if old is not None and _held_elsewhere(old):
             # ``saved = p.data; p.data = t`` (an EMA's weights swapped in for an evaluation): the
             # saved tensor shares the master, which now takes t's values; eager's keeps the old
-            # ones, kept aside here for when it is given back (_take_given_back)
-            self._held_aside[i] = (old, view.clone())
+            # ones, kept aside here (on the host) for when it is given back (_take_given_back)
+            part = self.master[e.chunk][e.offset : e.offset + e.numel]
+            self._held_aside[i] = (old, part.clone())
         with torch.no_grad():
             view.copy_(new)
         self._install(i, p, view)
@@ -189,9 +192,9 @@ class ChunkTransfers:
                 "torch.no_grad(), tmp = p.detach().clone(); p.copy_(q); q.copy_(tmp)"
             )
         _, values = self._held_aside.pop(i)
-        view = mapped.device_view(self.master[e.chunk], e.offset, e.shape, self.device)
         with torch.no_grad():
-            view.copy_(values)
+            self.master[e.chunk][e.offset : e.offset + e.numel].copy_(values)
+        view = mapped.device_view(self.master[e.chunk], e.offset, e.shape, self.device)
         self._install(i, p, view)
         return True
 

@@ -257,6 +257,7 @@ def placement_snapshot(params) -> "callable":
                 s.optimizer.remove_store(s)
             s.unregister()
             s.master, s.transfer, s.grad = {}, {}, {}
+            s.forget_views()
 
     return restore
 
@@ -276,3 +277,4 @@ def dissolve_store(store) -> None:
     store.unregister()
     # its transfer copies go now (the masters live on in the views until the next store takes them)
     store.master, store.transfer = {}, {}
+    store.forget_views()

@@ -33,9 +33,16 @@ def non_contiguous(graph_inputs, params) -> list[tuple[str, torch.Tensor]]:
 def eager_once_then_contiguous(gm: fx.GraphModule, strided: list[tuple[str, torch.Tensor]]):
     """What the backend returns for a graph with non-contiguous parameters: the traced graph, run
     as it is, the parameters made contiguous when it is first called (after dynamo's check)."""
-    pending = list(strided)
+    pending, said = list(strided), []
 
     def first_call(*args):
+        if not pending and not said:  # dynamo guards no strides here (guards filtered, say)
+            said.append(True)
+            log.warning(
+                "protrain: dynamo did not trace the graph again after its parameters were made "
+                "contiguous (it does not guard their strides here): this graph runs eagerly, "
+                "nothing offloaded. Make parameters contiguous before compiling the model"
+            )
         if pending:
             names = ", ".join(f"{n} (strides {tuple(p.stride())})" for n, p in pending[:4])
             more = f" and {len(pending) - 4} more" if len(pending) > 4 else ""
@@ -46,7 +53,7 @@ def eager_once_then_contiguous(gm: fx.GraphModule, strided: list[tuple[str, torc
             log.warning(
                 "protrain: parameters that are not contiguous, %s%s, are made contiguous (same "
                 "values): chunks hold parameters contiguously. This call runs as traced (eagerly); "
-                "the next one is traced again and compiled by protrain",
+                "dynamo, which guards their strides, traces the next one again for protrain",
                 names,
                 more,
             )
