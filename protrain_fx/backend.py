@@ -49,7 +49,7 @@ from protrain_fx import (
 )
 from protrain_fx.compiled_graph import ProtrainGraph, StepOutOfMemory  # noqa: F401 (re-exported)
 from protrain_fx.errors import NoPlanFits, OptionsError, ProtrainError, release_frames
-from protrain_fx.graph import regions
+from protrain_fx.graph import regions, strided_params
 from protrain_fx.graph.blocks import detect_blocks, refuse_untraced_checkpointing
 from protrain_fx.graph.build_plan import make_plan
 from protrain_fx.graph.fx import copy_graph_module, saved_activation_bytes, saved_names
@@ -61,7 +61,7 @@ from protrain_fx.placement import autocast_dtypes, bind_chunks
 from protrain_fx.plan.plan import Plan, register_plan
 from protrain_fx.profiling import loop_memory, static
 from protrain_fx.report.dump import GraphDump
-from protrain_fx.runtime import distributed, loss_ops, ops, replacement, step_redo, strided_params  # noqa: F401  (ops: registers the protrain:: custom ops)
+from protrain_fx.runtime import distributed, loss_ops, ops, replacement, step_redo  # noqa: F401  (ops: registers the protrain:: custom ops)
 from protrain_fx.runtime.binding import on_error, refuse_converted, runtime_guard
 from protrain_fx.runtime.optimizer_lookup import find_optimizer
 from protrain_fx.runtime.param_values import placement_snapshot
