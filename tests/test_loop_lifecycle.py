@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_models import hf_loss_no_cache
 from test_habits import hf_data, offload, parity
-from test_model_features import llama_untied
+from test_model_features import hf_train_step, llama_untied
 
 
 def _hooked_steps(kind):
@@ -118,11 +118,7 @@ def _swapped_in_eval(idiom):
                         p.data = s
                     else:
                         p.data, s.data = s.data, p.data
-            loss = hf_loss_no_cache(call, x)
-            loss.backward()
-            opts[0].step()
-            opts[0].zero_grad()
-            out.append(loss.item())
+            out.append(hf_train_step(call, opts[0], x))
         return out
 
     return habit

@@ -18,6 +18,29 @@ def llama_untied():
     return hf_llama(tie_word_embeddings=False)
 
 
+def hf_train_step(call, opt, x) -> float:
+    """One step with HF's own loss (``use_cache=False``): backward, step, ``zero_grad()``."""
+    loss = hf_loss_no_cache(call, x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def doing_before(step: int, act):
+    """A habit of plain steps, ``act(module, opts)`` run before step number ``step``."""
+
+    def habit(call, module, opts, data):
+        losses = []
+        for i, (x, _) in enumerate(data):
+            if i == step:
+                act(module, opts)
+            losses.append(hf_train_step(call, opts[0], x))
+        return losses
+
+    return habit
+
+
 def _layer(model, k):
     return list(model.model.layers[k].parameters())
 
@@ -33,23 +56,14 @@ def test_a_param_group_with_amsgrad_added_after_the_first_step(auto):
     parameters as a group of their own with amsgrad (its chunks were made without AMSGrad's
     maximum: before, torch's adam indexed a missing one)."""
 
-    def habit(call, module, opts, data):
-        losses = []
-        for i, (x, y) in enumerate(data):
-            if i == 1:
-                opts[0].add_param_group({"params": _layer(module, 1), "lr": 3e-2, "amsgrad": True})
-            loss = hf_loss_no_cache(call, x)
-            loss.backward()
-            opts[0].step()
-            opts[0].zero_grad()
-            losses.append(loss.item())
-        return losses
+    def add_group(module, opts):
+        opts[0].add_param_group({"params": _layer(module, 1), "lr": 3e-2, "amsgrad": True})
 
     base = llama_untied()
     pair = parity(
         base,
         AUTO if auto else offload(base),
-        habit=habit,
+        habit=doing_before(1, add_group),
         data=hf_data(n=4),
         make_opts=lambda m: [torch.optim.AdamW(_not_layer_1(m), lr=1e-2)],
     )
@@ -75,20 +89,11 @@ def test_an_amsgrad_checkpoint_loaded_after_a_step():
         src_opt.zero_grad()
     saved = copy.deepcopy(src.state_dict()), copy.deepcopy(src_opt.state_dict())
 
-    def habit(call, module, opts, data):
-        losses = []
-        for i, (x, y) in enumerate(data):
-            if i == 1:
-                module.load_state_dict(saved[0])
-                opts[0].load_state_dict(copy.deepcopy(saved[1]))
-            loss = hf_loss_no_cache(call, x)
-            loss.backward()
-            opts[0].step()
-            opts[0].zero_grad()
-            losses.append(loss.item())
-        return losses
+    def resume(module, opts):
+        module.load_state_dict(saved[0])
+        opts[0].load_state_dict(copy.deepcopy(saved[1]))
 
-    pair = parity(base, offload(base), habit=habit, data=data)
+    pair = parity(base, offload(base), habit=doing_before(1, resume), data=data)
     pair.check()
     ref_state = pair.ref_opts[0].state_dict()["state"]
     state = pair.opts[0].state_dict()["state"]
