@@ -302,8 +302,7 @@ class ChunkStore(ChunkGrads, ChunkTransfers, GradScales):
                 del old
                 if self.aliased:
                     e = self.entries[i]
-                    p.data = mapped.device_view(master, e.offset, e.shape, self.device)
-                    self._synced[i], self._installed[i] = p._version, p.untyped_storage()
+                    self._install(i, p, mapped.device_view(master, e.offset, e.shape, self.device))
                 else:
                     p.data = device_shell(p.shape, p.dtype, self.device)
             # a dissolved store's chunk: its pinned block goes back to the OS now
