@@ -40,6 +40,7 @@ from protrain_fx import (
     autoplan,
     code_cache,
     config,
+    errors,
     inference_placement,
     pipeline,
     placement,
@@ -216,10 +217,8 @@ class GraphCompiler:
         if stage == "backward":
             from torch._inductor import config
 
-            if config.bw_outputs_user_visible:
-                _compat.mark_user_visible_outputs(gm, 0, _compat.num_outputs(gm))
-            else:
-                _compat.mark_user_visible_outputs(gm, 0, 0)
+            visible = _compat.num_outputs(gm) if config.bw_outputs_user_visible else 0
+            _compat.mark_user_visible_outputs(gm, 0, visible)
             return _compat.compile_fx_inner(
                 gm,
                 example_inputs,
@@ -293,6 +292,7 @@ def _compile_plan(
     return compiled
 
 
+@errors.raised_past_dynamo  # except protrain_fx.NoPlanFits: works around the first call
 @never_inference_tensors
 def protrain_backend(
     gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None

@@ -7,6 +7,8 @@ that would work.
 
 from __future__ import annotations
 
+import functools
+import sys
 import traceback
 
 
@@ -58,3 +60,35 @@ def release_frames(exc: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         todo += [e.__cause__, e.__context__]
+
+
+def raised_past_dynamo(backend):
+    """``backend`` (a torch.compile backend) with its ProtrainErrors reaching the caller as
+    themselves: dynamo wraps what a backend raises in its ``BackendCompilerFailed`` (so ``except
+    protrain_fx.NoPlanFits:`` around the first call caught nothing), except its own
+    ``ShortenTraceback``, which it passes on with its frames trimmed. The error raised is of a
+    class made from both: an instance of the error's own class (its attributes kept), and dynamo's
+    frames left out of its traceback."""
+
+    @functools.wraps(backend)
+    def compile(*args, **kwargs):
+        try:
+            return backend(*args, **kwargs)
+        except ProtrainError as e:
+            from torch._dynamo.exc import ShortenTraceback
+
+            if isinstance(e, ShortenTraceback):
+                raise
+            cls = type(e)
+            if cls not in _PAST_DYNAMO:
+                body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+                _PAST_DYNAMO[cls] = type(cls.__name__, (cls, ShortenTraceback), body)
+            err = Exception.__new__(_PAST_DYNAMO[cls], *e.args)
+            err.__dict__.update(e.__dict__)
+            err.first_useful_frame = sys._getframe()  # dynamo trims what is above it
+            raise err.with_traceback(e.__traceback__) from e.__cause__
+
+    return compile
+
+
+_PAST_DYNAMO: dict[type, type] = {}

@@ -110,16 +110,18 @@ def test_env_dump_dir(monkeypatch, tmp_path):
 def test_bad_options_fail_the_compile_with_the_message():
     model = build("gpt", n_layer=1, n_embd=16, n_head=2)
     x, y = random_batches(1, 1, 4)[0]
-    with pytest.raises(Exception, match="unknown protrain option"):
+    # the error's own class, not dynamo's BackendCompilerFailed around it (``except ValueError``)
+    with pytest.raises(OptionsError, match="unknown protrain option") as e:
         torch.compile(model, backend="protrain", options={"budget": "1GiB"})(x, y)
+    assert isinstance(e.value, ValueError)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="n_swap: expected an int"):
+    with pytest.raises(OptionsError, match="n_swap: expected an int"):
         torch.compile(model, backend="protrain", options={"n_swap": "all"})(x, y)
 
 
 def test_mode_is_rejected():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(Exception, match="takes no mode"):
+    with pytest.raises(OptionsError, match="takes no mode"):
         torch.compile(model, backend="protrain", mode="max-autotune")(torch.randn(1, 2))
 
 
