@@ -22,6 +22,7 @@ on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 
@@ -36,6 +37,7 @@ from protrain_fx.runtime import (
     hybrid_optim,
     param_hooks,
     replacement,
+    step_redo,
     swap_pool,
 )
 from protrain_fx.runtime.chunk_store import ChunkStore, store_of
@@ -137,11 +139,13 @@ class GraphBinding:
         params = [args[i] for i in self.positions]
         if torch.is_grad_enabled() and any(param_hooks.hooked(p) for p in params):
             param_hooks.prepare(params)  # p.register_hook on offloaded parameters
-        if len(params) == len(self._last) and all(r() is p for r, p in zip(self._last, params)):
-            return compiled(*args)
-        if self._bind(params):
+        same = len(params) == len(self._last) and all(r() is p for r, p in zip(self._last, params))
+        if same or self._bind(params):
             self._last = [weakref.ref(p) for p in params]
-            return compiled(*args)
+            out = compiled(*args)
+            if torch.is_grad_enabled():
+                step_redo.refused_at_create_graph(out)
+            return out
         if not self._said:
             self._said = True
             log.warning(
@@ -192,6 +196,12 @@ class GraphBinding:
             host_values,
             transfer_copies=template.transfer_copies,
         )
+        root = self._root() if self._root is not None else None
+        fqns: dict = {}  # the parameters' own names (errors name them), not the template's
+        for name, p in root.named_parameters(remove_duplicate=False) if root is not None else ():
+            fqns.setdefault(id(p), name)
+        for i, e in enumerate(store.entries):  # in the layout's order, as the template's
+            store.entries[i] = dataclasses.replace(e, fqn=fqns.get(id(by_entry[i]), e.fqn))
         store.ensure_buffers(template.n_buffer)
         store.template = weakref.ref(template)
         store.for_inference = template.for_inference
@@ -201,7 +211,6 @@ class GraphBinding:
         if store.offloaded_chunks and opt is not None and not store.for_inference:
             hybrid_optim.attach(opt, store)
             device_steps.assign(store, template.device_step_share)
-        root = self._root() if self._root is not None else None
         if store.offloaded_chunks and not store.aliased and root is not None:
             from protrain_fx.runtime.param_values import hook_owners_of
 

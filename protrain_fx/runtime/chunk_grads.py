@@ -140,7 +140,7 @@ def _end_of_backward() -> None:
             )
 
 
-def _queue_end_of_backward() -> None:
+def queue_end_of_backward() -> None:
     if _Backward.queued:
         return
     try:
@@ -329,7 +329,7 @@ class ChunkGrads:
         if self.optimizer is not None:
             self.optimizer.after_chunk_grad(self, chunk, members)
         step_redo.handed_over(record)
-        _queue_end_of_backward()
+        queue_end_of_backward()
 
     def pack_grads(self, chunk: int, grads: list[torch.Tensor], members: list[int]) -> torch.Tensor:
         """The gradients of the chunk's parameters ``members`` in the chunk layout and master dtype

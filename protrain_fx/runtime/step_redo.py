@@ -25,6 +25,7 @@ import torch
 
 from protrain_fx import _compat
 from protrain_fx.errors import ProtrainError
+from protrain_fx.runtime import chunk_grads
 
 # the set of the backward running now (one at a time: autograd runs a device's backward functions
 # on one thread; a backward inside another, the profiler's in a re-plan, runs with None), and how
@@ -82,6 +83,7 @@ class CallRecord:
         self.outputs = None
         self.handed_over: set = set()
         self.retain = False  # the backward running keeps the graph (retain_graph=True)
+        self.inputs = None  # the parameters the user's backward accumulates (None: all)
 
     @contextlib.contextmanager
     def ambient(self):
@@ -145,6 +147,12 @@ class RedoableCall(torch.autograd.Function):
                 "protrain: trying to backward through the graph a second time (its saved values "
                 "were freed by the last backward): pass retain_graph=True to the first one"
             )
+        refuse_create_graph()
+        names = {gi.index: gi.fqn or gi.node_name for gi in ctx.graph._graph_inputs}
+        call.inputs = parameters_asked_for(ctx, call.args, names)
+        # the user's backward ends after this inner one: gradients that code outside the graph
+        # adds to an offloaded parameter are checked then (chunk_grads), as with a fixed plan
+        chunk_grads.queue_end_of_backward()
         call.retain = keep_graph()
         if not call.retain:
             ctx.call = None
@@ -157,6 +165,55 @@ class RedoableCall(torch.autograd.Function):
         return (None,) * (1 + len(call.args))
 
 
+def parameters_asked_for(node, args, names: dict) -> list | None:
+    """The parameters among ``args`` (the inputs of the autograd ``node`` running now) whose
+    gradients the user's backward accumulates: None for every one (``loss.backward()``), fewer
+    under ``backward(inputs=[...])``. ``torch.autograd.grad`` asking for one is refused, as with a
+    fixed plan (runtime/param_hooks.py)."""
+    asked, every = [], True
+    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    for (fn, _), (i, a) in zip(node.next_functions, tensors, strict=True):  # one per tensor
+        if fn is None:
+            continue
+        try:
+            run = torch._C._will_engine_execute_node(fn)
+        except RuntimeError:  # captured: torch.autograd.grad was asked for it
+            raise ProtrainError(
+                f"protrain: torch.autograd.grad was asked for the gradient of "
+                f"{names.get(i, f'input {i}')!r}, a parameter of a protrain-compiled graph, whose "
+                "gradient protrain makes inside the compiled graph and accumulates into p.grad "
+                "(on the host where offloaded), not returned through autograd; use "
+                "loss.backward() (or backward(inputs=[...])) and read p.grad"
+            ) from None
+        if run:
+            asked.append(a)
+        else:
+            every = False
+    return None if every else asked
+
+
+def refuse_create_graph() -> None:
+    """Raise inside a backward pass run with ``create_graph=True`` (autograd runs its functions
+    with gradients on then)."""
+    if torch.is_grad_enabled():
+        raise ProtrainError(
+            "protrain: backward(create_graph=True) through a protrain-compiled graph: its "
+            "parameters' gradients are made inside the compiled graph (offloaded ones on the host) "
+            "and carry no graph of their own, so a gradient penalty or a second-order step on them "
+            "would be silently wrong; run that loss without protrain, or backward() without "
+            "create_graph"
+        )
+
+
+def refused_at_create_graph(outputs) -> None:
+    """A training call's ``outputs``: a backward from them with ``create_graph=True`` raises
+    (:func:`refuse_create_graph`) before the compiled backward runs."""
+    for o in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+        if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+            o.grad_fn.register_prehook(lambda grads: refuse_create_graph())
+            return
+
+
 def keep_graph() -> bool:
     """Whether the backward running now keeps its graph (``retain_graph=True``)."""
     return torch._C._autograd._get_current_graph_task_keep_graph()
@@ -164,8 +221,10 @@ def keep_graph() -> bool:
 
 def run_backward(call: CallRecord, pairs) -> None:
     """The compiled call's own backward from ``pairs`` (gradient handle, gradient), its graph kept
-    for another where the caller's backward keeps its own."""
-    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], retain_graph=call.retain)
+    for another where the caller's backward keeps its own, into the parameters it asks for."""
+    torch.autograd.backward(
+        [o for o, _ in pairs], [g for _, g in pairs], retain_graph=call.retain, inputs=call.inputs
+    )
 
 
 def handles(outputs) -> list:
