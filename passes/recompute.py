@@ -12,13 +12,17 @@
   from outside (its input, which the previous block's region must save: the partitioner stashes a
   tagged node used by a later region) and recomputes the rest in backward. Random ops are recomputed
   too: the partitioner threads their RNG state from forward to backward, so dropout masks equal
-  forward's.
+  forward's. A node that reads a graph input the graph writes in place (a buffer updated in
+  forward: a BatchNorm's running statistics, a step counter, read directly or through views) is
+  saved instead: recomputed in backward it would read the input as written, and the block's
+  gradients would be those of another function than the forward ran.
 """
 
 from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -33,11 +37,13 @@ _GATHERED = (ops.ALL_GATHER, ops.WAIT_TENSOR)
 # a tagged user has a *larger* id, which must never happen to a gathered view (block ids are
 # 0..n-1).
 AC_GRAPH_ID = 100_000
+aten = torch.ops.aten
 
 
 def tag_blocks_for_recompute(gm: fx.GraphModule, blocks) -> None:
     """Tag the forward nodes of ``blocks`` (indices) MUST_RECOMPUTE, one ``ac_graph_id`` per
-    block."""
+    block; those that read an input the graph writes MUST_SAVE."""
+    reads_written = reads_of_written_inputs(gm)
     for node in gm.graph.nodes:
         ann = annotation_of(node)
         if (
@@ -47,8 +53,42 @@ def tag_blocks_for_recompute(gm: fx.GraphModule, blocks) -> None:
             and ann.block in blocks
             and ann.chunk is None
         ):
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            if node in reads_written and isinstance(node.meta.get("val"), (tuple, list)):
+                continue  # several outputs (a batch norm's): its getitems are saved
+            saved = node in reads_written or (
+                node.target is operator.getitem and node.args[0] in reads_written
+            )
+            node.meta["recompute"] = (
+                CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.MUST_RECOMPUTE
+            )
             node.meta["ac_graph_id"] = ann.block
+
+
+def reads_of_written_inputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes that read, directly or through views, a graph input that the graph writes in
+    place (``aten.copy_`` into it: aot_autograd's form of a buffer updated in forward)."""
+    written = [
+        n.args[0]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is aten.copy_.default
+        if isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+    ]
+    reads, stack, seen = set(), list(written), set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user.op != "call_function" or (
+                user.target is aten.copy_.default and user.args[0] is node
+            ):
+                continue
+            if is_view_op(user.target):  # an alias of the input: its readers read the input
+                stack.append(user)
+            else:
+                reads.add(user)
+    return reads
 
 
 def untag_blocks(gm: fx.GraphModule) -> None:
