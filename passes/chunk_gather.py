@@ -30,9 +30,10 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from protrain_fx.errors import ProtrainError
 from protrain_fx.graph.annotation import META_KEY, NodeAnnotation, annotation_of
 from protrain_fx.graph.fx import call, cast_dtype, node_positions
-from protrain_fx.graph.inputs import joint_input_index
+from protrain_fx.graph.inputs import joint_input_index, written_inputs
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import chunk_store, distributed, ops
 
@@ -48,6 +49,7 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     members: dict[tuple[int, int], list[tuple[fx.Node, int, int]]] = defaultdict(list)
     resident: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    written = written_inputs(gm)
     primal_ordinal = 0
     for position, node in enumerate(placeholders):
         idx = joint_input_index(node, position)
@@ -57,6 +59,8 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             store = chunk_store.get_store(store_id)
             chunk = store.entries[entry].chunk
             if store.is_offloaded(chunk):
+                if node in written:
+                    _refuse_write(store.entries[entry].fqn, chunk)
                 members[(store_id, chunk)].append((node, entry, primal_ordinal))
             elif plan.world_size > 1:
                 resident[(store_id, chunk)].append((primal_ordinal, entry))
@@ -162,6 +166,22 @@ def chunk_gather(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         ]
     plan.grad_slots = grad_slots
     return gm
+
+
+def _refuse_write(fqn: str, chunk: int) -> None:
+    """An offloaded parameter the call writes in place (graph/inputs.written_inputs): the write
+    would land in the gathered device copy and be lost, or bump the version of a parameter the
+    backward reads."""
+    raise ProtrainError(
+        f"protrain: the compiled graph writes parameter {fqn!r} in place (under no_grad in "
+        "forward: a weight clamped or normalized there; nn.Embedding(max_norm=...) "
+        "renormalizes its weight in every forward), and its chunk is offloaded to the host, "
+        "where protrain cannot write it from inside the graph. Do the write outside the "
+        "compiled call (before it, under torch.no_grad(); for the embedding: max_norm=None and "
+        "torch.embedding_renorm_(weight, ids, max_norm, 2.0) on the batch's ids), or keep its "
+        f"chunk on the device by hand: options n_persist >= {chunk + 1} (chunks in order of first "
+        "use; the automatic plan profiles with every chunk offloaded)"
+    )
 
 
 def _all_gathered(gm, store, chunk: int, anchor, meta: dict, where) -> fx.Node:

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from protrain_fx.graph.annotation import annotation_of
 from protrain_fx.graph.fx import cast_dtype, is_view_op
+from protrain_fx.graph.inputs import written_inputs
 from protrain_fx.plan.plan import Plan
 from protrain_fx.runtime import ops
 
@@ -65,15 +66,9 @@ def tag_blocks_for_recompute(gm: fx.GraphModule, blocks) -> None:
 
 
 def reads_of_written_inputs(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes that read, directly or through views, a graph input that the graph writes in
-    place (``aten.copy_`` into it: aot_autograd's form of a buffer updated in forward)."""
-    written = [
-        n.args[0]
-        for n in gm.graph.nodes
-        if n.op == "call_function" and n.target is aten.copy_.default
-        if isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
-    ]
-    reads, stack, seen = set(), list(written), set()
+    """The nodes that read, directly or through views, a graph input that the call writes in
+    place (graph/inputs.written_inputs: a buffer or parameter updated in forward)."""
+    reads, stack, seen = set(), list(written_inputs(gm)), set()
     while stack:
         node = stack.pop()
         if node in seen:

@@ -5,11 +5,14 @@ that offloads) and compares losses and parameters with eager PyTorch (CPU, fp32;
 Pair.check tolerances)."""
 
 import copy
+import re
 
 import pytest
 import torch
 from hf_models import hf_llama, hf_loss_no_cache
 from test_habits import hf_data, offload, parity
+
+from protrain_fx.errors import ProtrainError
 
 AUTO = {"memory_budget": 3_000_000, "compiler": "eager"}  # most chunks offloaded
 
@@ -138,3 +141,59 @@ def test_a_linear_shared_by_two_blocks(auto):
     pair = parity(base, AUTO if auto else offload(base), data=hf_data(n=3), loss_fn=loss_fn)
     pair.check()
     assert pair.mine.model.layers[1].mlp.up_proj is pair.mine.model.layers[0].mlp.up_proj
+
+
+class _RenormedEmbedding(torch.nn.Module):
+    """``nn.Embedding(max_norm=...)`` (renormalizes the rows it reads in place, in forward), two
+    linear layers and a loss."""
+
+    def __init__(self, vocab=256, d=64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d, max_norm=1.0)
+        self.fc, self.head = torch.nn.Linear(d, d), torch.nn.Linear(d, vocab)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        return torch.nn.functional.cross_entropy(
+            self.head(h + self.fc(h)).flatten(0, 1), y.flatten()
+        )
+
+
+@pytest.mark.parametrize("plan", ["resident", "offloaded", "automatic"])
+def test_a_parameter_written_in_place_in_forward(plan):
+    """A parameter the forward writes in place: with its chunk on the device it trains as in eager;
+    offloaded, the write landed in the gathered device copy and was lost (a weight halved in forward
+    stayed whole: the next loss was the last one's), or ``nn.Embedding(max_norm=...)`` failed in
+    backward with autograd's "modified by an inplace operation". Now a ProtrainError naming the
+    parameter, before the first step, whose advice (the chunk kept on the device) trains."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = _RenormedEmbedding()
+    options = {
+        "resident": {"compiler": "eager"},
+        "offloaded": {"compiler": "eager", "n_persist": 0, "chunk_size": 70_000},
+        "automatic": {"compiler": "eager", "memory_budget": 200_000},
+    }[plan]
+    data = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(3)]
+
+    def habit(call, module, opts, data):
+        out = []
+        for x, y in data:
+            loss = call(x, y)
+            loss.backward()
+            opts[0].step()
+            opts[0].zero_grad()
+            out.append(loss.item())
+        return out
+
+    if plan != "resident":
+        with pytest.raises(ProtrainError, match="writes parameter 'emb.weight' in place") as e:
+            parity(base, options, habit=habit, data=data)
+        if plan == "automatic":
+            return
+        # what the message says to do trains
+        torch._dynamo.reset()
+        options["n_persist"] = int(re.search(r"n_persist >= (\d+)", str(e.value)).group(1))
+    pair = parity(base, options, habit=habit, data=data)
+    pair.check()
+    assert torch.equal(pair.mine.emb.weight, pair.ref.emb.weight)

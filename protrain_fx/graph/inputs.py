@@ -133,6 +133,31 @@ def joint_input_index(node: fx.Node, position: int) -> int | None:
     return position if node.name.startswith("primals") else None
 
 
+def written_inputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """The placeholders of a joint or forward graph that the call writes in place: aot_autograd
+    keeps a buffer's update as an ``aten.copy_`` into it, and returns a parameter's new value as an
+    output that its runtime copies in (the output's ``desc``: an ``InputMutationAOTOutput``)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = {
+        n.args[0]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default
+        if isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+    }
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = {
+        getattr(d.mutated_input, "idx", None)
+        for d in output.meta.get("desc") or ()
+        if type(d).__name__ == "InputMutationAOTOutput"
+        and type(d.mutated_input).__name__ == "PlainAOTInput"
+    }
+    returned.discard(None)
+    for position, node in enumerate(placeholders):
+        if returned and joint_input_index(node, position) in returned:
+            written.add(node)
+    return written
+
+
 def traced_root(graph_inputs):
     """The module dynamo is tracing (the root of the parameters' sources): for state_dict hooks, the
     blocks' structure and, compiled in regions, the block's siblings (a re-plan that lost it
