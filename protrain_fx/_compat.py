@@ -117,12 +117,10 @@ def unseeded_while(joint: fx.GraphModule):
     the state gives the same values."""
 
     def restore(gm: fx.GraphModule) -> None:
-        changed = False
-        for node in gm.graph.nodes:
-            if isinstance(node.target, _Unseeded):
-                node.target = node.target.op
-                changed = True
-        if changed:
+        unseeded = [n for n in gm.graph.nodes if isinstance(n.target, _Unseeded)]
+        for node in unseeded:
+            node.target = node.target.op
+        if unseeded:
             gm.recompile()
 
     swapped = [n for n in joint.graph.nodes if _draws_no_random_numbers(n)]
@@ -163,11 +161,13 @@ def compile_fx_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs
     kwargs.setdefault("cudagraphs", BoxedBool(False))
     cfg = torch.compiler.config
     user_tag = getattr(cfg, "cache_key_tag", None)  # None: a torch without it
+    # no channels-last copy of a conv weight: an offloaded one's placeholder names its chunk
+    no_layouts = torch._inductor.config.patch(layout_optimization=False)
     if user_tag is None:
-        with eager_random():
+        with eager_random(), no_layouts:
             return inner(gm, example_inputs, **kwargs)
     tag = ";".join(t for t in (user_tag, ops_fingerprint()) if t)
-    with cfg.patch(cache_key_tag=tag), eager_random():
+    with cfg.patch(cache_key_tag=tag), eager_random(), no_layouts:
         return inner(gm, example_inputs, **kwargs)
 
 

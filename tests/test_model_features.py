@@ -143,6 +143,18 @@ def test_a_linear_shared_by_two_blocks(auto):
     assert pair.mine.model.layers[1].mlp.up_proj is pair.mine.model.layers[0].mlp.up_proj
 
 
+def _xy_steps(call, module, opts, data):
+    """Plain steps of a model called ``(x, y)`` that returns its loss."""
+    out = []
+    for x, y in data:
+        loss = call(x, y)
+        loss.backward()
+        opts[0].step()
+        opts[0].zero_grad()
+        out.append(loss.item())
+    return out
+
+
 class _RenormedEmbedding(torch.nn.Module):
     """``nn.Embedding(max_norm=...)`` (renormalizes the rows it reads in place, in forward), two
     linear layers and a loss."""
@@ -176,24 +188,38 @@ def test_a_parameter_written_in_place_in_forward(plan):
     }[plan]
     data = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(3)]
 
-    def habit(call, module, opts, data):
-        out = []
-        for x, y in data:
-            loss = call(x, y)
-            loss.backward()
-            opts[0].step()
-            opts[0].zero_grad()
-            out.append(loss.item())
-        return out
-
     if plan != "resident":
         with pytest.raises(ProtrainError, match="writes parameter 'emb.weight' in place") as e:
-            parity(base, options, habit=habit, data=data)
+            parity(base, options, habit=_xy_steps, data=data)
         if plan == "automatic":
             return
         # what the message says to do trains
         torch._dynamo.reset()
         options["n_persist"] = int(re.search(r"n_persist >= (\d+)", str(e.value)).group(1))
-    pair = parity(base, options, habit=habit, data=data)
+    pair = parity(base, options, habit=_xy_steps, data=data)
     pair.check()
     assert torch.equal(pair.mine.emb.weight, pair.ref.emb.weight)
+
+
+class _ConvNet(torch.nn.Module):
+    """A patch embedding (a ViT's ``Conv2d``) before a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        h = torch.nn.functional.relu(self.conv(x)).mean((2, 3))
+        return torch.nn.functional.cross_entropy(self.fc(h), y)
+
+
+def test_an_offloaded_conv_weight_under_inductor():
+    """Inductor's layout optimization handed protrain's ops a channels-last copy of an offloaded
+    ``Conv2d`` weight instead of the parameter ("protrain internal error: ... a parameter that
+    belongs to no chunk store"); protrain's compiles turn it off."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))) for _ in range(3)]
+
+    pair = parity(_ConvNet(), {"n_persist": 0, "chunk_size": 2000}, habit=_xy_steps, data=data)
+    pair.check()
