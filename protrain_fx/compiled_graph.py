@@ -204,7 +204,7 @@ class ProtrainGraph:
         elif torch.is_grad_enabled() and (held := self._kept_grads(args)) is not None:
             self._plan_for_kept_grads(args, held)
         if self.choice is not None and torch.is_grad_enabled() and self._replayable(args):
-            out = step_redo.RedoableCall.apply(self, *args)
+            out = step_redo.redoable_call(self, args)
             return list(out) if self._returns_list else out
         return self._forward(args)
 

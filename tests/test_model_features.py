@@ -223,3 +223,47 @@ def test_an_offloaded_conv_weight_under_inductor():
 
     pair = parity(_ConvNet(), {"n_persist": 0, "chunk_size": 2000}, habit=_xy_steps, data=data)
     pair.check()
+
+
+class _SpectralBlock(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1 = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(d, d))
+        self.fc2 = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class _SpectralModel(torch.nn.Module):
+    """Blocks with a spectral-normed layer: its power iteration updates the buffers ``_u``/``_v``
+    in place in forward, and assigns ``_u`` back to the module (``self._u = F.normalize(...,
+    out=self._u)``)."""
+
+    def __init__(self, vocab=256, d=64, n=3):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
+        self.blocks = torch.nn.ModuleList(_SpectralBlock(d) for _ in range(n))
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def test_spectral_norm_under_an_automatic_plan():
+    """Under an automatic plan the buffer ``_u`` that dynamo assigns back from the graph's output
+    became an output of protrain's redoable call, requiring a gradient: dynamo compiled again and
+    the next ``backward()`` raised "trying to backward through the graph a second time". It stays
+    the buffer it was; losses, parameters and buffers as eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    data = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(3)]
+    options = {"compiler": "eager", "memory_budget": 700_000}
+    pair = parity(_SpectralModel(), options, habit=_xy_steps, data=data)
+    pair.check()
+    u = pair.mine.blocks[0].fc1.parametrizations.weight[0]._u
+    assert not u.requires_grad
+    torch.testing.assert_close(u, pair.ref.blocks[0].fc1.parametrizations.weight[0]._u)

@@ -165,6 +165,22 @@ class RedoableCall(torch.autograd.Function):
         return (None,) * (1 + len(call.args))
 
 
+def redoable_call(graph, args) -> tuple:
+    """``graph``'s training call on ``args`` as a :class:`RedoableCall`; an output that is an input
+    without a gradient (a buffer that forward updates and dynamo assigns back to the module:
+    spectral_norm's ``u``) is that input, as in eager, not an output of the call's autograd node
+    (the buffer then required a gradient, and the next call compiled again)."""
+    out = RedoableCall.apply(graph, *args)
+    plain = {_alias_key(a): a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad}
+    return tuple(plain.get(_alias_key(o), o) if isinstance(o, torch.Tensor) else o for o in out)
+
+
+def _alias_key(t: torch.Tensor) -> tuple:
+    if t.device.type == "meta" or t.is_sparse:
+        return (id(t),)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
 def parameters_asked_for(node, args, names: dict) -> list | None:
     """The parameters among ``args`` (the inputs of the autograd ``node`` running now) whose
     gradients the user's backward accumulates: None for every one (``loss.backward()``), fewer
