@@ -5,6 +5,7 @@ model, and an evaluation with other weights swapped in through ``p.data``. Each 
 PyTorch (CPU, fp32) with every chunk offloaded."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from test_habits import hf_data, offload, parity
 from test_model_features import hf_train_step, llama_untied
 
 from protrain_fx.errors import ProtrainError
+from protrain_fx.runtime.worker import WORKER
 
 
 def _hooked_steps(kind):
@@ -216,3 +218,45 @@ def test_gradients_protrain_cannot_give_are_refused_naming_the_parameter(auto, h
     match = {"create_graph": "create_graph=True"}.get(how, "model.layers.3.mlp.down_proj.weight")
     with pytest.raises(ProtrainError, match=match.replace(".", r"\.")):
         _first_step(base, AUTO if auto else offload(base), between)
+
+
+def test_a_model_dropped_after_a_failed_backward_leaves_no_error_behind():
+    """A backward that raises half way has queued provisional steps of the chunks it handed over;
+    the loop then drops that model and its optimizer. Those steps, run after the optimizer was
+    freed, failed, and the next model's first ``opt.step()`` raised their error ("the optimizer was
+    freed"; 5 runs in 7). They now find nothing to step, a task's error is raised only while its
+    chunk store lives, and the next model trains as in eager."""
+    first = llama_untied()
+    opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    call = torch.compile(first, backend="protrain", options=dict(offload(first), optimizer=opt))
+    data = hf_data(n=3)
+    for x, _ in data[:2]:  # provisional steps from the second backward on
+        hf_train_step(call, opt, x)
+
+    def fail(grad):
+        raise RuntimeError("a hook stopped backward")
+
+    out = call(input_ids=data[2][0], labels=data[2][0], use_cache=False, output_hidden_states=True)
+    out.hidden_states[1].register_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook stopped backward"):
+        out.loss.backward()
+    del first, opt, call, out
+    gc.collect()
+    torch._dynamo.reset()
+    base = llama_untied()
+    parity(base, offload(base), habit=_plain_steps, data=hf_data(n=2)).check()
+    # the worker raises a failed task's error only while the task's chunk store lives
+    WORKER.submit((-1, 0), _raise)
+    WORKER.wait()
+    store = next(iter(WORKER._users))
+    WORKER.submit((store.id, 0), _raise)
+    with pytest.raises(RuntimeError, match="a task failed"):
+        WORKER.wait()
+
+
+def _raise():
+    raise RuntimeError("a task failed")
+
+
+def _plain_steps(call, module, opts, data):
+    return [hf_train_step(call, opts[0], x) for x, _ in data]

@@ -12,8 +12,7 @@ gradient, overlapped with the rest of backward. That is the speed of offloading,
 change the result. So such a step is provisional until ``opt.step()`` commits it:
 
 * it is taken only from the second cycle on, once protrain has seen how many gradients each chunk
-  gets between two ``opt.step()`` calls (gradient accumulation), never for AMSGrad or non-fp32
-  masters;
+  gets between two ``opt.step()`` calls (accumulation), never for AMSGrad or non-fp32 masters;
 * ``opt.step()`` commits it if nothing the step depended on changed since; if a hyperparameter
   changed (``lr``, ``weight_decay``, ``betas``, ... set between ``backward()`` and ``opt.step()``),
   the step is taken back and redone with the new values;
@@ -300,7 +299,8 @@ class HybridOptimizer(ChunkAdam, TorchStateView, OverlapControl):
             overlap.grad_versions(store, entries),
         )
         st.provisional = rec
-        WORKER.submit((store.id, chunk), self._provisional_step, st, rec)
+        # a step of an optimizer dropped meanwhile (with its model) fails for no one to see
+        WORKER.submit((store.id, chunk), self._provisional_step, st, rec, owner=self._opt._ref)
 
     def micro_steps(self) -> int | None:
         """Backward passes per ``opt.step()``, as the chunks' learned arrivals showed at the last

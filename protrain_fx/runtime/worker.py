@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 class Worker:
     def __init__(self):
         self._executor: ThreadPoolExecutor | None = None
-        self._futures: deque[Future] = deque()
+        self._futures: deque[tuple] = deque()  # (chunk key, task, its owner's weak reference)
         self._last: dict[tuple, Future] = {}  # chunk key -> its newest task
         self._users: "weakref.WeakSet" = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -37,14 +37,16 @@ class Worker:
         if not len(self._users):
             self.shutdown()
 
-    def submit(self, key: tuple, fn, *args) -> Future:
+    def submit(self, key: tuple, fn, *args, owner=None) -> Future:
+        """Queue ``fn(*args)`` for chunk ``key``; its error is raised by a wait unless ``owner``
+        (a weak reference) is dead by then, or the chunk's store is."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="protrain-host"
                 )
             fut = self._executor.submit(fn, *args)
-            self._futures.append(fut)
+            self._futures.append((key, fut, owner))
             self._last[key] = fut
         return fut
 
@@ -68,17 +70,21 @@ class Worker:
 
     def wait(self) -> None:
         """Block until every task handed over so far is done; the first task's exception is
-        raised."""
+        raised, unless its owner or chunk store is gone (a model dropped after a failed backward,
+        whose queued step then found its optimizer freed: raised in the next model's
+        ``opt.step()``)."""
         error = None
         while True:
             with self._lock:
                 if not self._futures:
                     break
-                fut = self._futures.popleft()
+                key, fut, owner = self._futures.popleft()
             try:
                 fut.result()
             except BaseException as e:  # keep draining: nothing may stay queued behind an error
-                error = error or e
+                alive = owner is None or owner() is not None
+                if alive and any(getattr(u, "id", None) == key[0] for u in self._users):
+                    error = error or e
         with self._lock:
             self._last = {k: f for k, f in self._last.items() if not f.done()}
             events, self._events = self._events, {}
@@ -89,7 +95,7 @@ class Worker:
             raise error
 
     def busy(self) -> bool:
-        return any(not f.done() for f in list(self._futures))
+        return any(not f.done() for _, f, _ in list(self._futures))
 
     def after_fork(self) -> None:
         """In a child forked from a process whose thread existed (a DataLoader worker, a
