@@ -360,10 +360,11 @@ def compile_program(
                 for k, t in enumerate(r.top_inputs)
             ]
             live = [p for p in params if p is not None]
-            # some of them placed by an earlier region (a tied head, a layer shared by two blocks):
-            # a code of its own, so the unplaced ones are not bound to another region's code
+            # some of them placed by an earlier region (a tied head, a layer shared by blocks):
+            # a code of its own, so the unplaced ones are not bound to another region's code (a
+            # binding places them only where none is placed)
             placed = (
-                placement_signature(live, unplaced=True)
+                (placement_signature(live, unplaced=True), r.index)
                 if any(chunk_store.store_of(p) for p in live)
                 else None
             )

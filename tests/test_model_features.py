@@ -131,16 +131,24 @@ def test_a_parameter_that_is_not_contiguous(case, caplog):
 
 
 @pytest.mark.parametrize("auto", [False, True], ids=["offloaded", "automatic"])
-def test_a_linear_shared_by_two_blocks(auto):
-    """One ``nn.Linear`` used by two decoder layers: compiled in regions, the second layer's region
-    reused the first one's code, whose chunks hold the shared weight (before: 'protrain internal
-    error: ... bound to parameters laid out otherwise'); now it gets a code of its own."""
+@pytest.mark.parametrize("sharing", ["two", "all", "pairs"])
+def test_a_linear_shared_by_blocks(auto, sharing):
+    """One ``nn.Linear`` used by several decoder layers (two of them, all four, or ALBERT-like
+    pairs 0-1 and 2-3): compiled in regions, a later layer's region reused the code of a region
+    whose chunks hold the shared weight, or of another region that found it placed ('protrain
+    internal error: ... bound to parameters laid out otherwise'); a region that finds some of its
+    parameters placed now gets a code of its own."""
     base = llama_untied()
-    base.model.layers[1].mlp.up_proj = base.model.layers[0].mlp.up_proj
+    layers = base.model.layers
+    groups = {"two": [(0, 1)], "all": [(0, 1, 2, 3)], "pairs": [(0, 1), (2, 3)]}[sharing]
+    for group in groups:
+        for k in group[1:]:
+            layers[k].mlp.up_proj = layers[group[0]].mlp.up_proj
     loss_fn = lambda call, x, y: hf_loss_no_cache(call, x)  # noqa: E731
     pair = parity(base, AUTO if auto else offload(base), data=hf_data(n=3), loss_fn=loss_fn)
     pair.check()
-    assert pair.mine.model.layers[1].mlp.up_proj is pair.mine.model.layers[0].mlp.up_proj
+    mine = pair.mine.model.layers
+    assert all(mine[k].mlp.up_proj is mine[g[0]].mlp.up_proj for g in groups for k in g)
 
 
 def _xy_steps(call, module, opts, data):
