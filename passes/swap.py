@@ -24,7 +24,7 @@ import torch.fx as fx
 from protrain_fx.graph.annotation import META_KEY, NodeAnnotation, annotation_of
 from protrain_fx.graph.fx import call, node_positions, output_node
 from protrain_fx.plan.plan import Plan
-from protrain_fx.runtime import ops
+from protrain_fx.runtime import ops, swap_pool
 
 
 def _swap_blocks(plan: Plan) -> set[int]:
@@ -129,7 +129,12 @@ def swap_reload(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             dev_val = ph.meta["val"]
             device = dev_val.device
             with dev_val.fake_mode:  # the input is now the host copy
-                ph.meta["val"] = torch.empty(dev_val.shape, dtype=dev_val.dtype, device="cpu")
+                ph.meta["val"] = torch.empty_strided(
+                    dev_val.shape,
+                    swap_pool.swapped_strides(dev_val),
+                    dtype=dev_val.dtype,
+                    device="cpu",
+                )
             with graph.inserting_before(anchor):
                 start = call(gm, ops.RELOAD_START, (ph, [], device))
             with graph.inserting_before(first_use):

@@ -224,3 +224,35 @@ def test_blocks_that_update_buffers_in_forward_recomputed_or_swapped(policy):
     ] * 3
     assert r.max_loss_rel <= 1e-6 and r.max_param_abs <= 1e-6 and r.max_param_update > 1e-3
     assert r.model.blocks[2].scale.item() == 1.5**3
+
+
+class _TorchEncoder(torch.nn.Module):
+    """torch's own ``nn.TransformerEncoder`` (batch first, pre-norm): its attention saves
+    activations with permuted strides for backward."""
+
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
+        layer = torch.nn.TransformerEncoderLayer(
+            d, 4, 64, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x, y):
+        logits = self.head(self.enc(self.emb(x)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_swapped_activations_keep_their_strides(compiler):
+    """A swapped block's saved activation comes back with the strides it was saved with: it came
+    back contiguous, and the eager compiler's backward failed to view it ("view size is not
+    compatible with input tensor's size and stride")."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    options = {"compiler": compiler, "n_persist": 0, "n_swap": 2}
+    data = random_batches(3, 2, 12, vocab=64)
+    r = compare_with_eager(_TorchEncoder(), data, options, give_optimizer=True)
+    assert [b["policy"] for b in r.plan.to_dict()["blocks"]] == ["swap", "swap"]
+    assert r.max_loss_rel <= LOSS_REL and r.max_param_abs <= PARAM_ABS
+    assert r.max_param_update > 1e-3

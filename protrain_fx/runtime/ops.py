@@ -153,7 +153,7 @@ def offload(x: torch.Tensor, tokens: List[torch.Tensor]) -> torch.Tensor:
 
 @offload.register_fake
 def _(x, tokens):
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+    return torch.empty_strided(x.shape, swap_pool.swapped_strides(x), dtype=x.dtype, device="cpu")
 
 
 @custom_op("protrain::offload_wait", mutates_args=())
@@ -191,7 +191,7 @@ def reload_take(
 
 @reload_take.register_fake
 def _(host, tokens, device):
-    return torch.empty(host.shape, dtype=host.dtype, device=device)
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
 
 
 @custom_op("protrain::resident_grads", mutates_args=())

@@ -57,7 +57,8 @@ class Swapper:
         self._deferred: list[tuple[int, list]] = []  # (region, its copies to wait for)
 
     def offload(self, x: torch.Tensor) -> torch.Tensor:
-        host = pinned.cached_host_empty(x.shape, x.dtype, pin=self.is_cuda)
+        flat = pinned.cached_host_empty((x.numel(),), x.dtype, pin=self.is_cuda)
+        host = flat.as_strided(x.shape, swapped_strides(x))
         self.stats["offloaded_bytes"] += host.numel() * host.element_size()
         if not self.is_cuda:
             if DEFER:  # a late copy must read memory of its own, as on the GPU
@@ -69,7 +70,7 @@ class Swapper:
                 host.copy_(x)
             return host
         compute = torch.cuda.current_stream(self.device)
-        staged = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        staged = torch.empty_strided(x.shape, host.stride(), dtype=x.dtype, device=x.device)
         staged.copy_(x)  # on the compute stream, right behind x's producer
         ready = torch.cuda.Event()
         ready.record(compute)
@@ -116,7 +117,7 @@ class Swapper:
         self._region = index
 
     def reload_start(self, host: torch.Tensor) -> None:
-        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
         self.stats["reloaded_bytes"] += out.numel() * out.element_size()
         pending = self._offloading.pop(host.data_ptr(), None)
         if not self.is_cuda:
@@ -186,3 +187,22 @@ def region_begins(index: int | None) -> None:
 def reset_all() -> None:
     for s in _SWAPPERS.values():
         s.reset()
+
+
+def swapped_strides(x) -> tuple:
+    """The strides a swapped copy of ``x`` keeps (on the host and back): ``x``'s own where its
+    elements fill its extent densely (a transposed or permuted saved activation, whose backward may
+    view it as only those strides allow), else contiguous ones."""
+    shape, stride = tuple(x.shape), tuple(x.stride())
+    contiguous, n = [0] * len(shape), 1
+    for d in reversed(range(len(shape))):
+        contiguous[d] = n
+        n *= shape[d] if isinstance(shape[d], int) else 1
+    if not all(isinstance(v, int) for v in shape + stride):  # symbolic: no guards on them
+        return tuple(contiguous)
+    expect = 1  # dense: the dimensions, by stride, each spanning what the smaller ones fill
+    for d in sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: stride[d]):
+        if stride[d] != expect:
+            return tuple(contiguous)
+        expect *= shape[d]
+    return stride
