@@ -260,3 +260,30 @@ def _raise():
 
 def _plain_steps(call, module, opts, data):
     return [hf_train_step(call, opts[0], x) for x, _ in data]
+
+
+def test_backward_ends_are_seen_after_a_backward_that_raised_in_a_hook():
+    """A user's tensor hook that raises in backward after protrain handed chunks over: that
+    backward's end never comes, and protrain's one flag for "an end-of-backward callback is queued"
+    stayed set, so no later backward's end was seen (its checks, the worker's wait, the micro-steps
+    learned). A later backward that adds a gradient from outside the graph to an offloaded
+    parameter is refused at its end again."""
+    base = llama_untied()
+    opt = torch.optim.AdamW(base.parameters(), lr=1e-2)
+    call = torch.compile(base, backend="protrain", options=dict(offload(base), optimizer=opt))
+    data = hf_data(n=3)
+    hf_train_step(call, opt, data[0][0])
+
+    def fail(grad):
+        raise RuntimeError("a hook stopped backward")
+
+    x = data[1][0]
+    out = call(input_ids=x, labels=x, use_cache=False, output_hidden_states=True)
+    out.hidden_states[1].register_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook stopped backward"):
+        out.loss.backward()
+    opt.zero_grad()
+    w = base.model.layers[3].mlp.down_proj.weight
+    loss = hf_loss_no_cache(call, data[2][0]) + 1e-3 * w.pow(2).sum()
+    with pytest.raises(ProtrainError, match="received gradients both"):
+        loss.backward()

@@ -10,19 +10,19 @@ into a host staging buffer (:class:`GradStaging`) that the host worker adds (or 
 parameter whose ``.grad`` is None) into the accumulator, upcasting there (exact). The parameters'
 ``.grad`` then is the accumulator's view on the compute device (:meth:`grad_alias`), exactly as
 eager autograd would have left it; gradients that eager code put in ``.grad`` meanwhile are folded
-into the accumulator first. A callback at the end of every
-backward waits for the worker, so after ``loss.backward()`` returns gradients are final, and checks
-that no parameter got gradients both from a compiled graph and from code outside it.
-:class:`ChunkGrads` holds these as methods of :class:`protrain_fx.runtime.chunk_store.ChunkStore`,
-which inherits it.
-"""
+into the accumulator first. A callback at the end of every backward waits for the worker, so after
+``loss.backward()`` returns gradients are final, and checks that no parameter got gradients both
+from a compiled graph and from code outside it. :class:`ChunkGrads` holds these as methods of
+:class:`protrain_fx.runtime.chunk_store.ChunkStore`, which inherits it."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
 import torch
+from torch.autograd import Variable
 
 from protrain_fx.errors import ProtrainError
 from protrain_fx.machine import pinned
@@ -101,22 +101,23 @@ def _compute_event(device: torch.device):
 
 
 class _Backward:
-    """What the running backward pass handed to the host: waited for once, at its end."""
+    """What the running backward handed to the host, waited for at its end; per autograd graph
+    task (one that raised, in a user's hook too, never runs its callback: one flag stayed set)."""
 
-    queued = False
+    tasks: set = set()  # graph tasks whose callback is queued
+    enclosed = False  # a redoable call's inner backward: the user's backward has it queued
     touched: dict = {}  # (store id, entry) -> gradient version when protrain set it
 
 
 def forget_end_of_backward() -> None:
-    """A backward that raised: the callback it queued never runs (its graph task failed), so the
-    next backward queues its own."""
-    _Backward.queued = False
+    """A backward that raised: its callback never runs."""
+    _Backward.tasks.discard(torch._C._current_graph_task_id())
 
 
-def _end_of_backward() -> None:
+def _end_of_backward(task: int) -> None:
     from protrain_fx.runtime.chunk_store import _STORES
 
-    _Backward.queued = False
+    _Backward.tasks.discard(task)
     touched, _Backward.touched = _Backward.touched, {}
     WORKER.wait()
     stores = list(_STORES.values())
@@ -141,11 +142,12 @@ def _end_of_backward() -> None:
 
 
 def queue_end_of_backward() -> None:
-    if _Backward.queued:
+    task = torch._C._current_graph_task_id()
+    if _Backward.enclosed or task in _Backward.tasks:
         return
     try:
-        torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
-        _Backward.queued = True
+        Variable._execution_engine.queue_callback(functools.partial(_end_of_backward, task))
+        _Backward.tasks.add(task)
     except RuntimeError:  # not inside a backward pass (a graph run by hand): finish now
         WORKER.wait()
 
@@ -297,8 +299,7 @@ class ChunkGrads:
             # takes back a step of this chunk not yet committed
             self.optimizer.before_chunk_grad(self, chunk)
         self.fold_foreign_grads(chunk)
-        # a multiply still pending: applied before the gradient is added to, dropped where it is
-        # replaced
+        # a multiply still pending: applied before the gradient is added to, dropped if replaced
         for i in self._chunk_entries[chunk]:
             if i in self._grad_scale:
                 WORKER.wait_chunk((self.id, chunk))

@@ -38,11 +38,12 @@ _seen: dict = {}
 def handing_over(delivered: set | None):
     """Run a backward recording in ``delivered`` (and skipping what it holds); None: no record."""
     global _current, _seen
-    before, _current, _seen = (_current, _seen), delivered, {}
+    before, _current, _seen = (_current, _seen, chunk_grads._Backward.enclosed), delivered, {}
+    chunk_grads._Backward.enclosed = delivered is not None  # the user's backward's end counts
     try:
         yield
     finally:
-        _current, _seen = before
+        _current, _seen, chunk_grads._Backward.enclosed = before
 
 
 def first_time(key: tuple) -> tuple | None:
