@@ -105,7 +105,6 @@ class _Backward:
     task (one that raised, in a user's hook too, never runs its callback: one flag stayed set)."""
 
     tasks: set = set()  # graph tasks whose callback is queued
-    enclosed = False  # a redoable call's inner backward: the user's backward has it queued
     touched: dict = {}  # (store id, entry) -> gradient version when protrain set it
 
 
@@ -143,7 +142,7 @@ def _end_of_backward(task: int) -> None:
 
 def queue_end_of_backward() -> None:
     task = torch._C._current_graph_task_id()
-    if _Backward.enclosed or task in _Backward.tasks:
+    if task in _Backward.tasks or step_redo.enclosed():  # (the user's backward has it queued)
         return
     try:
         Variable._execution_engine.queue_callback(functools.partial(_end_of_backward, task))

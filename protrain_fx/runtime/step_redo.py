@@ -25,7 +25,6 @@ import torch
 
 from protrain_fx import _compat
 from protrain_fx.errors import ProtrainError
-from protrain_fx.runtime import chunk_grads
 
 # the set of the backward running now (one at a time: autograd runs a device's backward functions
 # on one thread; a backward inside another, the profiler's in a re-plan, runs with None), and how
@@ -38,12 +37,17 @@ _seen: dict = {}
 def handing_over(delivered: set | None):
     """Run a backward recording in ``delivered`` (and skipping what it holds); None: no record."""
     global _current, _seen
-    before, _current, _seen = (_current, _seen, chunk_grads._Backward.enclosed), delivered, {}
-    chunk_grads._Backward.enclosed = delivered is not None  # the user's backward's end counts
+    before, _current, _seen = (_current, _seen), delivered, {}
     try:
         yield
     finally:
-        _current, _seen, chunk_grads._Backward.enclosed = before
+        _current, _seen = before
+
+
+def enclosed() -> bool:
+    """Inside a redoable call's own backward: the end of the user's backward, which runs it,
+    counts (chunk_grads queues its end-of-backward callback there)."""
+    return _current is not None
 
 
 def first_time(key: tuple) -> tuple | None:
@@ -153,6 +157,8 @@ class RedoableCall(torch.autograd.Function):
         call.inputs = parameters_asked_for(ctx, call.args, names)
         # the user's backward ends after this inner one: gradients that code outside the graph
         # adds to an offloaded parameter are checked then (chunk_grads), as with a fixed plan
+        from protrain_fx.runtime import chunk_grads  # (it imports this module)
+
         chunk_grads.queue_end_of_backward()
         call.retain = keep_graph()
         if not call.retain:
