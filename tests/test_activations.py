@@ -195,11 +195,14 @@ class _BufferBlock(torch.nn.Module):
         return x + self.scale * self.bn(h.flatten(0, 1)).view_as(h)
 
 
-class _BufferModel(torch.nn.Module):
-    def __init__(self, vocab=64, d=32, n=3):
+class BlockStack(torch.nn.Module):
+    """An embedding, ``n`` blocks ``make_block(d)`` and a head; called ``(x, y)``, returns the
+    loss."""
+
+    def __init__(self, make_block, vocab=64, d=32, n=3):
         super().__init__()
         self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
-        self.blocks = torch.nn.ModuleList(_BufferBlock(d) for _ in range(n))
+        self.blocks = torch.nn.ModuleList(make_block(d) for _ in range(n))
 
     def forward(self, x, y):
         h = self.emb(x)
@@ -218,7 +221,7 @@ def test_blocks_that_update_buffers_in_forward_recomputed_or_swapped(policy):
     torch.manual_seed(0)
     options = {"compiler": "eager", "n_persist": 0, policy: 3}
     data = random_batches(3, 2, 12, vocab=64)
-    r = compare_with_eager(_BufferModel(), data, options, give_optimizer=True)
+    r = compare_with_eager(BlockStack(_BufferBlock), data, options, give_optimizer=True)
     assert [b["policy"] for b in r.plan.to_dict()["blocks"]] == [
         "recompute" if policy == "n_checkpoint" else "swap"
     ] * 3

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from hf_models import hf_llama, hf_loss_no_cache
+from test_activations import BlockStack
 from test_habits import hf_data, offload, parity
 
 from protrain_fx.errors import ProtrainError
@@ -234,6 +235,10 @@ def test_an_offloaded_conv_weight_under_inductor():
 
 
 class _SpectralBlock(torch.nn.Module):
+    """A block with a spectral-normed layer: its power iteration updates the buffers ``_u``/``_v``
+    in place in forward, and assigns ``_u`` back to the module (``self._u = F.normalize(...,
+    out=self._u)``)."""
+
     def __init__(self, d):
         super().__init__()
         self.norm = torch.nn.LayerNorm(d)
@@ -242,23 +247,6 @@ class _SpectralBlock(torch.nn.Module):
 
     def forward(self, x):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class _SpectralModel(torch.nn.Module):
-    """Blocks with a spectral-normed layer: its power iteration updates the buffers ``_u``/``_v``
-    in place in forward, and assigns ``_u`` back to the module (``self._u = F.normalize(...,
-    out=self._u)``)."""
-
-    def __init__(self, vocab=256, d=64, n=3):
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
-        self.blocks = torch.nn.ModuleList(_SpectralBlock(d) for _ in range(n))
-
-    def forward(self, x, y):
-        h = self.emb(x)
-        for b in self.blocks:
-            h = b(h)
-        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
 
 def test_spectral_norm_under_an_automatic_plan():
@@ -270,7 +258,7 @@ def test_spectral_norm_under_an_automatic_plan():
     torch.manual_seed(0)
     data = [(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))) for _ in range(3)]
     options = {"compiler": "eager", "memory_budget": 700_000}
-    pair = parity(_SpectralModel(), options, habit=_xy_steps, data=data)
+    pair = parity(BlockStack(_SpectralBlock, vocab=256, d=64), options, habit=_xy_steps, data=data)
     pair.check()
     u = pair.mine.blocks[0].fc1.parametrizations.weight[0]._u
     assert not u.requires_grad
