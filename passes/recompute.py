@@ -81,9 +81,18 @@ def reads_of_written_inputs(gm: fx.GraphModule) -> set[fx.Node]:
                 continue
             if is_view_op(user.target):  # an alias of the input: its readers read the input
                 stack.append(user)
-            else:
+            elif not _only_updates(user):
                 reads.add(user)
     return reads
+
+
+def _only_updates(node: fx.Node) -> bool:
+    """A training-mode batch norm: it reads its running statistics only to compute their update
+    (written back by ``copy_``); its output does not depend on them, so it is recomputed exactly
+    (saving it kept every recomputed block's normalized activation)."""
+    return node.target is aten._native_batch_norm_legit_functional.default and bool(
+        node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+    )
 
 
 def untag_blocks(gm: fx.GraphModule) -> None:
