@@ -81,10 +81,15 @@ def raised_past_dynamo(backend):
                 raise
             cls = type(e)
             if cls not in _PAST_DYNAMO:
-                body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+                body = {
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                    "__reduce__": _as_raised,  # pickled as the plain class (a worker's error)
+                }
                 _PAST_DYNAMO[cls] = type(cls.__name__, (cls, ShortenTraceback), body)
             err = Exception.__new__(_PAST_DYNAMO[cls], *e.args)
             err.__dict__.update(e.__dict__)
+            err.plain_state = dict(e.__dict__)  # what pickles (dynamo adds its own as it passes)
             err.first_useful_frame = sys._getframe()  # dynamo trims what is above it
             raise err.with_traceback(e.__traceback__) from e.__cause__
 
@@ -92,3 +97,14 @@ def raised_past_dynamo(backend):
 
 
 _PAST_DYNAMO: dict[type, type] = {}
+
+
+def _as_raised(err) -> tuple:
+    plain = next(c for c in type(err).__mro__ if c in _PAST_DYNAMO)
+    return (_rebuilt, (plain, err.args, err.plain_state))
+
+
+def _rebuilt(cls, args, state):
+    err = Exception.__new__(cls, *args)
+    err.__dict__.update(state)
+    return err

@@ -2,6 +2,8 @@
 frugal plan, searched, trained exactly like eager PyTorch, cached, and explained (summary, memory
 plot)."""
 
+import pickle
+
 import pytest
 import torch
 from models import build
@@ -98,6 +100,10 @@ def test_one_byte_budget_names_the_smallest_that_works_and_a_retry_under_it_trai
     with pytest.raises(NoPlanFits, match=r"the smallest budget that would work is \d+ bytes") as e:
         compiled(*data[0])
     assert isinstance(e.value, protrain_fx.ProtrainError) and e.value.min_device_bytes > 1
+    # a worker process can send it back: pickled as the plain class, its numbers kept
+    back = pickle.loads(pickle.dumps(e.value))
+    assert type(back) is NoPlanFits and back.min_device_bytes == e.value.min_device_bytes
+    assert str(back) == str(e.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     r = compare_with_eager(
         model, data, dict(OPTS, memory_budget=e.value.min_device_bytes), give_optimizer=True

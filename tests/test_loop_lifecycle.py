@@ -287,3 +287,15 @@ def test_backward_ends_are_seen_after_a_backward_that_raised_in_a_hook():
     loss = hf_loss_no_cache(call, data[2][0]) + 1e-3 * w.pow(2).sum()
     with pytest.raises(ProtrainError, match="received gradients both"):
         loss.backward()
+
+
+def test_empty_outputs_are_not_taken_for_an_empty_input():
+    """The redoable call hands back an input without a gradient that the graph returns as itself
+    (matched by storage, offset, shape, strides, dtype); every empty tensor sits at address 0, so
+    an empty output was matched with any empty input and lost its gradient."""
+    from protrain_fx.runtime.step_redo import _alias_key
+
+    plain, out = torch.empty(0), torch.zeros(0, requires_grad=True) * 2
+    assert _alias_key(plain) != _alias_key(out)
+    buffer = torch.ones(3)
+    assert _alias_key(buffer) == _alias_key(buffer.detach())

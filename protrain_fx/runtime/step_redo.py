@@ -153,8 +153,7 @@ class RedoableCall(torch.autograd.Function):
                 "were freed by the last backward): pass retain_graph=True to the first one"
             )
         refuse_create_graph()
-        names = {gi.index: gi.fqn or gi.node_name for gi in ctx.graph._graph_inputs}
-        call.inputs = parameters_asked_for(ctx, call.args, names)
+        call.inputs = parameters_asked_for(ctx, call.args, ctx.graph)
         # the user's backward ends after this inner one: gradients that code outside the graph
         # adds to an offloaded parameter are checked then (chunk_grads), as with a fixed plan
         from protrain_fx.runtime import chunk_grads  # (it imports this module)
@@ -183,13 +182,14 @@ def redoable_call(graph, args) -> tuple:
 
 
 def _alias_key(t: torch.Tensor) -> tuple:
-    if t.device.type == "meta" or t.is_sparse:
+    if t.device.type == "meta" or t.is_sparse or t.numel() == 0:  # (every empty one is at 0)
         return (id(t),)
     return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
-def parameters_asked_for(node, args, names: dict) -> list | None:
-    """The parameters among ``args`` (the inputs of the autograd ``node`` running now) whose
+def parameters_asked_for(node, args, graph) -> list | None:
+    """The parameters among ``args`` (the inputs of the autograd ``node`` running now, a call of
+    ``graph``) whose
     gradients the user's backward accumulates: None for every one (``loss.backward()``), fewer
     under ``backward(inputs=[...])``. ``torch.autograd.grad`` asking for one is refused, as with a
     fixed plan (runtime/param_hooks.py)."""
@@ -201,6 +201,7 @@ def parameters_asked_for(node, args, names: dict) -> list | None:
         try:
             run = torch._C._will_engine_execute_node(fn)
         except RuntimeError:  # captured: torch.autograd.grad was asked for it
+            names = {gi.index: gi.fqn or gi.node_name for gi in graph._graph_inputs}
             raise ProtrainError(
                 f"protrain: torch.autograd.grad was asked for the gradient of "
                 f"{names.get(i, f'input {i}')!r}, a parameter of a protrain-compiled graph, whose "
@@ -231,10 +232,17 @@ def refuse_create_graph() -> None:
 def refused_at_create_graph(outputs) -> None:
     """A training call's ``outputs``: a backward from them with ``create_graph=True`` raises
     (:func:`refuse_create_graph`) before the compiled backward runs."""
-    for o in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
-        if isinstance(o, torch.Tensor) and o.grad_fn is not None:
-            o.grad_fn.register_prehook(lambda grads: refuse_create_graph())
-            return
+    nodes = {
+        id(o.grad_fn): o.grad_fn
+        for o in (outputs if isinstance(outputs, (list, tuple)) else (outputs,))
+        if isinstance(o, torch.Tensor) and o.grad_fn is not None
+    }
+    for node in nodes.values():  # every one: an output aot_autograd views anew has its own
+        node.register_prehook(_refuse_at_create_graph)
+
+
+def _refuse_at_create_graph(grads) -> None:
+    refuse_create_graph()
 
 
 def keep_graph() -> bool:
